@@ -1,0 +1,359 @@
+"""The schedule IR: what every device does, in order, and which weights it reads.
+
+A :class:`Schedule` is, for each device, the ordered tuple of :class:`Action` s
+that device executes. The same object feeds the SimPy engine, the
+single-process emulator and the distributed runtime, so everything a strategy
+means lives here as data:
+
+* every forward/backward names the weight **version** it reads (and, for
+  prediction strategies, the prediction **distance**), so stashing, double
+  buffering and prediction are visible in the schedule rather than hidden in
+  an executor;
+* an ``UPDATE`` names the version it produces;
+* micro-batch ids are global across iterations, so asynchronous schedules run
+  many iterations without a flush (iteration ``t`` owns micro-batches
+  ``t*m .. t*m+m-1``);
+* ``replica`` distinguishes parallel pipelines (width x depth, AvgPipe, data
+  parallelism).
+
+Execution model, shared by every executor
+-----------------------------------------
+Each device walks its tuple in order. Compute actions (F, B, I, W, UPDATE,
+PREDICT, AVERAGE) run on the device's compute stream and block the walk until
+they finish. Communication actions never block the walk: ``SEND_*`` is issued
+and completes once its data exists and the matching ``RECV_*`` has been
+posted; ``RECV_*`` is posted when reached and completes when the data has
+arrived. ``REDUCE_GRAD`` (gradient all-reduce across replicas) is posted like a
+receive and runs on a collective stream once every replica has posted it; the
+next ``UPDATE`` of that stage waits for it. A compute action waits for the
+data it consumes (a receive, or a producer on the same device).
+
+Spelling
+--------
+Actions that torch.distributed.pipelining has are spelled as torch spells
+them (``0F1``, ``2B0``, ``1I3``, ``1W3``, ``0SEND_F1``, ``1RECV_B2``,
+``0REDUCE_GRAD``); torch's own parser reads the leading part of every
+pipesim spelling. pipesim adds::
+
+    [r<replica>.]<stage><TYPE>[<microbatch>][@v<version>][+p<distance>]
+
+e.g. ``r1.2F7@v3`` (replica 1, stage 2, forward of micro-batch 7 reading
+version 3), ``0F5@v2+p3`` (forward on weights predicted 3 updates ahead of
+version 2), ``1UPDATE@v4`` (stage 1's optimizer step producing version 4),
+``1PREDICT@v2+p3`` and ``0AVERAGE``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed, inconsistent or would deadlock."""
+
+
+class Op(str, Enum):
+    """Action types. Values are the spelling used in action strings."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # full backward: input and weight gradients together
+    BACKWARD_INPUT = "I"  # zero-bubble split: gradient w.r.t. the input
+    BACKWARD_WEIGHT = "W"  # zero-bubble split: gradient w.r.t. the weights
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"  # gradient all-reduce across replicas
+    UPDATE = "UPDATE"  # optimizer step; pipesim only
+    PREDICT = "PREDICT"  # weight prediction (SpecTrain); pipesim only
+    AVERAGE = "AVERAGE"  # elastic averaging of replicas (AvgPipe); pipesim only
+
+    def __str__(self) -> str:
+        return self.value
+
+
+F = Op.FORWARD
+B = Op.BACKWARD
+I = Op.BACKWARD_INPUT  # noqa: E741 - the name torch and the papers use
+W = Op.BACKWARD_WEIGHT
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+REDUCE_GRAD, UPDATE, PREDICT, AVERAGE = Op.REDUCE_GRAD, Op.UPDATE, Op.PREDICT, Op.AVERAGE
+
+#: Passes over a micro-batch. These read a weight version.
+PASS_OPS = frozenset({F, B, I, W})
+#: Everything that occupies the compute stream and blocks the device's walk.
+COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT, AVERAGE})
+#: Point-to-point communication, added by :func:`pipesim.sim.lowering.lower`.
+P2P_OPS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
+#: Types torch.distributed.pipelining knows; the rest are pipesim's own.
+TORCH_OPS = frozenset({F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD})
+#: Ops that carry a micro-batch id.
+MICROBATCH_OPS = PASS_OPS | P2P_OPS
+
+
+class Action(NamedTuple):
+    """One step of one device's program.
+
+    ``version`` is the weight version a pass reads, or the version an UPDATE
+    produces, or the version a PREDICT starts from. ``distance`` is the
+    prediction distance s: a pass with ``distance > 0`` computes on the
+    weights a PREDICT with the same (version, distance) materialised, whose
+    effective version is ``version + distance``.
+    """
+
+    op: Op
+    stage: int
+    microbatch: int | None = None
+    version: int | None = None
+    distance: int = 0
+    replica: int = 0
+
+    def __str__(self) -> str:
+        return format_action(self)
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+    @property
+    def key(self) -> tuple[int, int, int | None]:
+        """(replica, stage, microbatch): what identifies a pass's data."""
+        return (self.replica, self.stage, self.microbatch)
+
+
+_ACTION_RE = re.compile(
+    r"^(?:r(?P<replica>\d+)\.)?(?P<stage>\d+)"
+    r"(?P<op>SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UPDATE|PREDICT|AVERAGE|F|B|I|W)"
+    r"(?P<mb>\d+)?(?:@v(?P<version>\d+))?(?:\+p(?P<distance>\d+))?$"
+)
+
+
+def format_action(a: Action, *, torch_only: bool = False) -> str:
+    """Spell an action. ``torch_only`` drops what torch cannot read."""
+    s = f"{a.stage}{a.op.value}"
+    if a.microbatch is not None:
+        s += str(a.microbatch)
+    if torch_only:
+        return s
+    if a.replica:
+        s = f"r{a.replica}.{s}"
+    if a.version is not None:
+        s += f"@v{a.version}"
+    if a.distance:
+        s += f"+p{a.distance}"
+    return s
+
+
+def parse_action(text: str) -> Action:
+    """Parse one action string (pipesim or torch spelling)."""
+    m = _ACTION_RE.match(text.strip())
+    if not m:
+        raise ScheduleError(
+            f"cannot parse action {text.strip()!r}: expected e.g. 0F1, 2B0, 1SEND_F3, 0UPDATE@v1"
+        )
+    op = Op(m["op"])
+    mb = int(m["mb"]) if m["mb"] is not None else None
+    if op in MICROBATCH_OPS and mb is None:
+        raise ScheduleError(f"action {text.strip()!r} needs a micro-batch id")
+    if op not in MICROBATCH_OPS and op is not PREDICT and mb is not None:
+        raise ScheduleError(f"action {text.strip()!r} takes no micro-batch id")
+    return Action(
+        op=op,
+        stage=int(m["stage"]),
+        microbatch=mb,
+        version=int(m["version"]) if m["version"] is not None else None,
+        distance=int(m["distance"]) if m["distance"] is not None else 0,
+        replica=int(m["replica"]) if m["replica"] is not None else 0,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Per-device programs plus the sizes they were built for.
+
+    ``num_stages`` is the pipeline depth of one replica, counted in model
+    stages (``chunks * devices-per-pipeline`` for interleaved schedules).
+    ``num_microbatches`` is m, micro-batches per iteration per replica;
+    micro-batch ids run over ``range(num_microbatches * num_iterations)``.
+    ``options`` records strategy parameters (SpecTrain distances, AvgPipe's
+    alpha and tau, ...) so the result of a simulation is self-describing.
+    """
+
+    strategy: str
+    num_stages: int
+    num_microbatches: int
+    programs: tuple[tuple[Action, ...], ...]
+    num_iterations: int = 1
+    num_replicas: int = 1
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "programs", tuple(tuple(p) for p in self.programs))
+        object.__setattr__(self, "options", dict(self.options))
+        for name in ("num_stages", "num_microbatches", "num_iterations", "num_replicas"):
+            if getattr(self, name) < 1:
+                raise ScheduleError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.programs:
+            raise ScheduleError("a schedule needs at least one device")
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.programs)
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batch ids per replica across all iterations."""
+        return self.num_microbatches * self.num_iterations
+
+    def placement(self) -> dict[tuple[int, int], int]:
+        """(replica, stage) -> device, read off the compute actions."""
+        where: dict[tuple[int, int], int] = {}
+        for dev, prog in enumerate(self.programs):
+            for a in prog:
+                if a.op in COMPUTE_OPS:
+                    prev = where.setdefault((a.replica, a.stage), dev)
+                    if prev != dev:
+                        raise ScheduleError(
+                            f"replica {a.replica} stage {a.stage} has actions on devices "
+                            f"{prev} and {dev} ({format_action(a)}); a stage lives on one device"
+                        )
+        return where
+
+    def actions(self) -> Iterator[tuple[int, int, Action]]:
+        """(device, position, action) over every program."""
+        for dev, prog in enumerate(self.programs):
+            for pos, a in enumerate(prog):
+                yield dev, pos, a
+
+    def compute_only(self) -> Schedule:
+        """The same schedule with communication actions removed."""
+        return self.with_programs(
+            tuple(a for a in prog if a.op not in P2P_OPS) for prog in self.programs
+        )
+
+    def with_programs(self, programs: Iterable[Iterable[Action]]) -> Schedule:
+        return Schedule(
+            strategy=self.strategy,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            programs=tuple(tuple(p) for p in programs),
+            num_iterations=self.num_iterations,
+            num_replicas=self.num_replicas,
+            options=self.options,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return (
+            self.strategy,
+            self.num_stages,
+            self.num_microbatches,
+            self.num_iterations,
+            self.num_replicas,
+            self.programs,
+        ) == (
+            other.strategy,
+            other.num_stages,
+            other.num_microbatches,
+            other.num_iterations,
+            other.num_replicas,
+            other.programs,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------
+# Dependencies
+# --------------------------------------------------------------------------
+
+
+def pass_inputs(a: Action, num_stages: int, split_backward: bool) -> tuple[Action, ...]:
+    """The passes on *other* stages whose outputs ``a`` consumes.
+
+    A forward consumes the previous stage's forward output; a backward (or
+    input-gradient pass) consumes the next stage's input gradient, produced
+    by its B or I. ``split_backward`` tells whether the next stage splits its
+    backward into I and W. Same-stage order (F before B, I before W) is
+    enforced through program order, not listed here.
+    """
+    if a.op is F:
+        return () if a.stage == 0 else (Action(F, a.stage - 1, a.microbatch, replica=a.replica),)
+    if a.op in (B, I):
+        if a.stage == num_stages - 1:
+            return ()
+        op = I if split_backward else B
+        return (Action(op, a.stage + 1, a.microbatch, replica=a.replica),)
+    return ()
+
+
+def strip_version(a: Action) -> Action:
+    """The action with version and distance dropped, used as a lookup key."""
+    return Action(a.op, a.stage, a.microbatch, replica=a.replica)
+
+
+# --------------------------------------------------------------------------
+# CSV interchange
+# --------------------------------------------------------------------------
+
+
+def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
+    """One row per device, one action per cell, like torch's ``_dump_csv``.
+
+    With ``torch_only`` the pipesim-only actions (UPDATE, PREDICT, AVERAGE)
+    are dropped and versions are not written, so torch's ``_load_csv`` reads
+    the result; replicas other than 0 cannot be expressed there.
+    """
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for prog in schedule.programs:
+        row = []
+        for a in prog:
+            if torch_only:
+                if a.op not in TORCH_OPS:
+                    continue
+                if a.replica:
+                    raise ScheduleError(
+                        f"{format_action(a)}: torch's CSV has no replicas; export replica 0 only"
+                    )
+            row.append(format_action(a, torch_only=torch_only))
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def parse_csv(text: str) -> list[list[Action]]:
+    """Per-device action lists from a CSV; empty cells (idle slots) are skipped.
+
+    torch's UNSHARD/RESHARD (FSDP) are rejected with a clear message: pipesim
+    does not model sharded weights.
+    """
+    programs: list[list[Action]] = []
+    for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+        prog = []
+        for cell in row:
+            cell = cell.strip()
+            if not cell:
+                continue
+            if "UNSHARD" in cell or "RESHARD" in cell:
+                raise ScheduleError(f"row {lineno}: {cell!r}: FSDP (un)shard actions are not modelled")
+            try:
+                prog.append(parse_action(cell))
+            except ScheduleError as e:
+                raise ScheduleError(f"row {lineno}: {e}") from None
+        programs.append(prog)
+    while programs and not programs[-1]:
+        programs.pop()
+    if not programs:
+        raise ScheduleError("the schedule CSV holds no actions")
+    return programs
+
+
+def count_ops(programs: Sequence[Sequence[Action]], ops: frozenset[Op] = COMPUTE_OPS) -> int:
+    return sum(1 for prog in programs for a in prog if a.op in ops)
