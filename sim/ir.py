@@ -19,14 +19,17 @@ means lives here as data:
 Execution model, shared by every executor
 -----------------------------------------
 Each device walks its tuple in order. Compute actions (F, B, I, W, UPDATE,
-PREDICT, AVERAGE) run on the device's compute stream and block the walk until
-they finish. Communication actions never block the walk: ``SEND_*`` is issued
+PREDICT) run on the device's compute stream and block the walk until they
+finish. Communication actions never block the walk: ``SEND_*`` is issued
 and completes once its data exists and the matching ``RECV_*`` has been
 posted; ``RECV_*`` is posted when reached and completes when the data has
-arrived. ``REDUCE_GRAD`` (gradient all-reduce across replicas) is posted like a
-receive and runs on a collective stream once every replica has posted it; the
-next ``UPDATE`` of that stage waits for it. A compute action waits for the
-data it consumes (a receive, or a producer on the same device).
+arrived. ``REDUCE_GRAD`` (gradient all-reduce across replicas) and ``AVERAGE``
+(elastic averaging of the replicas with their centre) are collectives: posted
+like a receive, they run on the collective stream once every replica of the
+stage has posted them (replicas may share a device). The next ``UPDATE`` of
+that (replica, stage) waits for its ``REDUCE_GRAD``; the next compute action
+of that (replica, stage) waits for its ``AVERAGE``. A compute action waits
+for the data it consumes (a receive, or a producer on the same device).
 
 Spelling
 --------
@@ -88,7 +91,10 @@ REDUCE_GRAD, UPDATE, PREDICT, AVERAGE = Op.REDUCE_GRAD, Op.UPDATE, Op.PREDICT, O
 #: Passes over a micro-batch. These read a weight version.
 PASS_OPS = frozenset({F, B, I, W})
 #: Everything that occupies the compute stream and blocks the device's walk.
-COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT, AVERAGE})
+COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT})
+#: Collectives across the replicas of a stage: posted without blocking, run
+#: once every replica has posted them.
+COLLECTIVE_OPS = frozenset({REDUCE_GRAD, AVERAGE})
 #: Point-to-point communication, added by :func:`pipesim.sim.lowering.lower`.
 P2P_OPS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
 #: Types torch.distributed.pipelining knows; the rest are pipesim's own.
@@ -216,7 +222,7 @@ class Schedule:
         where: dict[tuple[int, int], int] = {}
         for dev, prog in enumerate(self.programs):
             for a in prog:
-                if a.op in COMPUTE_OPS:
+                if a.op in COMPUTE_OPS or a.op in COLLECTIVE_OPS:
                     prev = where.setdefault((a.replica, a.stage), dev)
                     if prev != dev:
                         raise ScheduleError(
