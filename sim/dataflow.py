@@ -18,8 +18,6 @@ model documented in :mod:`pipesim.sim.ir`.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
-
 from pipesim.sim.ir import (
     AVERAGE,
     COLLECTIVE_OPS,
@@ -36,22 +34,29 @@ from pipesim.sim.ir import (
     B,
     F,
     I,
+    Op,
     Schedule,
+    format_action,
 )
 
 SEND_FOR = {F: SEND_F, B: SEND_B, I: SEND_B}
 
 
-class Step(NamedTuple):
-    """One action of a device program with its dataflow."""
+#: One action of a device program with its dataflow: ``(action, waits,
+#: token)``; ``waits`` are the tokens a compute action needs before it may
+#: start, ``token`` what the action makes available. A plain tuple, because
+#: the engine builds one per action and reads them in its hot loop.
+Step = tuple
 
-    action: Action
-    waits: tuple  # tokens a compute action needs before it may start
-    token: object  # what this action makes available (pass, transfer or collective)
+
+def pass_token(op, replica: int, stage: int, microbatch) -> tuple:
+    """Token of a pass's completion."""
+    return (op, replica, stage, microbatch)
 
 
-def bare(a: Action) -> Action:
-    return Action(a.op, a.stage, a.microbatch, replica=a.replica)
+def bare(a: Action) -> tuple:
+    """Token of pass ``a``'s completion (version and distance dropped)."""
+    return (a.op, a.replica, a.stage, a.microbatch)
 
 
 def split_stages(schedule: Schedule) -> set[tuple[int, int]]:
@@ -59,18 +64,30 @@ def split_stages(schedule: Schedule) -> set[tuple[int, int]]:
     return {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
 
 
-def producer_of(a: Action, num_stages: int, split: set[tuple[int, int]]) -> Action | None:
-    """The pass on a neighbouring stage whose output the pass ``a`` consumes."""
+def producer_of(a: Action, num_stages: int, split: set[tuple[int, int]]) -> tuple | None:
+    """Token of the pass on a neighbouring stage whose output pass ``a`` consumes."""
     if a.op is F:
         if a.stage == 0:
             return None
-        return Action(F, a.stage - 1, a.microbatch, replica=a.replica)
-    if a.op in (B, I):
+        return (F, a.replica, a.stage - 1, a.microbatch)
+    if a.op is B or a.op is I:
         if a.stage == num_stages - 1:
             return None
         nxt = (a.replica, a.stage + 1)
-        return Action(I if nxt in split else B, a.stage + 1, a.microbatch, replica=a.replica)
+        return (I if nxt in split else B, a.replica, a.stage + 1, a.microbatch)
     return None
+
+
+def token_name(token) -> str:
+    """Readable name of a token for error messages."""
+    if len(token) == 4 and isinstance(token[0], Op):
+        op, rep, stage, mb = token
+        return format_action(Action(op, stage, mb, replica=rep))
+    if token[0] in ("F", "B"):
+        kind, rep, src, mb = token
+        return format_action(Action(SEND_F if kind == "F" else SEND_B, src, mb, replica=rep))
+    op, stage, rnd = token
+    return f"{op} of stage {stage} (round {rnd}) on every replica"
 
 
 def consumer_stage(a: Action) -> int:
@@ -95,7 +112,7 @@ def steps(schedule: Schedule) -> list[list[Step]]:
     p = schedule.num_stages
     split = split_stages(schedule)
     received = {
-        transfer_key(a) for prog in schedule.programs for a in prog if a.op in (RECV_F, RECV_B)
+        transfer_key(a) for prog in schedule.programs for a in prog if a.op is RECV_F or a.op is RECV_B
     }
     rounds: dict[tuple, int] = defaultdict(int)
     out = []
@@ -107,11 +124,12 @@ def steps(schedule: Schedule) -> list[list[Step]]:
             waits: tuple = ()
             token: object = None
             if op in PASS_OPS:
-                token = bare(a)
+                token = (op, a.replica, a.stage, a.microbatch)
                 prod = producer_of(a, p, split)
                 if prod is not None:
-                    recv_op = RECV_F if op is F else RECV_B
-                    key = transfer_key(Action(recv_op, a.stage, a.microbatch, replica=a.replica))
+                    # data from a neighbour: through a receive if lowered
+                    key = (("F", a.replica, a.stage - 1, a.microbatch) if op is F
+                           else ("B", a.replica, a.stage + 1, a.microbatch))
                     waits = (key,) if key in received else (prod,)
             elif op in P2P_OPS:
                 token = transfer_key(a)
@@ -128,6 +146,6 @@ def steps(schedule: Schedule) -> list[list[Step]]:
                     red = last_coll.pop((REDUCE_GRAD, a.replica, a.stage), None)
                     if red is not None:
                         waits += (red,)
-            dev_steps.append(Step(a, waits, token))
+            dev_steps.append((a, waits, token))
         out.append(dev_steps)
     return out

@@ -80,6 +80,11 @@ class Op(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Enum's default __hash__ runs in Python; ops are hashed in every token
+    # and set lookup of the hot loops, so use str's C hash (equal members
+    # are equal strings, so hashing stays consistent with equality).
+    __hash__ = str.__hash__
+
 
 F = Op.FORWARD
 B = Op.BACKWARD

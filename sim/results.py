@@ -28,9 +28,12 @@ MEMORY_CATEGORIES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Span:
     """One action executed on one stream of one device, in seconds.
+
+    Treat spans as immutable. (Not ``frozen``: a frozen dataclass costs six
+    times as much to build, and the engine builds one per action.)
 
     ``flow`` pairs a send with its receive (same id on both spans) so trace
     viewers can draw an arrow; ``peer`` is the other device of a transfer.

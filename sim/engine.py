@@ -1,0 +1,365 @@
+"""The SimPy engine: run a lowered schedule on a model of devices and links.
+
+One SimPy process per device walks its program. Compute actions hold the
+device's compute stream for their modelled duration; sends, receives and
+collectives run beside it, so communication overlaps computation as it does on
+a GPU with separate streams. Links are SimPy resources: transfers whose routes
+share a link (one PCIe host bridge, a node's NIC) queue for it in request
+order, which is SimPy's deterministic FIFO tie-break.
+
+The engine only produces timed :class:`~pipesim.sim.results.Span` s. Memory,
+weight versions and staleness are derived from the spans and the schedule by
+:mod:`pipesim.sim.trackers`, so a measured timeline from real devices goes
+through exactly the same accounting.
+
+Speed matters (the target is 131k compute actions in well under two seconds),
+so the hot loop is lean: dependencies are precomputed tokens
+(:mod:`pipesim.sim.dataflow`), satisfied tokens are skipped without yielding,
+and transfers over free links complete without a process of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import simpy
+
+from pipesim.sim.checks import describe_wait_cycle, validate
+from pipesim.sim.dataflow import steps
+from pipesim.sim.ir import (
+    AVERAGE,
+    COLLECTIVE_OPS,
+    COMPUTE_OPS,
+    P2P_OPS,
+    PASS_OPS,
+    PREDICT,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    UPDATE,
+    Action,
+    B,
+    F,
+    I,
+    Schedule,
+    ScheduleError,
+    W,
+)
+from pipesim.sim.lowering import lower
+from pipesim.sim.results import SimResult, Span
+
+if TYPE_CHECKING:
+    from pipesim.sim.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long each action takes, from stage costs and the device model.
+
+    Optimizer steps, weight prediction and elastic averaging are memory-bound
+    element-wise kernels (see :mod:`pipesim.kernels`), so they cost the bytes
+    they must read and write divided by the device's memory bandwidth:
+
+    * SGD with momentum update: read W, g, v; write W, v: 5 |W|.
+      Adam: read W, g, m, v; write W, m, v: 7 |W|.
+    * prediction: read W and the momentum (Adam: both moments); write the
+      predicted copy: 3 |W| (Adam 4 |W|).
+    * elastic averaging of n local replicas: read each replica and the centre,
+      write each replica, then write the centre: (3n + 1) |W|.
+    """
+
+    stage_costs: tuple
+    mem_bandwidth: float
+    optimizer: str = "sgd"
+
+    def compute(self, a: Action) -> float:
+        c = self.stage_costs[a.stage]
+        op = a.op
+        if op is F:
+            return c.forward_s
+        if op is B:
+            return c.backward_s
+        if op is I:
+            return c.backward_input_s
+        if op is W:
+            return c.backward_weight_s
+        factor = {UPDATE: 5 if self.optimizer == "sgd" else 7,
+                  PREDICT: 3 if self.optimizer == "sgd" else 4}[op]
+        return self._membound(factor * c.param_bytes)
+
+    def averaging(self, stage: int, local_replicas: int) -> float:
+        return self._membound((3 * local_replicas + 1) * self.stage_costs[stage].param_bytes)
+
+    def _membound(self, nbytes: float) -> float:
+        if not nbytes or math.isinf(self.mem_bandwidth):
+            return 0.0
+        return nbytes / self.mem_bandwidth
+
+    def transfer_bytes(self, a: Action) -> int:
+        """Bytes a SEND/RECV carries: the forward output or the input gradient."""
+        if a.op in (SEND_F, RECV_F):
+            src = a.stage if a.op is SEND_F else a.stage - 1
+            return self.stage_costs[src].activation_bytes
+        dst = a.stage - 1 if a.op is SEND_B else a.stage
+        return self.stage_costs[dst].activation_bytes
+
+
+class _Transfer:
+    """Book-keeping for one point-to-point transfer (send side or receive side first)."""
+
+    __slots__ = ("send", "recv", "src", "dst", "nbytes", "event", "flow")
+
+    def __init__(self) -> None:
+        self.send = self.recv = None
+        self.src = self.dst = -1
+        self.nbytes = 0
+        self.event = None
+        self.flow = None
+
+
+def simulate(
+    schedule: Schedule,
+    stage_costs,
+    hardware: Hardware,
+    *,
+    microbatch_size: int = 1,
+    optimizer: str = "sgd",
+    recv_lookahead: int = 1,
+    check: bool = True,
+    meta: dict | None = None,
+) -> SimResult:
+    """Execute ``schedule`` in simulated time and return its spans and trackers.
+
+    ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
+    model stage k (the same for every replica). The schedule is lowered
+    (sends/receives added) if it is not already, and validated first unless
+    ``check`` is false, so a broken or deadlocking schedule raises
+    :class:`~pipesim.sim.ir.ScheduleError` instead of hanging.
+    """
+    from pipesim.sim.trackers import track  # after the engine: derived accounting
+
+    if len(stage_costs) != schedule.num_stages:
+        raise ScheduleError(
+            f"the schedule has {schedule.num_stages} stages but {len(stage_costs)} stage costs were given"
+        )
+    hardware.check_devices(schedule.num_devices)
+    if check:
+        validate(schedule)  # compute order: cheap, and lowering keeps it deadlock-free
+    lowered = lower(schedule, recv_lookahead=recv_lookahead)
+    costs = CostModel(tuple(stage_costs), hardware.device.mem_bandwidth, optimizer)
+    run = _Run(lowered, costs, hardware)
+    run.execute()
+    result = SimResult(
+        schedule=lowered,
+        spans=run.spans,
+        memory=[],
+        versions=[],
+        max_versions_held={},
+        link_bytes=dict(sorted(run.link_bytes.items())),
+        microbatch_size=microbatch_size,
+        meta=dict(meta or {}),
+    )
+    track(result, stage_costs, hardware, optimizer=optimizer)
+    return result
+
+
+class _Run:
+    """State of one simulation: the environment, token events and spans."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel, hardware: Hardware) -> None:
+        self.schedule = schedule
+        self.costs = costs
+        self.hw = hardware
+        self.env = simpy.Environment()
+        self.programs = steps(schedule)
+        # Only tokens somebody waits for need an event; a pass whose output
+        # leaves the device is awaited through its transfer instead.
+        self.awaited = {t for prog in self.programs for _, waits, _ in prog for t in waits}
+        self.transfer_cost: dict[tuple, tuple] = {}
+        self.events: dict[object, simpy.Event] = {}
+        self.spans: list[Span] = []
+        self.link_bytes: dict[str, int] = defaultdict(int)
+        self.links: dict[str, simpy.Resource] = {}
+        self.transfers: dict[tuple, _Transfer] = {}
+        self.collectives: dict[tuple, list] = defaultdict(list)
+        self.placement = schedule.placement()
+        self.finished = [False] * schedule.num_devices
+        self.blocked: dict[int, tuple] = {}
+        self.next_flow = 0
+        # Devices hosting each stage's replicas, for collectives.
+        self.stage_devices: dict[int, list[int]] = defaultdict(list)
+        for (rep, stage), dev in sorted(self.placement.items()):
+            self.stage_devices[stage].append(dev)
+
+    # -- tokens -----------------------------------------------------------
+    def event(self, token) -> simpy.Event:
+        ev = self.events.get(token)
+        if ev is None:
+            ev = self.events[token] = self.env.event()
+        return ev
+
+    def fire(self, token) -> None:
+        ev = self.events.get(token)
+        if ev is None:
+            ev = self.events[token] = self.env.event()
+        if not ev.triggered:
+            ev.succeed()
+
+    # -- main -------------------------------------------------------------
+    def execute(self) -> None:
+        for dev in range(self.schedule.num_devices):
+            self.env.process(self.walk(dev))
+        self.env.run()
+        if not all(self.finished):
+            # Only reachable with check=False: validate() catches this first.
+            stuck = [d for d, ok in enumerate(self.finished) if not ok]
+            where = {t: d for d, prog in enumerate(self.programs) for a, _, t in prog
+                     if a.op in PASS_OPS or a.op is SEND_F or a.op is SEND_B}
+            raise ScheduleError("simulation deadlocked: " + describe_wait_cycle(stuck, self.blocked, where))
+
+    def walk(self, dev: int):
+        env = self.env
+        spans = self.spans
+        events = self.events
+        compute_cost = self.costs.compute
+        awaited = self.awaited
+        cache: dict[tuple, float] = {}
+        for a, waits, token in self.programs[dev]:
+            op = a.op
+            if op in COMPUTE_OPS:
+                for need in waits:
+                    ev = events.get(need)
+                    if ev is None:
+                        ev = events[need] = env.event()
+                    if not ev.triggered:
+                        self.blocked[dev] = (a, need)
+                        yield ev
+                key = (op, a.stage)
+                dur = cache.get(key)
+                if dur is None:
+                    dur = cache[key] = compute_cost(a)
+                start = env.now
+                if dur:
+                    yield env.timeout(dur)
+                spans.append(Span(dev, "compute", a, start, env.now))
+                if token in awaited:
+                    ev = events.get(token)
+                    if ev is None:
+                        events[token] = ev = env.event()
+                    ev.succeed()
+            elif op in P2P_OPS:
+                self.post_transfer(dev, a, token)
+            elif op in COLLECTIVE_OPS:
+                self.post_collective(dev, a, token)
+        self.blocked.pop(dev, None)
+        self.finished[dev] = True
+
+    # -- point-to-point ---------------------------------------------------
+    def post_transfer(self, dev: int, a: Action, token) -> None:
+        tr = self.transfers.get(token)
+        if tr is None:
+            tr = self.transfers[token] = _Transfer()
+        if a.op in (SEND_F, SEND_B):
+            tr.send, tr.src = a, dev
+        else:
+            tr.recv, tr.dst = a, dev
+        if tr.send is None or tr.recv is None:
+            return
+        del self.transfers[token]
+        tr.nbytes = nbytes = self.costs.transfer_bytes(tr.send)
+        tr.flow = self.next_flow
+        self.next_flow += 1
+        key = (tr.src, tr.dst, nbytes)
+        cost = self.transfer_cost.get(key)
+        if cost is None:
+            route = self.hw.route(tr.src, tr.dst)
+            cost = self.transfer_cost[key] = (route, self.hw.transfer_time(tr.src, tr.dst, nbytes))
+        route, duration = cost
+        if nbytes:
+            for link in route:
+                self.link_bytes[link.name] += nbytes
+        if duration == 0.0:
+            self.record_transfer(tr, self.env.now, self.env.now)
+            self.fire(token)
+        else:
+            self.env.process(self.move(tr, route, duration, token))
+
+    def move(self, tr: _Transfer, route, duration: float, token):
+        start = yield from self.occupy(route, duration)
+        self.record_transfer(tr, start, self.env.now)
+        self.fire(token)
+
+    def occupy(self, route, duration: float):
+        """Hold every link of ``route`` for ``duration``; return the start time.
+
+        Links are requested in name order, so two transfers never each hold a
+        link the other waits for."""
+        requests = []
+        for link in sorted(route, key=lambda lk: lk.name):
+            res = self.links.get(link.name)
+            if res is None:
+                res = self.links[link.name] = simpy.Resource(self.env, capacity=1)
+            req = res.request()
+            requests.append((res, req))
+            yield req
+        start = self.env.now
+        yield self.env.timeout(duration)
+        for res, req in requests:
+            res.release(req)
+        return start
+
+    def record_transfer(self, tr: _Transfer, start: float, end: float) -> None:
+        self.spans.append(Span(tr.src, "send", tr.send, start, end, peer=tr.dst, flow=tr.flow, nbytes=tr.nbytes))
+        self.spans.append(Span(tr.dst, "recv", tr.recv, start, end, peer=tr.src, flow=tr.flow, nbytes=tr.nbytes))
+
+    # -- collectives ------------------------------------------------------
+    def post_collective(self, dev: int, a: Action, token) -> None:
+        posted = self.collectives[token]
+        posted.append((dev, a))
+        if len(posted) == self.schedule.num_replicas:
+            del self.collectives[token]
+            self.env.process(self.collective(posted, token))
+
+    def collective(self, posted: list, token):
+        """Ring all-reduce of the stage's gradients (REDUCE_GRAD) or of its
+        weights followed by the local averaging kernel (AVERAGE), over the
+        distinct devices holding the replicas."""
+        op = posted[0][1].op
+        stage = posted[0][1].stage
+        devices = sorted({d for d, _ in posted})
+        nbytes = self.costs.stage_costs[stage].param_bytes
+        start = self.env.now
+        if len(devices) > 1:
+            yield from self.ring_allreduce(devices, nbytes)
+        if op is AVERAGE:
+            local = max(sum(1 for d, _ in posted if d == dev) for dev in devices)
+            dur = self.costs.averaging(stage, local)
+            if dur:
+                yield self.env.timeout(dur)
+        end = self.env.now
+        for dev in devices:
+            a = next(act for d, act in posted if d == dev)
+            self.spans.append(Span(dev, "collective", a, start, end, nbytes=nbytes if len(devices) > 1 else 0))
+        self.fire(token)
+
+    def ring_allreduce(self, devices: list[int], nbytes: int):
+        """2(n-1) steps; in each, every device sends 1/n of the buffer to its
+        ring neighbour, and the step lasts until the slowest transfer is done."""
+        n = len(devices)
+        chunk = math.ceil(nbytes / n)
+        for _ in range(2 * (n - 1)):
+            moves = []
+            for i, src in enumerate(devices):
+                dst = devices[(i + 1) % n]
+                route = self.hw.route(src, dst)
+                for link in route:
+                    self.link_bytes[link.name] += chunk
+                dur = self.hw.transfer_time(src, dst, chunk)
+                if dur:
+                    moves.append(self.env.process(self.occupy(route, dur)))
+            if moves:
+                yield self.env.all_of(moves)
+
