@@ -1,0 +1,330 @@
+"""The ``pipesim`` command line.
+
+Sub-commands:
+
+* ``simulate``: one strategy (or an imported schedule CSV) on a model and a
+  machine; prints a table, writes summary.json, trace.json, timeline.html;
+* ``compare``: several strategies on the same model and machine (the
+  default job: ``pipesim compare`` with no arguments);
+* ``schedule``: print a strategy's per-device order (torch CSV or pipesim CSV);
+* ``figure``: paper-style figures (``bubbles``).
+
+Bad input of any kind ends with one line on stderr and exit code 2: every
+library error is a ``ValueError`` subclass with a one-line message, and the
+argument parser is told to behave the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
+DEFAULT_COMPARE = (
+    "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw",
+    "spectrain", "avgpipe", "data-parallel",
+)
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -> None:
+    p.add_argument("--strategy", required=strategy_required, help="schedule to build (see `pipesim schedule --list`)")
+    p.add_argument("--stages", type=_positive, default=4, help="pipeline depth in devices per replica (data-parallel: devices)")
+    p.add_argument("--microbatches", type=_positive, default=None,
+                   help="micro-batches per iteration per replica, m (default 8; imported CSV: inferred)")
+    p.add_argument("--iterations", type=_positive, default=1, help="iterations K (asynchronous schedules run K*m micro-batches)")
+    p.add_argument("--width", type=_positive, default=None, help="parallel pipelines w (width x depth; AvgPipe's N_p)")
+    p.add_argument("--chunks", type=_positive, default=2, help="model chunks per device for interleaved-1f1b (v)")
+    p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
+    p.add_argument("--alpha", type=float, default=None, help="AvgPipe elastic averaging rate")
+    p.add_argument("--tau", type=_positive, default=None, help="AvgPipe: average every tau iterations")
+    p.add_argument("--advance", type=_nonnegative, default=None, help="AvgPipe: forwards issued ahead of 1F1B warm-up")
+    p.add_argument("--placement", choices=("shared", "disjoint"), default=None, help="AvgPipe replica placement")
+
+
+def _add_machine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help="catalog model (default uniform)")
+    g.add_argument("--profile", default=None, help="per-layer cost profile JSON (from `pipesim profile` or hand-written)")
+    p.add_argument("--hardware", default=None, help="preset name or JSON file (default ideal; compare: pcie-4gpu)")
+    p.add_argument("--microbatch-size", type=_positive, default=None, help="samples per micro-batch")
+    p.add_argument("--recv-lookahead", type=_nonnegative, default=1,
+                   help="post receives this many compute actions early (0 = right before use)")
+
+
+def _spec(args, strategy: str | None = None):
+    from pipesim.sim.strategies import ScheduleSpec
+
+    kw = {}
+    for name in ("alpha", "tau", "advance", "placement", "width"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kw[name] = value
+    return ScheduleSpec(
+        strategy=strategy or args.strategy,
+        stages=args.stages,
+        microbatches=args.microbatches or 8,
+        iterations=args.iterations,
+        chunks=args.chunks,
+        stashing=not args.no_stashing,
+        **kw,
+    )
+
+
+def _profile(args, hardware, schedule):
+    from pipesim.sim.api import model_for
+    from pipesim.sim.workload import load_profile
+
+    if args.profile:
+        from dataclasses import replace
+
+        prof = load_profile(args.profile)
+        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
+    per_stage = args.stages if schedule.num_stages == 1 and args.stages > 1 else 1
+    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, per_stage)
+
+
+def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True) -> dict:
+    from pipesim.sim.api import resolve_hardware, simulate_schedule
+    from pipesim.sim.metrics import summarize, write_summary
+    from pipesim.sim.strategies import build_schedule
+
+    hw = resolve_hardware(args.hardware or "ideal")
+    if getattr(args, "schedule", None):
+        from pipesim.sim.interchange import load_schedule_csv
+
+        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches)
+    else:
+        schedule = build_schedule(_spec(args, strategy))
+    profile = _profile(args, hw, schedule)
+    result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
+    summary = summarize(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_summary(summary, out / "summary.json")
+        if outputs:
+            from pipesim.experiments.timeline import write_timeline_html
+            from pipesim.sim.trace import write_trace
+
+            write_trace(result, out / "trace.json")
+            write_timeline_html(result, out / "timeline.html")
+    return summary
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            for r in rows]
+    return "\n".join(out)
+
+
+def _print_summary(s: dict) -> None:
+    print(f"{s['strategy']}: {s['stages']} stages on {s['devices_count']} devices, "
+          f"{s['microbatches']} micro-batches x {s['iterations']} iterations "
+          f"({s['meta'].get('model')} on {s['meta'].get('hardware')})")
+    print(f"iteration time {s['iteration_time_s'] * 1e3:.3f} ms, throughput "
+          f"{s['throughput_samples_per_s']:.1f} samples/s, bubble {s['bubble_fraction']:.3f}")
+    rows = []
+    for d in s["devices"]:
+        rows.append([str(d["id"]), f"{d['bubble_fraction']:.3f}", _fmt_bytes(d["peak_memory_bytes"]),
+                     _fmt_bytes(d["memory_breakdown"]["activations"]), "OOM" if d["out_of_memory"] else ""])
+    print(_table(rows, ["device", "bubble", "peak memory", "activations", ""]))
+    rows = []
+    for st in s["stages_info"]:
+        row = [str(st["stage"]), str(st["weight_versions"]), str(st["staleness_max"]), f"{st['staleness_mean']:.2f}"]
+        if "prediction_distance_fwd" in st:
+            row += [str(st["prediction_distance_fwd"]), str(st["prediction_distance_bwd"])]
+        rows.append(row)
+    header = ["stage", "versions", "staleness max", "staleness mean"]
+    if rows and len(rows[0]) > 4:
+        header += ["s_fwd", "s_bwd"]
+    print(_table(rows, header))
+
+
+def cmd_simulate(args) -> int:
+    if not args.strategy and not args.schedule:
+        raise UsageError("pipesim simulate: give --strategy NAME or --schedule FILE.csv")
+    out = Path(args.out)
+    started = time.perf_counter()
+    summary = _simulate_one(args, None, out, outputs=not args.summary_only)
+    if args.json:
+        from pipesim.sim.metrics import dumps
+
+        sys.stdout.write(dumps(summary))
+    else:
+        _print_summary(summary)
+        written = "summary.json" if args.summary_only else "summary.json, trace.json, timeline.html"
+        print(f"wrote {written} to {out} in {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from pipesim.sim.metrics import dumps
+
+    strategies = args.strategies.split(",") if args.strategies else list(DEFAULT_COMPARE)
+    out = Path(args.out)
+    rows, summaries = [], {}
+    base = None
+    for i, strategy in enumerate(strategies, 1):
+        print(f"[{i}/{len(strategies)}] simulating {strategy} ...", file=sys.stderr, flush=True)
+        s = _simulate_one(args, strategy, out / strategy, outputs=True)
+        summaries[strategy] = s
+        if base is None:
+            base = s["throughput_samples_per_s"]
+        rows.append([
+            strategy, str(s["devices_count"]), f"{s['iteration_time_s'] * 1e3:.2f}",
+            f"{s['throughput_samples_per_s']:.1f}", f"{s['throughput_samples_per_s'] / base:.2f}x",
+            f"{s['bubble_fraction']:.3f}", _fmt_bytes(s["peak_memory_bytes_max"]),
+            str(max(st["staleness_max"] for st in s["stages_info"])),
+            "yes" if s["out_of_memory"] else "",
+        ])
+    first = next(iter(summaries.values()))
+    print(f"{first['meta'].get('model')} on {first['meta'].get('hardware')}, "
+          f"{args.stages} stages, {args.microbatches or 8} micro-batches, {args.iterations} iteration(s)")
+    print(_table(rows, ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}",
+                        "bubble", "peak mem", "staleness", "OOM"]))
+    (out / "comparison.json").write_text(dumps({"strategies": summaries}))
+    print(f"wrote {out}/comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    from pipesim.sim.ir import to_csv
+    from pipesim.sim.strategies import build_schedule, strategy_names
+
+    if args.list:
+        print("\n".join(strategy_names()))
+        return 0
+    if not args.strategy:
+        raise UsageError("pipesim schedule: give --strategy NAME (or --list)")
+    if args.devices is not None:
+        if args.strategy == "interleaved-1f1b":
+            if args.stages % args.devices:
+                raise UsageError(f"pipesim schedule: {args.stages} stages do not split evenly over {args.devices} devices")
+            args.chunks, args.stages = args.stages // args.devices, args.devices
+        elif args.devices != args.stages * (args.width or 1) and args.strategy != "avgpipe":
+            raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
+                             f"{args.stages * (args.width or 1)} devices, not {args.devices}")
+    schedule = build_schedule(_spec(args))
+    if args.lowered:
+        from pipesim.sim.lowering import lower
+
+        schedule = lower(schedule)
+    if args.format == "torch-csv":
+        sys.stdout.write(to_csv(schedule, torch_only=True))
+    elif args.format == "csv":
+        sys.stdout.write(to_csv(schedule))
+    else:
+        for dev, prog in enumerate(schedule.programs):
+            print(f"device {dev}: " + " ".join(str(a) for a in prog))
+    return 0
+
+
+def cmd_figure(args) -> int:
+    from pipesim.experiments.figures import bubble_figure
+
+    path = bubble_figure(Path(args.out))
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipesim", description="Simulate, validate and plot pipeline-parallel training schedules.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("simulate", help="simulate one strategy or an imported schedule")
+    _add_schedule_args(p, strategy_required=False)
+    p.add_argument("--schedule", default=None, help="schedule CSV (torch or pipesim spelling) instead of --strategy")
+    _add_machine_args(p)
+    p.add_argument("--out", default="out/simulate", help="output folder")
+    p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
+    p.add_argument("--summary-only", action="store_true", help="write only summary.json (skip trace and timeline)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("compare", help="simulate several strategies on one model and machine")
+    _add_schedule_args(p, strategy_required=False)
+    p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    _add_machine_args(p)
+    p.add_argument("--out", default="out/compare", help="output folder")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("schedule", help="print a strategy's per-device order")
+    _add_schedule_args(p, strategy_required=False)
+    p.add_argument("--devices", type=_positive, default=None, help="devices (interleaved: stages/devices chunks)")
+    p.add_argument("--format", choices=("torch-csv", "csv", "text"), default="text")
+    p.add_argument("--lowered", action="store_true", help="include the sends and receives")
+    p.add_argument("--list", action="store_true", help="list strategy names")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("figure", help="paper-style figures")
+    p.add_argument("name", choices=("bubbles",))
+    p.add_argument("--out", default="out/figures")
+    p.set_defaults(func=cmd_figure)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:
+            args.model = COMPARE_MODEL
+            if args.hardware is None:
+                args.hardware = COMPARE_HARDWARE
+        return args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

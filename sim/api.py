@@ -1,0 +1,84 @@
+"""One call from "strategy, model, machine" to a simulated result.
+
+This is the seam every front end uses (the CLI, the figures, the validation
+harness): build the schedule, cost the model on the machine's device, split
+it into balanced stages, run the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.hardware import Hardware, load_hardware
+from pipesim.sim.ir import Schedule
+from pipesim.sim.models import model_profile
+from pipesim.sim.partition import partition
+from pipesim.sim.results import SimResult
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workload import Profile
+
+
+def resolve_hardware(hardware: str | Hardware) -> Hardware:
+    return hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+
+
+def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_size: int | None,
+              layers_per_stage: int = 1) -> Profile:
+    """The catalog model costed on ``hardware``'s device.
+
+    ``uniform`` gets one layer per pipeline stage of the widest pipeline the
+    comparison uses, so that each stage costs exactly F = 1 ms, B = 2 ms and
+    data parallelism holds the same total work on one device.
+    """
+    layers = None
+    if model == "uniform":
+        layers = schedule.num_stages * layers_per_stage
+    return model_profile(model, hardware.device, microbatch_size, layers=layers)
+
+
+def simulate_schedule(
+    schedule: Schedule,
+    profile: Profile,
+    hardware: str | Hardware,
+    *,
+    recv_lookahead: int = 1,
+    meta: dict | None = None,
+) -> SimResult:
+    """Partition ``profile`` over the schedule's stages and run the engine."""
+    hw = resolve_hardware(hardware)
+    hw.check_devices(schedule.num_devices)
+    stage_costs = partition(profile, schedule.num_stages, memory_limit_bytes=hw.device.memory_bytes)
+    info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
+    info.update(meta or {})
+    return run_engine(
+        schedule,
+        stage_costs,
+        hw,
+        microbatch_size=profile.microbatch_size,
+        optimizer=profile.optimizer,
+        recv_lookahead=recv_lookahead,
+        meta=info,
+    )
+
+
+def simulate(
+    spec: ScheduleSpec,
+    model: str = "uniform",
+    hardware: str | Hardware = "ideal",
+    *,
+    profile: Profile | None = None,
+    microbatch_size: int | None = None,
+    recv_lookahead: int = 1,
+) -> SimResult:
+    """Simulate strategy ``spec`` on a catalog ``model`` (or a ``profile``)."""
+    hw = resolve_hardware(hardware)
+    schedule = build_schedule(spec)
+    if profile is None:
+        # data parallelism keeps the whole model on one device: cost the
+        # same model the pipelines of this size would split
+        per_stage = spec.stages if schedule.num_stages == 1 and spec.stages > 1 else 1
+        profile = model_for(schedule, model, hw, microbatch_size, layers_per_stage=per_stage)
+    elif microbatch_size is not None:
+        profile = replace(profile, microbatch_size=microbatch_size)
+    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead)
