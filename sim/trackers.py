@@ -31,8 +31,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from pipesim.sim.dataflow import bare
 from pipesim.sim.ir import (
+    Action,
     AVERAGE,
     COMPUTE_OPS,
     PASS_OPS,
@@ -114,91 +114,102 @@ def track(result: SimResult, stage_costs, hardware, *, optimizer: str = "sgd") -
 
 
 def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, optimizer: str) -> list[MemoryTrack]:
+    """Per-device memory over time, built as one event array per device.
+
+    Events are gathered with list comprehensions and ordered with numpy,
+    because a large simulation has a few hundred thousand of them.
+    """
     schedule = result.schedule
     placement = schedule.placement()
     opt_mult = 2 if optimizer == "adam" else 1
-    t0 = min((s.start for s in result.spans), default=0.0)
-    per_dev: dict[int, list] = defaultdict(list)  # (time, delta, seq, category)
-    seq = 0
+    spans = result.spans
+    t0 = min((s.start for s in spans), default=0.0)
+    param = [c.param_bytes for c in stage_costs]
+    stash = [c.stash_bytes for c in stage_costs]
+    ev_dev: list[int] = []
+    ev_t: list[float] = []
+    ev_d: list[int] = []
+    ev_c: list[int] = []
 
-    def add(dev: int, t: float, cat: str, delta: int) -> None:
-        nonlocal seq
-        if delta:
-            per_dev[dev].append((t, delta, seq, _CAT[cat]))
-            seq += 1
+    def extend(devs, times, deltas, cat: str) -> None:
+        ev_dev.extend(devs)
+        ev_t.extend(times)
+        ev_d.extend(deltas)
+        ev_c.extend([_CAT[cat]] * (len(ev_dev) - len(ev_c)))
 
     predicting = {(a.replica, a.stage) for p in schedule.programs for a in p if a.op is PREDICT}
     averaging = {a.stage for p in schedule.programs for a in p if a.op is AVERAGE}
     for (rep, stage), dev in sorted(placement.items()):
-        w = stage_costs[stage].param_bytes
-        add(dev, t0, "weights", w)
-        add(dev, t0, "gradients", w)
-        add(dev, t0, "optimizer", opt_mult * w)
+        w = param[stage]
+        extend([dev], [t0], [w], "weights")
+        extend([dev], [t0], [w], "gradients")
+        extend([dev], [t0], [opt_mult * w], "optimizer")
         if (rep, stage) in predicting:
-            add(dev, t0, "prediction", w)
+            extend([dev], [t0], [w], "prediction")
         if rep == 0 and stage in averaging:
-            add(dev, t0, "averaging", w)
+            extend([dev], [t0], [w], "averaging")
 
     split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
-    compute_spans: dict[int, list] = defaultdict(list)
-    for s in result.spans:
-        if s.stream == "compute":
-            compute_spans[s.device].append(s)
-    consumer_start: dict[tuple, float] = {}
+    compute = [s for s in spans if s.stream == "compute"]
+    by_dev: dict[int, list] = defaultdict(list)
+    for s in compute:
+        by_dev[s.device].append(s)
     for dev, prog in enumerate(schedule.programs):
-        spans = compute_spans.get(dev, [])
-        compute_actions = [a for a in prog if a.op in COMPUTE_OPS]
-        if len(spans) != len(compute_actions):
-            raise ValueError(f"device {dev}: {len(spans)} compute spans for {len(compute_actions)} compute actions")
-        pos_to_span = {}
-        ci = 0
-        for pos, a in enumerate(prog):
-            if a.op in COMPUTE_OPS:
-                pos_to_span[pos] = spans[ci]
-                ci += 1
-        for pos, delta, (rep, stage) in changes.get(dev, ()):
-            add(dev, pos_to_span[pos].end, "weights", delta * stage_costs[stage].param_bytes)
-        for span in spans:
-            a = span.action
-            op = a.op
-            if op in PASS_OPS:
-                consumer_start[bare(a)] = span.start
-            stash = stage_costs[a.stage].stash_bytes
-            if op is F:
-                add(dev, span.start, "activations", stash)
-            elif (op is B and (a.replica, a.stage) not in split) or op is W:
-                add(dev, span.end, "activations", -stash)
+        positions = [pos for pos, a in enumerate(prog) if a.op in COMPUTE_OPS]
+        dev_spans = by_dev.get(dev, [])
+        if len(dev_spans) != len(positions):
+            raise ValueError(f"device {dev}: {len(dev_spans)} compute spans for {len(positions)} compute actions")
+        if dev in changes:
+            at = dict(zip(positions, dev_spans, strict=True))
+            rows = changes[dev]
+            extend([dev] * len(rows), [at[pos].end for pos, _, _ in rows],
+                   [d * param[rs[1]] for _, d, rs in rows], "weights")
+    fwd = [s for s in compute if s.action.op is F]
+    extend([s.device for s in fwd], [s.start for s in fwd], [stash[s.action.stage] for s in fwd], "activations")
+    freed = [s for s in compute if s.action.op is W
+             or (s.action.op is B and (s.action.replica, s.action.stage) not in split)]
+    extend([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed], "activations")
 
-    for s in result.spans:
-        if s.stream == "send":
-            add(s.device, s.start, "comm_buffers", s.nbytes)
-            add(s.device, s.end, "comm_buffers", -s.nbytes)
-        elif s.stream == "recv":
-            a = s.action
+    sends = [s for s in spans if s.stream == "send" and s.nbytes]
+    extend([s.device for s in sends], [s.start for s in sends], [s.nbytes for s in sends], "comm_buffers")
+    extend([s.device for s in sends], [s.end for s in sends], [-s.nbytes for s in sends], "comm_buffers")
+    recvs = [s for s in spans if s.stream == "recv" and s.nbytes]
+    if recvs:
+        started = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
+                   for s in compute if s.action.op in PASS_OPS}
+
+        def consumer(a: Action) -> tuple:
             if a.op is RECV_F:
-                consumer = (F, a.replica, a.stage, a.microbatch)
-            else:
-                consumer = (I if (a.replica, a.stage) in split else B, a.replica, a.stage, a.microbatch)
-            add(s.device, s.start, "comm_buffers", s.nbytes)
-            add(s.device, max(consumer_start.get(consumer, s.end), s.end), "comm_buffers", -s.nbytes)
+                return (F, a.replica, a.stage, a.microbatch)
+            return (I if (a.replica, a.stage) in split else B, a.replica, a.stage, a.microbatch)
 
+        extend([s.device for s in recvs], [s.start for s in recvs], [s.nbytes for s in recvs], "comm_buffers")
+        extend([s.device for s in recvs], [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],
+               [-s.nbytes for s in recvs], "comm_buffers")
+
+    dev_a = np.asarray(ev_dev, dtype=np.int64)
+    t_a = np.asarray(ev_t, dtype=float)
+    d_a = np.asarray(ev_d, dtype=np.int64)
+    c_a = np.asarray(ev_c, dtype=np.int64)
+    # By device, then time; frees before allocations at equal times; then
+    # recording order (lexsort is stable).
+    order = np.lexsort((d_a > 0, t_a, dev_a))
+    dev_a, t_a, d_a, c_a = dev_a[order], t_a[order], d_a[order], c_a[order]
+    bounds = np.searchsorted(dev_a, np.arange(schedule.num_devices + 1))
     tracks = []
     for dev in range(schedule.num_devices):
         track_ = MemoryTrack(device=dev, capacity_bytes=capacity)
-        events = per_dev.get(dev)
-        if events:
-            # Frees before allocations at equal times, then in recording order.
-            events.sort(key=lambda e: (e[0], e[1] > 0, e[2]))
-            times = np.fromiter((e[0] for e in events), dtype=float, count=len(events))
-            deltas = np.zeros((len(events), len(MEMORY_CATEGORIES)), dtype=np.int64)
-            deltas[np.arange(len(events)), [e[3] for e in events]] = [e[1] for e in events]
+        lo, hi = bounds[dev], bounds[dev + 1]
+        if hi > lo:
+            deltas = np.zeros((hi - lo, len(MEMORY_CATEGORIES)), dtype=np.int64)
+            deltas[np.arange(hi - lo), c_a[lo:hi]] = d_a[lo:hi]
             levels = np.cumsum(deltas, axis=0)
             totals = levels.sum(axis=1)
+            times = t_a[lo:hi]
             peak = int(np.argmax(totals))
-            # Step samples: the level after the last change at each time.
-            last = np.r_[times[1:] != times[:-1], True]
+            last = np.r_[times[1:] != times[:-1], True]  # level after the last change at each time
             track_.times = times[last].tolist()
-            track_.totals = totals[last].astype(int).tolist()
+            track_.totals = totals[last].tolist()
             track_.peak_bytes = int(totals[peak])
             track_.peak_time = float(times[peak])
             track_.peak_breakdown = {name: int(levels[peak, i]) for i, name in enumerate(MEMORY_CATEGORIES)}
