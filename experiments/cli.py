@@ -66,7 +66,7 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -
                    help="micro-batches per iteration per replica, m (default 8; imported CSV: inferred)")
     p.add_argument("--iterations", type=_positive, default=1, help="iterations K (asynchronous schedules run K*m micro-batches)")
     p.add_argument("--width", type=_positive, default=None, help="parallel pipelines w (width x depth; AvgPipe's N_p)")
-    p.add_argument("--chunks", type=_positive, default=2, help="model chunks per device for interleaved-1f1b (v)")
+    p.add_argument("--chunks", type=_positive, default=None, help="model chunks per device for interleaved-1f1b (v, default 2)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
     p.add_argument("--alpha", type=float, default=None, help="AvgPipe elastic averaging rate")
     p.add_argument("--tau", type=_positive, default=None, help="AvgPipe: average every tau iterations")
@@ -85,62 +85,26 @@ def _add_machine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args, strategy: str | None = None):
-    from pipesim.sim.strategies import ScheduleSpec
+    """The ScheduleSpec the arguments ask for.
 
-    kw = {}
-    for name in ("alpha", "tau", "advance", "placement", "width"):
-        value = getattr(args, name, None)
+    With ``strategy`` given (``compare``), options that strategy does not
+    take are left out, so one set of flags can drive every strategy;
+    otherwise an option the strategy does not use is an error.
+    """
+    from pipesim.sim.strategies import ScheduleSpec, strategy_options
+
+    name = strategy or args.strategy
+    given = {}
+    if args.no_stashing:
+        given["stashing"] = False
+    for option in ("chunks", "alpha", "tau", "advance", "placement", "width"):
+        value = getattr(args, option, None)
         if value is not None:
-            kw[name] = value
-    return ScheduleSpec(
-        strategy=strategy or args.strategy,
-        stages=args.stages,
-        microbatches=args.microbatches or 8,
-        iterations=args.iterations,
-        chunks=args.chunks,
-        stashing=not args.no_stashing,
-        **kw,
-    )
-
-
-def _profile(args, hardware, schedule):
-    from pipesim.sim.api import model_for
-    from pipesim.sim.workload import load_profile
-
-    if args.profile:
-        from dataclasses import replace
-
-        prof = load_profile(args.profile)
-        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
-    per_stage = args.stages if schedule.num_stages == 1 and args.stages > 1 else 1
-    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, per_stage)
-
-
-def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True) -> dict:
-    from pipesim.sim.api import resolve_hardware, simulate_schedule
-    from pipesim.sim.metrics import summarize, write_summary
-    from pipesim.sim.strategies import build_schedule
-
-    hw = resolve_hardware(args.hardware or "ideal")
-    if getattr(args, "schedule", None):
-        from pipesim.sim.interchange import load_schedule_csv
-
-        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches)
-    else:
-        schedule = build_schedule(_spec(args, strategy))
-    profile = _profile(args, hw, schedule)
-    result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
-    summary = summarize(result)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_summary(summary, out / "summary.json")
-        if outputs:
-            from pipesim.experiments.timeline import write_timeline_html
-            from pipesim.sim.trace import write_trace
-
-            write_trace(result, out / "trace.json")
-            write_timeline_html(result, out / "timeline.html")
-    return summary
+            given[option] = value
+    if strategy is not None:
+        given = {k: v for k, v in given.items() if k in strategy_options(name)}
+    return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
+                        iterations=args.iterations, **given)
 
 
 def _fmt_bytes(n: float) -> str:

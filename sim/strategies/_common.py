@@ -1,0 +1,207 @@
+"""What every strategy module shares: the spec, the error, and the building blocks.
+
+A strategy module turns a :class:`ScheduleSpec` into a compute-only
+:class:`~pipesim.sim.ir.Schedule` (F/B/I/W, UPDATE, PREDICT, AVERAGE,
+REDUCE_GRAD; the lowering pass adds SEND/RECV later). The pieces here are the
+ones several strategies need:
+
+* :func:`one_f_one_b` -- the per-stage 1F1B order of ``n`` items with a given
+  warm-up, used by 1F1B, PipeDream, 2BW, SpecTrain, ZB-H1 and AvgPipe;
+* :func:`flush_iteration` / :func:`flush_schedule` -- flush (synchronous)
+  semantics: every pass of iteration ``t`` reads version ``t``, each
+  (replica, stage) gets one ``UPDATE@v(t+1)`` right after its last backward of
+  the iteration on its device (torch places its REDUCE_GRAD there too),
+  preceded by a ``REDUCE_GRAD`` when replicas must agree on the gradient;
+* the replica/device layout: replica ``r`` of a ``p``-device pipeline occupies
+  devices ``r*p .. r*p+p-1``.
+
+Nothing here imports torch: the simulator never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from pipesim.sim.ir import AVERAGE, REDUCE_GRAD, UPDATE, Action, B, F, Op, Schedule, W
+
+
+class StrategyError(ValueError):
+    """A schedule spec that no strategy can build (one-line message)."""
+
+
+#: Values the spec's options take when a strategy does not use them.
+OPTION_DEFAULTS = {
+    "chunks": 2,
+    "stashing": True,
+    "alpha": 0.25,
+    "tau": 1,
+    "advance": 1,
+    "placement": "shared",
+}
+PLACEMENTS = ("shared", "disjoint")
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What to build. Sizes are per replica unless said otherwise.
+
+    ``stages`` is the pipeline depth in *devices* per replica (interleaved
+    schedules put ``chunks`` model stages on each). ``microbatches`` is m per
+    iteration per replica (data-parallel: per iteration in all, split over
+    the devices). ``iterations`` is K: flush schedules repeat K flushed
+    iterations; asynchronous ones run K*m micro-batches without a flush.
+    ``width`` is w replicas: w parallel pipelines (width x depth) for the
+    flush schedules and 2BW, AvgPipe's number of pipelines N_p (default 2 when
+    left ``None``), and a device multiplier for data-parallel; ``None`` means
+    1 for every other strategy. After construction ``width`` is an int.
+    """
+
+    strategy: str
+    stages: int
+    microbatches: int
+    iterations: int = 1
+    width: int | None = None
+    chunks: int = 2  # interleaved-1f1b: model chunks per device
+    stashing: bool = True  # pipedream: False = vanilla asynchronous pipelining
+    alpha: float = 0.25  # avgpipe: elastic averaging rate
+    tau: int = 1  # avgpipe: average every tau iterations
+    advance: int = 1  # avgpipe: forwards issued ahead of the 1F1B warm-up
+    placement: str = "shared"  # avgpipe: "shared" or "disjoint"
+    optimizer: str = "sgd"  # "sgd" (momentum) or "adam"; recorded in options
+
+    def __post_init__(self) -> None:
+        if self.width is None:
+            object.__setattr__(self, "width", 2 if self.strategy == "avgpipe" else 1)
+
+
+def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
+    """Reject sizes < 1, out-of-range options, and options the strategy ignores.
+
+    ``uses`` names the strategy-specific options the strategy reads (keys of
+    :data:`OPTION_DEFAULTS`, and ``"width"`` if it supports replicas); a
+    non-default value of any other one is an error rather than silently
+    ignored (front ends can ask :func:`~pipesim.sim.strategies.strategy_options`
+    which ones to pass).
+    """
+    for name in ("stages", "microbatches", "iterations", "width", "chunks", "tau"):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise StrategyError(f"{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise StrategyError(f"{name} must be >= 1, got {value}")
+    if isinstance(spec.advance, bool) or not isinstance(spec.advance, int) or spec.advance < 0:
+        raise StrategyError(f"advance must be an integer >= 0, got {spec.advance!r}")
+    alpha_ok = isinstance(spec.alpha, (int, float)) and not isinstance(spec.alpha, bool)
+    if not (alpha_ok and 0.0 < spec.alpha <= 1.0):
+        raise StrategyError(f"alpha must be a number in (0, 1], got {spec.alpha!r}")
+    if not isinstance(spec.stashing, bool):
+        raise StrategyError(f"stashing must be True or False, got {spec.stashing!r}")
+    if spec.placement not in PLACEMENTS:
+        raise StrategyError(f"placement must be one of {', '.join(PLACEMENTS)}, got {spec.placement!r}")
+    if spec.optimizer not in OPTIMIZERS:
+        raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+    uses = set(uses)
+    if "width" not in uses and spec.width != 1:
+        raise StrategyError(
+            f"{spec.strategy} does not support width > 1 (got {spec.width}); width applies to gpipe, "
+            "1f1b, interleaved-1f1b, zb-h1, pipedream-2bw, avgpipe and data-parallel"
+        )
+    for name, default in OPTION_DEFAULTS.items():
+        if name not in uses and getattr(spec, name) != default:
+            raise StrategyError(f"option {name}={getattr(spec, name)!r} does not apply to {spec.strategy}")
+
+
+def one_f_one_b(n: int, warmup: int) -> Iterator[tuple[Op, int]]:
+    """1F1B order of items ``0..n-1`` on one stage: ``(F|B, index)``.
+
+    ``warmup`` forwards first (capped at ``n``), then strictly one forward and
+    one backward (forward first, as torch's Schedule1F1B), then the remaining
+    backwards. With warm-up ``p-k-1`` on stage ``k`` this is the classic
+    schedule: at most ``min(p-k, n)`` items are between their F and their B.
+    ``warmup >= n`` gives GPipe's all-forwards-then-all-backwards.
+    """
+    warmup = max(0, min(warmup, n))
+    for i in range(warmup):
+        yield F, i
+    for j in range(n - warmup):
+        yield F, warmup + j
+        yield B, j
+    for j in range(n - warmup, n):
+        yield B, j
+
+
+def flush_iteration(
+    order: Sequence[Action],
+    t: int,
+    m: int,
+    *,
+    reduce: bool,
+    average: bool = False,
+) -> list[Action]:
+    """One flushed iteration ``t`` of one device, with versions and updates.
+
+    ``order`` is the device's compute order for one iteration with local
+    micro-batch ids ``0..m-1`` (replica and stage already set, no version).
+    Every pass reads version ``t``; right after the last backward (B or W) of
+    each (replica, stage) comes ``[REDUCE_GRAD] UPDATE@v(t+1) [AVERAGE]``.
+    """
+    last: dict[tuple[int, int], int] = {}
+    for pos, a in enumerate(order):
+        if a.op in (B, W):
+            last[(a.replica, a.stage)] = pos
+    out: list[Action] = []
+    for pos, a in enumerate(order):
+        out.append(a._replace(microbatch=a.microbatch + t * m, version=t))
+        rs = (a.replica, a.stage)
+        if last.get(rs) == pos:
+            if reduce:
+                out.append(Action(REDUCE_GRAD, a.stage, replica=a.replica))
+            out.append(Action(UPDATE, a.stage, version=t + 1, replica=a.replica))
+            if average:
+                out.append(Action(AVERAGE, a.stage, replica=a.replica))
+    return out
+
+
+def flush_schedule(
+    spec: ScheduleSpec,
+    num_stages: int,
+    iteration_order: Sequence[Sequence[Action]],
+    *,
+    num_microbatches: int | None = None,
+    width: int | None = None,
+    options: dict | None = None,
+) -> Schedule:
+    """K flushed iterations of ``width`` replicas of a per-device order.
+
+    ``iteration_order[d]`` is device ``d``'s order for one iteration of
+    replica 0 (local micro-batch ids ``0..m-1``; ``num_microbatches`` and
+    ``width`` override the spec's m and w). Replica ``r`` runs the same order on devices
+    ``r*len(iteration_order) + d``; with more than one replica every UPDATE
+    waits for a REDUCE_GRAD (gradient all-reduce) of its stage.
+    """
+    m = spec.microbatches if num_microbatches is None else num_microbatches
+    w = spec.width if width is None else width
+    programs = []
+    for r in range(w):
+        for order in iteration_order:
+            order_r = [a._replace(replica=r) for a in order]
+            prog: list[Action] = []
+            for t in range(spec.iterations):
+                prog.extend(flush_iteration(order_r, t, m, reduce=w > 1))
+            programs.append(tuple(prog))
+    return Schedule(
+        strategy=spec.strategy,
+        num_stages=num_stages,
+        num_microbatches=m,
+        programs=tuple(programs),
+        num_iterations=spec.iterations,
+        num_replicas=w,
+        options=base_options(spec) | (options or {}),
+    )
+
+
+def base_options(spec: ScheduleSpec) -> dict:
+    """Options every schedule records."""
+    return {"optimizer": spec.optimizer, "width": spec.width, "depth": spec.stages}

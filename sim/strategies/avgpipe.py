@@ -1,0 +1,86 @@
+"""AvgPipe (Chen, Xu, Qian, Zhou, PPoPP'23) -- pipesim's INTERPRETATION.
+
+The paper's full text was not available; this module encodes the reading in
+docs/semantics.md, not a verified reproduction:
+
+* ``N_p = width`` pipelines (default 2), each a full replica of the
+  partitioned model with its own weights and version counter. Each replica
+  is a flush schedule: every pass of iteration t reads that replica's version
+  t and the replica's stage k applies ``UPDATE@v(t+1)`` after its last
+  backward of the iteration. There is no gradient all-reduce.
+* Elastic averaging (EASGD) replaces the all-reduce: after every ``tau``-th
+  iteration each replica's stage posts an ``AVERAGE`` (a collective over the
+  N_p replicas of the stage, x_r <- x_r - alpha (x_r - centre)) right after
+  its UPDATE; that replica's next pass on the stage waits for it.
+* Advance forward propagation (AFP): the 1F1B warm-up is lengthened by
+  ``advance`` forwards (0 = plain 1F1B, >= the iteration's micro-batch count
+  = GPipe-like all forwards first), so sends overlap compute while
+  activation memory stays bounded (stage k holds <= p-k+advance).
+* Placement ``"shared"`` (default): replica r's stage k runs on device k, so
+  the replicas fill each other's bubbles. On each device the N_p*m
+  micro-batches of an iteration form ONE 1F1B/AFP stream in which slot j
+  belongs to replica ``j % N_p``, micro-batch ``t*m + j // N_p``; the slot
+  sequence is the same on every stage, so the merged stream is deadlock-free.
+  ``"disjoint"``: replica r occupies devices ``r*p .. r*p+p-1`` and each runs
+  a plain 1F1B/AFP of its own replica.
+"""
+
+from __future__ import annotations
+
+from pipesim.sim.ir import Action, Schedule
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    base_options,
+    check_spec,
+    flush_iteration,
+    one_f_one_b,
+)
+
+NAME = "avgpipe"
+#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
+OPTIONS: tuple[str, ...] = ("width", "alpha", "tau", "advance", "placement")
+
+
+def shared_order(stage: int, p: int, m: int, n_p: int, advance: int) -> list[Action]:
+    """One iteration of device ``stage`` hosting every replica's ``stage``."""
+    return [
+        Action(op, stage, j // n_p, replica=j % n_p)
+        for op, j in one_f_one_b(n_p * m, p - stage - 1 + advance)
+    ]
+
+
+def disjoint_order(stage: int, p: int, m: int, replica: int, advance: int) -> list[Action]:
+    """One iteration of replica ``replica``'s stage on its own device."""
+    return [Action(op, stage, i, replica=replica) for op, i in one_f_one_b(m, p - stage - 1 + advance)]
+
+
+def build(spec: ScheduleSpec) -> Schedule:
+    check_spec(spec, uses=OPTIONS)
+    p, m, n_p = spec.stages, spec.microbatches, spec.width
+    if spec.placement == "shared":
+        orders = [shared_order(k, p, m, n_p, spec.advance) for k in range(p)]
+    else:
+        orders = [disjoint_order(k, p, m, r, spec.advance) for r in range(n_p) for k in range(p)]
+    programs = []
+    for order in orders:
+        prog: list[Action] = []
+        for t in range(spec.iterations):
+            prog.extend(flush_iteration(order, t, m, reduce=False, average=(t + 1) % spec.tau == 0))
+        programs.append(tuple(prog))
+    return Schedule(
+        strategy=NAME,
+        num_stages=p,
+        num_microbatches=m,
+        num_iterations=spec.iterations,
+        num_replicas=n_p,
+        programs=tuple(programs),
+        options=base_options(spec)
+        | {
+            "pipelines": n_p,
+            "alpha": spec.alpha,
+            "tau": spec.tau,
+            "advance": spec.advance,
+            "placement": spec.placement,
+            "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
+        },
+    )

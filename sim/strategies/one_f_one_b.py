@@ -1,0 +1,33 @@
+"""1F1B with flush (PipeDream-Flush, DAPPLE): one update per iteration.
+
+Stage ``k`` runs ``p-k-1`` warm-up forwards, then alternates one forward and
+one backward (forward first, as torch 2.13's ``Schedule1F1B``), then drains
+the remaining backwards. It therefore holds at most ``min(p-k, m)``
+micro-batches of activations instead of GPipe's m, with the same bubble.
+
+torch's Schedule1F1B numbers the last rank's forwards ``F1 .. Fm`` (its
+``forward_mb`` starts at 0 and is incremented before the first steady-state
+forward when there is no warm-up); pipesim uses the true ids ``F0 .. F(m-1)``.
+Unlike torch, m < p is accepted: the warm-up is capped at m, which makes the
+schedule GPipe-like on the early stages.
+"""
+
+from __future__ import annotations
+
+from pipesim.sim.ir import Action, Schedule
+from pipesim.sim.strategies._common import ScheduleSpec, check_spec, flush_schedule, one_f_one_b
+
+NAME = "1f1b"
+#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
+OPTIONS: tuple[str, ...] = ("width",)
+
+
+def stage_order(stage: int, p: int, m: int) -> list[Action]:
+    """One iteration of one stage (local micro-batch ids)."""
+    return [Action(op, stage, i) for op, i in one_f_one_b(m, p - stage - 1)]
+
+
+def build(spec: ScheduleSpec) -> Schedule:
+    check_spec(spec, uses=OPTIONS)
+    p, m = spec.stages, spec.microbatches
+    return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])

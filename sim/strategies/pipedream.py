@@ -1,0 +1,61 @@
+"""PipeDream, asynchronous (Narayanan et al. SOSP'19): 1F1B with no flush.
+
+All K*m micro-batches run as one 1F1B stream (stage ``k``: ``p-k-1`` warm-up
+forwards, then one forward / one backward), and every backward is followed at
+once by an UPDATE of that stage: the mini-batch is one micro-batch.
+
+Versions. Stage ``k`` has done ``j`` updates before the forward of the
+``j``-th steady-state step, so forward ``i`` reads ``max(i - (p-k-1), 0)``;
+between F(i) and B(i) the stage applies ``p-k-1`` updates (staleness
+``p-k-1`` once the pipeline is full) and must keep ``p-k`` versions:
+
+* ``stashing=True`` (weight stashing): B(i) reads the version F(i) read, so
+  forward and backward are consistent;
+* ``stashing=False`` ("vanilla" asynchronous pipelining): B(i) reads the
+  current version, so forward and backward of a micro-batch see different
+  weights on every stage but the last.
+
+The UPDATE after B(i) produces version ``i+1``.
+"""
+
+from __future__ import annotations
+
+from pipesim.sim.ir import UPDATE, Action, B, F, Schedule
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    base_options,
+    check_spec,
+    one_f_one_b,
+)
+
+NAME = "pipedream"
+#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
+OPTIONS: tuple[str, ...] = ("stashing",)
+
+
+def stage_program(stage: int, p: int, n: int, stashing: bool) -> list[Action]:
+    out: list[Action] = []
+    current = 0
+    read: dict[int, int] = {}
+    for op, i in one_f_one_b(n, p - stage - 1):
+        if op is F:
+            read[i] = current
+            out.append(Action(F, stage, i, version=current))
+        else:
+            out.append(Action(B, stage, i, version=read.pop(i) if stashing else current))
+            current += 1
+            out.append(Action(UPDATE, stage, version=current))
+    return out
+
+
+def build(spec: ScheduleSpec) -> Schedule:
+    check_spec(spec, uses=OPTIONS)
+    p, n = spec.stages, spec.microbatches * spec.iterations
+    return Schedule(
+        strategy=NAME,
+        num_stages=p,
+        num_microbatches=spec.microbatches,
+        num_iterations=spec.iterations,
+        programs=tuple(tuple(stage_program(k, p, n, spec.stashing)) for k in range(p)),
+        options=base_options(spec) | {"stashing": spec.stashing},
+    )

@@ -1,0 +1,58 @@
+"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24).
+
+The backward is split into I (gradient w.r.t. the stage input, on the
+critical path to the previous stage) and W (gradient w.r.t. the weights,
+needed only by the update). ZB-H1 keeps 1F1B's order of F and I and *defers W*
+to fill the bubbles:
+
+* stage ``k`` runs 1F1B over F and I: ``p-k-1`` warm-up forwards, then one F
+  and one I alternately, then the remaining I's;
+* after every I, the oldest pending W's run until at most ``k`` are pending
+  (FIFO); whatever is still pending after the last I runs at the end.
+
+So the last stage, whose I is what every earlier stage waits for, holds back
+``p-1`` W's, stage 0 none; in the cool-down each stage's I follows its
+successor's I after T_F + T_I instead of T_F + T_I + T_W, and the deferred W's
+fill the holes. With T_W <= T_F the makespan is
+``m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W)``, the paper's ZB-H1 bubble (checked
+with a timing model in the tests). Every stage keeps at most ``min(p, m)``
+micro-batches between their F and their W: 1F1B's peak (stage 0's p), though
+later stages now reach it too. This is the same job list as PaddlePaddle's
+ZBH1 pass, except that pipesim runs the deferred W's oldest-first.
+torch's ScheduleZBVZeroBubble / ScheduleInterleavedZeroBubble are different
+(V-shaped / interleaved) schedules and served only as hints.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipesim.sim.ir import Action, B, F, I, Schedule, W
+from pipesim.sim.strategies._common import ScheduleSpec, check_spec, flush_schedule, one_f_one_b
+
+NAME = "zb-h1"
+#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
+OPTIONS: tuple[str, ...] = ("width",)
+
+
+def stage_order(stage: int, p: int, m: int) -> list[Action]:
+    """One iteration of one stage (local micro-batch ids)."""
+    out: list[Action] = []
+    pending: deque[int] = deque()
+    for op, i in one_f_one_b(m, p - stage - 1):
+        if op is F:
+            out.append(Action(F, stage, i))
+            continue
+        assert op is B
+        out.append(Action(I, stage, i))
+        pending.append(i)
+        while len(pending) > stage:
+            out.append(Action(W, stage, pending.popleft()))
+    out.extend(Action(W, stage, i) for i in pending)
+    return out
+
+
+def build(spec: ScheduleSpec) -> Schedule:
+    check_spec(spec, uses=OPTIONS)
+    p, m = spec.stages, spec.microbatches
+    return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])

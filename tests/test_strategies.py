@@ -1,0 +1,594 @@
+"""Schedule generators: torch-order equality, structure, versions, staleness, bubbles, errors.
+
+Everything here is static: versions are read off the IR (program order of
+each device), bubbles come from a zero-communication list-scheduling model
+written below. The engine computes the same facts dynamically.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipesim.sim.ir import (
+    AVERAGE,
+    P2P_OPS,
+    PASS_OPS,
+    PREDICT,
+    REDUCE_GRAD,
+    UPDATE,
+    Action,
+    B,
+    F,
+    I,
+    W,
+    format_action,
+    pass_inputs,
+    strip_version,
+)
+from pipesim.sim.strategies import (
+    ScheduleSpec,
+    StrategyError,
+    build_schedule,
+    strategy_names,
+    strategy_options,
+)
+
+try:  # the validator is written concurrently; use it once it exists
+    from pipesim.sim.checks import validate
+except ImportError:  # pragma: no cover
+    validate = None
+
+try:
+    from pipesim.sim.lowering import lower
+except ImportError:  # pragma: no cover
+    lower = None
+
+FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+WIDE = FLUSH + ("pipedream-2bw",)
+ALL = FLUSH + ("pipedream", "pipedream-2bw", "spectrain", "avgpipe", "data-parallel")
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def build(strategy, p, m, **kw):
+    s = build_schedule(ScheduleSpec(strategy, p, m, **kw))
+    if validate is not None:
+        validate(s)
+    return s
+
+
+def torch_spelling(prog, ops=PASS_OPS):
+    return [format_action(a, torch_only=True) for a in prog if a.op in ops]
+
+
+def static_versions(s):
+    """Versions read off the IR, per (replica, stage, micro-batch).
+
+    Returns ``(reads, update_at, held)``: ``reads[(op, replica, stage, mb)] =
+    (version, distance)``; ``update_at[(replica, stage, mb)]`` = version
+    current when the UPDATE consuming that micro-batch's gradient ran (the
+    version it replaces); ``held[(replica, stage)]`` = most versions alive at
+    once (the current one plus every older one some later pass still reads).
+    """
+    reads, update_at, held = {}, {}, defaultdict(int)
+    for prog in s.programs:
+        last_read = {}
+        for pos, a in enumerate(prog):
+            if a.op in PASS_OPS:
+                last_read[(a.replica, a.stage, a.version)] = pos
+        current = defaultdict(int)
+        pending = defaultdict(list)
+        for pos, a in enumerate(prog):
+            rs = (a.replica, a.stage)
+            if a.op in PASS_OPS:
+                reads[(a.op, *rs, a.microbatch)] = (a.version, a.distance)
+                if a.op in (B, W):
+                    pending[rs].append(a.microbatch)
+            elif a.op is UPDATE:
+                for mb in pending.pop(rs, []):
+                    update_at[(*rs, mb)] = current[rs]
+                current[rs] = a.version
+            alive = {current[rs]} | {
+                v for v in range(current[rs]) if last_read.get((*rs, v), -1) >= pos
+            }
+            held[rs] = max(held[rs], len(alive))
+    return reads, update_at, dict(held)
+
+
+def staleness(s):
+    reads, update_at, _ = static_versions(s)
+    return {key: update_at[key] - reads[(F, *key)][0] for key in update_at}
+
+
+def makespan(s, T):
+    """Zero-communication list scheduling: each action starts when its device is
+    free and the passes it consumes are done. ``T`` maps op -> duration."""
+    split = {(a.replica, a.stage) for prog in s.programs for a in prog if a.op is I}
+    end, pc, free = {}, [0] * s.num_devices, [0.0] * s.num_devices
+    progress = True
+    while progress:
+        progress = False
+        for d, prog in enumerate(s.programs):
+            while pc[d] < len(prog):
+                a = prog[pc[d]]
+                deps = ()
+                if a.op in PASS_OPS:
+                    deps = pass_inputs(a, s.num_stages, (a.replica, a.stage + 1) in split)
+                if any(x not in end for x in deps):
+                    break
+                start = max([free[d]] + [end[x] for x in deps])
+                free[d] = start + T.get(a.op, 0.0)
+                end[strip_version(a)] = free[d]
+                pc[d] += 1
+                progress = True
+    assert all(pc[d] == len(p) for d, p in enumerate(s.programs)), "timing model deadlocked"
+    return max(free)
+
+
+def outstanding(prog, stage, done_ops=(B,)):
+    """Most micro-batches of ``stage`` between their F and their backward."""
+    n = peak = 0
+    for a in prog:
+        if a.stage != stage:
+            continue
+        if a.op is F:
+            n += 1
+        elif a.op in done_ops:
+            n -= 1
+        peak = max(peak, n)
+    return peak
+
+
+def expect_error(spec):
+    p, m, w = spec.stages, spec.microbatches, spec.width
+    if spec.strategy == "pipedream-2bw":
+        return m < p
+    if spec.strategy == "data-parallel":
+        return m % (p * w) != 0
+    if spec.strategy == "interleaved-1f1b":
+        return m % max(1, m // p) != 0
+    return False
+
+
+# --------------------------------------------------------------------------
+# torch 2.13's orders
+# --------------------------------------------------------------------------
+
+def torch_schedule(name):
+    """A torch schedule class (tests may import torch; pipesim.sim never does)."""
+    return getattr(pytest.importorskip("torch.distributed.pipelining.schedules"), name)
+
+
+def torch_order(cls, p, m, v=None):
+    """Per-rank compute orders of a torch schedule, built without processes: the
+    schedules only read num_stages (and group_size/group_rank for multi-stage)."""
+    if v is None:
+        sched = cls(SimpleNamespace(num_stages=p), m)
+    else:
+        stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p)
+                  for c in range(v)]
+        sched = cls(stages, m)
+    return {
+        rank: [str(a) for a in acts if a is not None and "REDUCE_GRAD" not in str(a)]
+        for rank, acts in sched.pipeline_order.items()
+    }
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 3), (2, 1), (2, 2), (3, 7), (4, 4), (4, 6), (4, 9), (5, 3)])
+def test_gpipe_equals_torch(p, m):
+    s = build("gpipe", p, m)
+    want = torch_order(torch_schedule("ScheduleGPipe"), p, m)
+    assert [torch_spelling(prog) for prog in s.programs] == [want[r] for r in range(p)]
+
+
+def _fix_torch_1f1b_last_rank(order, p):
+    # torch numbers the last rank's forwards F1..Fm; the true ids are F0..F(m-1).
+    fixed = []
+    for a in order:
+        if a.startswith(f"{p - 1}F"):
+            a = f"{p - 1}F{int(a[len(str(p - 1)) + 1:]) - 1}"
+        fixed.append(a)
+    return fixed
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 4), (2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 6), (4, 10), (5, 8)])
+def test_1f1b_equals_torch(p, m):
+    s = build("1f1b", p, m)
+    want = torch_order(torch_schedule("Schedule1F1B"), p, m)
+    want[p - 1] = _fix_torch_1f1b_last_rank(want[p - 1], p)
+    assert [torch_spelling(prog) for prog in s.programs] == [want[r] for r in range(p)]
+    # the last rank really does run F0..F(m-1) and torch really is off by one
+    assert torch_order(torch_schedule("Schedule1F1B"), p, m)[p - 1][0] == f"{p - 1}F1"
+
+
+@pytest.mark.parametrize(
+    "p,v,m",
+    [(2, 2, 2), (2, 2, 4), (2, 3, 4), (4, 2, 4), (4, 2, 8), (4, 2, 10), (4, 2, 3), (4, 2, 6),
+     (3, 2, 8), (4, 3, 12), (4, 1, 4), (2, 2, 1)],
+)
+def test_interleaved_equals_torch(p, v, m):
+    s = build("interleaved-1f1b", p, m, chunks=v)
+    assert s.num_stages == p * v
+    want = torch_order(torch_schedule("ScheduleInterleaved1F1B"), p, m, v)
+    assert [torch_spelling(prog) for prog in s.programs] == [want[r] for r in range(p)]
+    # stage c*p + r lives on rank r
+    assert all(dev == stage % p for (_, stage), dev in s.placement().items())
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 3, 5), (4, 2, 9), (3, 2, 7)])
+def test_interleaved_rejects_what_torch_rejects(p, v, m):
+    with pytest.raises(StrategyError, match="multiple of"):
+        build_schedule(ScheduleSpec("interleaved-1f1b", p, m, chunks=v))
+    with pytest.raises(ValueError):
+        torch_order(torch_schedule("ScheduleInterleaved1F1B"), p, m, v)
+
+
+# --------------------------------------------------------------------------
+# structure and versions for every strategy (property-based)
+# --------------------------------------------------------------------------
+
+
+@st.composite
+def specs(draw):
+    strategy = draw(st.sampled_from(ALL))
+    kw = {}
+    p = draw(st.integers(1, 4))
+    m = draw(st.integers(1, 6))
+    if strategy in WIDE or strategy == "data-parallel":
+        kw["width"] = draw(st.integers(1, 3))
+    if strategy == "avgpipe":
+        kw.update(width=draw(st.integers(1, 3)), advance=draw(st.integers(0, 4)),
+                  tau=draw(st.integers(1, 3)), placement=draw(st.sampled_from(["shared", "disjoint"])))
+    if strategy == "interleaved-1f1b":
+        kw["chunks"] = draw(st.integers(1, 3))
+    if strategy == "pipedream":
+        kw["stashing"] = draw(st.booleans())
+    return ScheduleSpec(strategy, p, m, iterations=draw(st.integers(1, 3)), **kw)
+
+
+def check_structure(s):
+    count = Counter()
+    where = {}
+    for dev, prog in enumerate(s.programs):
+        for pos, a in enumerate(prog):
+            if a.op in PASS_OPS:
+                count[(a.op, a.replica, a.stage, a.microbatch)] += 1
+                where[(a.op, a.replica, a.stage, a.microbatch)] = (dev, pos)
+            assert a.op not in P2P_OPS, "strategies produce compute-only programs"
+    split = {(r, k) for (op, r, k, _) in count if op is I}
+    for r in range(s.num_replicas):
+        for k in range(s.num_stages):
+            bwd = (I, W) if (r, k) in split else (B,)
+            for mb in range(s.total_microbatches):
+                for op in (F, *bwd):
+                    assert count[(op, r, k, mb)] == 1, (op, r, k, mb)
+                fdev, fpos = where[(F, r, k, mb)]
+                bdev, bpos = where[(bwd[0], r, k, mb)]
+                assert fdev == bdev and fpos < bpos
+                if len(bwd) == 2:
+                    wdev, wpos = where[(W, r, k, mb)]
+                    assert wdev == bdev and bpos < wpos
+    assert len(count) == sum(1 for prog in s.programs for a in prog if a.op in PASS_OPS)
+
+
+def check_versions(s, spec):
+    reads, update_at, held = static_versions(s)
+    p, m, total = s.num_stages, s.num_microbatches, s.total_microbatches
+    assert set(update_at) == {(r, k, i) for r in range(s.num_replicas) for k in range(p)
+                              for i in range(total)}, "every gradient is applied"
+    stale = staleness(s)
+    name = spec.strategy
+    for (op, r, k, i), (v, dist) in reads.items():
+        if name in FLUSH + ("avgpipe", "data-parallel"):
+            assert (v, dist) == (i // m, 0)
+        elif name == "pipedream":
+            w = p - k - 1
+            fv = max(i - w, 0)
+            if op is F or spec.stashing:
+                assert (v, dist) == (fv, 0)
+            else:
+                assert (v, dist) == (i, 0)
+        elif name == "pipedream-2bw":
+            assert (v, dist) == (max(i // m - 1, 0), 0)
+        elif name == "spectrain":
+            assert v == max(i - (p - k - 1), 0) if op is F else v == i
+            assert dist == (k // 2 + p - k - 1 if op is F else k // 2)
+    for (r, k, i), st_ in stale.items():
+        if name in FLUSH + ("avgpipe", "data-parallel"):
+            assert st_ == 0
+            assert update_at[(r, k, i)] == i // m
+        elif name in ("pipedream", "spectrain"):
+            assert update_at[(r, k, i)] == i
+            assert st_ == min(i, p - k - 1)
+        elif name == "pipedream-2bw":
+            assert st_ == (0 if i < m else 1)
+    for (r, k), h in held.items():
+        if name in FLUSH + ("avgpipe", "data-parallel", "spectrain"):
+            assert h == 1
+        elif name == "pipedream":
+            if spec.stashing:
+                assert h <= p - k
+                if total >= 2 * p:  # steady state reached: F(i) ... B(i) spans p-k-1 updates
+                    assert h == p - k
+            else:
+                assert h == 1
+        elif name == "pipedream-2bw":
+            assert h <= 2
+
+
+@given(specs())
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_every_strategy_structure_and_versions(spec):
+    if expect_error(spec):
+        with pytest.raises(StrategyError):
+            build_schedule(spec)
+        return
+    s = build_schedule(spec)
+    if validate is not None:
+        validate(s)
+        if lower is not None:
+            validate(lower(s))
+    assert s.strategy == spec.strategy
+    assert s.num_iterations == spec.iterations
+    check_structure(s)
+    check_versions(s, spec)
+    # UPDATE versions run 1, 2, 3, ... per (replica, stage); REDUCE_GRAD right before each
+    # UPDATE whenever gradients are all-reduced across replicas
+    for prog in s.programs:
+        produced = defaultdict(int)
+        for pos, a in enumerate(prog):
+            if a.op is UPDATE:
+                produced[(a.replica, a.stage)] += 1
+                assert a.version == produced[(a.replica, a.stage)]
+                reduced = pos > 0 and prog[pos - 1].op is REDUCE_GRAD
+                assert reduced == (s.num_replicas > 1 and spec.strategy != "avgpipe")
+                if reduced:
+                    assert (prog[pos - 1].stage, prog[pos - 1].replica) == (a.stage, a.replica)
+
+
+# --------------------------------------------------------------------------
+# per-strategy facts
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 3), (1, 5), (5, 7)])
+def test_1f1b_outstanding_and_gpipe_stash(p, m):
+    one = build("1f1b", p, m, iterations=2)
+    gp = build("gpipe", p, m, iterations=2)
+    for k in range(p):
+        assert outstanding(one.programs[k], k) == min(p - k, m)
+        assert outstanding(gp.programs[k], k) == m
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (3, 7), (5, 10)])
+def test_flush_bubbles(p, m):
+    T = {F: 1.0, B: 2.0}
+    for name in ("gpipe", "1f1b"):
+        s = build(name, p, m)
+        span = makespan(s, T)
+        assert span == pytest.approx((m + p - 1) * 3.0)
+        assert 1 - m * 3.0 / span == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (3, 3, 6), (4, 4, 8)])
+def test_interleaved_bubble(p, v, m):
+    s = build("interleaved-1f1b", p, m, chunks=v)
+    T = {F: 1.0 / v, B: 2.0 / v}  # a chunk is 1/v of a device's layers
+    ideal = m * 3.0
+    assert makespan(s, T) == pytest.approx(ideal + (p - 1) * 3.0 / v)  # bubble (p-1)/(v m) of ideal
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 4), (4, 13), (6, 12)])
+@pytest.mark.parametrize("tf,ti,tw", [(1, 1, 1), (2, 2, 1), (1, 1.5, 0.5)])
+def test_zb_h1_bubble_and_memory(p, m, tf, ti, tw):
+    s = build("zb-h1", p, m)
+    span = makespan(s, {F: tf, I: ti, W: tw})
+    assert span == pytest.approx(m * (tf + ti + tw) + (p - 1) * (tf + ti - tw))
+    one = build("1f1b", p, m)
+    assert span < makespan(one, {F: tf, B: ti + tw}) or p == 1
+    for k in range(p):
+        assert outstanding(s.programs[k], k, done_ops=(W,)) <= min(p, m)  # 1F1B's peak
+        assert outstanding(s.programs[k], k, done_ops=(I,)) == min(p - k, m)  # F..I as 1F1B
+        pending = peak = 0
+        for a in s.programs[k]:
+            pending += (a.op is I) - (a.op is W)
+            peak = max(peak, pending)
+        assert peak == min(k + 1, m)  # the I just done plus at most k deferred W's
+
+
+def test_pipedream_staleness_and_versions():
+    p, m, K = 4, 4, 3
+    s = build("pipedream", p, m, iterations=K)
+    stale = staleness(s)
+    _, _, held = static_versions(s)
+    for k in range(p):
+        steady = [stale[(0, k, i)] for i in range(p, m * K)]
+        assert set(steady) == {p - k - 1}
+        assert held[(0, k)] == p - k
+        # every backward is followed at once by that stage's update
+        prog = s.programs[k]
+        for pos, a in enumerate(prog):
+            if a.op is B:
+                assert prog[pos + 1] == Action(UPDATE, k, version=a.microbatch + 1)
+
+
+def test_pipedream_vanilla_is_inconsistent():
+    p, m = 4, 8
+    reads, _, held = static_versions(build("pipedream", p, m, stashing=False))
+    for k in range(p - 1):
+        assert any(reads[(F, 0, k, i)] != reads[(B, 0, k, i)] for i in range(m))
+        assert held[(0, k)] == 1
+    assert all(reads[(F, 0, p - 1, i)] == reads[(B, 0, p - 1, i)] for i in range(m))
+
+
+def test_2bw_versions_and_width():
+    p, m, K, w = 3, 4, 4, 2
+    s = build("pipedream-2bw", p, m, iterations=K, width=w)
+    assert s.num_devices == w * p and s.num_replicas == w
+    assert s.placement() == {(r, k): r * p + k for r in range(w) for k in range(p)}
+    stale = staleness(s)
+    _, _, held = static_versions(s)
+    assert all(stale[(r, k, i)] == (0 if i < m else 1) for r in range(w) for k in range(p)
+               for i in range(m * K))
+    assert max(held.values()) == 2
+    assert sum(a.op is UPDATE for a in s.programs[0]) == K
+
+
+def test_spectrain_distances_n4():
+    s = build("spectrain", 4, 8, iterations=2)
+    assert s.options["s_fwd"] == [3, 2, 2, 1]
+    assert s.options["s_bwd"] == [0, 0, 1, 1]
+    for k in range(4):
+        fd = {a.distance for a in s.programs[k] if a.op is F}
+        bd = {a.distance for a in s.programs[k] if a.op is B}
+        assert fd == {[3, 2, 2, 1][k]} and bd == {[0, 0, 1, 1][k]}
+        preds = [a for a in s.programs[k] if a.op is PREDICT]
+        assert all(a.distance > 0 for a in preds)
+        # no PREDICT repeats the (version, distance) already materialised
+        last = None
+        for a in s.programs[k]:
+            if a.op is UPDATE:
+                last = None
+            elif a.op is PREDICT:
+                assert (a.version, a.distance) != last
+                last = (a.version, a.distance)
+    # the last stage's forward and backward share one prediction per version
+    last_stage = s.programs[3]
+    assert sum(a.op is PREDICT for a in last_stage) == sum(a.op is UPDATE for a in last_stage)
+
+
+def test_avgpipe_shared_merges_replicas():
+    p, m, n_p, K, tau = 3, 4, 2, 4, 2
+    s = build("avgpipe", p, m, width=n_p, iterations=K, tau=tau)
+    assert s.num_devices == p and s.num_replicas == n_p
+    assert s.placement() == {(r, k): k for r in range(n_p) for k in range(p)}
+    for k, prog in enumerate(s.programs):
+        avgs = Counter(a.replica for a in prog if a.op is AVERAGE)
+        assert avgs == {r: K // tau for r in range(n_p)}
+        for pos, a in enumerate(prog):
+            if a.op is AVERAGE:
+                assert prog[pos - 1] == Action(UPDATE, k, version=prog[pos - 1].version, replica=a.replica)
+        # AFP: advance=1 forwards ahead of the 1F1B warm-up over the merged stream
+        assert outstanding(_slots(prog), k) == min(p - k + 1, n_p * m)
+    # the replicas fill each other's bubbles: like one 1F1B over n_p*m micro-batches
+    one = build("avgpipe", p, m, width=n_p, advance=0)
+    assert makespan(one, {F: 1.0, B: 2.0}) == pytest.approx((n_p * m + p - 1) * 3.0)
+    assert makespan(one, {F: 1.0, B: 2.0}) < n_p * makespan(build("1f1b", p, m), {F: 1.0, B: 2.0})
+
+
+def _slots(prog):
+    # count forwards/backwards of every replica together (the merged stream)
+    return [a._replace(replica=0) for a in prog if a.op in (F, B)]
+
+
+def test_avgpipe_advance_extremes_and_disjoint():
+    p, m, n_p = 4, 3, 2
+    zero = build("avgpipe", p, m, width=n_p, advance=0)
+    for k, prog in enumerate(zero.programs):
+        assert outstanding(_slots(prog), k) == min(p - k, n_p * m)
+    allf = build("avgpipe", p, m, width=n_p, advance=n_p * m)
+    for prog in allf.programs:
+        ops = [a.op for a in prog if a.op in (F, B)]
+        assert ops == [F] * (n_p * m) + [B] * (n_p * m)  # GPipe-like
+    dis = build("avgpipe", p, m, width=n_p, placement="disjoint", iterations=2)
+    assert dis.num_devices == n_p * p
+    assert dis.placement() == {(r, k): r * p + k for r in range(n_p) for k in range(p)}
+    assert build_schedule(ScheduleSpec("avgpipe", 2, 2)).num_replicas == 2  # default N_p
+
+
+def test_data_parallel_layout():
+    s = build("data-parallel", 4, 8, iterations=2)
+    assert (s.num_devices, s.num_stages, s.num_replicas, s.num_microbatches) == (4, 1, 4, 2)
+    assert [format_action(a) for a in s.programs[1][:6]] == [
+        "r1.0F0@v0", "r1.0B0@v0", "r1.0F1@v0", "r1.0B1@v0", "r1.0REDUCE_GRAD", "r1.0UPDATE@v1"]
+    assert build("data-parallel", 2, 8, width=2).num_devices == 4
+    single = build("data-parallel", 1, 3)
+    assert not any(a.op is REDUCE_GRAD for a in single.programs[0])
+
+
+def test_width_places_replicas_and_reduces():
+    p, m, w = 3, 4, 2
+    for name in FLUSH:
+        s = build(name, p, m, width=w, iterations=2)
+        assert s.num_devices == w * p and s.num_replicas == w
+        for r in range(w):
+            for d in range(p):
+                prog = s.programs[r * p + d]
+                assert {a.replica for a in prog} == {r}
+                plain = build(name, p, m, iterations=2).programs[d]
+                assert [a._replace(replica=0) for a in prog if a.op is not REDUCE_GRAD] == list(plain)
+
+
+def test_flush_update_right_after_last_backward():
+    s = build("zb-h1", 4, 6, iterations=2)
+    for k, prog in enumerate(s.programs):
+        for t in range(2):
+            last = max(pos for pos, a in enumerate(prog)
+                       if a.op in (B, W) and a.microbatch // 6 == t)
+            assert prog[last + 1] == Action(UPDATE, k, version=t + 1)
+    assert strategy_names() == list(ALL[:4]) + ["pipedream", "pipedream-2bw", "spectrain",
+                                                "avgpipe", "data-parallel"]
+
+
+# --------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (ScheduleSpec("nope", 2, 2), "unknown strategy"),
+        (ScheduleSpec("gpipe", 0, 2), "stages must be >= 1"),
+        (ScheduleSpec("1f1b", 2, 0), "microbatches must be >= 1"),
+        (ScheduleSpec("1f1b", 2, 2, iterations=0), "iterations must be >= 1"),
+        (ScheduleSpec("gpipe", 2, 2, width=0), "width must be >= 1"),
+        (ScheduleSpec("interleaved-1f1b", 2, 2, chunks=0), "chunks must be >= 1"),
+        (ScheduleSpec("pipedream-2bw", 4, 3), "m=3 < p=4"),
+        (ScheduleSpec("data-parallel", 4, 6), "multiple of 4"),
+        (ScheduleSpec("pipedream", 2, 2, width=2), "width > 1"),
+        (ScheduleSpec("spectrain", 2, 2, width=3), "width > 1"),
+        (ScheduleSpec("gpipe", 2, 2, stashing=False), "does not apply"),
+        (ScheduleSpec("1f1b", 2, 2, chunks=3), "does not apply"),
+        (ScheduleSpec("avgpipe", 2, 2, placement="ring"), "placement"),
+        (ScheduleSpec("avgpipe", 2, 2, alpha=0.0), "alpha"),
+        (ScheduleSpec("avgpipe", 2, 2, advance=-1), "advance"),
+        (ScheduleSpec("avgpipe", 2, 2, tau=0), "tau"),
+        (ScheduleSpec("gpipe", 2, 2, optimizer="lamb"), "optimizer"),
+        (ScheduleSpec("gpipe", 2.5, 2), "integer"),
+        (ScheduleSpec("avgpipe", 2, 2, alpha="x"), "alpha"),
+        (ScheduleSpec("pipedream", 2, 2, stashing="no"), "stashing"),
+    ],
+)
+def test_bad_specs(spec, match):
+    with pytest.raises(StrategyError, match=match) as info:
+        build_schedule(spec)
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+NON_DEFAULT = {"width": 2, "chunks": 3, "stashing": False, "alpha": 0.5, "tau": 2, "advance": 2,
+               "placement": "disjoint"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_strategy_options_lists_what_is_accepted(name):
+    """Every listed option is accepted with a non-default value; every other one is refused."""
+    used = strategy_options(name)
+    for option, value in NON_DEFAULT.items():
+        spec = ScheduleSpec(name, 2, 8, **{option: value})
+        if option in used:
+            build(name, 2, 8, **{option: value})
+        else:
+            with pytest.raises(StrategyError, match="does not"):
+                build_schedule(spec)
+    with pytest.raises(StrategyError, match="unknown strategy"):
+        strategy_options("nope")
