@@ -107,6 +107,46 @@ def _spec(args, strategy: str | None = None):
                         iterations=args.iterations, **given)
 
 
+def _profile(args, hardware, schedule):
+    from pipesim.sim.api import model_for
+    from pipesim.sim.workload import load_profile
+
+    if args.profile:
+        from dataclasses import replace
+
+        prof = load_profile(args.profile)
+        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
+    per_stage = args.stages if schedule.num_stages == 1 and args.stages > 1 else 1
+    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, per_stage)
+
+
+def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True) -> dict:
+    from pipesim.sim.api import resolve_hardware, simulate_schedule
+    from pipesim.sim.metrics import summarize, write_summary
+    from pipesim.sim.strategies import build_schedule
+
+    hw = resolve_hardware(args.hardware or "ideal")
+    if getattr(args, "schedule", None):
+        from pipesim.sim.interchange import load_schedule_csv
+
+        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches)
+    else:
+        schedule = build_schedule(_spec(args, strategy))
+    profile = _profile(args, hw, schedule)
+    result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
+    summary = summarize(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_summary(summary, out / "summary.json")
+        if outputs:
+            from pipesim.experiments.timeline import write_timeline_html
+            from pipesim.sim.trace import write_trace
+
+            write_trace(result, out / "trace.json")
+            write_timeline_html(result, out / "timeline.html")
+    return summary
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

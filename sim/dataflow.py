@@ -22,8 +22,6 @@ from pipesim.sim.ir import (
     AVERAGE,
     COLLECTIVE_OPS,
     COMPUTE_OPS,
-    P2P_OPS,
-    PASS_OPS,
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
@@ -35,6 +33,7 @@ from pipesim.sim.ir import (
     F,
     I,
     Op,
+    W,
     Schedule,
     format_action,
 )
@@ -108,44 +107,62 @@ def transfer_key(a: Action) -> tuple:
 
 
 def steps(schedule: Schedule) -> list[list[Step]]:
-    """Per device, every action with the tokens it waits for and provides."""
-    p = schedule.num_stages
+    """Per device, every action with the tokens it waits for and provides.
+
+    Written for speed (it visits every action of every schedule the engine
+    runs): producer and transfer keys are built inline.
+    """
+    last = schedule.num_stages - 1
     split = split_stages(schedule)
     received = {
         transfer_key(a) for prog in schedule.programs for a in prog if a.op is RECV_F or a.op is RECV_B
     }
+    has_collectives = any(a.op in COLLECTIVE_OPS for prog in schedule.programs for a in prog)
     rounds: dict[tuple, int] = defaultdict(int)
     out = []
     for prog in schedule.programs:
         last_coll: dict[tuple, tuple] = {}
         dev_steps = []
+        append = dev_steps.append
         for a in prog:
-            op = a.op
+            op, stage, rep, mb = a.op, a.stage, a.replica, a.microbatch
             waits: tuple = ()
-            token: object = None
-            if op in PASS_OPS:
-                token = (op, a.replica, a.stage, a.microbatch)
-                prod = producer_of(a, p, split)
-                if prod is not None:
-                    # data from a neighbour: through a receive if lowered
-                    key = (("F", a.replica, a.stage - 1, a.microbatch) if op is F
-                           else ("B", a.replica, a.stage + 1, a.microbatch))
-                    waits = (key,) if key in received else (prod,)
-            elif op in P2P_OPS:
-                token = transfer_key(a)
+            if op is F:
+                token = (op, rep, stage, mb)
+                if stage:
+                    key = ("F", rep, stage - 1, mb)  # through a receive if lowered
+                    waits = (key,) if key in received else ((F, rep, stage - 1, mb),)
+            elif op is B or op is I:
+                token = (op, rep, stage, mb)
+                if stage < last:
+                    key = ("B", rep, stage + 1, mb)
+                    waits = (key,) if key in received else (
+                        (I if (rep, stage + 1) in split else B, rep, stage + 1, mb),)
+            elif op is W:
+                token = (op, rep, stage, mb)
+            elif op is SEND_F:
+                token = ("F", rep, stage, mb)
+            elif op is RECV_F:
+                token = ("F", rep, stage - 1, mb)
+            elif op is SEND_B:
+                token = ("B", rep, stage, mb)
+            elif op is RECV_B:
+                token = ("B", rep, stage + 1, mb)
             elif op in COLLECTIVE_OPS:
-                k = (op, a.stage, a.replica)
-                token = (op.value, a.stage, rounds[k])
+                k = (op, stage, rep)
+                token = (op.value, stage, rounds[k])
                 rounds[k] += 1
-                last_coll[(op, a.replica, a.stage)] = token
-            if op in COMPUTE_OPS:
-                avg = last_coll.pop((AVERAGE, a.replica, a.stage), None)
+                last_coll[(op, rep, stage)] = token
+            else:  # UPDATE, PREDICT
+                token = None
+            if has_collectives and op in COMPUTE_OPS:
+                avg = last_coll.pop((AVERAGE, rep, stage), None)
                 if avg is not None:
                     waits += (avg,)
                 if op is UPDATE:
-                    red = last_coll.pop((REDUCE_GRAD, a.replica, a.stage), None)
+                    red = last_coll.pop((REDUCE_GRAD, rep, stage), None)
                     if red is not None:
                         waits += (red,)
-            dev_steps.append((a, waits, token))
+            append((a, waits, token))
         out.append(dev_steps)
     return out
