@@ -1,0 +1,283 @@
+r"""Paper-style figures built from many simulations.
+
+:func:`bubble_figure` draws the bubble fraction against the number of
+micro-batches m for every strategy at p = 4 and p = 8 pipeline stages,
+simulated on the ``uniform`` model and ``ideal`` hardware, beside the analytic
+curves. It writes ``bubbles.html`` (self-contained), ``bubbles.json`` (the
+plotted numbers) and ``bubbles.png`` when :func:`pipesim.experiments.export.write_png`
+can.
+
+Analytic curves
+---------------
+Bubble fraction here is always a fraction of the makespan, as the simulator
+counts it: 1 − busy / makespan for a device (``docs/semantics.md``). With
+every device doing the same work the makespan is ideal time + bubble time, so a
+formula stated as "bubble = r × ideal time" becomes ``r / (1 + r)`` of the
+makespan.
+
+* GPipe and 1F1B-flush: ideal time m(T_F+T_B), bubble (p−1)(T_F+T_B), so the
+  fraction is (p−1)(T_F+T_B) / ((m+p−1)(T_F+T_B)) = **(p−1)/(m+p−1)**.
+* Interleaved 1F1B with v chunks per device (Narayanan et al. SC'21): each
+  chunk costs (T_F+T_B)/v, the warm-up and drain shrink to
+  (p−1)(T_F+T_B)/v, i.e. bubble = (p−1)/(v·m) of the ideal time
+  m(T_F+T_B). As a fraction of the makespan:
+  r/(1+r) with r = (p−1)/(v·m), that is **(p−1)/(v·m + p−1)**.
+  Drawn for m ≥ p (Megatron's form needs m a multiple of p).
+* ZB-H1 (Qi et al. ICLR'24), backward split into input gradient I and weight
+  gradient W: ideal time per device m(T_F+T_I+T_W), bubble
+  (p−1)(T_F+T_I−T_W), so the fraction is
+  (p−1)(T_F+T_I−T_W) / (m(T_F+T_I+T_W) + (p−1)(T_F+T_I−T_W)).
+  With T_F = T_I = T_W = 1 (the uniform model: T_B = 2 T_F split evenly):
+  **(p−1)/(3m + p−1)**. Drawn for m ≥ p, where ZB-H1 is defined.
+
+Strategies that need m ≥ p (interleaved, 2BW, zero-bubble) are not simulated
+below p; a simulation that rejects its parameters (``ValueError``, which
+covers :class:`pipesim.sim.ir.ScheduleError`) is skipped and listed in
+``bubbles.json`` under ``"skipped"``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from pipesim.experiments.export import write_png
+
+DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_STAGES: tuple[int, ...] = (4, 8)
+
+#: Name fragments of strategies that need at least p micro-batches.
+NEEDS_M_GE_P: tuple[str, ...] = ("interleav", "2bw", "zb", "zero", "zerobubble")
+
+#: Colours of the simulated strategies, by position in the strategy list.
+STRATEGY_COLORS: tuple[str, ...] = (
+    "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B",
+    "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF", "#393B79", "#AD494A",
+)
+ANALYTIC_STYLE = {
+    "gpipe_1f1b": ("analytic GPipe / 1F1B: (p−1)/(m+p−1)", "#000000"),
+    "interleaved": ("analytic interleaved: (p−1)/(v·m+p−1)", "#555555"),
+    "zb_h1": ("analytic ZB-H1: (p−1)/(3m+p−1)", "#2E7D32"),
+}
+
+Simulate = Callable[[str, int, int], float]
+
+
+# ---------------------------------------------------------------------------
+# Analytic bubble fractions (fractions of the makespan)
+# ---------------------------------------------------------------------------
+
+
+def bubble_gpipe(p: int, m: int) -> float:
+    """GPipe / 1F1B-flush: (p−1)/(m+p−1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def bubble_interleaved(p: int, m: int, v: int = 2) -> float:
+    """Interleaved 1F1B, v chunks: bubble (p−1)/(v·m) of ideal time, i.e.
+    (p−1)/(v·m + p−1) of the makespan."""
+    r = (p - 1) / (v * m)
+    return r / (1 + r)
+
+
+def bubble_zb_h1(p: int, m: int, t_f: float = 1.0, t_i: float = 1.0, t_w: float = 1.0) -> float:
+    """ZB-H1: bubble (p−1)(T_F+T_I−T_W) over makespan
+    m(T_F+T_I+T_W) + (p−1)(T_F+T_I−T_W); (p−1)/(3m+p−1) for unit times."""
+    bubble = (p - 1) * (t_f + t_i - t_w)
+    return bubble / (m * (t_f + t_i + t_w) + bubble)
+
+
+def needs_m_ge_p(strategy: str) -> bool:
+    s = strategy.lower().replace("_", "").replace("-", "")
+    return any(frag.replace("-", "") in s for frag in NEEDS_M_GE_P)
+
+
+# ---------------------------------------------------------------------------
+# Default simulation hook (the lead's API, imported lazily)
+# ---------------------------------------------------------------------------
+
+
+def default_simulate(strategy: str, stages: int, microbatches: int) -> float:
+    """Bubble fraction of one simulation on the ``uniform`` model and
+    ``ideal`` hardware, through :func:`pipesim.sim.api.simulate`."""
+    from pipesim.sim.api import simulate
+    from pipesim.sim.metrics import summarize
+    from pipesim.sim.strategies import ScheduleSpec
+
+    spec = ScheduleSpec(strategy=strategy, stages=stages, microbatches=microbatches)
+    result = simulate(spec, model="uniform", hardware="ideal")
+    return float(summarize(result)["bubble_fraction"])
+
+
+def default_strategies() -> list[str]:
+    """Every registered strategy (:func:`pipesim.sim.strategies.strategy_names`)."""
+    from pipesim.sim.strategies import strategy_names
+
+    return strategy_names()
+
+
+# ---------------------------------------------------------------------------
+# The figure
+# ---------------------------------------------------------------------------
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.12g}")
+
+
+def bubble_data(
+    stages: Sequence[int] = DEFAULT_STAGES,
+    microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+    strategies: Iterable[str] | None = None,
+    simulate: Simulate | None = None,
+    *,
+    chunks: int = 2,
+    progress: bool = True,
+) -> dict:
+    """Simulated and analytic numbers behind :func:`bubble_figure` (the
+    content of ``bubbles.json``)."""
+    stages = [int(p) for p in stages]
+    microbatches = sorted({int(m) for m in microbatches})
+    strategies = list(default_strategies() if strategies is None else strategies)
+    sim = default_simulate if simulate is None else simulate
+
+    plan = []
+    skipped: list[dict] = []
+    for p in stages:
+        for name in strategies:
+            for m in microbatches:
+                if needs_m_ge_p(name) and m < p:
+                    skipped.append({"strategy": name, "stages": p, "microbatches": m, "reason": "needs m >= p"})
+                else:
+                    plan.append((p, name, m))
+    simulated: dict[str, dict[str, dict[str, list]]] = {str(p): {} for p in stages}
+    for k, (p, name, m) in enumerate(plan, start=1):
+        try:
+            value = float(sim(name, p, m))
+        except ValueError as e:
+            skipped.append({"strategy": name, "stages": p, "microbatches": m, "reason": str(e)})
+            if progress:
+                print(f"[{k}/{len(plan)}] p={p} m={m} {name}: skipped ({e})", file=sys.stderr, flush=True)
+            continue
+        if progress:
+            print(f"[{k}/{len(plan)}] p={p} m={m} {name}: bubble {value:.4f}", file=sys.stderr, flush=True)
+        series = simulated[str(p)].setdefault(name, {"m": [], "bubble": []})
+        series["m"].append(m)
+        series["bubble"].append(_r(value))
+
+    analytic: dict[str, dict] = {}
+    for p in stages:
+        big = [m for m in microbatches if m >= p]
+        analytic[str(p)] = {
+            "gpipe_1f1b": {"m": list(microbatches), "bubble": [_r(bubble_gpipe(p, m)) for m in microbatches]},
+            "interleaved": {"m": big, "bubble": [_r(bubble_interleaved(p, m, chunks)) for m in big]},
+            "zb_h1": {"m": big, "bubble": [_r(bubble_zb_h1(p, m)) for m in big]},
+        }
+    return {
+        "figure": "bubble fraction against micro-batches",
+        "bubble_definition": "1 - busy compute time / makespan, mean over devices",
+        "model": "uniform",
+        "hardware": "ideal",
+        "stages": stages,
+        "microbatches": microbatches,
+        "strategies": strategies,
+        "interleaved_chunks": chunks,
+        "zb_h1_times": {"T_F": 1, "T_I": 1, "T_W": 1},
+        "analytic_formulas": {
+            "gpipe_1f1b": "(p-1)/(m+p-1)",
+            "interleaved": "(p-1)/(v*m+p-1)  [= r/(1+r), r=(p-1)/(v*m) of ideal time]",
+            "zb_h1": "(p-1)(T_F+T_I-T_W)/(m(T_F+T_I+T_W)+(p-1)(T_F+T_I-T_W)) = (p-1)/(3m+p-1)",
+        },
+        "simulated": simulated,
+        "analytic": analytic,
+        "skipped": skipped,
+    }
+
+
+def figure_from_data(data: dict) -> go.Figure:
+    """The plotly figure for a :func:`bubble_data` document."""
+    stages = data["stages"]
+    microbatches = data["microbatches"]
+    strategies = data["strategies"]
+    fig = make_subplots(rows=1, cols=len(stages), shared_yaxes=True,
+                        subplot_titles=[f"p = {p}" for p in stages], horizontal_spacing=0.06)
+    for col, p in enumerate(stages, start=1):
+        for idx, name in enumerate(strategies):
+            series = data["simulated"][str(p)].get(name)
+            if not series or not series["m"]:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=series["m"], y=series["bubble"], mode="lines+markers", name=name,
+                    legendgroup=name, showlegend=col == 1,
+                    line={"color": STRATEGY_COLORS[idx % len(STRATEGY_COLORS)], "width": 2},
+                    marker={"size": 7},
+                    hovertemplate=f"{name}<br>p = {p}, m = %{{x}}<br>bubble %{{y:.4f}}<extra></extra>",
+                ),
+                row=1, col=col,
+            )
+        for key, (label, color) in ANALYTIC_STYLE.items():
+            if key == "interleaved":
+                label = label.replace("v·m", f"{data['interleaved_chunks']}m")
+            series = data["analytic"][str(p)][key]
+            if not series["m"]:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=series["m"], y=series["bubble"], mode="lines", name=label,
+                    legendgroup=key, showlegend=col == 1,
+                    line={"color": color, "width": 1.5, "dash": "dash"},
+                    hovertemplate=f"{label}<br>p = {p}, m = %{{x}}<br>bubble %{{y:.4f}}<extra></extra>",
+                ),
+                row=1, col=col,
+            )
+        fig.update_xaxes(type="log", tickmode="array", tickvals=list(microbatches),
+                         ticktext=[str(m) for m in microbatches],
+                         title_text="micro-batches m (log₂ scale)", row=1, col=col)
+    fig.update_yaxes(title_text="bubble fraction", range=[0, 1.02], row=1, col=1)
+    fig.update_yaxes(range=[0, 1.02])
+    fig.update_layout(
+        title={"text": f"Bubble fraction vs micro-batches ({data['model']} model, {data['hardware']} hardware)"},
+        template="plotly_white",
+        width=1300, height=560,
+        legend={"orientation": "v", "x": 1.01, "y": 1.0},
+    )
+    return fig
+
+
+def bubble_figure(
+    out_dir: str | Path,
+    stages: Sequence[int] = DEFAULT_STAGES,
+    microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+    strategies: Iterable[str] | None = None,
+    simulate: Simulate | None = None,
+    *,
+    chunks: int = 2,
+    progress: bool = True,
+    png: bool = True,
+) -> Path:
+    """Simulate, plot and write ``bubbles.html``, ``bubbles.json`` and, when
+    possible, ``bubbles.png`` into ``out_dir``; return the HTML path.
+
+    ``simulate(strategy, stages, microbatches) -> bubble fraction`` defaults
+    to :func:`default_simulate`. ``chunks`` is v of the interleaved curve.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = bubble_data(stages, microbatches, strategies, simulate, chunks=chunks, progress=progress)
+    (out / "bubbles.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    fig = figure_from_data(data)
+    html = out / "bubbles.html"
+    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-bubbles",
+                   config={"displaylogo": False})
+    if png:
+        ok = write_png(fig, out / "bubbles.png", width=1300, height=560)
+        if progress:
+            print("wrote bubbles.png" if ok else "bubbles.png skipped (needs kaleido and Chrome/Chromium)",
+                  file=sys.stderr, flush=True)
+    return html

@@ -1,0 +1,233 @@
+"""Interactive timeline of one execution: who computes what, when.
+
+:func:`timeline_figure` turns a :class:`~pipesim.sim.results.SimResult` into a
+plotly figure with one row per device (``device 0`` at the top), compute spans
+as horizontal bars coloured by action type and, on a thinner sub-row
+``device N comm`` under each device, sends, receives and collectives. Idle
+time is left empty on a light-grey background, so bubbles are the grey gaps;
+each row label carries the device's bubble fraction (1 − busy compute time /
+makespan, as in ``docs/semantics.md``).
+
+Bars are grouped into **one trace per action type** (F, B, I, W, UPDATE,
+PREDICT, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, AVERAGE), never one
+trace per span; numbers travel as binary arrays, so a 100k-span schedule stays
+a few megabytes of HTML. Beyond ``max_spans`` spans in total the communication
+rows are dropped (compute is always drawn in full) and a note says so; the
+Chrome trace (:mod:`pipesim.sim.trace`) always holds everything.
+
+:func:`write_timeline_html` writes a self-contained page (plotly.js inlined,
+fixed ``div_id``): the same result gives byte-identical HTML.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import plotly.graph_objects as go
+
+from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op
+from pipesim.sim.results import SimResult
+
+#: Fixed colour of every action type, shared by all pipesim figures.
+PALETTE: dict[Op, str] = {
+    Op.FORWARD: "#4C78A8",  # blue
+    Op.BACKWARD: "#F58518",  # orange
+    Op.BACKWARD_INPUT: "#E45756",  # red
+    Op.BACKWARD_WEIGHT: "#54A24B",  # green
+    Op.UPDATE: "#7B3294",  # purple
+    Op.PREDICT: "#EECA3B",  # yellow
+    Op.AVERAGE: "#8C564B",  # brown
+    Op.REDUCE_GRAD: "#D62728",  # dark red
+    Op.SEND_F: "#17BECF",  # cyan
+    Op.RECV_F: "#9EDAE5",  # light cyan
+    Op.SEND_B: "#BCBD22",  # olive
+    Op.RECV_B: "#DBDB8D",  # light olive
+}
+
+#: Trace (and legend) order.
+OP_ORDER: tuple[Op, ...] = tuple(PALETTE)
+
+#: Background of the plot area: what an idle (bubble) slot looks like.
+IDLE_COLOR = "#EDEDED"
+
+DIV_ID = "pipesim-timeline"
+DEFAULT_MAX_SPANS = 20_000
+
+_COMPUTE_WIDTH = 0.8
+_COMM_WIDTH = 0.45
+
+
+def device_bubbles(result: SimResult) -> list[float]:
+    """Bubble fraction of every device: 1 − busy compute time / makespan."""
+    n = max([result.schedule.num_devices] + [s.device + 1 for s in result.spans])
+    busy = [0.0] * n
+    for s in result.spans:
+        if s.stream == "compute":
+            busy[s.device] += s.end - s.start
+    makespan = result.makespan
+    if makespan <= 0:
+        return [0.0] * n
+    return [max(0.0, 1.0 - b / makespan) for b in busy]
+
+
+def _hovertemplate(op: Op, all_versions: bool, comm: bool) -> str:
+    # customdata columns: stage, microbatch, version, duration (ms)[, peer, bytes]
+    parts = ["stage %{customdata[0]:d}"]
+    if op in MICROBATCH_OPS:
+        parts.append("mb %{customdata[1]:d}")
+    if all_versions:
+        parts.append("version %{customdata[2]:d}")
+    lines = [
+        "<b>%{text}</b>",
+        " · ".join(parts),
+        "start %{base:.4f} ms · duration %{customdata[3]:.4f} ms",
+    ]
+    if comm:
+        peer = "peer device %{customdata[4]:d} · " if op in P2P_OPS else ""
+        lines.append(peer + "%{customdata[5]:,d} bytes")
+    return "<br>".join(lines) + "<extra>%{fullData.name}</extra>"
+
+
+def timeline_figure(
+    result: SimResult,
+    title: str | None = None,
+    *,
+    show_comm: bool | None = None,
+    max_spans: int = DEFAULT_MAX_SPANS,
+) -> go.Figure:
+    """Timeline of ``result`` (see the module doc).
+
+    ``show_comm``: draw the ``device N comm`` rows; ``None`` (default) draws
+    them unless the result has more than ``max_spans`` spans in all.
+    """
+    sched = result.schedule
+    spans = result.spans
+    bubbles = device_bubbles(result)
+    n_dev = len(bubbles)
+    t0 = min((s.start for s in spans), default=0.0)
+    makespan_ms = result.makespan * 1e3
+
+    comm_spans = sum(1 for s in spans if s.stream != "compute")
+    comm_dropped = 0
+    if show_comm is None:
+        show_comm = len(spans) <= max_spans
+        if not show_comm:
+            comm_dropped = comm_spans
+    has_comm = show_comm and comm_spans > 0
+
+    # Row positions: device d's compute row, then (optionally) its comm row.
+    rows_per_dev = 2 if has_comm else 1
+    tickvals: list[int] = []
+    ticktext: list[str] = []
+    for d in range(n_dev):
+        tickvals.append(d * rows_per_dev)
+        ticktext.append(f"device {d} (bubble {100 * bubbles[d]:.1f}%)")
+        if has_comm:
+            tickvals.append(d * rows_per_dev + 1)
+            ticktext.append(f"device {d} comm")
+
+    groups: dict[Op, list] = defaultdict(list)
+    for s in spans:
+        is_comm = s.stream != "compute"
+        if is_comm and not has_comm:
+            continue
+        groups[s.action.op].append((s, is_comm))
+
+    fig = go.Figure()
+    for op in OP_ORDER + tuple(sorted(set(groups) - set(OP_ORDER), key=lambda o: o.value)):
+        items = groups.get(op)
+        if not items:
+            continue
+        items.sort(key=lambda it: (it[0].device, it[0].start, it[0].end, str(it[0].action)))
+        comm = items[0][1]
+        n = len(items)
+        y = np.empty(n, dtype=np.int32)
+        base = np.empty(n, dtype=np.float64)
+        dur = np.empty(n, dtype=np.float64)
+        # compute traces: float32 is exact for ids below 2**24 and ample for
+        # hover durations, and halves the HTML; comm keeps float64 for bytes.
+        custom = np.empty((n, 6 if comm else 4), dtype=np.float64 if comm else np.float32)
+        text = []
+        all_versions = True
+        for k, (s, is_comm) in enumerate(items):
+            a = s.action
+            y[k] = s.device * rows_per_dev + (1 if is_comm else 0)
+            start_ms = (s.start - t0) * 1e3
+            dur_ms = (s.end - s.start) * 1e3
+            base[k] = start_ms
+            dur[k] = dur_ms
+            if a.version is None:
+                all_versions = False
+            row = (
+                a.stage,
+                -1 if a.microbatch is None else a.microbatch,
+                -1 if a.version is None else a.version,
+                dur_ms,
+            )
+            custom[k] = row + (-1 if s.peer is None else s.peer, s.nbytes) if comm else row
+            text.append(str(a))
+        fig.add_trace(
+            go.Bar(
+                name=op.value,
+                orientation="h",
+                y=y,
+                base=np.round(base, 9).tolist(),
+                x=np.round(dur, 9),
+                width=_COMM_WIDTH if comm else _COMPUTE_WIDTH,
+                marker={"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
+                opacity=0.85 if comm else 1.0,
+                text=text,
+                textposition="none",
+                customdata=np.round(custom, 9) if comm else custom,
+                hovertemplate=_hovertemplate(op, all_versions, comm),
+                legendrank=OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER),
+            )
+        )
+
+    if title is None:
+        overall = sum(bubbles) / len(bubbles) if bubbles else 0.0
+        title = (
+            f"{sched.strategy}: {sched.num_stages} stages, {sched.num_devices} devices, "
+            f"m = {sched.num_microbatches}"
+            + (f", {sched.num_iterations} iterations" if sched.num_iterations > 1 else "")
+            + (f", {sched.num_replicas} replicas" if sched.num_replicas > 1 else "")
+            + f" · makespan {makespan_ms:.4g} ms · bubble {100 * overall:.1f}%"
+        )
+    n_rows = len(tickvals)
+    fig.update_layout(
+        title={"text": title},
+        barmode="overlay",
+        plot_bgcolor=IDLE_COLOR,
+        paper_bgcolor="white",
+        height=int(170 + 34 * max(n_rows, 1)),
+        margin={"l": 10, "r": 10, "t": 80, "b": 50},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
+                "title": {"text": "action"}},
+        hoverlabel={"align": "left"},
+        xaxis={"title": {"text": "time (ms)"}, "range": [0, makespan_ms if makespan_ms > 0 else 1],
+               "showgrid": False, "zeroline": False},
+        yaxis={"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
+               "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
+    )
+    if comm_dropped:
+        fig.add_annotation(
+            text=(f"communication rows omitted: {comm_dropped} transfer/collective spans "
+                  f"(more than {max_spans} spans in all; the Chrome trace has them)"),
+            xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top", xanchor="left",
+            showarrow=False, font={"size": 11, "color": "#555555"},
+        )
+    return fig
+
+
+def write_timeline_html(result: SimResult, path: str | Path, title: str | None = None, **kwargs) -> Path:
+    """Write the timeline as a self-contained HTML page (plotly.js inlined);
+    byte-identical for the same result. Extra keyword arguments go to
+    :func:`timeline_figure`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = timeline_figure(result, title=title, **kwargs)
+    fig.write_html(path, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
+                   config={"displaylogo": False, "scrollZoom": True})
+    return path

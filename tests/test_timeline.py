@@ -1,0 +1,328 @@
+"""Timeline HTML, PNG export guard and the bubble figure."""
+
+from __future__ import annotations
+
+import json
+import re
+from fractions import Fraction
+
+import pytest
+
+from pipesim.experiments import export, figures, timeline
+from pipesim.experiments.figures import (
+    bubble_figure,
+    bubble_gpipe,
+    bubble_interleaved,
+    bubble_zb_h1,
+    needs_m_ge_p,
+)
+from pipesim.experiments.timeline import DIV_ID, PALETTE, timeline_figure, write_timeline_html
+from pipesim.sim.ir import Op
+
+def _load_trace_tests():
+    # the synthetic SimResult lives in test_trace.py; load it by path so this
+    # works under any pytest import mode
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("_pipesim_test_trace", Path(__file__).with_name("test_trace.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_result = _load_trace_tests().make_result
+
+
+def _embedded_data(html: str, div_id: str) -> list:
+    """The trace list passed to Plotly.newPlot in a written HTML page."""
+    call = html.index("Plotly.newPlot(")
+    pos = html.index(f'"{div_id}",', call) + len(div_id) + 3
+    while html[pos].isspace():
+        pos += 1
+    data, _ = json.JSONDecoder().raw_decode(html, pos)
+    return data
+
+
+def _ops_present(res, compute_only=False):
+    return {s.action.op.value for s in res.spans if not compute_only or s.stream == "compute"}
+
+
+# ---------------------------------------------------------------------------
+# timeline_figure
+# ---------------------------------------------------------------------------
+
+
+def test_one_horizontal_bar_trace_per_action_type():
+    res = make_result()
+    fig = timeline_figure(res)
+    names = [t.name for t in fig.data]
+    assert len(names) == len(set(names))
+    assert set(names) == _ops_present(res)
+    for t in fig.data:
+        assert t.type == "bar" and t.orientation == "h"
+        n = sum(1 for s in res.spans if s.action.op.value == t.name)
+        assert len(t.x) == len(t.base) == len(t.y) == len(t.text) == n
+    assert fig.layout.barmode == "overlay"  # grouped bars would shift rows
+    # consistent palette: distinct colours, fixed per type
+    colors = {t.name: t.marker.color for t in fig.data}
+    assert colors["F"] == PALETTE[Op.FORWARD] and colors["B"] == PALETTE[Op.BACKWARD]
+    assert len(set(PALETTE.values())) == len(PALETTE)
+    for op in ("F", "B", "I", "W", "UPDATE", "PREDICT", "AVERAGE"):
+        assert Op(op) in PALETTE
+
+
+def test_bars_in_ms_on_the_right_rows():
+    res = make_result()
+    fig = timeline_figure(res)
+    by = {t.name: t for t in fig.data}
+    ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext, strict=True))
+    f = by["F"]
+    got = sorted((ticks[int(y)].split(" (")[0], b, x, txt)
+                 for y, b, x, txt in zip(f.y, f.base, f.x, f.text, strict=True))
+    assert got == [("device 0", 0.0, 1.0, "0F0@v0"), ("device 0", 1.0, 1.0, "0F1@v0"),
+                   ("device 1", 1.5, 1.0, "1F0@v0")]
+    send = by["SEND_F"]
+    assert {ticks[int(y)] for y in send.y} == {"device 0 comm"}
+    assert {ticks[int(y)] for y in by["RECV_F"].y} == {"device 1 comm"}
+    # thin comm bars, full compute bars
+    assert send.width < f.width
+    # hover carries action, stage, mb, version, start, duration
+    for key in ("%{text}", "stage", "mb", "version", "%{base", "duration"):
+        assert key in f.hovertemplate
+    assert "mb" not in by["UPDATE"].hovertemplate
+
+
+def test_rows_labels_bubbles_and_order():
+    res = make_result()
+    fig = timeline_figure(res)
+    ya = fig.layout.yaxis
+    labels = list(ya.ticktext)
+    # device 0 at the top: its tick is first and the axis runs top-down
+    assert labels[0].startswith("device 0") and labels[2].startswith("device 1")
+    assert ya.tickvals[0] < ya.tickvals[2]
+    assert ya.range[0] > ya.range[1]
+    # bubble = 1 - busy / makespan: device 0 busy 3.5 of 3.5 ms, device 1 busy 1.25
+    assert labels[0] == "device 0 (bubble 0.0%)"
+    assert labels[2] == "device 1 (bubble 64.3%)"
+    assert labels[1] == "device 0 comm"
+    assert timeline.device_bubbles(res) == pytest.approx([0.0, 1 - 1.25 / 3.5])
+    assert fig.layout.xaxis.title.text == "time (ms)"
+    assert fig.layout.plot_bgcolor == timeline.IDLE_COLOR
+
+
+def test_large_results_drop_comm_with_a_note():
+    res = make_result()
+    fig = timeline_figure(res, max_spans=5)
+    assert {t.name for t in fig.data} == _ops_present(res, compute_only=True)
+    assert not any("comm" in t for t in fig.layout.yaxis.ticktext)
+    assert any("omitted" in a.text for a in fig.layout.annotations)
+    # explicit request wins
+    assert {t.name for t in timeline_figure(res, show_comm=True, max_spans=5).data} == _ops_present(res)
+
+
+def test_html_self_contained_and_byte_identical(tmp_path):
+    a, b = tmp_path / "a.html", tmp_path / "b.html"
+    write_timeline_html(make_result(), a)
+    write_timeline_html(make_result(), b)
+    assert a.read_bytes() == b.read_bytes()
+    html = a.read_text()
+    assert html.startswith("<html>") or "<html" in html[:200]
+    assert "Plotly.newPlot" in html and f'id="{DIV_ID}"' in html
+    assert not re.search(r"<script[^>]*\bsrc=", html)  # plotly.js inlined, nothing fetched
+    assert len(html) > 1_000_000  # ... and it really is in the file
+    # one bar trace per action type in the embedded figure
+    data = _embedded_data(html, DIV_ID)
+    assert [t["type"] for t in data] == ["bar"] * len(_ops_present(make_result()))
+    assert {t["name"] for t in data} == _ops_present(make_result())
+    assert "device 1 (bubble 64.3%)" in html
+
+
+# ---------------------------------------------------------------------------
+# PNG export guard
+# ---------------------------------------------------------------------------
+
+
+def test_write_png_false_without_kaleido(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "kaleido_available", lambda: False)
+    out = tmp_path / "x.png"
+    assert export.write_png(timeline_figure(make_result()), out) is False
+    assert not out.exists()
+
+
+def test_write_png_false_without_browser(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "kaleido_available", lambda: True)
+    monkeypatch.setattr(export, "find_browser", lambda: None)
+    out = tmp_path / "x.png"
+    assert export.write_png(timeline_figure(make_result()), out) is False
+    assert not out.exists()
+
+
+def test_find_browser_uses_path(tmp_path, monkeypatch):
+    exe = tmp_path / "chromium"
+    exe.write_text("#!/bin/sh\nexit 1\n")
+    exe.chmod(0o755)
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert export.find_browser() == str(exe)
+
+
+def test_write_png_false_when_export_fails(tmp_path, monkeypatch):
+    # kaleido "present", a browser "present", but the child export fails
+    monkeypatch.setattr(export, "png_supported", lambda: True)
+    monkeypatch.setattr(export, "_CHILD", "import sys; sys.exit(3)")
+    out = tmp_path / "x.png"
+    assert export.write_png(timeline_figure(make_result()), out) is False
+    assert not out.exists()
+
+
+def test_write_png_success_path_copies_the_child_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "png_supported", lambda: True)
+    child = "import sys; open(sys.argv[2], 'wb').write(b'PNG' + sys.argv[3].encode() + b'x' + sys.argv[4].encode())"
+    monkeypatch.setattr(export, "_CHILD", child)
+    out = tmp_path / "sub" / "x.png"
+    fig = timeline_figure(make_result())
+    assert export.write_png(fig, out, width=800) is True
+    assert out.read_bytes() == b"PNG800x" + str(fig.layout.height).encode()
+
+
+def test_write_png_times_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "png_supported", lambda: True)
+    monkeypatch.setattr(export, "_CHILD", "import time; time.sleep(30)")
+    out = tmp_path / "x.png"
+    assert export.write_png(timeline_figure(make_result()), out, timeout=1) is False
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------
+# bubble figure
+# ---------------------------------------------------------------------------
+
+
+def test_analytic_curves():
+    assert Fraction(bubble_gpipe(4, 4)).limit_denominator(1000) == Fraction(3, 7)
+    assert bubble_gpipe(8, 1) == pytest.approx(7 / 8)
+    assert bubble_gpipe(8, 64) == pytest.approx(7 / 71)
+    # interleaved, v chunks: r = (p-1)/(v m) of ideal time -> r / (1 + r) of the makespan
+    assert bubble_interleaved(4, 4, 2) == pytest.approx(3 / 11)
+    assert bubble_interleaved(8, 16, 4) == pytest.approx(7 / 71)
+    assert bubble_interleaved(4, 8, 1) == pytest.approx(bubble_gpipe(4, 8))
+    # ZB-H1 with unit F, I, W: (p-1)/(3m+p-1)
+    assert bubble_zb_h1(4, 4) == pytest.approx(3 / 15)
+    assert bubble_zb_h1(8, 8) == pytest.approx(7 / 31)
+    # with T_W = 0 it degenerates to 1F1B with T_B = T_F + T_I
+    assert bubble_zb_h1(4, 4, 1, 1, 0) == pytest.approx(bubble_gpipe(4, 4))
+
+
+def test_needs_m_ge_p():
+    for name in ("interleaved", "interleaved-1f1b", "pipedream-2bw", "2bw", "zb-h1", "ZB_H1"):
+        assert needs_m_ge_p(name), name
+    for name in ("gpipe", "1f1b", "pipedream", "spectrain", "avgpipe"):
+        assert not needs_m_ge_p(name), name
+
+
+class FakeSim:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, strategy, stages, microbatches):
+        self.calls.append((strategy, stages, microbatches))
+        if strategy == "broken" and microbatches == 2:
+            raise ValueError("m must be even-ish")
+        if strategy == "interleaved":
+            return bubble_interleaved(stages, microbatches, 2)
+        return bubble_gpipe(stages, microbatches) * (0.5 if strategy == "half" else 1.0)
+
+
+def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
+    sim = FakeSim()
+    mbs = (1, 2, 4, 8, 16)
+    html = bubble_figure(tmp_path, stages=(4, 8), microbatches=mbs,
+                         strategies=["gpipe", "interleaved", "half", "broken"], simulate=sim, png=False)
+    assert html == tmp_path / "bubbles.html"
+    assert html.is_file() and (tmp_path / "bubbles.json").is_file()
+    assert not (tmp_path / "bubbles.png").exists()
+    # strategies needing m >= p are never simulated below p
+    assert ("interleaved", 4, 2) not in sim.calls and ("interleaved", 4, 4) in sim.calls
+    assert not any(s == "interleaved" and p == 8 and m < 8 for s, p, m in sim.calls)
+    assert len(sim.calls) == 2 * 5 * 3 + 3 + 2  # gpipe/half/broken everywhere, interleaved m>=p
+    data = json.loads((tmp_path / "bubbles.json").read_text())
+    assert data["stages"] == [4, 8] and data["microbatches"] == list(mbs)
+    g4 = data["simulated"]["4"]["gpipe"]
+    assert g4["m"] == list(mbs) and g4["bubble"][2] == pytest.approx(3 / 7)
+    assert data["simulated"]["4"]["interleaved"]["m"] == [4, 8, 16]
+    assert data["simulated"]["8"]["half"]["bubble"][0] == pytest.approx(7 / 16)
+    # the ValueError point is skipped and reported, the rest of the series is kept
+    assert data["simulated"]["4"]["broken"]["m"] == [1, 4, 8, 16]
+    reasons = {(s["strategy"], s["stages"], s["microbatches"]): s["reason"] for s in data["skipped"]}
+    assert "m must be even-ish" in reasons[("broken", 4, 2)]
+    assert reasons[("interleaved", 8, 4)] == "needs m >= p"
+    # analytic curves
+    a4, a8 = data["analytic"]["4"], data["analytic"]["8"]
+    assert a4["gpipe_1f1b"]["bubble"][a4["gpipe_1f1b"]["m"].index(4)] == pytest.approx(3 / 7)
+    assert a4["interleaved"]["m"] == [4, 8, 16]
+    assert a4["interleaved"]["bubble"][0] == pytest.approx(3 / 11)
+    assert a4["zb_h1"]["bubble"][0] == pytest.approx(3 / 15)
+    assert a8["zb_h1"]["m"] == [8, 16] and a8["zb_h1"]["bubble"][0] == pytest.approx(7 / 31)
+    assert a8["gpipe_1f1b"]["bubble"][0] == pytest.approx(7 / 8)
+    # progress on stderr, one line per simulated point
+    err = capsys.readouterr().err
+    assert err.count("p=4 m=8 gpipe: bubble 0.2727") == 1
+    assert len([ln for ln in err.splitlines() if ln.startswith("[")]) == len(sim.calls)
+    # the HTML holds both subplots, every strategy and the dashed analytic curves
+    text = html.read_text()
+    assert "p = 4" in text and "p = 8" in text
+    for name in ("gpipe", "interleaved", "half", "broken"):
+        assert f'"name":"{name}"' in text
+    traces = _embedded_data(text, "pipesim-bubbles")
+    assert sum(1 for t in traces if t.get("line", {}).get("dash") == "dash") == 2 * 3
+    assert sum(1 for t in traces if t["mode"] == "lines+markers") == 2 * 4
+    assert not re.search(r"<script[^>]*\bsrc=", text)
+
+
+def test_bubble_figure_deterministic(tmp_path):
+    outs = []
+    for sub in ("a", "b"):
+        bubble_figure(tmp_path / sub, stages=(4,), microbatches=(1, 4, 16), strategies=["gpipe", "zb-h1"],
+                      simulate=FakeSim(), progress=False, png=False)
+        outs.append(((tmp_path / sub / "bubbles.json").read_bytes(), (tmp_path / sub / "bubbles.html").read_bytes()))
+    assert outs[0] == outs[1]
+
+
+def test_bubble_figure_figure_layout(tmp_path):
+    data = figures.bubble_data((4, 8), (1, 2, 4, 8), ["gpipe"], FakeSim(), progress=False)
+    fig = figures.figure_from_data(data)
+    assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type == "log"
+    assert list(fig.layout.xaxis.tickvals) == [1, 2, 4, 8]
+    sim_traces = [t for t in fig.data if t.mode == "lines+markers"]
+    assert len(sim_traces) == 2 and all(t.name == "gpipe" for t in sim_traces)
+    dashed = [t for t in fig.data if t.line.dash == "dash"]
+    assert len(dashed) == 6
+
+
+def test_import_errors_of_the_simulator_are_not_swallowed(tmp_path):
+    def sim(strategy, stages, microbatches):
+        raise ImportError("no api yet")
+
+    with pytest.raises(ImportError):
+        bubble_figure(tmp_path, stages=(4,), microbatches=(4,), strategies=["gpipe"], simulate=sim,
+                      progress=False, png=False)
+
+
+def test_default_strategies_are_the_registry():
+    from pipesim.sim.strategies import strategy_names
+
+    assert figures.default_strategies() == strategy_names()
+    assert "gpipe" in figures.default_strategies()
+
+
+
+def test_bubbles_agree_with_metrics_and_default_simulate():
+    from pipesim.sim.api import simulate
+    from pipesim.sim.metrics import bubble_fractions
+    from pipesim.sim.strategies import ScheduleSpec
+
+    res = simulate(ScheduleSpec("gpipe", 4, 4), model="uniform", hardware="ideal")
+    assert timeline.device_bubbles(res) == pytest.approx(bubble_fractions(res))
+    assert figures.default_simulate("gpipe", 4, 4) == pytest.approx(3 / 7)
+    assert figures.default_simulate("zb-h1", 4, 4) == pytest.approx(bubble_zb_h1(4, 4))
