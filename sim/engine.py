@@ -161,6 +161,7 @@ def simulate(
         link_bytes=dict(sorted(run.link_bytes.items())),
         microbatch_size=microbatch_size,
         meta=dict(meta or {}),
+        stage_costs=tuple(stage_costs),
     )
     track(result, stage_costs, hardware, optimizer=optimizer)
     return result

@@ -37,13 +37,16 @@ def schedule_from_csv(
     text: str,
     *,
     microbatches: int | None = None,
+    iterations: int = 1,
     strategy: str = "imported",
     check: bool = True,
 ) -> Schedule:
     """A validated :class:`Schedule` from a torch or pipesim schedule CSV.
 
     ``microbatches`` is m; by default it is inferred as one more than the
-    largest micro-batch id found, which is what torch's own loader assumes.
+    largest micro-batch id found (over ``iterations``), which is what
+    torch's own loader assumes. The CSV carries neither, so a round trip
+    passes them back in.
     """
     programs = parse_csv(text)
     actions = [a for prog in programs for a in prog]
@@ -51,8 +54,10 @@ def schedule_from_csv(
     mbs = [a.microbatch for a in actions if a.op in MICROBATCH_OPS]
     if not mbs:
         raise ScheduleError("the schedule CSV has no forward or backward passes")
+    if iterations < 1:
+        raise ScheduleError(f"iterations must be >= 1, got {iterations}")
     if microbatches is None:
-        microbatches = max(mbs) + 1
+        microbatches = -(-(max(mbs) + 1) // iterations)
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be >= 1, got {microbatches}")
     num_replicas = max(a.replica for a in actions) + 1
@@ -67,6 +72,7 @@ def schedule_from_csv(
         num_microbatches=microbatches,
         programs=programs,
         num_replicas=num_replicas,
+        num_iterations=iterations,
     )
     if check:
         validate(schedule)

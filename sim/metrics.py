@@ -85,6 +85,10 @@ def summarize(result: SimResult) -> dict:
             "staleness_max": max(vals) if vals else 0,
             "staleness_mean": _r(sum(vals) / len(vals)) if vals else 0.0,
         }
+        if result.stage_costs:
+            c = result.stage_costs[stage]
+            info.update(forward_s=_r(c.forward_s), backward_s=_r(c.backward_s), param_bytes=int(c.param_bytes),
+                        stash_bytes=int(c.stash_bytes), activation_bytes=int(c.activation_bytes))
         if predicting:
             info["prediction_distance_fwd"] = max(dist_f.get(stage, {0}))
             info["prediction_distance_bwd"] = max(dist_b.get(stage, {0}))

@@ -116,6 +116,8 @@ class SimResult:
     microbatch_size: int = 1
     #: free-form provenance: model, hardware, engine parameters
     meta: dict[str, object] = field(default_factory=dict)
+    #: the StageCost of each model stage the execution was costed with
+    stage_costs: tuple = ()
 
     @property
     def makespan(self) -> float:

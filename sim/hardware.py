@@ -1,0 +1,539 @@
+"""Devices, links and topologies: where a transfer goes and what it shares.
+
+The engine treats every :class:`Link` as a resource that one transfer holds at
+a time for its whole uncontended duration; two transfers contend exactly when
+their routes name the same link. So the topology model here is nothing more
+than a deterministic map ``(src, dst) -> tuple of shared links``. Choosing
+which physical resources become one link is the whole modelling decision:
+
+* ``ideal``: no links at all; every transfer is free.
+* ``bus``: one link per node for every intra-node transfer. That is the
+  2018-era workstation SpecTrain measured on, four GPUs behind one PCIe host
+  bridge, where peer traffic serialises on the bridge. Modelled as
+  half-duplex on purpose: it is the conservative reading and the one that
+  reproduces a communication-bound 4-GPU PCIe box.
+* ``switch``: NVSwitch (DGX H100). Each GPU has one egress and one ingress
+  port into a non-blocking switch, so a transfer holds the sender's ``tx``
+  port and the receiver's ``rx`` port. Two sends from one GPU contend; sends
+  between disjoint pairs do not.
+* ``mesh``: point-to-point NVLink (DGX-1's hybrid cube mesh). Each directly
+  wired ordered pair has its own link of ``lanes x bandwidth``; pairs without
+  NVLink go through the host (PCIe, CPU socket link), modelled as one shared
+  ``host`` link per node.
+
+Across nodes a transfer holds the sender node's NIC ``tx`` and the receiver
+node's NIC ``rx``; the switched fabric between NICs is assumed non-blocking.
+A device uses NIC ``local_index * nics_per_node // devices_per_node``, which is
+how DGX machines wire NICs to GPUs (DGX-1: one NIC per GPU pair's PCIe
+switch; DGX H100: one NIC per GPU).
+
+Latency is charged once per hop, on the sending side's link (the ``rx`` side
+of a port or NIC has zero latency), so :meth:`Hardware.transfer_time` =
+sum of latencies on the route + bytes / narrowest bandwidth.
+
+Devices are numbered node-major: devices ``0 .. d-1`` on node 0, ``d .. 2d-1``
+on node 1, and so on.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class HardwareError(ValueError):
+    """A hardware description is unknown, malformed, or too small for a schedule."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator.
+
+    ``flops`` is *sustained* FLOP/s for training kernels in the precision the
+    preset trains in, not the datasheet peak: compute times are FLOPs divided
+    by it. ``mem_bandwidth`` (bytes/s, sustained) prices memory-bound kernels:
+    optimizer steps, weight prediction, elementwise layers.
+    ``dtype_bytes`` is the size of one activation element in that precision
+    (4 for fp32, 2 for fp16/bf16 mixed precision).
+    """
+
+    name: str
+    flops: float
+    mem_bandwidth: float
+    memory_bytes: float
+    dtype_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for attr in ("flops", "mem_bandwidth", "memory_bytes"):
+            v = getattr(self, attr)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v <= 0:
+                raise HardwareError(f"device {self.name!r}: {attr} must be a positive number, got {v!r}")
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            raise HardwareError(f"device {self.name!r}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A resource transfers hold while they move data.
+
+    ``name`` identifies the link: the engine keys its contention and its
+    per-link byte counts on it, so two routes share a link iff they contain a
+    link of the same name (and :class:`Hardware` hands out the same object).
+    """
+
+    name: str
+    bandwidth: float  # bytes/s; math.inf allowed
+    latency: float  # seconds
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """How the devices of one node talk to each other (see the module doc).
+
+    ``bandwidth``/``latency`` are per link: the shared bus, one switch port
+    in one direction, or one NVLink lane in one direction for ``mesh``.
+    ``mesh`` lists ``(a, b, lanes)`` with node-local indices; each listed pair
+    is wired both ways. ``host_bandwidth``/``host_latency`` are the path for
+    ``mesh`` pairs without NVLink. ``label`` names the links (``pcie``,
+    ``nvlink``) so reports read naturally.
+    """
+
+    kind: str = "ideal"
+    bandwidth: float = math.inf
+    latency: float = 0.0
+    label: str = ""
+    mesh: tuple[tuple[int, int, int], ...] = ()
+    host_bandwidth: float = math.inf
+    host_latency: float = 0.0
+
+    KINDS = ("ideal", "bus", "switch", "mesh")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise HardwareError(f"intra_node.kind must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "mesh", tuple(tuple(int(x) for x in e) for e in self.mesh))
+        _check_link_numbers("intra_node", self.bandwidth, self.latency)
+        _check_link_numbers("intra_node host path", self.host_bandwidth, self.host_latency)
+
+
+@dataclass(frozen=True)
+class NicSpec:
+    """A node's network adapters: ``count`` NICs, each full duplex."""
+
+    count: int = 1
+    bandwidth: float = math.inf  # bytes/s per NIC per direction
+    latency: float = 0.0
+    label: str = "nic"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count < 1:
+            raise HardwareError(f"inter_node.count must be a positive integer, got {self.count!r}")
+        _check_link_numbers("inter_node", self.bandwidth, self.latency)
+
+
+def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
+    if not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool) or not bandwidth > 0:
+        raise HardwareError(f"{where}: bandwidth must be a positive number or \"inf\", got {bandwidth!r}")
+    if not isinstance(latency, (int, float)) or isinstance(latency, bool) or not (0 <= latency < math.inf):
+        raise HardwareError(f"{where}: latency must be a finite number >= 0, got {latency!r}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Homogeneous devices in ``num_devices // devices_per_node`` nodes.
+
+    ``num_devices`` None means unbounded (only sensible with the ``ideal``
+    interconnect and no NICs). ``devices_per_node`` None means one node
+    holding every device. Links are built once, so :meth:`route` returns the
+    same :class:`Link` objects every call.
+    """
+
+    name: str
+    device: DeviceSpec
+    num_devices: int | None = None
+    devices_per_node: int | None = None
+    intra_node: Interconnect = field(default_factory=Interconnect)
+    inter_node: NicSpec | None = None
+    notes: str = ""
+    _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lanes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n, d = self.num_devices, self.devices_per_node
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise HardwareError(f"{self.name}: num_devices must be a positive integer or null, got {n!r}")
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise HardwareError(f"{self.name}: devices_per_node must be a positive integer or null, got {d!r}")
+        if n is None and d is not None:
+            raise HardwareError(f"{self.name}: unbounded num_devices needs devices_per_node null")
+        if n is not None and d is not None and n % d:
+            raise HardwareError(f"{self.name}: {n} devices do not fill nodes of {d}")
+        if self.nodes > 1 and self.inter_node is None:
+            raise HardwareError(f"{self.name}: {self.nodes} nodes need an inter_node (NIC) description")
+        if n is None and self.intra_node.kind != "ideal":
+            raise HardwareError(f"{self.name}: unbounded num_devices needs the ideal interconnect")
+        per_node = self.local_devices
+        ic = self.intra_node
+        if ic.kind == "mesh":
+            for a, b, lanes in ic.mesh:
+                if not (0 <= a < per_node and 0 <= b < per_node) or a == b or lanes < 1:
+                    raise HardwareError(
+                        f"{self.name}: mesh entry {[a, b, lanes]} needs two distinct local devices "
+                        f"below {per_node} and lanes >= 1"
+                    )
+        if self.inter_node is not None and self.inter_node.count > per_node:
+            raise HardwareError(f"{self.name}: {self.inter_node.count} NICs for {per_node} devices per node")
+
+    # -- shape --------------------------------------------------------------
+    @property
+    def local_devices(self) -> int | float:
+        """Devices per node (inf when unbounded)."""
+        if self.devices_per_node is not None:
+            return self.devices_per_node
+        return self.num_devices if self.num_devices is not None else math.inf
+
+    @property
+    def nodes(self) -> int:
+        if self.num_devices is None or self.devices_per_node is None:
+            return 1
+        return self.num_devices // self.devices_per_node
+
+    def node_of(self, device: int) -> int:
+        self._check_index(device)
+        if self.devices_per_node is None:
+            return 0
+        return device // self.devices_per_node
+
+    def check_devices(self, n: int) -> None:
+        """Raise when a schedule needs more devices than the hardware has."""
+        if self.num_devices is not None and n > self.num_devices:
+            raise HardwareError(f"{self.name} has {self.num_devices} devices; the schedule needs {n}")
+
+    def _check_index(self, device: int) -> None:
+        if not isinstance(device, int) or device < 0 or (
+            self.num_devices is not None and device >= self.num_devices
+        ):
+            raise HardwareError(f"{self.name} has no device {device!r} (devices 0..{self._last_device()})")
+
+    def _last_device(self) -> str:
+        return "inf" if self.num_devices is None else str(self.num_devices - 1)
+
+    # -- routing ------------------------------------------------------------
+    def _link(self, name: str, bandwidth: float, latency: float) -> Link:
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = Link(name, float(bandwidth), float(latency))
+        return link
+
+    def route(self, src: int, dst: int) -> tuple[Link, ...]:
+        """The shared links a ``src -> dst`` transfer occupies, in path order."""
+        self._check_index(src)
+        self._check_index(dst)
+        if src == dst:
+            return ()
+        n_src, n_dst = self.node_of(src), self.node_of(dst)
+        if n_src != n_dst:
+            nic = self.inter_node
+            assert nic is not None  # guaranteed by __post_init__ when nodes > 1
+            i = self._nic_of(src)
+            j = self._nic_of(dst)
+            return (
+                self._link(f"node{n_src}.{nic.label}{i}.tx", nic.bandwidth, nic.latency),
+                self._link(f"node{n_dst}.{nic.label}{j}.rx", nic.bandwidth, 0.0),
+            )
+        ic = self.intra_node
+        if ic.kind == "ideal":
+            return ()
+        if ic.kind == "bus":
+            return (self._link(f"node{n_src}.{ic.label or 'bus'}", ic.bandwidth, ic.latency),)
+        if ic.kind == "switch":
+            label = ic.label or "port"
+            return (
+                self._link(f"gpu{src}.{label}.tx", ic.bandwidth, ic.latency),
+                self._link(f"gpu{dst}.{label}.rx", ic.bandwidth, 0.0),
+            )
+        # mesh
+        lanes = self._mesh_lanes().get((self._local(src), self._local(dst)))
+        if lanes:
+            label = ic.label or "link"
+            return (self._link(f"gpu{src}->gpu{dst}.{label}", lanes * ic.bandwidth, ic.latency),)
+        return (self._link(f"node{n_src}.host", ic.host_bandwidth, ic.host_latency),)
+
+    def _local(self, device: int) -> int:
+        return device if self.devices_per_node is None else device % self.devices_per_node
+
+    def _nic_of(self, device: int) -> int:
+        assert self.inter_node is not None and self.devices_per_node is not None
+        return self._local(device) * self.inter_node.count // self.devices_per_node
+
+    def _mesh_lanes(self) -> dict[tuple[int, int], int]:
+        """(a, b) -> NVLink lanes, both directions; built on first use."""
+        if not self._lanes and self.intra_node.mesh:
+            for a, b, k in self.intra_node.mesh:
+                self._lanes[(a, b)] = self._lanes[(b, a)] = k
+        return self._lanes
+
+    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Uncontended time to move ``nbytes`` from ``src`` to ``dst``.
+
+        Zero bytes cost nothing, not even latency: a transfer that carries no
+        data (the ``uniform`` model) is a modelling artefact, not a message.
+        """
+        if nbytes < 0:
+            raise HardwareError(f"cannot transfer {nbytes} bytes")
+        route = self.route(src, dst)
+        if not route or nbytes == 0:
+            return 0.0
+        bandwidth = min(link.bandwidth for link in route)
+        latency = math.fsum(link.latency for link in route)
+        return latency + (0.0 if math.isinf(bandwidth) else nbytes / bandwidth)
+
+    def ring_allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Estimate of a ring all-reduce of ``nbytes`` over ``devices`` (ring in the given order).
+
+        2(n-1) steps; in each every device sends ``nbytes/n`` to its ring
+        successor. Transfers sharing a link serialise, so a step lasts as long
+        as its busiest link (sum of the transfer times through it) or its
+        slowest transfer. The engine simulates the same steps event by event;
+        this closed form is for planners and sanity checks.
+        """
+        devs = list(devices)
+        n = len(devs)
+        if n < 2 or nbytes == 0:
+            return 0.0
+        chunk = math.ceil(nbytes / n)
+        busy: dict[str, float] = {}
+        slowest = 0.0
+        for i, src in enumerate(devs):
+            dst = devs[(i + 1) % n]
+            t = self.transfer_time(src, dst, chunk)
+            slowest = max(slowest, t)
+            for link in self.route(src, dst):
+                busy[link.name] = busy.get(link.name, 0.0) + t
+        step = max([slowest, *busy.values()])
+        return 2 * (n - 1) * step
+
+    # -- serialisation ------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """The preset-file form, so results can record the exact hardware."""
+        ic = self.intra_node
+        d: dict[str, Any] = {
+            "name": self.name,
+            "notes": self.notes,
+            "device": {
+                "name": self.device.name,
+                "flops": _num_out(self.device.flops),
+                "mem_bandwidth": _num_out(self.device.mem_bandwidth),
+                "memory_bytes": _num_out(self.device.memory_bytes),
+                "dtype_bytes": self.device.dtype_bytes,
+            },
+            "num_devices": self.num_devices,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": {
+                "kind": ic.kind,
+                "bandwidth": _num_out(ic.bandwidth),
+                "latency": ic.latency,
+                "label": ic.label,
+            },
+        }
+        if ic.kind == "mesh":
+            d["intra_node"]["mesh"] = [list(e) for e in ic.mesh]
+            d["intra_node"]["host_bandwidth"] = _num_out(ic.host_bandwidth)
+            d["intra_node"]["host_latency"] = ic.host_latency
+        if self.inter_node is not None:
+            nic = self.inter_node
+            d["inter_node"] = {
+                "count": nic.count,
+                "bandwidth": _num_out(nic.bandwidth),
+                "latency": nic.latency,
+                "label": nic.label,
+            }
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, *, source: str = "hardware") -> Hardware:
+        """Build from the preset-file form; :class:`HardwareError` naming ``source`` on bad input."""
+        try:
+            return _hardware_from_json(d)
+        except HardwareError as e:
+            raise HardwareError(f"{source}: {e}") from None
+
+    def with_nodes(self, nodes: int) -> Hardware:
+        """The same machine replicated ``nodes`` times (needs a NIC description)."""
+        if self.devices_per_node is None or self.inter_node is None:
+            raise HardwareError(f"{self.name} has no NICs; it cannot be replicated across nodes")
+        if nodes < 1:
+            raise HardwareError(f"node count must be >= 1, got {nodes}")
+        base = self.name.rsplit("-x", 1)[0] if self.nodes > 1 else self.name
+        return Hardware(
+            name=f"{base}-x{nodes}" if nodes > 1 else base,
+            device=self.device,
+            num_devices=self.devices_per_node * nodes,
+            devices_per_node=self.devices_per_node,
+            intra_node=self.intra_node,
+            inter_node=self.inter_node,
+            notes=self.notes,
+        )
+
+
+def _num_out(x: float) -> float | str:
+    return "inf" if math.isinf(x) else x
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+_TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node"}
+_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "notes"}
+_INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
+_NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
+
+
+def _num(d: dict, key: str, where: str, default: Any = None) -> float:
+    """A number field; the string "inf" (JSON has no infinity) means unbounded."""
+    if key not in d:
+        if default is None:
+            raise HardwareError(f"{where}: missing field {key!r}")
+        return default
+    v = d[key]
+    if v == "inf":
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise HardwareError(f"{where}.{key} must be a number or \"inf\", got {v!r}")
+    return float(v)
+
+
+def _obj(d: Any, where: str, keys: set[str]) -> dict:
+    if not isinstance(d, dict):
+        raise HardwareError(f"{where} must be a JSON object")
+    extra = sorted(set(d) - keys)
+    if extra:
+        raise HardwareError(f"{where}: unknown field {extra[0]!r} (known: {', '.join(sorted(keys))})")
+    return d
+
+
+def _opt_int(d: dict, key: str, where: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HardwareError(f"{where}.{key} must be an integer or null, got {v!r}")
+    return v
+
+
+def _hardware_from_json(d: Any) -> Hardware:
+    d = _obj(d, "hardware", _TOP_KEYS)
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise HardwareError("missing or empty field 'name'")
+    dev = _obj(d.get("device"), "device", _DEVICE_KEYS) if "device" in d else None
+    if dev is None:
+        raise HardwareError("missing field 'device'")
+    dtype = dev.get("dtype_bytes", 4)
+    if isinstance(dtype, bool) or not isinstance(dtype, int):
+        raise HardwareError(f"device.dtype_bytes must be an integer, got {dtype!r}")
+    device = DeviceSpec(
+        name=str(dev.get("name", name)),
+        flops=_num(dev, "flops", "device"),
+        mem_bandwidth=_num(dev, "mem_bandwidth", "device"),
+        memory_bytes=_num(dev, "memory_bytes", "device"),
+        dtype_bytes=dtype,
+    )
+    intra = _obj(d.get("intra_node", {"kind": "ideal"}), "intra_node", _INTRA_KEYS)
+    kind = intra.get("kind")
+    if kind not in Interconnect.KINDS:
+        raise HardwareError(f"intra_node.kind must be one of {', '.join(Interconnect.KINDS)}, got {kind!r}")
+    mesh = intra.get("mesh", [])
+    if not isinstance(mesh, list) or not all(
+        isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+        for e in mesh
+    ):
+        raise HardwareError("intra_node.mesh must be a list of [a, b, lanes] integer triples")
+    if kind == "mesh" and not mesh:
+        raise HardwareError("intra_node.kind 'mesh' needs a non-empty 'mesh' list")
+    ic = Interconnect(
+        kind=kind,
+        bandwidth=_num(intra, "bandwidth", "intra_node", math.inf if kind == "ideal" else None),
+        latency=_num(intra, "latency", "intra_node", 0.0),
+        label=str(intra.get("label", "")),
+        mesh=tuple(tuple(e) for e in mesh),
+        host_bandwidth=_num(intra, "host_bandwidth", "intra_node", None if kind == "mesh" else math.inf),
+        host_latency=_num(intra, "host_latency", "intra_node", 0.0),
+    )
+    nic = None
+    if d.get("inter_node") is not None:
+        nd = _obj(d["inter_node"], "inter_node", _NIC_KEYS)
+        count = nd.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise HardwareError(f"inter_node.count must be an integer, got {count!r}")
+        nic = NicSpec(
+            count=count,
+            bandwidth=_num(nd, "bandwidth", "inter_node"),
+            latency=_num(nd, "latency", "inter_node", 0.0),
+            label=str(nd.get("label", "nic")),
+        )
+    notes = d.get("notes", "")
+    if not isinstance(notes, str):
+        raise HardwareError("'notes' must be a string")
+    return Hardware(
+        name=name,
+        device=device,
+        num_devices=_opt_int(d, "num_devices", "hardware"),
+        devices_per_node=_opt_int(d, "devices_per_node", "hardware"),
+        intra_node=ic,
+        inter_node=nic,
+        notes=notes,
+    )
+
+
+def _presets():
+    return importlib.resources.files("pipesim.sim").joinpath("presets")
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in hardware presets (``sim/presets/<name>.json``)."""
+    return sorted(
+        p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json")
+    )
+
+
+_NODES_RE = re.compile(r"^(?P<base>.+)-x(?P<nodes>\d+)$")
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A preset by name, ``<preset>-x<N>`` for N nodes of a preset, or a JSON file path."""
+    key = str(name_or_path)
+    names = preset_names()
+    if key in names:
+        res = _presets().joinpath(f"{key}.json")
+        return _parse_text(res.read_text(encoding="utf-8"), f"preset {key}")
+    m = _NODES_RE.match(key)
+    if m and m["base"] in names and int(m["nodes"]) >= 1:
+        return load_hardware(m["base"]).with_nodes(int(m["nodes"]))
+    if os.path.isfile(key):
+        try:
+            with open(key, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise HardwareError(f"cannot read hardware file {key}: {e.strerror}") from None
+        return _parse_text(text, f"hardware file {key}")
+    if os.sep in key or "/" in key or key.endswith(".json"):
+        raise HardwareError(f"hardware file {key} not found")
+    raise HardwareError(
+        f"unknown hardware {key!r}; presets: {', '.join(names)} (or <preset>-x<N>, or a JSON file path)"
+    )
+
+
+def _parse_text(text: str, source: str) -> Hardware:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HardwareError(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    return Hardware.from_json(data, source=source)

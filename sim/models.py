@@ -1,0 +1,559 @@
+"""Built-in model catalog: per-layer profiles computed from real architectures.
+
+Each model is written down layer by layer as per-sample FLOPs, parameter
+counts and tensor sizes taken from its published architecture; a
+:class:`~pipesim.sim.hardware.DeviceSpec` turns them into times. Nothing is
+measured, so the profiles are only as good as two assumptions, stated here
+once:
+
+Time (a roofline per layer and pass)
+    ``time = max(FLOPs / device.flops, bytes moved / device.mem_bandwidth)``.
+    ``device.flops`` is *sustained* throughput, which already prices the
+    elementwise work around big GEMMs, so GEMM-heavy layers are compute-bound
+    and layers without weights (pooling, embedding lookups) come out
+    memory-bound instead of free. Bytes moved in the forward: the weights
+    (not for embedding lookups, which read only the rows they gather) plus
+    the layer's input, output and stashed intermediates; the backward moves
+    twice that.
+Backward FLOPs
+    The input gradient of a product with weights costs its forward FLOPs
+    again, and so does the weight gradient, so ``B ~= 2 F`` and the
+    zero-bubble split is about half and half. Products without weights
+    (attention scores, attention-weighted values) have only input gradients
+    (2x their forward). The first layer needs no input gradient: its input
+    is data.
+
+Sizes
+    Activations and stashes are in the device's precision
+    (``device.dtype_bytes``: 4 on the fp32 ``pcie-4gpu``, 2 with mixed
+    precision on V100/H100). Parameters are counted at 4 bytes each: mixed
+    precision keeps fp32 master weights, and with gradients plus Adam's two
+    moments that gives the usual 16 bytes per parameter (12 for momentum SGD
+    in fp32). A layer's stash is its input plus its internal intermediates;
+    its output is stashed by the next layer as that layer's input.
+    Transformer stashes follow Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models"): ``s*b*h*(34 + 5*a*s/h)`` bytes
+    per layer at 2 bytes per element. BERT-large keeps the attention scores
+    (the ``5as/h`` term, as its 2019-2021 implementations did); the GPT
+    models do not (FlashAttention / Megatron's selective recomputation, as
+    current GPT training does).
+Tied embeddings
+    A pipeline keeps a copy of tied input/output embeddings on the first and
+    the last stage (Megatron does exactly this), so the output layer's
+    profile carries the copy. :func:`model_parameters` counts it once, as
+    papers do.
+
+Architectures and defaults (``model_names()`` lists them):
+
+* ``vgg16``: VGG-16 on 224x224 ImageNet (Simonyan & Zisserman 2015),
+  138.4M parameters, 15.5 GMACs per image; 16 layers (13 conv, with their
+  ReLU and pooling, + 3 fully connected). Micro-batch 32, momentum SGD.
+* ``vgg16-cifar``: the same convolutions on 32x32 CIFAR-10 with a 512->10
+  classifier, the variant SpecTrain's VGG experiments use; 14.7M
+  parameters; 14 layers. Micro-batch 128, momentum SGD.
+* ``resnet50``: ResNet-50 v1.5 on 224x224 (torchvision), 25.6M parameters,
+  4.1 GMACs; 18 layers (stem, 16 bottleneck blocks, pool+classifier).
+  Micro-batch 32, momentum SGD.
+* ``gnmt`` / ``gnmt-16``: GNMT (Wu et al. 2016) as in PipeDream and the MLPerf
+  reference: hidden 1024, vocabulary 32320, 50-token source and target,
+  first encoder layer bidirectional, normalised Bahdanau attention on the
+  first decoder layer fed to all upper decoder layers; ``gnmt`` has 4+4 LSTM
+  layers (GNMT-8, ~160M parameters), ``gnmt-16`` 8+8. Decoder layers pass the
+  encoder output (bottom decoder layer) or the attention context (upper
+  layers) along with their own output. Micro-batch 64, Adam.
+* ``bert-large``: 24 layers, hidden 1024, 16 heads, sequence 512, vocabulary
+  30522; 336M parameters; embedding + 24 blocks + pre-training heads.
+  Micro-batch 8, Adam.
+* ``gpt-1.3b``: 24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary
+  50257 (GPT-3 XL size, Megatron's 1.3B configuration); 1.32B parameters.
+  Micro-batch 4, Adam.
+* ``gpt-8.3b``: Megatron-LM's 8.3B model: 72 layers, hidden 3072, 32 heads,
+  sequence 1024, vocabulary 51200. Micro-batch 1, Adam.
+* ``gpt-13b``: GPT-3 13B: 40 layers, hidden 5120, 40 heads, sequence 2048,
+  vocabulary 50257. Micro-batch 1, Adam.
+* ``uniform``: for analytic checks; see :func:`uniform_profile`.
+
+The GPT models count causal attention at full cost (as Megatron's FLOPs
+formula does). Sequence models take ``seq_len``; transformers take
+``layers`` (number of blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipesim.sim.hardware import DeviceSpec
+from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
+
+#: Bytes per parameter in every catalog profile (fp32 master weights).
+PARAM_BYTES = 4
+
+#: The ``uniform`` model's per-layer weights and stash: 1 MiB each, so memory
+#: results read as whole MiB while sends stay at zero bytes.
+UNIFORM_PARAM_BYTES = 1 << 20
+UNIFORM_STASH_BYTES = 1 << 20
+UNIFORM_DEFAULT_LAYERS = 64
+
+
+@dataclass(frozen=True)
+class ArchLayer:
+    """One layer, per sample, independent of any device.
+
+    ``gemm_flops``: forward FLOPs of products with weights. ``other_flops``:
+    forward FLOPs of products without weights (attention). Element counts are
+    in the device precision; ``stash_elems`` excludes the output (see the
+    module doc). ``tied_params`` are parameters that duplicate another
+    layer's (the pipeline copy of tied embeddings).
+    """
+
+    name: str
+    gemm_flops: float
+    params: int
+    in_elems: float
+    out_elems: float
+    stash_elems: float
+    other_flops: float = 0.0
+    input_grad: bool = True
+    param_traffic: bool = True
+    tied_params: int = 0
+
+
+@dataclass(frozen=True)
+class _Model:
+    name: str
+    description: str
+    microbatch_size: int
+    optimizer: str
+    build: Callable[..., list[ArchLayer]]
+    seq_len: int | None = None  # default; None: the model takes no seq_len
+    blocks: int | None = None  # default block count; None: the model takes no `layers`
+
+
+# ---------------------------------------------------------------------------
+# CNNs
+# ---------------------------------------------------------------------------
+
+_VGG16_CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def _vgg16(image: int, classifier: tuple[int, ...]) -> list[ArchLayer]:
+    layers: list[ArchLayer] = []
+    c, h = 3, image
+    cfg = list(_VGG16_CFG)
+    i = 0
+    n = 0
+    while i < len(cfg):
+        cout = cfg[i]
+        assert isinstance(cout, int)
+        pooled = i + 1 < len(cfg) and cfg[i + 1] == "M"
+        conv_out = cout * h * h
+        ho = h // 2 if pooled else h
+        n += 1
+        layers.append(
+            ArchLayer(
+                name=f"conv{n}" + ("+pool" if pooled else ""),
+                gemm_flops=2.0 * h * h * cout * c * 9,
+                params=9 * c * cout + cout,
+                in_elems=c * h * h,
+                out_elems=cout * ho * ho,
+                # the conv's input (for its weight gradient), plus the ReLU
+                # output the max-pool backward needs when pooled
+                stash_elems=c * h * h + (conv_out if pooled else 0),
+                input_grad=bool(layers),
+            )
+        )
+        c, h = cout, ho
+        i += 2 if pooled else 1
+    width = c * h * h
+    for k, nout in enumerate(classifier):
+        last = k == len(classifier) - 1
+        layers.append(
+            ArchLayer(
+                name=f"fc{k + 1}",
+                gemm_flops=2.0 * width * nout,
+                params=width * nout + nout,
+                in_elems=width,
+                out_elems=0 if last else nout,  # the last layer ends in the loss
+                stash_elems=width + (nout if last else nout / 2),  # logits / dropout mask
+            )
+        )
+        width = nout
+    return layers
+
+
+def _resnet50() -> list[ArchLayer]:
+    layers = [
+        ArchLayer(
+            name="stem",
+            gemm_flops=2.0 * 112 * 112 * 64 * 3 * 49,
+            params=49 * 3 * 64 + 2 * 64,
+            in_elems=3 * 224 * 224,
+            out_elems=64 * 56 * 56,
+            # input, conv output (BN input), ReLU output (max-pool input)
+            stash_elems=3 * 224 * 224 + 2 * 64 * 112 * 112,
+            input_grad=False,
+        )
+    ]
+    cin, h = 64, 56
+    for stage, (mid, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3)), start=1):
+        for b in range(blocks):
+            stride = 2 if (b == 0 and stage > 1) else 1
+            ho = h // stride
+            out = 4 * mid
+            down = b == 0  # channel (and maybe stride) change: projection shortcut
+            params = cin * mid + 9 * mid * mid + mid * out + 2 * (mid + mid + out)
+            macs = h * h * cin * mid + ho * ho * 9 * mid * mid + ho * ho * mid * out
+            stash = cin * h * h + 2 * mid * h * h + 2 * mid * ho * ho + out * ho * ho
+            if down:
+                params += cin * out + 2 * out
+                macs += ho * ho * cin * out
+                stash += out * ho * ho
+            layers.append(
+                ArchLayer(
+                    name=f"layer{stage}.{b}",
+                    gemm_flops=2.0 * macs,
+                    params=params,
+                    in_elems=cin * h * h,
+                    out_elems=out * ho * ho,
+                    stash_elems=stash,
+                )
+            )
+            cin, h = out, ho
+    layers.append(
+        ArchLayer(
+            name="pool+fc",
+            gemm_flops=2.0 * 2048 * 1000,
+            params=2048 * 1000 + 1000,
+            in_elems=2048 * 7 * 7,
+            out_elems=0,
+            stash_elems=2048 + 1000,
+        )
+    )
+    return layers
+
+
+# ---------------------------------------------------------------------------
+# GNMT
+# ---------------------------------------------------------------------------
+
+_GNMT_HIDDEN = 1024
+_GNMT_VOCAB = 32320
+
+
+def _lstm_params(inp: int, h: int) -> int:
+    return 4 * h * (inp + h) + 8 * h  # PyTorch keeps two bias vectors
+
+
+def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
+    """``depth`` LSTM layers in the encoder and as many in the decoder."""
+    h, v, s = _GNMT_HIDDEN, _GNMT_VOCAB, seq_len
+    t = s  # target length = source length
+    layers = [
+        ArchLayer("enc.embed", 0.0, v * h, s, s * h, 0.0, input_grad=False, param_traffic=False)
+    ]
+    # Encoder. Per LSTM layer keep the input and, per direction, the four
+    # gates and the cell state (5h per token).
+    for i in range(depth):
+        dirs = 2 if i == 0 else 1
+        inp = 2 * h if i == 1 else h
+        layers.append(
+            ArchLayer(
+                name=f"enc.lstm{i}" + ("(bi)" if dirs == 2 else ""),
+                gemm_flops=dirs * s * 2.0 * 4 * h * (inp + h),
+                params=dirs * _lstm_params(inp, h),
+                in_elems=s * inp,
+                out_elems=s * h * dirs,
+                stash_elems=s * (inp + dirs * 5 * h),
+            )
+        )
+    enc_out = s * h
+    # The decoder embedding is tied with the encoder's (MLPerf shares them);
+    # on another stage it is a copy. It passes the encoder output along.
+    layers.append(
+        ArchLayer("dec.embed", 0.0, v * h, enc_out, t * h + enc_out, 0.0, param_traffic=False, tied_params=v * h)
+    )
+    # Bottom decoder layer with attention over the encoder output.
+    attn_params = 2 * h * h + 2 * h
+    layers.append(
+        ArchLayer(
+            name="dec.lstm0+attn",
+            gemm_flops=t * 2.0 * 4 * h * 2 * h + 2.0 * s * h * h + 2.0 * t * h * h,
+            other_flops=5.0 * t * s * h,  # scores (add, tanh, dot) and context
+            params=_lstm_params(h, h) + attn_params,
+            in_elems=t * h + enc_out,
+            out_elems=2 * t * h,  # output and context
+            stash_elems=t * h + enc_out + 5 * t * h + s * h + 2 * t * s + t * h,
+        )
+    )
+    for i in range(1, depth):
+        last = i == depth - 1
+        layers.append(
+            ArchLayer(
+                name=f"dec.lstm{i}",
+                gemm_flops=t * 2.0 * 4 * h * (2 * h + h),
+                params=_lstm_params(2 * h, h),
+                in_elems=2 * t * h,
+                out_elems=t * h if last else 2 * t * h,  # upper layers carry the context
+                stash_elems=t * (2 * h + 5 * h),
+            )
+        )
+    layers.append(
+        ArchLayer(
+            name="classifier",
+            gemm_flops=2.0 * t * h * v,
+            params=h * v + v,
+            in_elems=t * h,
+            out_elems=0,
+            stash_elems=t * h + t * v,  # input and logits for the softmax loss
+        )
+    )
+    return layers
+
+
+# ---------------------------------------------------------------------------
+# Transformers
+# ---------------------------------------------------------------------------
+
+
+def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLayer:
+    # Korthikanti et al.: bytes per sample at 2 bytes/element; halve for elements.
+    stash_bytes16 = s * d * 34 + (5 * heads * s * s if keep_scores else 0)
+    return ArchLayer(
+        name=name,
+        gemm_flops=24.0 * s * d * d,
+        other_flops=4.0 * s * s * d,
+        params=12 * d * d + 13 * d,
+        in_elems=s * d,
+        out_elems=s * d,
+        stash_elems=stash_bytes16 / 2,
+    )
+
+
+def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int = 30522) -> list[ArchLayer]:
+    s = seq_len
+    layers = [
+        ArchLayer(
+            "embed", 0.0, (vocab + 512 + 2) * d + 2 * d, s, s * d, 1.5 * s * d,  # LN input + dropout mask
+            input_grad=False, param_traffic=False,
+        )
+    ]
+    layers += [_block(f"block{i}", s, d, heads, keep_scores=True) for i in range(blocks)]
+    head_params = (d * d + d) + (d * d + d + 2 * d) + (d * vocab + vocab) + (2 * d + 2)
+    layers.append(
+        ArchLayer(
+            name="heads",
+            gemm_flops=2.0 * s * d * d + 2.0 * s * d * vocab + 2.0 * d * d,
+            params=head_params,
+            in_elems=s * d,
+            out_elems=0,
+            stash_elems=3 * s * d + s * vocab,
+            tied_params=d * vocab,
+        )
+    )
+    return layers
+
+
+def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[ArchLayer]:
+    s = seq_len
+    layers = [
+        ArchLayer(
+            "embed", 0.0, vocab * d + s * d, s, s * d, 0.5 * s * d,  # dropout mask
+            input_grad=False, param_traffic=False,
+        )
+    ]
+    layers += [_block(f"block{i}", s, d, heads, keep_scores=False) for i in range(blocks)]
+    layers.append(
+        ArchLayer(
+            name="lm_head",
+            gemm_flops=2.0 * s * d * vocab,
+            params=2 * d + d * vocab,
+            in_elems=s * d,
+            out_elems=0,
+            stash_elems=2 * s * d + s * vocab,  # LN input/output and the logits
+            tied_params=d * vocab,
+        )
+    )
+    return layers
+
+
+_MODELS: dict[str, _Model] = {
+    m.name: m
+    for m in (
+        _Model("vgg16", "VGG-16, 224x224 ImageNet", 32, "sgd", lambda: _vgg16(224, (4096, 4096, 1000))),
+        _Model("vgg16-cifar", "VGG-16, 32x32 CIFAR-10", 128, "sgd", lambda: _vgg16(32, (10,))),
+        _Model("resnet50", "ResNet-50 v1.5, 224x224 ImageNet", 32, "sgd", _resnet50),
+        _Model("gnmt", "GNMT-8 (4+4 LSTM layers, hidden 1024)", 64, "adam",
+               lambda seq_len: _gnmt(seq_len, 4), seq_len=50),
+        _Model("gnmt-16", "GNMT-16 (8+8 LSTM layers, hidden 1024)", 64, "adam",
+               lambda seq_len: _gnmt(seq_len, 8), seq_len=50),
+        _Model("bert-large", "BERT-large (24 x 1024, 16 heads)", 8, "adam",
+               lambda seq_len, blocks: _bert(seq_len, blocks), seq_len=512, blocks=24),
+        _Model("gpt-1.3b", "GPT 1.3B (24 x 2048, 16 heads)", 4, "adam",
+               lambda seq_len, blocks: _gpt(seq_len, blocks, 2048, 16, 50257), seq_len=2048, blocks=24),
+        _Model("gpt-8.3b", "GPT 8.3B, Megatron-LM (72 x 3072, 32 heads)", 1, "adam",
+               lambda seq_len, blocks: _gpt(seq_len, blocks, 3072, 32, 51200), seq_len=1024, blocks=72),
+        _Model("gpt-13b", "GPT-3 13B (40 x 5120, 40 heads)", 1, "adam",
+               lambda seq_len, blocks: _gpt(seq_len, blocks, 5120, 40, 50257), seq_len=2048, blocks=40),
+    )
+}
+
+
+def model_names() -> list[str]:
+    """Catalog names, ``uniform`` included, sorted."""
+    return sorted([*_MODELS, "uniform"])
+
+
+def model_description(name: str) -> str:
+    """One line for listings (``pipesim models``)."""
+    if name == "uniform":
+        return f"uniform layers, F = 1 ms, B = 2 ms, nothing sent ({UNIFORM_DEFAULT_LAYERS} layers by default)"
+    return _lookup(name).description
+
+
+def _lookup(name: str) -> _Model:
+    try:
+        return _MODELS[name]
+    except KeyError:
+        raise WorkloadError(f"unknown model {name!r}; known: {', '.join(model_names())}") from None
+
+
+def architecture(name: str, *, seq_len: int | None = None, layers: int | None = None) -> list[ArchLayer]:
+    """The device-independent per-sample layer list of a catalog model."""
+    m = _lookup(name)
+    kwargs: dict[str, int] = {}
+    if m.seq_len is not None:
+        kwargs["seq_len"] = _positive("seq_len", seq_len if seq_len is not None else m.seq_len)
+    elif seq_len is not None:
+        raise WorkloadError(f"{name} has no sequence length; seq_len applies to {_names_with('seq_len')}")
+    if m.blocks is not None:
+        kwargs["blocks"] = _positive("layers", layers if layers is not None else m.blocks)
+    elif layers is not None:
+        raise WorkloadError(f"{name} has a fixed depth; layers applies to uniform, {_names_with('blocks')}")
+    return m.build(**kwargs)
+
+
+def _names_with(attr: str) -> str:
+    return ", ".join(n for n, m in sorted(_MODELS.items()) if getattr(m, attr) is not None)
+
+
+def _positive(what: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise WorkloadError(f"{what} must be a positive integer, got {v!r}")
+    return v
+
+
+def model_parameters(name: str, *, layers: int | None = None) -> int:
+    """Trainable parameters of the architecture, tied weights counted once."""
+    if name == "uniform":
+        n = _positive("layers", layers if layers is not None else UNIFORM_DEFAULT_LAYERS)
+        return n * UNIFORM_PARAM_BYTES // PARAM_BYTES
+    return sum(la.params - la.tied_params for la in architecture(name, layers=layers))
+
+
+def model_profile(
+    name: str,
+    device: DeviceSpec,
+    microbatch_size: int | None = None,
+    *,
+    layers: int | None = None,
+    seq_len: int | None = None,
+    optimizer: str | None = None,
+) -> Profile:
+    """The profile of catalog model ``name`` on ``device`` (see the module doc).
+
+    ``microbatch_size`` defaults to the model's; ``layers`` sets the number of
+    transformer blocks (or of ``uniform`` layers); ``seq_len`` the sequence
+    length of GNMT/BERT/GPT; ``optimizer`` overrides the model's default.
+    """
+    if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+        raise WorkloadError(
+            f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}"
+        )
+    if name == "uniform":
+        if seq_len is not None:
+            raise WorkloadError("uniform has no sequence length")
+        return uniform_profile(
+            layers if layers is not None else UNIFORM_DEFAULT_LAYERS,
+            microbatch_size=_positive("microbatch_size", microbatch_size if microbatch_size is not None else 1),
+            optimizer=optimizer or "sgd",
+        )
+    m = _lookup(name)
+    mb = _positive("microbatch_size", microbatch_size if microbatch_size is not None else m.microbatch_size)
+    arch = architecture(name, seq_len=seq_len, layers=layers)
+    costs = tuple(layer_cost(la, device, mb) for la in arch)
+    notes = (
+        f"{m.description}; {device.name} at {device.flops / 1e12:g} TFLOP/s sustained, "
+        f"{device.dtype_bytes}-byte activations, {PARAM_BYTES}-byte parameters; micro-batch {mb}"
+    )
+    if m.seq_len is not None:
+        notes += f", sequence {seq_len if seq_len is not None else m.seq_len}"
+    return Profile(name=name, layers=costs, microbatch_size=mb, optimizer=optimizer or m.optimizer, notes=notes)
+
+
+def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> LayerCost:
+    """Roofline times and sizes of one architecture layer for one micro-batch."""
+    mb = microbatch_size
+    dt = device.dtype_bytes
+    fwd_flops = mb * (la.gemm_flops + la.other_flops)
+    if la.input_grad:
+        bwd_input_flops = mb * (la.gemm_flops + 2 * la.other_flops)
+    else:
+        bwd_input_flops = 0.0
+    bwd_flops = bwd_input_flops + mb * la.gemm_flops
+    fwd_bytes = dt * ((la.params if la.param_traffic else 0) + mb * (la.in_elems + la.out_elems + la.stash_elems))
+    forward_s = max(fwd_flops / device.flops, fwd_bytes / device.mem_bandwidth)
+    backward_s = max(bwd_flops / device.flops, 2 * fwd_bytes / device.mem_bandwidth)
+    if bwd_flops > 0:
+        backward_input_s = backward_s * (bwd_input_flops / bwd_flops)
+    elif not la.input_grad:
+        backward_input_s = 0.0
+    else:
+        backward_input_s = backward_s if la.params == 0 else backward_s / 2
+    return LayerCost(
+        name=la.name,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        param_bytes=PARAM_BYTES * la.params,
+        activation_bytes=round(dt * mb * la.out_elems),
+        stash_bytes=round(dt * mb * la.stash_elems),
+        backward_input_s=backward_input_s,
+    )
+
+
+def uniform_profile(
+    layers: int = UNIFORM_DEFAULT_LAYERS,
+    *,
+    forward_s: float = 1e-3,
+    backward_s: float = 2e-3,
+    microbatch_size: int = 1,
+    optimizer: str = "sgd",
+) -> Profile:
+    """Identical layers for analytic checks: F = 1 ms, B = 2 ms (I = W = 1 ms).
+
+    Nothing is sent between layers (0 activation bytes), so communication
+    never shows up; each layer has 1 MiB of weights and stashes 1 MiB per
+    micro-batch, so memory accounting is visible and easy to read. Times do
+    not depend on the device or the micro-batch size. With ``layers`` equal
+    to the stage count every stage is exactly one layer, F = 1 ms, B = 2 ms.
+    """
+    n = _positive("layers", layers)
+    layers_ = tuple(
+        LayerCost(
+            name=f"layer{i}",
+            forward_s=forward_s,
+            backward_s=backward_s,
+            param_bytes=UNIFORM_PARAM_BYTES,
+            activation_bytes=0,
+            stash_bytes=UNIFORM_STASH_BYTES,
+            backward_input_s=backward_s / 2,
+        )
+        for i in range(n)
+    )
+    return Profile(
+        name="uniform",
+        layers=layers_,
+        microbatch_size=microbatch_size,
+        optimizer=optimizer,
+        notes=f"{n} uniform layers, F = {forward_s * 1e3:g} ms, B = {backward_s * 1e3:g} ms, nothing sent",
+    )

@@ -1,0 +1,229 @@
+"""Split a profile's layers into contiguous pipeline stages.
+
+The objective is the pipeline's throughput bound: the slowest stage's
+forward + backward time. :func:`partition` finds a contiguous split that
+minimises it exactly (dynamic programming over split points), and among the
+splits that reach that minimum picks the one with the smallest sum of squared
+stage times, so stages that are not the bottleneck are balanced too (a
+lopsided non-bottleneck stage still lengthens warm-up and drain). Remaining
+ties go to the split whose later stages hold more layers: in 1F1B-style
+schedules later stages keep fewer micro-batches in flight, so that is the
+cheaper place for extra activations.
+
+Memory: with ``memory_limit_bytes``, a stage k holding weights ``W`` and
+stashing ``A`` per micro-batch needs ``W * (2 + optimizer multiplier) +
+A * inflight(k)`` (weights, gradients, optimizer state, activations of the
+micro-batches in flight), and only splits where every stage fits are
+considered. If none fits, the unconstrained time-balanced split is returned
+anyway: the engine then reports the overflow as out-of-memory, which says
+more than an exception here would.
+
+Times are compared with a relative tolerance of 1e-9, so splits whose
+bottlenecks differ only by floating-point rounding count as ties and the
+tie-break above, not rounding, decides.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from pipesim.sim.models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
+from pipesim.sim.workload import Profile, WorkloadError
+
+_REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs per micro-batch: the engine's view of a stage.
+
+    ``activation_bytes`` is what the stage sends forward (its last layer's
+    output; the input gradient sent back has the same size).
+    ``backward_input_s + backward_weight_s == backward_s`` up to rounding.
+    """
+
+    first_layer: int
+    last_layer: int  # inclusive
+    forward_s: float
+    backward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    param_bytes: int
+    activation_bytes: int
+    stash_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward: the quantity the partitioner balances."""
+        return self.forward_s + self.backward_s
+
+    def memory_bytes(self, inflight: int, optimizer_state_multiplier: int = 1) -> int:
+        """Weights, gradients, optimizer state and ``inflight`` micro-batches of stash."""
+        return self.param_bytes * (2 + optimizer_state_multiplier) + self.stash_bytes * inflight
+
+
+def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
+    """The cost of layers ``first..last`` (inclusive) as one stage."""
+    if not (0 <= first <= last < len(profile.layers)):
+        raise WorkloadError(f"no layers {first}..{last} in a profile of {len(profile.layers)} layers")
+    layers = profile.layers[first : last + 1]
+    return StageCost(
+        first_layer=first,
+        last_layer=last,
+        forward_s=math.fsum(la.forward_s for la in layers),
+        backward_s=math.fsum(la.backward_s for la in layers),
+        backward_input_s=math.fsum(la.backward_input for la in layers),
+        backward_weight_s=math.fsum(la.backward_weight for la in layers),
+        param_bytes=sum(la.param_bytes for la in layers),
+        activation_bytes=layers[-1].activation_bytes,
+        stash_bytes=sum(la.stash_bytes for la in layers),
+    )
+
+
+def split_at(profile: Profile, starts: Sequence[int]) -> list[StageCost]:
+    """Stages beginning at the given layer indices (``starts[0]`` must be 0).
+
+    For hand-chosen or paper-given splits; :func:`partition` chooses one.
+    """
+    starts = list(starts)
+    n = len(profile.layers)
+    if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= n:
+        raise WorkloadError(
+            f"stage starts {starts} must begin at 0 and strictly increase below {n} (the layer count)"
+        )
+    bounds = [*starts, n]
+    return [stage_cost(profile, a, b - 1) for a, b in itertools.pairwise(bounds)]
+
+
+def partition(
+    profile: Profile,
+    num_stages: int,
+    *,
+    memory_limit_bytes: float | None = None,
+    inflight: Callable[[int], int] | None = None,
+) -> list[StageCost]:
+    """Contiguous split of ``profile`` into ``num_stages`` stages balanced by time.
+
+    ``inflight(k)`` is how many micro-batches stage k stashes at once; it
+    defaults to ``num_stages - k``, the 1F1B / PipeDream steady state. It is
+    only used with ``memory_limit_bytes``. See the module doc for the
+    objective, tie-breaks and what happens when nothing fits.
+    """
+    n = len(profile.layers)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
+        raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
+    limit = _check_limit(memory_limit_bytes)
+    times = np.array([la.forward_s + la.backward_s for la in profile.layers], dtype=float)
+    prefix = np.concatenate(([0.0], np.cumsum(times)))
+    cost = prefix[None, :] - prefix[:, None]  # cost[i, j]: layers i .. j-1
+    idx = np.arange(n + 1)
+    valid = idx[:, None] < idx[None, :]
+
+    fits = None
+    if limit is not None:
+        inflight = inflight or (lambda k: num_stages - k)
+        w = np.concatenate(([0.0], np.cumsum([float(la.param_bytes) for la in profile.layers])))
+        a = np.concatenate(([0.0], np.cumsum([float(la.stash_bytes) for la in profile.layers])))
+        weights = (w[None, :] - w[:, None]) * (2 + profile.optimizer_state_multiplier)
+        stash = a[None, :] - a[:, None]
+
+        def fits(k: int) -> np.ndarray:
+            m = inflight(k)
+            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+                raise WorkloadError(f"inflight({k}) must be an integer >= 0, got {m!r}")
+            return weights + stash * int(m) <= limit
+
+    starts = _balanced(cost, valid, num_stages, fits)
+    if starts is None:  # nothing fits: time-balanced anyway, the engine reports OOM
+        starts = _balanced(cost, valid, num_stages, None)
+    assert starts is not None
+    return split_at(profile, starts)
+
+
+def _check_limit(limit: float | None) -> float | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or math.isnan(limit) or limit < 0:
+        raise WorkloadError(f"memory limit must be a number >= 0, got {limit!r}")
+    return None if math.isinf(limit) else float(limit)
+
+
+def _balanced(
+    cost: np.ndarray, valid: np.ndarray, num_stages: int, fits: Callable[[int], np.ndarray] | None
+) -> list[int] | None:
+    """Stage start indices of the best split, or None if no split fits."""
+    n = cost.shape[0] - 1
+    allowed = [valid & fits(k) if fits else valid for k in range(num_stages)]
+
+    # Pass 1: the smallest achievable bottleneck.
+    best = np.full(n + 1, np.inf)
+    best[1:] = np.where(allowed[0][0, 1:], cost[0, 1:], np.inf)
+    for k in range(1, num_stages):
+        cand = np.where(allowed[k], np.maximum(best[:, None], cost), np.inf)
+        best = cand.min(axis=0)
+    bottleneck = best[n]
+    if not np.isfinite(bottleneck):
+        return None
+
+    # Pass 2: among splits within the bottleneck, the smallest sum of squares.
+    cap = bottleneck + _REL_TOL * abs(bottleneck)
+    sq = np.where(cost <= cap, cost * cost, np.inf)
+    tables = []
+    ss = np.full(n + 1, np.inf)
+    ss[1:] = np.where(allowed[0][0, 1:], sq[0, 1:], np.inf)
+    tables.append(ss)
+    for k in range(1, num_stages):
+        ss = np.where(allowed[k], ss[:, None] + sq, np.inf).min(axis=0)
+        tables.append(ss)
+
+    # Backtrack: for each stage from the last, the earliest start among the
+    # (near-)optimal ones, i.e. later stages take as many layers as ties allow.
+    starts = [0] * num_stages
+    j = n
+    for k in range(num_stages - 1, 0, -1):
+        col = np.where(allowed[k][:, j], tables[k - 1] + sq[:, j], np.inf)
+        m = col.min()
+        i = int(np.flatnonzero(col <= m + _REL_TOL * abs(m))[0])
+        starts[k] = i
+        j = i
+    return starts
+
+
+def stage_costs_uniform(
+    num_stages: int,
+    forward_s: float = 1e-3,
+    backward_s: float = 2e-3,
+    *,
+    param_bytes: int = UNIFORM_PARAM_BYTES,
+    stash_bytes: int = UNIFORM_STASH_BYTES,
+    activation_bytes: int = 0,
+) -> list[StageCost]:
+    """Identical one-layer stages for analytic tests (I = W = B / 2).
+
+    Same defaults as the ``uniform`` model: nothing sent, 1 MiB of weights
+    and 1 MiB of stash per micro-batch.
+    """
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise WorkloadError(f"num_stages must be a positive integer, got {num_stages!r}")
+    return [
+        StageCost(
+            first_layer=k,
+            last_layer=k,
+            forward_s=forward_s,
+            backward_s=backward_s,
+            backward_input_s=backward_s / 2,
+            backward_weight_s=backward_s / 2,
+            param_bytes=param_bytes,
+            activation_bytes=activation_bytes,
+            stash_bytes=stash_bytes,
+        )
+        for k in range(num_stages)
+    ]

@@ -1,0 +1,261 @@
+"""Per-layer cost profiles: what one micro-batch costs on each layer.
+
+A :class:`Profile` is the only description of a model the simulator needs:
+per layer, the forward and backward time of one micro-batch, the parameter
+bytes, the bytes sent to the next layer and the bytes kept for the backward.
+Profiles come from the built-in catalog (:mod:`pipesim.sim.models`, computed
+from each architecture's FLOPs and sizes on a device) or from a JSON file a
+user measured (``--profile FILE``), so a real model can be simulated without
+pipesim knowing its architecture.
+
+JSON form (times in seconds, sizes in bytes, per micro-batch)::
+
+    {
+      "name": "my-model",
+      "microbatch_size": 8,
+      "optimizer": "adam",
+      "notes": "measured on one A100, bf16",
+      "layers": [
+        {"name": "embed", "forward_s": 0.0004, "backward_s": 0.0008,
+         "param_bytes": 205852672, "activation_bytes": 16777216,
+         "stash_bytes": 0},
+        {"name": "block0", "forward_s": 0.0021, "backward_s": 0.0042,
+         "backward_input_s": 0.0023, "param_bytes": 100663296,
+         "activation_bytes": 16777216, "stash_bytes": 285212672}
+      ]
+    }
+
+``backward_input_s`` is optional (see :attr:`LayerCost.backward_input`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: Optimizer state kept per weight byte: SGD with momentum keeps one
+#: momentum buffer, Adam two moments.
+OPTIMIZER_STATE_MULTIPLIER = {"sgd": 1, "adam": 2}
+
+
+class WorkloadError(ValueError):
+    """A profile, catalog name or partition request is invalid."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer for one micro-batch.
+
+    ``backward_s`` is the full backward (input and weight gradients).
+    ``backward_input_s`` splits it for zero-bubble schedules; when it is None
+    the split defaults to half and half for a layer with parameters (the
+    input-gradient and weight-gradient GEMMs of a linear or convolutional
+    layer cost the same FLOPs) and all-input for a layer without parameters
+    (it has no weight gradient).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: int
+    stash_bytes: int
+    backward_input_s: float | None = None
+
+    def __post_init__(self) -> None:
+        problem = _layer_problem(self)
+        if problem:
+            raise WorkloadError(f"layer {self.name!r}: {problem}")
+
+    @property
+    def backward_input(self) -> float:
+        """Input-gradient time, with the default split applied."""
+        if self.backward_input_s is not None:
+            return self.backward_input_s
+        return self.backward_s / 2 if self.param_bytes else self.backward_s
+
+    @property
+    def backward_weight(self) -> float:
+        """Weight-gradient time: the rest of the backward."""
+        return self.backward_s - self.backward_input
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+        }
+        if self.backward_input_s is not None:
+            d["backward_input_s"] = self.backward_input_s
+        d.update(
+            param_bytes=self.param_bytes,
+            activation_bytes=self.activation_bytes,
+            stash_bytes=self.stash_bytes,
+        )
+        return d
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _layer_problem(layer: LayerCost) -> str | None:
+    if not isinstance(layer.name, str) or not layer.name:
+        return "name must be a non-empty string"
+    for attr in ("forward_s", "backward_s"):
+        v = getattr(layer, attr)
+        if not _is_num(v) or not (0 <= v < math.inf):
+            return f"{attr} must be a finite number >= 0, got {v!r}"
+    for attr in ("param_bytes", "activation_bytes", "stash_bytes"):
+        v = getattr(layer, attr)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{attr} must be an integer >= 0, got {v!r}"
+    bi = layer.backward_input_s
+    if bi is not None and (not _is_num(bi) or not (0 <= bi <= layer.backward_s)):
+        return f"backward_input_s must be between 0 and backward_s ({layer.backward_s}), got {bi!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model as a sequence of layer costs, plus what the costs assume.
+
+    ``microbatch_size`` is the samples per micro-batch the costs were taken
+    at (for throughput; costs are not rescaled). ``optimizer`` decides the
+    optimizer state held per weight (:data:`OPTIMIZER_STATE_MULTIPLIER`).
+    """
+
+    name: str
+    layers: tuple[LayerCost, ...]
+    microbatch_size: int = 1
+    optimizer: str = "sgd"
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.name, str) or not self.name:
+            raise WorkloadError("a profile needs a non-empty name")
+        if not self.layers:
+            raise WorkloadError(f"profile {self.name!r} has no layers")
+        for layer in self.layers:
+            if not isinstance(layer, LayerCost):
+                raise WorkloadError(f"profile {self.name!r}: layers must be LayerCost, got {type(layer).__name__}")
+        if not isinstance(self.microbatch_size, int) or isinstance(self.microbatch_size, bool) or self.microbatch_size < 1:
+            raise WorkloadError(f"profile {self.name!r}: microbatch_size must be an integer >= 1, got {self.microbatch_size!r}")
+        if self.optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+            raise WorkloadError(
+                f"profile {self.name!r}: optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, "
+                f"got {self.optimizer!r}"
+            )
+
+    @property
+    def optimizer_state_multiplier(self) -> int:
+        return OPTIMIZER_STATE_MULTIPLIER[self.optimizer]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return math.fsum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return math.fsum(layer.backward_s for layer in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "microbatch_size": self.microbatch_size,
+            "optimizer": self.optimizer,
+        }
+        if self.notes:
+            d["notes"] = self.notes
+        d["layers"] = [layer.to_json() for layer in self.layers]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> Profile:
+        """Validate and build; :class:`WorkloadError` with a one-line reason on bad input."""
+        if not isinstance(d, dict):
+            raise WorkloadError("a profile must be a JSON object")
+        extra = sorted(set(d) - _PROFILE_KEYS)
+        if extra:
+            raise WorkloadError(f"unknown field {extra[0]!r} (known: {', '.join(sorted(_PROFILE_KEYS))})")
+        if "name" not in d:
+            raise WorkloadError("missing field 'name'")
+        if "layers" not in d:
+            raise WorkloadError("missing field 'layers'")
+        if not isinstance(d["layers"], list):
+            raise WorkloadError("'layers' must be a list")
+        layers = []
+        for i, ld in enumerate(d["layers"]):
+            where = f"layer {i}"
+            if not isinstance(ld, dict):
+                raise WorkloadError(f"{where} must be a JSON object")
+            if isinstance(ld.get("name"), str) and ld["name"]:
+                where = f"layer {i} ({ld['name']})"
+            extra = sorted(set(ld) - _LAYER_KEYS)
+            if extra:
+                raise WorkloadError(f"{where}: unknown field {extra[0]!r} (known: {', '.join(sorted(_LAYER_KEYS))})")
+            missing = [k for k in _LAYER_REQUIRED if k not in ld]
+            if missing:
+                raise WorkloadError(f"{where}: missing field {missing[0]!r}")
+            values = dict(ld)
+            # Sizes written as 1.6e7 are fine as long as they are whole numbers.
+            for k in ("param_bytes", "activation_bytes", "stash_bytes"):
+                v = values[k]
+                if isinstance(v, float) and v.is_integer():
+                    values[k] = int(v)
+            try:
+                layers.append(LayerCost(**values))
+            except WorkloadError as e:
+                raise WorkloadError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+        notes = d.get("notes", "")
+        if not isinstance(notes, str):
+            raise WorkloadError("'notes' must be a string")
+        return cls(
+            name=d["name"],
+            layers=tuple(layers),
+            microbatch_size=d.get("microbatch_size", 1),
+            optimizer=d.get("optimizer", "sgd"),
+            notes=notes,
+        )
+
+
+_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes"}
+_LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
+_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s"}
+
+
+def load_profile(path) -> Profile:
+    """Read a profile JSON file; :class:`WorkloadError` naming the file and the problem."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise WorkloadError(f"profile file {path} not found") from None
+    except OSError as e:
+        raise WorkloadError(f"cannot read profile file {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"profile file {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    try:
+        return Profile.from_json(data)
+    except WorkloadError as e:
+        raise WorkloadError(f"profile file {path}: {e}") from None
+
+
+def save_profile(profile: Profile, path) -> None:
+    """Write ``profile`` as JSON that :func:`load_profile` reads back unchanged."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
