@@ -1,0 +1,284 @@
+"""Hardware presets, routes and transfer times against hand calculations."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipesim.sim.hardware import (
+    DeviceSpec,
+    Hardware,
+    HardwareError,
+    Interconnect,
+    Link,
+    NicSpec,
+    load_hardware,
+    preset_names,
+)
+
+REQUIRED = {"ideal", "pcie-4gpu", "dgx1-v100", "dgx-h100", "dgx1-v100-x4", "dgx-h100-x2", "dgx-h100-x4"}
+
+
+def test_required_presets_exist_and_load():
+    names = preset_names()
+    assert REQUIRED <= set(names)
+    assert names == sorted(names)
+    for name in names:
+        hw = load_hardware(name)
+        assert hw.name == name
+        assert hw.notes, f"{name} must cite its numbers in notes"
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_preset_json_round_trips(name):
+    hw = load_hardware(name)
+    again = Hardware.from_json(json.loads(json.dumps(hw.to_json())))
+    assert again == hw
+
+
+def test_preset_key_numbers():
+    pcie = load_hardware("pcie-4gpu")
+    assert pcie.num_devices == 4 and pcie.device.dtype_bytes == 4
+    assert 8e12 <= pcie.device.flops <= 10e12
+    assert 8 * 2**30 <= pcie.device.memory_bytes <= 12 * 2**30
+    v100 = load_hardware("dgx1-v100")
+    assert v100.num_devices == 8 and v100.device.dtype_bytes == 2
+    assert 3e13 <= v100.device.flops <= 1e14
+    h100 = load_hardware("dgx-h100")
+    assert h100.num_devices == 8 and h100.device.memory_bytes == 80 * 2**30
+    assert 3e14 <= h100.device.flops <= 5e14
+    assert load_hardware("dgx1-v100-x4").num_devices == 32
+    assert load_hardware("dgx-h100-x2").num_devices == 16
+    assert load_hardware("dgx-h100-x4").nodes == 4
+
+
+def test_ideal_is_free_and_unbounded():
+    hw = load_hardware("ideal")
+    assert hw.num_devices is None
+    hw.check_devices(10**6)
+    assert hw.route(0, 12345) == ()
+    assert hw.transfer_time(0, 12345, 10**12) == 0.0
+    assert math.isinf(hw.device.memory_bytes) and math.isinf(hw.device.mem_bandwidth)
+    assert hw.ring_allreduce_time(range(16), 10**9) == 0.0
+
+
+def test_pcie_4gpu_shares_one_host_bridge():
+    hw = load_hardware("pcie-4gpu")
+    routes = [hw.route(s, d) for s, d in itertools.permutations(range(4), 2)]
+    assert all(len(r) == 1 for r in routes)
+    bridge = routes[0][0]
+    assert all(r[0] is bridge for r in routes), "every transfer must hold the same link object"
+    assert bridge.bandwidth == 12e9 and bridge.latency == 1e-5
+    # hand calculation: 12 MB over 12 GB/s plus 10 us
+    assert hw.transfer_time(0, 3, 12_000_000) == pytest.approx(1e-5 + 1e-3, rel=1e-12)
+    assert hw.route(2, 2) == () and hw.transfer_time(2, 2, 10**9) == 0.0
+    assert hw.transfer_time(0, 1, 0) == 0.0  # nothing to send costs nothing
+
+
+def test_check_devices_message():
+    with pytest.raises(HardwareError) as e:
+        load_hardware("pcie-4gpu").check_devices(8)
+    assert str(e.value) == "pcie-4gpu has 4 devices; the schedule needs 8"
+    load_hardware("pcie-4gpu").check_devices(4)
+
+
+def test_dgx_h100_switch_ports():
+    hw = load_hardware("dgx-h100")
+    r01, r02, r23, r10 = hw.route(0, 1), hw.route(0, 2), hw.route(2, 3), hw.route(1, 0)
+    assert [lk.name for lk in r01] == ["gpu0.nvswitch.tx", "gpu1.nvswitch.rx"]
+    assert r01[0] is r02[0], "two sends from GPU 0 share its egress port"
+    assert not {lk.name for lk in r01} & {lk.name for lk in r23}, "disjoint pairs do not contend"
+    assert not {lk.name for lk in r01} & {lk.name for lk in r10}, "full duplex: the reverse uses other ports"
+    assert hw.route(3, 1)[1] is r01[1], "two receives into GPU 1 share its ingress port"
+    assert hw.transfer_time(0, 1, 4e8) == pytest.approx(5e-6 + 4e8 / 4e11, rel=1e-12)
+
+
+DGX1_TOPO = """
+X NV1 NV1 NV2 NV2 SYS SYS SYS
+NV1 X NV2 NV1 SYS NV2 SYS SYS
+NV1 NV2 X NV2 SYS SYS NV1 SYS
+NV2 NV1 NV2 X SYS SYS SYS NV1
+NV2 SYS SYS SYS X NV1 NV1 NV2
+SYS NV2 SYS SYS NV1 X NV2 NV1
+SYS SYS NV1 SYS NV1 NV2 X NV2
+SYS SYS SYS NV1 NV2 NV1 NV2 X
+"""  # nvidia-smi topo -m on a DGX-1 (V100)
+
+
+def test_dgx1_v100_hybrid_cube_mesh_matches_nvidia_smi():
+    hw = load_hardware("dgx1-v100")
+    rows = [line.split() for line in DGX1_TOPO.strip().splitlines()]
+    host = None
+    for a, b in itertools.permutations(range(8), 2):
+        route = hw.route(a, b)
+        assert len(route) == 1
+        cell = rows[a][b]
+        if cell == "SYS":
+            assert route[0].name == "node0.host"
+            host = host or route[0]
+            assert route[0] is host, "all non-NVLink traffic shares the host path"
+        else:
+            lanes = int(cell[2:])
+            assert route[0].name == f"gpu{a}->gpu{b}.nvlink"
+            assert route[0].bandwidth == lanes * 24e9
+    assert hw.route(0, 3)[0] is not hw.route(3, 0)[0]
+    # 3 -> 4 has no NVLink: 15 us + bytes over 10 GB/s
+    assert hw.transfer_time(3, 4, 1e7) == pytest.approx(1.5e-5 + 1e-3, rel=1e-12)
+    assert hw.transfer_time(0, 3, 4.8e7) == pytest.approx(5e-6 + 1e-3, rel=1e-12)
+
+
+def test_multinode_h100_nic_per_gpu():
+    hw = load_hardware("dgx-h100-x2")
+    assert hw.node_of(7) == 0 and hw.node_of(8) == 1
+    r = hw.route(0, 8)
+    assert [lk.name for lk in r] == ["node0.ib0.tx", "node1.ib0.rx"]
+    assert [lk.name for lk in hw.route(1, 9)] == ["node0.ib1.tx", "node1.ib1.rx"]
+    assert hw.route(0, 15)[0] is r[0], "GPU 0's sends to another node share its NIC"
+    # 48 MB over NDR (48 GB/s) + 8 us
+    assert hw.transfer_time(0, 8, 48e6) == pytest.approx(8e-6 + 1e-3, rel=1e-12)
+    # intra-node traffic on node 1 uses node 1's own ports
+    assert [lk.name for lk in hw.route(8, 9)] == ["gpu8.nvswitch.tx", "gpu9.nvswitch.rx"]
+
+
+def test_multinode_v100_gpu_pairs_share_a_nic():
+    hw = load_hardware("dgx1-v100-x4")
+    assert hw.route(0, 8)[0] is hw.route(1, 16)[0]  # GPUs 0 and 1 sit under NIC 0
+    assert hw.route(2, 8)[0].name == "node0.ib1.tx"
+    assert hw.route(31, 0)[0].name == "node3.ib3.tx"
+    assert hw.route(31, 0)[1].name == "node0.ib0.rx"
+    assert hw.transfer_time(0, 8, 12e6) == pytest.approx(8e-6 + 1e-3, rel=1e-12)
+    # intra-node mesh on node 2 mirrors node 0's
+    assert hw.route(16, 19)[0].bandwidth == 48e9
+    assert hw.route(19, 20)[0].name == "node2.host"
+
+
+def test_node_suffix_builds_any_count_like_the_files():
+    for name, base, n in (("dgx-h100-x4", "dgx-h100", 4), ("dgx1-v100-x4", "dgx1-v100", 4)):
+        file_hw = load_hardware(name)
+        built = load_hardware(base).with_nodes(n)
+        assert built.name == name and built.num_devices == file_hw.num_devices
+        for s, d in itertools.product(range(0, 32, 3), range(0, 32, 5)):
+            assert built.route(s, d) == file_hw.route(s, d)
+    assert load_hardware("dgx-h100-x16").num_devices == 128
+    with pytest.raises(HardwareError, match="no NICs"):
+        load_hardware("pcie-4gpu-x2")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(REQUIRED - {"ideal"})),
+    data=st.data(),
+    nbytes=st.integers(min_value=1, max_value=10**10),
+)
+def test_transfer_time_is_latency_plus_bytes_over_bottleneck(name, data, nbytes):
+    hw = load_hardware(name)
+    src = data.draw(st.integers(0, hw.num_devices - 1))
+    dst = data.draw(st.integers(0, hw.num_devices - 1))
+    route = hw.route(src, dst)
+    assert route == hw.route(src, dst)  # deterministic
+    if src == dst:
+        assert route == () and hw.transfer_time(src, dst, nbytes) == 0.0
+        return
+    expect = sum(lk.latency for lk in route) + nbytes / min(lk.bandwidth for lk in route)
+    assert hw.transfer_time(src, dst, nbytes) == pytest.approx(expect, rel=1e-12)
+    # links with one name are one object
+    for lk in route:
+        assert isinstance(lk, Link)
+        assert all(o is lk for s2 in range(hw.num_devices) for o in hw.route(src, s2) if o.name == lk.name)
+
+
+def test_ring_allreduce_time_counts_sharing():
+    pcie = load_hardware("pcie-4gpu")
+    nbytes = 4 * 12_000_000
+    # 6 steps; each step moves 4 chunks of 12 MB over the one bridge
+    assert pcie.ring_allreduce_time(range(4), nbytes) == pytest.approx(6 * 4 * (1e-5 + 1e-3), rel=1e-9)
+    h100 = load_hardware("dgx-h100")
+    nbytes = 8 * 4e8
+    # disjoint ports: a step lasts one transfer
+    assert h100.ring_allreduce_time(range(8), nbytes) == pytest.approx(14 * (5e-6 + 1e-3), rel=1e-9)
+    assert h100.ring_allreduce_time([3], nbytes) == 0.0
+
+
+def test_direct_construction_defaults_to_ideal_interconnect():
+    dev = DeviceSpec("toy", flops=1e12, mem_bandwidth=1e11, memory_bytes=1e9)
+    hw = Hardware("toy", dev, num_devices=4)
+    assert hw.route(0, 3) == () and hw.nodes == 1
+    bus = Hardware("bus", dev, 4, intra_node=Interconnect("bus", bandwidth=1e9, latency=0.0, label="pci"))
+    assert bus.transfer_time(0, 1, 1e9) == pytest.approx(1.0)
+    with pytest.raises(HardwareError, match="NIC"):
+        Hardware("two", dev, 8, devices_per_node=4)
+    two = Hardware("two", dev, 8, devices_per_node=4, inter_node=NicSpec(count=1, bandwidth=1e9, latency=1e-6))
+    assert two.route(0, 4)[0] is two.route(3, 7)[0]
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("{not json", "malformed JSON at line 1"),
+        ("[]", "must be a JSON object"),
+        ('{"device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}', "missing or empty field 'name'"),
+        ('{"name": "x"}', "missing field 'device'"),
+        ('{"name": "x", "device": {"mem_bandwidth": 1, "memory_bytes": 1}}', "missing field 'flops'"),
+        ('{"name": "x", "device": {"flops": -1, "mem_bandwidth": 1, "memory_bytes": 1}}', "flops must be a positive"),
+        ('{"name": "x", "device": {"flops": "fast", "mem_bandwidth": 1, "memory_bytes": 1}}', "device.flops must be a number"),
+        ('{"name": "x", "bogus": 1, "device": {}}', "unknown field 'bogus'"),
+        (
+            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+            ' "intra_node": {"kind": "bus", "bandwidth": -5}}'),
+            "bandwidth must be a positive",
+        ),
+        (
+            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+            ' "intra_node": {"kind": "torus", "bandwidth": 5}}'),
+            "kind must be one of",
+        ),
+        (
+            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+            ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 9, 1]]}}'),
+            "mesh entry",
+        ),
+        (
+            ('{"name": "x", "num_devices": 6, "devices_per_node": 4,'
+            ' "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}'),
+            "do not fill nodes",
+        ),
+    ],
+)
+def test_malformed_files_give_one_line_errors(tmp_path, text, fragment):
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    with pytest.raises(HardwareError) as e:
+        load_hardware(str(path))
+    msg = str(e.value)
+    assert fragment in msg and str(path) in msg and "\n" not in msg
+
+
+def test_unknown_names_and_paths():
+    with pytest.raises(HardwareError) as e:
+        load_hardware("tpu-pod")
+    assert "pcie-4gpu" in str(e.value) and "dgx-h100" in str(e.value)
+    with pytest.raises(HardwareError, match="not found"):
+        load_hardware("/nonexistent/dir/hw.json")
+    assert issubclass(HardwareError, ValueError)
+
+
+def test_loading_a_custom_file(tmp_path):
+    d = load_hardware("pcie-4gpu").to_json()
+    d["name"] = "my-box"
+    d["intra_node"]["bandwidth"] = "inf"
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(d))
+    hw = load_hardware(str(path))
+    assert hw.name == "my-box" and hw.transfer_time(0, 1, 10**9) == pytest.approx(1e-5)
+
+
+def test_bad_device_index():
+    hw = load_hardware("dgx-h100")
+    with pytest.raises(HardwareError, match="no device 8"):
+        hw.route(0, 8)
+    with pytest.raises(HardwareError, match="no device -1"):
+        hw.route(-1, 0)
