@@ -155,7 +155,21 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
+def _table(rows: list[list[str]], header: list[str], *, limit: int = 16) -> str:
+    """A plain-text table; beyond ``limit`` rows, runs of rows equal but for
+    their first column are merged ("0-63"), and what is left is elided in
+    the middle so a 64-device run stays readable."""
+    merged: list[list[str]] = []
+    for r in rows:
+        if merged and merged[-1][1:] == r[1:] and len(rows) > limit:
+            first = merged[-1][0].split("-")[0]
+            merged[-1] = [f"{first}-{r[0]}", *r[1:]]
+        else:
+            merged.append(list(r))
+    rows = merged
+    if len(rows) > limit:
+        keep = limit // 2
+        rows = rows[:keep] + [["..."] + [""] * (len(header) - 1)] + rows[-keep:]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -317,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
             args.model = COMPARE_MODEL
             if args.hardware is None:
                 args.hardware = COMPARE_HARDWARE
-        return args.func(args)
+        from pipesim.sim._gc import gc_paused
+
+        with gc_paused():  # bulk construction of actions and spans: see pipesim.sim._gc
+            return args.func(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pipesim.sim._gc import gc_paused
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.hardware import Hardware, load_hardware
 from pipesim.sim.ir import Schedule
@@ -73,7 +74,8 @@ def simulate(
 ) -> SimResult:
     """Simulate strategy ``spec`` on a catalog ``model`` (or a ``profile``)."""
     hw = resolve_hardware(hardware)
-    schedule = build_schedule(spec)
+    with gc_paused():
+        schedule = build_schedule(spec)
     if profile is None:
         # data parallelism keeps the whole model on one device: cost the
         # same model the pipelines of this size would split

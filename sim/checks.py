@@ -26,11 +26,10 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from pipesim.sim.dataflow import producer_of, split_stages, steps, token_name
+from pipesim.sim.dataflow import compile_plan, producer_of, split_stages, token_name
 from pipesim.sim.dataflow import transfer_key as send_key
 from pipesim.sim.ir import (
     COLLECTIVE_OPS,
-    COMPUTE_OPS,
     MICROBATCH_OPS,
     P2P_OPS,
     PASS_OPS,
@@ -199,10 +198,10 @@ def _check_structure(s: Schedule) -> None:
 
 def _check_deadlock(s: Schedule) -> None:
     """Abstract execution with zero durations; raise naming a waiting cycle."""
-    programs = steps(s)
-    # Who provides each token: the device of a pass, or of a transfer's send.
-    where = {token: dev for dev, prog in enumerate(programs) for a, _, token in prog
-             if a.op in PASS_OPS or a.op is SEND_F or a.op is SEND_B}
+    from pipesim.sim.lowering import group  # lowering builds on this module
+
+    programs = compile_plan(s, group(s))
+    where = providers(programs)
     done: set = set()
     posted: dict[object, int] = defaultdict(int)  # transfer/collective -> participants posted
     pc = [0] * s.num_devices
@@ -212,9 +211,7 @@ def _check_deadlock(s: Schedule) -> None:
 
     def finish(token) -> None:
         done.add(token)
-        for d in waiting_on.pop(token, ()):
-            blocked.pop(d, None)
-            ready.append(d)
+        ready.extend(waiting_on.pop(token, ()))
 
     while ready:
         dev = ready.popleft()
@@ -222,28 +219,38 @@ def _check_deadlock(s: Schedule) -> None:
         n = len(prog)
         i = pc[dev]
         while i < n:
-            a, waits, token = prog[i]
-            need = None
-            for t in waits:
-                if t not in done:
-                    need = t
-                    break
+            posts, a, waits, token = prog[i]
+            if dev not in blocked:  # posts go out before the compute waits, once
+                for x, tok in posts:  # transfers need both ends, collectives every replica
+                    posted[tok] += 1
+                    if posted[tok] == (2 if x.op in P2P_OPS else s.num_replicas):
+                        finish(tok)
+            blocked.pop(dev, None)
+            need = next((t for t in waits if t not in done), None)
             if need is not None:
                 blocked[dev] = (a, need)
                 waiting_on[need].append(dev)
                 break
             i += 1
-            if a.op in COMPUTE_OPS:
-                if token is not None:
-                    finish(token)
-            else:  # transfers need both ends posted, collectives every replica
-                posted[token] += 1
-                if posted[token] == (2 if a.op in P2P_OPS else s.num_replicas):
-                    finish(token)
+            if token is not None:
+                finish(token)
         pc[dev] = i
     stuck = [d for d in range(s.num_devices) if pc[d] < len(programs[d])]
     if stuck:
         raise ScheduleError("schedule deadlocks: " + describe_wait_cycle(stuck, blocked, where))
+
+
+def providers(programs) -> dict:
+    """Token -> the device whose progress provides it (a pass, or a transfer's send)."""
+    where = {}
+    for dev, prog in enumerate(programs):
+        for posts, a, _, token in prog:
+            if token is not None:
+                where[token] = dev
+            for x, tok in posts:
+                if x.op is SEND_F or x.op is SEND_B:
+                    where[tok] = dev
+    return where
 
 
 def describe_wait_cycle(stuck, blocked, where) -> str:

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections import defaultdict
 from pipesim.sim.ir import (
     AVERAGE,
-    COLLECTIVE_OPS,
-    COMPUTE_OPS,
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
@@ -41,11 +39,14 @@ from pipesim.sim.ir import (
 SEND_FOR = {F: SEND_F, B: SEND_B, I: SEND_B}
 
 
-#: One action of a device program with its dataflow: ``(action, waits,
-#: token)``; ``waits`` are the tokens a compute action needs before it may
-#: start, ``token`` what the action makes available. A plain tuple, because
-#: the engine builds one per action and reads them in its hot loop.
-Step = tuple
+#: One compute action of a device program with its dataflow:
+#: ``(posts, action, waits, token)``. ``posts`` are ``(action, token)`` pairs
+#: of the communication and collectives posted right before it (see
+#: :func:`pipesim.sim.lowering.plan`); ``waits`` are the tokens the compute
+#: action needs before it may start; ``token`` is what it makes available.
+#: ``action`` is ``None`` for the posts that trail a program. Plain tuples,
+#: because the engine builds one per action and reads them in its hot loop.
+Entry = tuple
 
 
 def pass_token(op, replica: int, stage: int, microbatch) -> tuple:
@@ -106,56 +107,56 @@ def transfer_key(a: Action) -> tuple:
     return ("B", a.replica, a.stage + 1, a.microbatch)
 
 
-def steps(schedule: Schedule) -> list[list[Step]]:
-    """Per device, every action with the tokens it waits for and provides.
+def compile_plan(schedule: Schedule, plan: list[list[tuple]]) -> list[list[Entry]]:
+    """Per device, every compute action with its posts, waits and token.
 
-    Written for speed (it visits every action of every schedule the engine
-    runs): producer and transfer keys are built inline.
+    ``plan`` is the grouped program (:func:`pipesim.sim.lowering.plan` or
+    :func:`~pipesim.sim.lowering.group`), whose posts already carry their
+    transfer tokens. Written for speed: it visits every action the engine
+    runs, so producer keys are built inline.
     """
     last = schedule.num_stages - 1
     split = split_stages(schedule)
-    received = {
-        transfer_key(a) for prog in schedule.programs for a in prog if a.op is RECV_F or a.op is RECV_B
-    }
-    has_collectives = any(a.op in COLLECTIVE_OPS for prog in schedule.programs for a in prog)
+    received = {tok for slots in plan for posts, _ in slots for x, tok in posts
+                if x.op is RECV_F or x.op is RECV_B}
+    has_collectives = any(tok is None for slots in plan for posts, _ in slots for _, tok in posts)
     rounds: dict[tuple, int] = defaultdict(int)
     out = []
-    for prog in schedule.programs:
+    for slots in plan:
         last_coll: dict[tuple, tuple] = {}
-        dev_steps = []
-        append = dev_steps.append
-        for a in prog:
+        entries = []
+        append = entries.append
+        for posts, a in slots:
+            if has_collectives and posts:
+                # number each replica's collectives of a stage: round r of
+                # every replica is one collective
+                posted = []
+                for x, tok in posts:
+                    if tok is None:
+                        k = (x.op, x.stage, x.replica)
+                        tok = (x.op.value, x.stage, rounds[k])
+                        rounds[k] += 1
+                        last_coll[(x.op, x.replica, x.stage)] = tok
+                    posted.append((x, tok))
+                posts = tuple(posted)
+            if a is None:
+                append((posts, None, (), None))
+                continue
             op, stage, rep, mb = a.op, a.stage, a.replica, a.microbatch
             waits: tuple = ()
+            token = (op, rep, stage, mb)
             if op is F:
-                token = (op, rep, stage, mb)
                 if stage:
                     key = ("F", rep, stage - 1, mb)  # through a receive if lowered
                     waits = (key,) if key in received else ((F, rep, stage - 1, mb),)
             elif op is B or op is I:
-                token = (op, rep, stage, mb)
                 if stage < last:
                     key = ("B", rep, stage + 1, mb)
                     waits = (key,) if key in received else (
                         (I if (rep, stage + 1) in split else B, rep, stage + 1, mb),)
-            elif op is W:
-                token = (op, rep, stage, mb)
-            elif op is SEND_F:
-                token = ("F", rep, stage, mb)
-            elif op is RECV_F:
-                token = ("F", rep, stage - 1, mb)
-            elif op is SEND_B:
-                token = ("B", rep, stage, mb)
-            elif op is RECV_B:
-                token = ("B", rep, stage + 1, mb)
-            elif op in COLLECTIVE_OPS:
-                k = (op, stage, rep)
-                token = (op.value, stage, rounds[k])
-                rounds[k] += 1
-                last_coll[(op, rep, stage)] = token
-            else:  # UPDATE, PREDICT
+            elif op is not W:  # UPDATE, PREDICT
                 token = None
-            if has_collectives and op in COMPUTE_OPS:
+            if has_collectives:
                 avg = last_coll.pop((AVERAGE, rep, stage), None)
                 if avg is not None:
                     waits += (avg,)
@@ -163,6 +164,6 @@ def steps(schedule: Schedule) -> list[list[Step]]:
                     red = last_coll.pop((REDUCE_GRAD, rep, stage), None)
                     if red is not None:
                         waits += (red,)
-            append((a, waits, token))
-        out.append(dev_steps)
+            append((posts, a, waits, token))
+        out.append(entries)
     return out

@@ -27,14 +27,12 @@ from typing import TYPE_CHECKING
 
 import simpy
 
-from pipesim.sim.checks import describe_wait_cycle, validate
-from pipesim.sim.dataflow import steps
+from pipesim.sim._gc import gc_paused
+from pipesim.sim.checks import describe_wait_cycle, providers, validate
+from pipesim.sim.dataflow import compile_plan
 from pipesim.sim.ir import (
     AVERAGE,
-    COLLECTIVE_OPS,
-    COMPUTE_OPS,
     P2P_OPS,
-    PASS_OPS,
     PREDICT,
     RECV_F,
     SEND_B,
@@ -48,7 +46,7 @@ from pipesim.sim.ir import (
     ScheduleError,
     W,
 )
-from pipesim.sim.lowering import lower
+from pipesim.sim.lowering import plan
 from pipesim.sim.results import SimResult, Span
 
 if TYPE_CHECKING:
@@ -107,19 +105,6 @@ class CostModel:
         return self.stage_costs[dst].activation_bytes
 
 
-class _Transfer:
-    """Book-keeping for one point-to-point transfer (send side or receive side first)."""
-
-    __slots__ = ("send", "recv", "src", "dst", "nbytes", "event", "flow")
-
-    def __init__(self) -> None:
-        self.send = self.recv = None
-        self.src = self.dst = -1
-        self.nbytes = 0
-        self.event = None
-        self.flow = None
-
-
 def simulate(
     schedule: Schedule,
     stage_costs,
@@ -133,12 +118,22 @@ def simulate(
 ) -> SimResult:
     """Execute ``schedule`` in simulated time and return its spans and trackers.
 
-    ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
+    The schedule is executed as lowered by :func:`pipesim.sim.lowering.plan`
+    (sends after producers, receives ``recv_lookahead`` compute actions
+    ahead); the result keeps the schedule as given, and the spans record
+    every transfer that happened. ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
     model stage k (the same for every replica). The schedule is lowered
-    (sends/receives added) if it is not already, and validated first unless
-    ``check`` is false, so a broken or deadlocking schedule raises
-    :class:`~pipesim.sim.ir.ScheduleError` instead of hanging.
+    (sends/receives added) if it is not already, and its structure validated
+    first unless ``check`` is false. A schedule that deadlocks raises
+    :class:`~pipesim.sim.ir.ScheduleError` naming the wait cycle when the
+    event queue runs dry: SimPy stops by itself, so it never hangs.
     """
+    with gc_paused():
+        return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
+                         recv_lookahead=recv_lookahead, check=check, meta=meta)
+
+
+def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta):
     from pipesim.sim.trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
@@ -147,13 +142,14 @@ def simulate(
         )
     hardware.check_devices(schedule.num_devices)
     if check:
-        validate(schedule)  # compute order: cheap, and lowering keeps it deadlock-free
-    lowered = lower(schedule, recv_lookahead=recv_lookahead)
+        # Structure only: the dry run would cost as much as the simulation,
+        # which stops by itself on a deadlock and names the same wait cycle.
+        validate(schedule, deadlock=False)
     costs = CostModel(tuple(stage_costs), hardware.device.mem_bandwidth, optimizer)
-    run = _Run(lowered, costs, hardware)
+    run = _Run(schedule, plan(schedule, recv_lookahead=recv_lookahead), costs, hardware)
     run.execute()
     result = SimResult(
-        schedule=lowered,
+        schedule=schedule,
         spans=run.spans,
         memory=[],
         versions=[],
@@ -170,30 +166,25 @@ def simulate(
 class _Run:
     """State of one simulation: the environment, token events and spans."""
 
-    def __init__(self, schedule: Schedule, costs: CostModel, hardware: Hardware) -> None:
+    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
         self.schedule = schedule
         self.costs = costs
         self.hw = hardware
         self.env = simpy.Environment()
-        self.programs = steps(schedule)
+        self.programs = compile_plan(schedule, plan_)
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
-        self.awaited = {t for prog in self.programs for _, waits, _ in prog for t in waits}
+        self.awaited = {t for prog in self.programs for _, _, waits, _ in prog for t in waits}
         self.transfer_cost: dict[tuple, tuple] = {}
         self.events: dict[object, simpy.Event] = {}
         self.spans: list[Span] = []
         self.link_bytes: dict[str, int] = defaultdict(int)
         self.links: dict[str, simpy.Resource] = {}
-        self.transfers: dict[tuple, _Transfer] = {}
+        self.transfers: dict[tuple, tuple] = {}  # token -> (device, action) of the end posted first
         self.collectives: dict[tuple, list] = defaultdict(list)
-        self.placement = schedule.placement()
         self.finished = [False] * schedule.num_devices
         self.blocked: dict[int, tuple] = {}
         self.next_flow = 0
-        # Devices hosting each stage's replicas, for collectives.
-        self.stage_devices: dict[int, list[int]] = defaultdict(list)
-        for (rep, stage), dev in sorted(self.placement.items()):
-            self.stage_devices[stage].append(dev)
 
     # -- tokens -----------------------------------------------------------
     def event(self, token) -> simpy.Event:
@@ -215,10 +206,8 @@ class _Run:
             self.env.process(self.walk(dev))
         self.env.run()
         if not all(self.finished):
-            # Only reachable with check=False: validate() catches this first.
             stuck = [d for d, ok in enumerate(self.finished) if not ok]
-            where = {t: d for d, prog in enumerate(self.programs) for a, _, t in prog
-                     if a.op in PASS_OPS or a.op is SEND_F or a.op is SEND_B}
+            where = providers(self.programs)
             raise ScheduleError("simulation deadlocked: " + describe_wait_cycle(stuck, self.blocked, where))
 
     def walk(self, dev: int):
@@ -227,70 +216,75 @@ class _Run:
         events = self.events
         compute_cost = self.costs.compute
         awaited = self.awaited
+        post_transfer, post_collective = self.post_transfer, self.post_collective
         cache: dict[tuple, float] = {}
-        for a, waits, token in self.programs[dev]:
-            op = a.op
-            if op in COMPUTE_OPS:
-                for need in waits:
-                    ev = events.get(need)
-                    if ev is None:
-                        ev = events[need] = env.event()
-                    if not ev.triggered:
-                        self.blocked[dev] = (a, need)
-                        yield ev
-                key = (op, a.stage)
-                dur = cache.get(key)
-                if dur is None:
-                    dur = cache[key] = compute_cost(a)
-                start = env.now
-                if dur:
-                    yield env.timeout(dur)
-                spans.append(Span(dev, "compute", a, start, env.now))
-                if token in awaited:
-                    ev = events.get(token)
-                    if ev is None:
-                        events[token] = ev = env.event()
-                    ev.succeed()
-            elif op in P2P_OPS:
-                self.post_transfer(dev, a, token)
-            elif op in COLLECTIVE_OPS:
-                self.post_collective(dev, a, token)
+        for posts, a, waits, token in self.programs[dev]:
+            for x, tok in posts:
+                if x.op in P2P_OPS:
+                    post_transfer(dev, x, tok)
+                else:
+                    post_collective(dev, x, tok)
+            if a is None:
+                continue
+            for need in waits:
+                ev = events.get(need)
+                if ev is None:
+                    ev = events[need] = env.event()
+                if not ev.triggered:
+                    self.blocked[dev] = (a, need)
+                    yield ev
+            key = (a.op, a.stage)
+            dur = cache.get(key)
+            if dur is None:
+                dur = cache[key] = compute_cost(a)
+            start = env.now
+            if dur:
+                yield env.timeout(dur)
+            spans.append(Span(dev, "compute", a, start, env.now))
+            if token in awaited:
+                ev = events.get(token)
+                if ev is None:
+                    events[token] = ev = env.event()
+                ev.succeed()
         self.blocked.pop(dev, None)
         self.finished[dev] = True
 
     # -- point-to-point ---------------------------------------------------
     def post_transfer(self, dev: int, a: Action, token) -> None:
-        tr = self.transfers.get(token)
-        if tr is None:
-            tr = self.transfers[token] = _Transfer()
-        if a.op in (SEND_F, SEND_B):
-            tr.send, tr.src = a, dev
-        else:
-            tr.recv, tr.dst = a, dev
-        if tr.send is None or tr.recv is None:
+        """Post one end of a transfer; the second end starts it.
+
+        Runs for every send and receive, so it keeps to plain tuples."""
+        first = self.transfers.pop(token, None)
+        if first is None:
+            self.transfers[token] = (dev, a)
             return
-        del self.transfers[token]
-        tr.nbytes = nbytes = self.costs.transfer_bytes(tr.send)
-        tr.flow = self.next_flow
+        if a.op is SEND_F or a.op is SEND_B:
+            (dst, recv), src, send = first, dev, a
+        else:
+            (src, send), dst, recv = first, dev, a
+        nbytes = self.costs.transfer_bytes(send)
+        flow = self.next_flow
         self.next_flow += 1
-        key = (tr.src, tr.dst, nbytes)
+        key = (src, dst, nbytes)
         cost = self.transfer_cost.get(key)
         if cost is None:
-            route = self.hw.route(tr.src, tr.dst)
-            cost = self.transfer_cost[key] = (route, self.hw.transfer_time(tr.src, tr.dst, nbytes))
+            route = self.hw.route(src, dst)
+            cost = self.transfer_cost[key] = (route, self.hw.transfer_time(src, dst, nbytes))
         route, duration = cost
         if nbytes:
             for link in route:
                 self.link_bytes[link.name] += nbytes
+        ends = (src, send, dst, recv, nbytes, flow)
         if duration == 0.0:
-            self.record_transfer(tr, self.env.now, self.env.now)
+            now = self.env.now
+            self.record_transfer(ends, now, now)
             self.fire(token)
         else:
-            self.env.process(self.move(tr, route, duration, token))
+            self.env.process(self.move(ends, route, duration, token))
 
-    def move(self, tr: _Transfer, route, duration: float, token):
+    def move(self, ends: tuple, route, duration: float, token):
         start = yield from self.occupy(route, duration)
-        self.record_transfer(tr, start, self.env.now)
+        self.record_transfer(ends, start, self.env.now)
         self.fire(token)
 
     def occupy(self, route, duration: float):
@@ -312,9 +306,10 @@ class _Run:
             res.release(req)
         return start
 
-    def record_transfer(self, tr: _Transfer, start: float, end: float) -> None:
-        self.spans.append(Span(tr.src, "send", tr.send, start, end, peer=tr.dst, flow=tr.flow, nbytes=tr.nbytes))
-        self.spans.append(Span(tr.dst, "recv", tr.recv, start, end, peer=tr.src, flow=tr.flow, nbytes=tr.nbytes))
+    def record_transfer(self, ends: tuple, start: float, end: float) -> None:
+        src, send, dst, recv, nbytes, flow = ends
+        self.spans.append(Span(src, "send", send, start, end, dst, flow, nbytes))
+        self.spans.append(Span(dst, "recv", recv, start, end, src, flow, nbytes))
 
     # -- collectives ------------------------------------------------------
     def post_collective(self, dev: int, a: Action, token) -> None:

@@ -223,7 +223,10 @@ class Schedule:
         return self.num_microbatches * self.num_iterations
 
     def placement(self) -> dict[tuple[int, int], int]:
-        """(replica, stage) -> device, read off the compute actions."""
+        """(replica, stage) -> device, read off the compute actions (cached)."""
+        cached = self.__dict__.get("_placement")
+        if cached is not None:
+            return dict(cached)
         where: dict[tuple[int, int], int] = {}
         for dev, prog in enumerate(self.programs):
             for a in prog:
@@ -234,7 +237,8 @@ class Schedule:
                             f"replica {a.replica} stage {a.stage} has actions on devices "
                             f"{prev} and {dev} ({format_action(a)}); a stage lives on one device"
                         )
-        return where
+        object.__setattr__(self, "_placement", where)
+        return dict(where)
 
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(device, position, action) over every program."""

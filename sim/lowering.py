@@ -18,16 +18,24 @@ Placement is chosen for overlap and safety:
 Because sends never block and receives are posted before their consumers,
 lowering a schedule whose compute order is free of deadlock never creates one
 (the validator still checks the result).
+
+Executors consume the *plan* form: per device, each compute action with the
+communication posted just before it (:data:`Slot`). Posting never blocks, so
+"posted right after compute j" and "posted right before compute j+1" are
+the same moment; the plan is just a flat program grouped at its compute
+actions, and :func:`lower` flattens it back.
 """
 
 from __future__ import annotations
 
-from pipesim.sim.dataflow import SEND_FOR, consumer_stage, split_stages
+from pipesim.sim.dataflow import split_stages, transfer_key
 from pipesim.sim.ir import (
     COMPUTE_OPS,
     P2P_OPS,
     RECV_B,
     RECV_F,
+    SEND_B,
+    SEND_F,
     Action,
     B,
     F,
@@ -36,55 +44,97 @@ from pipesim.sim.ir import (
     ScheduleError,
 )
 
+#: ``(posts, action)``: communication and collectives posted, in order,
+#: right before compute ``action`` (``None`` for what trails the last one).
+#: Each post is ``(action, token)``: a transfer's token
+#: (:func:`~pipesim.sim.dataflow.transfer_key`), or ``None`` for a
+#: collective, whose token :func:`~pipesim.sim.dataflow.compile_plan` numbers.
+Slot = tuple
 
-def lower(schedule: Schedule, *, recv_lookahead: int = 1) -> Schedule:
-    """Return ``schedule`` with SEND/RECV actions for cross-device data."""
+
+def _post(x: Action) -> tuple:
+    return (x, transfer_key(x) if x.op in P2P_OPS else None)
+
+
+def group(schedule: Schedule) -> list[list[Slot]]:
+    """The plan form of a schedule as it stands (lowered or not)."""
+    plan = []
+    for prog in schedule.programs:
+        slots, pending = [], []
+        for a in prog:
+            if a.op in COMPUTE_OPS:
+                slots.append((tuple(pending), a))
+                pending = []
+            else:
+                pending.append(_post(a))
+        if pending:
+            slots.append((tuple(pending), None))
+        plan.append(slots)
+    return plan
+
+
+def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
+    """Lowered plan: sends after their producers, receives ``recv_lookahead``
+    compute actions ahead of their consumers. A schedule that already has
+    communication is grouped as it is.
+
+    This visits every action of every simulation, so it is written flat.
+    """
     if recv_lookahead < 0:
         raise ScheduleError("recv_lookahead must be >= 0")
     if any(a.op in P2P_OPS for prog in schedule.programs for a in prog):
-        return schedule  # already lowered (e.g. imported with communication)
-    placement = schedule.placement()
+        return group(schedule)
+    home = schedule.placement().get
     split = split_stages(schedule)
     last = schedule.num_stages - 1
-    programs = []
+    out = []
     for dev, prog in enumerate(schedule.programs):
-        # Which receive each action needs, and where it is posted: before
-        # the compute action ``recv_lookahead`` compute actions earlier.
-        compute_index = []  # position in ``prog`` of the c-th compute action
-        posts: dict[int, list[Action]] = {}
-        for pos, a in enumerate(prog):
-            if a.op not in COMPUTE_OPS:
+        computes: list[Action] = []
+        posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
+        for a in prog:
+            op = a.op
+            if op not in COMPUTE_OPS:  # a collective already in the program
+                posts[-1].append((a, None))
                 continue
-            compute_index.append(pos)
-            recv = _recv_needed(a, dev, placement, last)
-            if recv is not None:
-                at = compute_index[max(len(compute_index) - 1 - recv_lookahead, 0)]
-                posts.setdefault(at, []).append(recv)
-        out: list[Action] = []
-        for pos, a in enumerate(prog):
-            out.extend(posts.get(pos, ()))
-            out.append(a)
-            send = _send_needed(a, dev, placement, last, split)
-            if send is not None:
-                out.append(send)
-        programs.append(tuple(out))
-    return schedule.with_programs(programs)
+            j = len(computes)
+            computes.append(a)
+            posts.append([])
+            stage, rep, mb = a.stage, a.replica, a.microbatch
+            # tokens spelled inline as transfer_key() would: this loop is hot
+            if op is F:
+                if stage and home((rep, stage - 1)) != dev:
+                    posts[max(j - recv_lookahead, 0)].append(
+                        (Action(RECV_F, stage, mb, None, 0, rep), ("F", rep, stage - 1, mb)))
+                if stage < last and home((rep, stage + 1)) != dev:
+                    posts[j + 1].append((Action(SEND_F, stage, mb, None, 0, rep), ("F", rep, stage, mb)))
+            elif op is B or op is I:
+                if stage < last and home((rep, stage + 1)) != dev:
+                    posts[max(j - recv_lookahead, 0)].append(
+                        (Action(RECV_B, stage, mb, None, 0, rep), ("B", rep, stage + 1, mb)))
+                if stage and home((rep, stage - 1)) != dev and not (op is B and (rep, stage) in split):
+                    posts[j + 1].append((Action(SEND_B, stage, mb, None, 0, rep), ("B", rep, stage, mb)))
+        slots = [(tuple(p), a) for p, a in zip(posts, computes)]
+        if posts[-1]:
+            slots.append((tuple(posts[-1]), None))
+        out.append(slots)
+    return out
 
 
-def _recv_needed(a: Action, dev: int, placement, last: int) -> Action | None:
-    if a.op is F and a.stage > 0 and placement.get((a.replica, a.stage - 1)) != dev:
-        return Action(RECV_F, a.stage, a.microbatch, replica=a.replica)
-    if a.op in (B, I) and a.stage < last and placement.get((a.replica, a.stage + 1)) != dev:
-        return Action(RECV_B, a.stage, a.microbatch, replica=a.replica)
-    return None
+def flatten(plan_: list[list[Slot]]) -> list[tuple[Action, ...]]:
+    """The flat per-device programs of a plan."""
+    out = []
+    for slots in plan_:
+        prog = []
+        for posts, a in slots:
+            prog.extend(x for x, _ in posts)
+            if a is not None:
+                prog.append(a)
+        out.append(tuple(prog))
+    return out
 
 
-def _send_needed(a: Action, dev: int, placement, last: int, split) -> Action | None:
-    send_op = SEND_FOR.get(a.op)
-    if send_op is None or (a.op is F and a.stage == last) or (a.op is not F and a.stage == 0):
-        return None
-    if a.op is B and (a.replica, a.stage) in split:
-        return None  # the I pass already sent the input gradient
-    if placement.get((a.replica, consumer_stage(a))) == dev:
-        return None
-    return Action(send_op, a.stage, a.microbatch, replica=a.replica)
+def lower(schedule: Schedule, *, recv_lookahead: int = 1) -> Schedule:
+    """Return ``schedule`` with SEND/RECV actions for cross-device data."""
+    if any(a.op in P2P_OPS for prog in schedule.programs for a in prog):
+        return schedule  # already lowered (e.g. imported with communication)
+    return schedule.with_programs(flatten(plan(schedule, recv_lookahead=recv_lookahead)))

@@ -36,22 +36,24 @@ def device_busy(result: SimResult) -> list[float]:
     return busy
 
 
-def bubble_fractions(result: SimResult) -> list[float]:
-    makespan = result.makespan
+def bubble_fractions(result: SimResult, busy: list[float] | None = None,
+                     makespan: float | None = None) -> list[float]:
+    makespan = result.makespan if makespan is None else makespan
     if makespan <= 0:
         return [0.0] * result.schedule.num_devices
-    return [max(0.0, 1.0 - b / makespan) for b in device_busy(result)]
+    busy = device_busy(result) if busy is None else busy
+    return [max(0.0, 1.0 - b / makespan) for b in busy]
 
 
 def summarize(result: SimResult) -> dict:
     """The ``summary.json`` document for one execution."""
     s = result.schedule
     makespan = result.makespan
-    bubbles = bubble_fractions(result)
+    busy = device_busy(result)
+    bubbles = bubble_fractions(result, busy, makespan)
     samples = s.num_replicas * s.total_microbatches * result.microbatch_size
     compute_actions = sum(1 for sp in result.spans if sp.stream == "compute")
 
-    busy = device_busy(result)
     devices = []
     for dev, (bubble, mem) in enumerate(zip(bubbles, result.memory, strict=True)):
         devices.append({

@@ -54,13 +54,14 @@ class Span:
         return self.end - self.start
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PassVersions:
     """Weight versions seen by one micro-batch on one stage.
 
     ``update_version`` is the version current when the update consuming the
     micro-batch's gradient was applied (``None`` if none was). Effective
-    versions add the prediction distance.
+    versions add the prediction distance. Treat as immutable (not frozen
+    for the same reason as :class:`Span`).
     """
 
     replica: int

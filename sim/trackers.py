@@ -64,25 +64,23 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     held_max: dict[tuple[int, int], int] = {}
     changes: dict[int, list] = defaultdict(list)
     split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
+    reads = PASS_OPS | {PREDICT}
     for dev, prog in enumerate(schedule.programs):
         last_read: dict[tuple, int] = {}
         for pos, a in enumerate(prog):
-            if (a.op in PASS_OPS or a.op is PREDICT) and a.version is not None:
+            if a.op in reads:
                 last_read[(a.replica, a.stage, a.version)] = pos
         current: dict[tuple[int, int], int] = defaultdict(int)
         extra: dict[tuple[int, int], int] = defaultdict(int)
         awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
         for pos, a in enumerate(prog):
-            rs = (a.replica, a.stage)
-            held_max.setdefault(rs, 1)
             op = a.op
             if op is F:
                 fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
             elif op is B or op is I:
                 bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-            if (op is B and rs not in split) or op is W:
-                awaiting[rs].append(a.microbatch)
             if op is UPDATE:
+                rs = (a.replica, a.stage)
                 for mb in awaiting.pop(rs, ()):
                     upd[(a.replica, a.stage, mb)] = current[rs]
                 old = current[rs]
@@ -90,12 +88,17 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
                 if last_read.get((a.replica, a.stage, old), -1) > pos:
                     extra[rs] += 1
                     changes[dev].append((pos, +1, rs))
-                    held_max[rs] = max(held_max[rs], 1 + extra[rs])
-            elif (op in PASS_OPS or op is PREDICT) and a.version is not None:
+                    held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
+            elif op in reads:
+                rs = (a.replica, a.stage)
+                if (op is B and rs not in split) or op is W:
+                    awaiting[rs].append(a.microbatch)
                 v = a.version
-                if v < current[rs] and last_read.get((a.replica, a.stage, v)) == pos:
+                if v is not None and v < current[rs] and last_read.get((a.replica, a.stage, v)) == pos:
                     extra[rs] -= 1
                     changes[dev].append((pos, -1, rs))
+    for rs in schedule.placement():
+        held_max.setdefault(rs, 1)
     versions = []
     for key in sorted(fwd):
         fv, fd = fwd[key]
@@ -150,7 +153,10 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
             extend([dev], [t0], [w], "averaging")
 
     split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
-    compute = [s for s in spans if s.stream == "compute"]
+    by_stream: dict[str, list] = defaultdict(list)
+    for s in spans:
+        by_stream[s.stream].append(s)
+    compute = by_stream["compute"]
     by_dev: dict[int, list] = defaultdict(list)
     for s in compute:
         by_dev[s.device].append(s)
@@ -170,10 +176,10 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
              or (s.action.op is B and (s.action.replica, s.action.stage) not in split)]
     extend([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed], "activations")
 
-    sends = [s for s in spans if s.stream == "send" and s.nbytes]
+    sends = [s for s in by_stream["send"] if s.nbytes]
     extend([s.device for s in sends], [s.start for s in sends], [s.nbytes for s in sends], "comm_buffers")
     extend([s.device for s in sends], [s.end for s in sends], [-s.nbytes for s in sends], "comm_buffers")
-    recvs = [s for s in spans if s.stream == "recv" and s.nbytes]
+    recvs = [s for s in by_stream["recv"] if s.nbytes]
     if recvs:
         started = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
                    for s in compute if s.action.op in PASS_OPS}
