@@ -118,15 +118,15 @@ def simulate(
 ) -> SimResult:
     """Execute ``schedule`` in simulated time and return its spans and trackers.
 
-    The schedule is executed as lowered by :func:`pipesim.sim.lowering.plan`
-    (sends after producers, receives ``recv_lookahead`` compute actions
-    ahead); the result keeps the schedule as given, and the spans record
-    every transfer that happened. ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
-    model stage k (the same for every replica). The schedule is lowered
-    (sends/receives added) if it is not already, and its structure validated
-    first unless ``check`` is false. A schedule that deadlocks raises
-    :class:`~pipesim.sim.ir.ScheduleError` naming the wait cycle when the
-    event queue runs dry: SimPy stops by itself, so it never hangs.
+    ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
+    model stage k (the same for every replica). A compute-only schedule runs
+    as :func:`pipesim.sim.lowering.plan` lowers it (sends after producers,
+    receives ``recv_lookahead`` compute actions ahead); one that carries its
+    own communication runs as it is. The result keeps the schedule as given;
+    its spans record every transfer. The structure is validated first unless
+    ``check`` is false; a schedule that deadlocks raises
+    :class:`~pipesim.sim.ir.ScheduleError` naming the wait cycle once the
+    event queue runs dry (SimPy stops by itself, so it never hangs).
     """
     with gc_paused():
         return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
@@ -187,12 +187,6 @@ class _Run:
         self.next_flow = 0
 
     # -- tokens -----------------------------------------------------------
-    def event(self, token) -> simpy.Event:
-        ev = self.events.get(token)
-        if ev is None:
-            ev = self.events[token] = self.env.event()
-        return ev
-
     def fire(self, token) -> None:
         ev = self.events.get(token)
         if ev is None:
