@@ -199,6 +199,9 @@ def bubble_data(
     }
 
 
+MARKERS = ("circle", "square", "diamond", "cross", "x", "triangle-up", "star", "hexagon", "triangle-down")
+
+
 def figure_from_data(data: dict) -> go.Figure:
     """The plotly figure for a :func:`bubble_data` document."""
     stages = data["stages"]
@@ -216,7 +219,12 @@ def figure_from_data(data: dict) -> go.Figure:
                     x=series["m"], y=series["bubble"], mode="lines+markers", name=name,
                     legendgroup=name, showlegend=col == 1,
                     line={"color": STRATEGY_COLORS[idx % len(STRATEGY_COLORS)], "width": 2},
-                    marker={"size": 7},
+                    # Several strategies share a curve exactly (1F1B, PipeDream,
+                    # 2BW and SpecTrain have GPipe's bubble on uniform stages):
+                    # later ones get smaller markers of another shape so the
+                    # earlier ones still show underneath.
+                    marker={"size": max(14 - 1.2 * idx, 5), "symbol": MARKERS[idx % len(MARKERS)],
+                            "line": {"width": 1, "color": "white"}},
                     hovertemplate=f"{name}<br>p = {p}, m = %{{x}}<br>bubble %{{y:.4f}}<extra></extra>",
                 ),
                 row=1, col=col,
