@@ -243,7 +243,8 @@ def cmd_compare(args) -> int:
           f"{args.stages} stages, {args.microbatches or 8} micro-batches, {args.iterations} iteration(s)")
     print(_table(rows, ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}",
                         "bubble", "peak mem", "staleness", "OOM"]))
-    (out / "comparison.json").write_text(dumps({"strategies": summaries}))
+    # sorted keys keep the JSON byte-stable; "order" keeps the table's order
+    (out / "comparison.json").write_text(dumps({"order": strategies, "strategies": summaries}))
     print(f"wrote {out}/comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
     return 0
 
