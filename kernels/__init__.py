@@ -1,1 +1,65 @@
-"""placeholder"""
+"""Fast, exact per-parameter operations of the asynchronous strategies.
+
+SpecTrain predicts weights before each pass, XPipe/PipeOptim do the same
+from Adam's moments, PipeDream stashes versions, PipeDream-2BW swaps two
+buffers and AvgPipe pulls replicas toward a centre. All of them touch every
+parameter at every step, so if these operations are slow they eat the time
+pipelining saves. This package holds them for the validation runtime to call
+and for the simulator to cost (:func:`bytes_moved`).
+
+Two implementations behind one API: a multi-tensor path on
+``torch._foreach_*`` ops for every device, and fused Triton kernels (one
+launch over all parameters) chosen automatically for CUDA tensors when
+Triton imports; :func:`set_backend` or ``backend=`` forces either.
+"""
+
+from pipesim.kernels.averaging import elastic_average
+from pipesim.kernels.backend import (
+    BACKENDS,
+    get_backend,
+    set_backend,
+    triton_available,
+    use_backend,
+)
+from pipesim.kernels.buffers import DoubleBuffer, StashFullError, WeightStash
+from pipesim.kernels.cost import KERNELS, bytes_moved
+from pipesim.kernels.module import (
+    PredictionGroup,
+    Predictor,
+    elastic_average_modules,
+    optimizer_kind,
+    predict_module,
+)
+from pipesim.kernels.prediction import (
+    InplacePrediction,
+    adam_coefficients,
+    predict_adam,
+    predict_adam_,
+    predict_sgd,
+    predict_sgd_,
+)
+
+__all__ = [
+    "BACKENDS",
+    "KERNELS",
+    "DoubleBuffer",
+    "InplacePrediction",
+    "PredictionGroup",
+    "Predictor",
+    "StashFullError",
+    "WeightStash",
+    "adam_coefficients",
+    "bytes_moved",
+    "elastic_average",
+    "elastic_average_modules",
+    "get_backend",
+    "optimizer_kind",
+    "predict_adam",
+    "predict_adam_",
+    "predict_module",
+    "predict_sgd",
+    "predict_sgd_",
+    "set_backend",
+    "triton_available",
+    "use_backend",
+]

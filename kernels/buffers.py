@@ -1,0 +1,237 @@
+"""Weight versions: PipeDream's stash and PipeDream-2BW's double buffer.
+
+Both hand out weights by version number and count readers, so that a pass
+can never read a version other than the one it was scheduled on, and both
+copy only what the semantics require:
+
+* :class:`WeightStash` keeps the live weights as the current version and
+  copies a version only when the weights are about to be updated while some
+  micro-batch still needs them (its backward has not run). Freed copies are
+  recycled, so steady state allocates nothing.
+* :class:`DoubleBuffer` never copies: the update writes W(t+1) into the
+  buffer that held W(t−1), then the roles swap.
+"""
+
+from __future__ import annotations
+
+import torch
+from pipesim.kernels import foreach
+from pipesim.kernels._checks import as_tensor_list, check_aligned, group_indices, take
+from pipesim.kernels.prediction import empty_like_all, impl_for
+from torch import Tensor
+
+
+class StashFullError(RuntimeError):
+    """Keeping one more version would exceed the stash's capacity."""
+
+
+class _Readers:
+    """Reader counts per held version, shared by both buffers."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.readers: dict[int, int] = {version: 0}
+
+    def held(self) -> list[int]:
+        return sorted(self.readers)
+
+    def acquire(self, version: int | None = None) -> int:
+        v = self.version if version is None else version
+        self.check_held(v)
+        self.readers[v] += 1
+        return v
+
+    def check_held(self, version: int) -> None:
+        if version not in self.readers:
+            raise KeyError(f"version {version} is not held (held: {self.held()})")
+
+    def release(self, version: int) -> bool:
+        """Drop one reader; True when a non-current version has none left."""
+        self.check_held(version)
+        if self.readers[version] == 0:
+            raise ValueError(f"version {version} has no readers to release")
+        self.readers[version] -= 1
+        if version != self.version and self.readers[version] == 0:
+            del self.readers[version]
+            return True
+        return False
+
+
+class WeightStash:
+    """PipeDream weight stashing: a forward and its backward read the same version.
+
+    ``tensors`` are the live weights, which are version ``version``. A pass
+    calls :meth:`acquire` (forward: registers a reader of the current
+    version), :meth:`get` (forward and backward: the tensors of a version) and
+    :meth:`release` (backward done). Call :meth:`advance` right *before* the
+    optimizer writes the live weights: if the current version has readers it
+    is copied into a slot, then the version number moves on.
+
+    ``capacity`` bounds the versions held, live one included: N − k for
+    stage k of an N-stage PipeDream pipeline. At most ``capacity - 1`` slot
+    copies are ever allocated.
+    """
+
+    def __init__(self, tensors, capacity: int, *, version: int = 0):
+        self._live = as_tensor_list("tensors", tensors)
+        if int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self._r = _Readers(int(version))
+        self._copies: dict[int, list[Tensor]] = {}
+        self._free: list[list[Tensor]] = []
+        self._allocated = 0
+
+    @property
+    def version(self) -> int:
+        return self._r.version
+
+    @property
+    def held(self) -> list[int]:
+        """Versions held (current included), oldest first."""
+        return self._r.held()
+
+    def __len__(self) -> int:
+        return len(self._r.readers)
+
+    def readers(self, version: int) -> int:
+        self._r.check_held(version)
+        return self._r.readers[version]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of slot memory allocated (in use or recycled), not counting the live weights."""
+        per = sum(t.numel() * t.element_size() for t in self._live)
+        return per * self._allocated
+
+    def acquire(self, version: int | None = None) -> int:
+        """A forward starts on the current (or a given held) version; returns it."""
+        return self._r.acquire(version)
+
+    def get(self, version: int) -> list[Tensor]:
+        """The weights of ``version``: the live tensors if current, else its copy."""
+        if version == self._r.version:
+            return self._live
+        self._r.check_held(version)
+        return self._copies[version]
+
+    def release(self, version: int) -> None:
+        """A backward on ``version`` is done; a stashed copy without readers is recycled."""
+        if self._r.release(version):
+            self._free.append(self._copies.pop(version))
+
+    def advance(self) -> int:
+        """Call before updating the live weights in place; returns the new version."""
+        cur = self._r.version
+        if self._r.readers[cur]:
+            if len(self._r.readers) >= self.capacity:
+                raise StashFullError(
+                    f"cannot advance to version {cur + 1}: capacity {self.capacity} reached "
+                    f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)")
+            slot = self._free.pop() if self._free else self._new_slot()
+            with torch.no_grad():
+                _copy(slot, self._live)
+            self._copies[cur] = slot
+        else:
+            del self._r.readers[cur]
+        self._r.version = cur + 1
+        self._r.readers[cur + 1] = 0
+        return cur + 1
+
+    def _new_slot(self) -> list[Tensor]:
+        self._allocated += 1
+        return empty_like_all(self._live)
+
+
+class DoubleBuffer:
+    """PipeDream-2BW: the current weights and a shadow holding the previous version.
+
+    ``tensors`` become the current buffer (no copy); the shadow is allocated
+    once. :meth:`update` hands the shadow to a function that writes the next
+    weights into it (e.g. W(t+1) = W(t) − ν∇f(W(t−1)) via :meth:`update_sgd`)
+    and swaps: the old current becomes the shadow, version t, still readable
+    by in-flight micro-batches. The buffer that is overwritten held version
+    t−1, so its readers must all be done; that is 2BW's invariant, and
+    :meth:`update` raises ``RuntimeError`` if it is violated instead of
+    silently handing a micro-batch the wrong weights.
+    """
+
+    def __init__(self, tensors, *, version: int = 0):
+        cur = as_tensor_list("tensors", tensors)
+        self._bufs = [cur, empty_like_all(cur)]
+        self._cur = 0
+        self._r = _Readers(int(version))
+
+    @property
+    def version(self) -> int:
+        return self._r.version
+
+    @property
+    def current(self) -> list[Tensor]:
+        return self._bufs[self._cur]
+
+    @property
+    def shadow(self) -> list[Tensor]:
+        """The other buffer: version − 1 once an update happened, scratch before."""
+        return self._bufs[1 - self._cur]
+
+    @property
+    def shadow_version(self) -> int | None:
+        prev = self._r.version - 1
+        return prev if prev in self._r.readers else None
+
+    @property
+    def held(self) -> list[int]:
+        return self._r.held()
+
+    def readers(self, version: int) -> int:
+        self._r.check_held(version)
+        return self._r.readers[version]
+
+    def acquire(self, version: int | None = None) -> int:
+        """Register a reader of the current version, or of the shadow's (2BW reads t−1)."""
+        return self._r.acquire(version)
+
+    def get(self, version: int) -> list[Tensor]:
+        if version == self._r.version:
+            return self.current
+        self._r.check_held(version)
+        return self.shadow
+
+    def release(self, version: int) -> None:
+        """A reader is done. The shadow stays readable until the next update overwrites it."""
+        self._r.check_held(version)
+        if self._r.readers[version] == 0:
+            raise ValueError(f"version {version} has no readers to release")
+        self._r.readers[version] -= 1
+
+    def update(self, write) -> int:
+        """``write(dst, src)`` fills ``dst`` (the shadow) from ``src`` (current); then swap."""
+        prev = self._r.version - 1
+        if self._r.readers.get(prev):
+            raise RuntimeError(f"cannot update: version {prev} in the shadow buffer still has "
+                               f"{self._r.readers[prev]} readers")
+        self._r.readers.pop(prev, None)
+        with torch.no_grad():
+            write(self.shadow, self.current)
+        cur = self._r.version
+        self._cur = 1 - self._cur
+        self._r.version = cur + 1
+        self._r.readers[cur + 1] = 0
+        return cur + 1
+
+    def update_sgd(self, grads, lr: float, *, backend: str | None = None) -> int:
+        """W(t+1) = W(t) − lr·g in one pass, written straight into the shadow."""
+        grads = as_tensor_list("grads", grads)
+        check_aligned("current", self.current, "grads", grads, state=True)
+
+        def write(dst, src):
+            for idx in group_indices(src, grads):
+                lists = [take(dst, idx), take(src, idx), take(grads, idx)]
+                impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], -float(lr))
+        return self.update(write)
+
+
+def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
+    for idx in group_indices(src):
+        foreach.copy(take(dst, idx), take(src, idx))
