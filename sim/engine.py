@@ -59,14 +59,17 @@ class CostModel:
 
     Optimizer steps, weight prediction and elastic averaging are memory-bound
     element-wise kernels (see :mod:`pipesim.kernels`), so they cost the bytes
-    they must read and write divided by the device's memory bandwidth:
+    they must read and write divided by the device's memory bandwidth. The
+    counts are those of a fused kernel and agree with
+    ``pipesim.kernels.bytes_moved`` (a test holds them together; sim may not
+    import kernels):
 
     * SGD with momentum update: read W, g, v; write W, v: 5 |W|.
       Adam: read W, g, m, v; write W, m, v: 7 |W|.
     * prediction: read W and the momentum (Adam: both moments); write the
       predicted copy: 3 |W| (Adam 4 |W|).
-    * elastic averaging of n local replicas: read each replica and the centre,
-      write each replica, then write the centre: (3n + 1) |W|.
+    * elastic averaging of n local replicas: read and write each replica and
+      the centre: (2n + 2) |W|.
     """
 
     stage_costs: tuple
@@ -84,12 +87,15 @@ class CostModel:
             return c.backward_input_s
         if op is W:
             return c.backward_weight_s
-        factor = {UPDATE: 5 if self.optimizer == "sgd" else 7,
-                  PREDICT: 3 if self.optimizer == "sgd" else 4}[op]
-        return self._membound(factor * c.param_bytes)
+        return self._membound(self.traffic(op) * c.param_bytes)
+
+    def traffic(self, op) -> int:
+        """Weight-sized passes over memory of an UPDATE or PREDICT."""
+        sgd = self.optimizer == "sgd"
+        return {UPDATE: 5 if sgd else 7, PREDICT: 3 if sgd else 4}[op]
 
     def averaging(self, stage: int, local_replicas: int) -> float:
-        return self._membound((3 * local_replicas + 1) * self.stage_costs[stage].param_bytes)
+        return self._membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes)
 
     def _membound(self, nbytes: float) -> float:
         if not nbytes or math.isinf(self.mem_bandwidth):

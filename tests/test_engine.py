@@ -225,3 +225,18 @@ def test_bubble_fraction_is_exact_fraction_for_interleaved() -> None:
     s = summarize(run("interleaved-1f1b", p, m, chunks=v))
     # Megatron: bubble time (p-1) chunk-times against v*m chunk-times of work
     assert Fraction(s["bubble_fraction"]).limit_denominator(1000) == Fraction(p - 1, v * m + p - 1)
+
+
+def test_engine_costs_kernels_by_the_bytes_they_move() -> None:
+    # sim may not import kernels, so this test holds the two byte counts together.
+    from pipesim.kernels import bytes_moved
+    from pipesim.sim.engine import CostModel
+    from pipesim.sim.ir import PREDICT
+
+    costs = stage_costs_uniform(1, param_bytes=4 * 1000)
+    for optimizer, kernel in (("sgd", "predict_sgd"), ("adam", "predict_adam")):
+        model = CostModel(tuple(costs), mem_bandwidth=1.0, optimizer=optimizer)
+        assert model.traffic(PREDICT) * 4 * 1000 == bytes_moved(kernel, 1000, "float32")
+    model = CostModel(tuple(costs), mem_bandwidth=1.0)
+    for n in (1, 2, 4):
+        assert model.averaging(0, n) == bytes_moved("elastic_average", 1000, "float32", replicas=n)
