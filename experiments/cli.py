@@ -24,6 +24,7 @@ from pathlib import Path
 EXIT_USAGE = 2
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
+PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
 DEFAULT_COMPARE = (
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw",
     "spectrain", "avgpipe", "data-parallel",
@@ -139,11 +140,18 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         out.mkdir(parents=True, exist_ok=True)
         write_summary(summary, out / "summary.json")
         if outputs:
-            from pipesim.experiments.timeline import write_timeline_html
+            from pipesim.experiments.export import png_supported, write_png
+            from pipesim.experiments.timeline import timeline_figure, write_timeline_html
             from pipesim.sim.trace import write_trace
 
+            big = len(result.spans) > PROGRESS_SPANS
+            if big:
+                print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
+                      file=sys.stderr, flush=True)
             write_trace(result, out / "trace.json")
             write_timeline_html(result, out / "timeline.html")
+            if not big and png_supported():  # a browser renders it; skip for huge timelines
+                write_png(timeline_figure(result), out / "timeline.png")
     return summary
 
 
