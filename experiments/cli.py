@@ -24,6 +24,7 @@ from pathlib import Path
 EXIT_USAGE = 2
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
+COMPARE_ITERATIONS = 4
 PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
 DEFAULT_COMPARE = (
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw",
@@ -253,7 +254,10 @@ def cmd_compare(args) -> int:
                         "bubble", "peak mem", "staleness", "OOM"]))
     # sorted keys keep the JSON byte-stable; "order" keeps the table's order
     (out / "comparison.json").write_text(dumps({"order": strategies, "strategies": summaries}))
-    print(f"wrote {out}/comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
+    from pipesim.experiments.figures import write_comparison
+
+    write_comparison(strategies, summaries, out)
+    print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
     return 0
 
 
@@ -312,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="simulate several strategies on one model and machine")
     _add_schedule_args(p, strategy_required=False)
+    # asynchronous schedules are compared in steady state, not on their warm-up
+    p.set_defaults(iterations=COMPARE_ITERATIONS)
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
     _add_machine_args(p)
     p.add_argument("--out", default="out/compare", help="output folder")

@@ -289,3 +289,47 @@ def bubble_figure(
             print("wrote bubbles.png" if ok else "bubbles.png skipped (needs kaleido and Chrome/Chromium)",
                   file=sys.stderr, flush=True)
     return html
+
+
+def comparison_figure(order: Sequence[str], summaries: dict[str, dict]) -> go.Figure:
+    """Strategies side by side: throughput, bubble, peak memory, staleness.
+
+    One bar per strategy in each panel, in the order they were simulated;
+    the memory panel marks each device's capacity so out-of-memory shows.
+    """
+    first = summaries[order[0]]
+    panels = [
+        ("throughput (samples/s)", lambda s: s["throughput_samples_per_s"] or 0.0),
+        ("bubble fraction", lambda s: s["bubble_fraction"]),
+        ("peak memory (GiB, worst device)", lambda s: s["peak_memory_bytes_max"] / 2**30),
+        ("max staleness (updates)", lambda s: max(i["staleness_max"] for i in s["stages_info"])),
+    ]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for t, _ in panels],
+                        horizontal_spacing=0.07)
+    colors = [STRATEGY_COLORS[i % len(STRATEGY_COLORS)] for i in range(len(order))]
+    for col, (title, value) in enumerate(panels, start=1):
+        ys = [value(summaries[name]) for name in order]
+        fig.add_trace(go.Bar(x=list(order), y=ys, marker_color=colors, showlegend=False,
+                             hovertemplate=f"%{{x}}<br>{title}: %{{y:.4g}}<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(tickangle=-45, row=1, col=col)
+    capacity = first["devices"][0].get("memory_capacity_bytes") if first["devices"] else None
+    if capacity:
+        fig.add_hline(y=capacity / 2**30, line_dash="dash", line_color="#c0392b", row=1, col=3,
+                      annotation_text="device memory", annotation_position="top left")
+    meta = first.get("meta", {})
+    fig.update_layout(
+        title={"text": f"{meta.get('model')} on {meta.get('hardware')}: {first['stages']} stages, "
+                       f"{first['microbatches']} micro-batches, {first['iterations']} iteration(s)"},
+        template="plotly_white", height=480, margin={"t": 90, "b": 120},
+    )
+    return fig
+
+
+def write_comparison(order: Sequence[str], summaries: dict[str, dict], out_dir: str | Path) -> Path:
+    """``comparison.html`` (self-contained) and ``comparison.png`` when a browser is present."""
+    out_dir = Path(out_dir)
+    fig = comparison_figure(order, summaries)
+    html = out_dir / "comparison.html"
+    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-comparison")
+    write_png(fig, out_dir / "comparison.png", width=1500, height=480)
+    return html

@@ -113,6 +113,9 @@ def test_compare_runs_a_subset(tmp_path, capsys) -> None:
     assert comparison["strategies"]["gpipe"]["replicas"] == 2
     assert comparison["strategies"]["pipedream"]["replicas"] == 1
     assert (tmp_path / "1f1b" / "timeline.html").exists()
+    assert comparison["strategies"]["pipedream"]["iterations"] == 4  # steady state by default
+    html = (tmp_path / "comparison.html").read_text()
+    assert "pipesim-comparison" in html and "max staleness" in html
 
 
 @pytest.mark.slow

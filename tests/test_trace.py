@@ -239,3 +239,156 @@ def test_engine_result_end_to_end():
     assert {c["pid"] for c in _events(tr, "C")} == set(range(res.schedule.num_devices))
     compute = _thread_names(tr)
     assert all(compute[(e["pid"], e["tid"])] == "compute" for e in xs if e["cat"] in ("F", "B", "UPDATE"))
+
+
+# --- write_trace's fast writer against chrome_trace ---------------------------------------
+
+
+def _with_spans(res: SimResult, spans) -> SimResult:
+    return SimResult(schedule=res.schedule, spans=list(spans), memory=res.memory, versions=[],
+                     max_versions_held={}, link_bytes={}, meta=res.meta)
+
+
+class _OddAction(Action):
+    """An Action whose spelling JSON must escape (write_trace falls back)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return 'odd "name" \\ é\n'
+
+
+def _odd_result() -> SimResult:
+    """Streams outside STREAMS (one with characters JSON escapes), ties on
+    (start, duration), a span ending before it starts, replicas, prediction
+    distances, a shared flow id, a collective with a flow."""
+    res = make_result()
+    odd = 'h2d "copy" \\ é'
+    spans = [
+        Span(0, odd, Action(F, 0, 3, version=0), 0.0, 1 * MS),
+        Span(0, odd, Action(F, 0, 2, version=0), 0.0, 1 * MS),  # overlaps the one above
+        Span(0, "zz", Action(B, 0, 4, version=1, distance=2, replica=1), 1 * MS, 1 * MS),
+        Span(0, "zz", Action(B, 0, 3, version=1, distance=2, replica=1), 1 * MS, 1 * MS),  # tie
+        Span(0, "zz", Action(F, 0, 5), 2 * MS, 1.5 * MS),  # ends before it starts
+        Span(1, "send", Action(SEND_F, 1, 9, replica=1), 0.1e-6, 0.1e-6 + 1.5e-9, peer=0, flow=7, nbytes=5.0),
+        Span(0, "recv", Action(RECV_F, 0, 9, replica=1), 0.2e-6, 0.3e-6, peer=1, flow=7),
+        Span(0, "send", Action(SEND_B, 0, 1), 3 * MS, 4 * MS, peer=1, flow=8),  # flow 8: two sends
+        Span(1, "send", Action(SEND_B, 1, 1), 3 * MS, 4 * MS, peer=0, flow=8),
+        Span(1, "recv", Action(RECV_B, 1, 1), 3 * MS, 4 * MS, peer=0, flow=8),
+        Span(1, "collective", Action(REDUCE_GRAD, 1, replica=1), 5 * MS, 6 * MS, flow=9),
+    ]
+    return _with_spans(res, res.spans + spans)
+
+
+def _engine_results() -> dict[str, SimResult]:
+    from pipesim.sim.api import simulate
+    from pipesim.sim.strategies import ScheduleSpec
+
+    return {
+        "1f1b-pcie": simulate(ScheduleSpec("1f1b", 4, 8, iterations=2), hardware="pcie-4gpu"),
+        "1f1b-replicas": simulate(ScheduleSpec("1f1b", 2, 4, iterations=2, width=2), hardware="pcie-4gpu"),
+        "spectrain": simulate(ScheduleSpec("spectrain", 4, 8, iterations=2), hardware="pcie-4gpu"),
+        "zb-h1-ideal": simulate(ScheduleSpec("zb-h1", 4, 8)),
+    }
+
+
+def _assert_written_as_chrome_trace(res: SimResult, path) -> None:
+    write_trace(res, path)
+    text = path.read_text(encoding="utf-8")
+    with path.open(encoding="utf-8") as f:
+        assert json.load(f) == chrome_trace(res)  # same events, key order aside
+    assert text == dumps(chrome_trace(res))  # and in fact the same bytes
+
+
+def test_write_trace_matches_chrome_trace(tmp_path):
+    res = make_result()
+    cases = {
+        "overlapping-transfers": res,
+        "reversed": _with_spans(res, reversed(res.spans)),
+        "odd": _odd_result(),
+        "odd-reversed": _with_spans(res, reversed(_odd_result().spans)),
+        "odd-action": _with_spans(res, [*res.spans, Span(1, "compute", _OddAction(F, 1, 1), 0.0, 1 * MS)]),
+        "empty": _with_spans(res, []),
+        **_engine_results(),
+    }
+    for name, case in cases.items():
+        _assert_written_as_chrome_trace(case, tmp_path / f"{name}.json")
+    # what the odd cases exercise is there
+    odd = chrome_trace(cases["odd"])
+    names = _thread_names(odd)
+    assert {'h2d "copy" \\ é', 'h2d "copy" \\ é 1', "zz"} <= set(names.values())
+    assert 8 not in {e["id"] for e in odd["traceEvents"] if e["ph"] in "sf"}
+    assert 7 in {e["id"] for e in odd["traceEvents"] if e["ph"] in "sf"}
+    xs = [e for e in odd["traceEvents"] if e["ph"] == "X" and names[(e["pid"], e["tid"])] == "zz"]
+    assert [e["name"] for e in xs] == ["r1.0B3@v1+p2", "r1.0B4@v1+p2", "0F5"]
+    assert xs[2]["dur"] == -500
+    assert 'odd \\"name\\" \\\\ \\u00e9\\n' in (tmp_path / "odd-action.json").read_text()
+
+
+def test_write_trace_formats_engine_results_by_hand(tmp_path, monkeypatch):
+    """Engine results take the fast writer, not the chrome_trace fallback."""
+    from pipesim.sim import trace
+
+    results = _engine_results()
+    expected = {name: dumps(chrome_trace(res)) for name, res in results.items()}
+
+    def no_fallback(result):
+        raise AssertionError("write_trace fell back to chrome_trace")
+
+    monkeypatch.setattr(trace, "chrome_trace", no_fallback)
+    for name, res in results.items():
+        write_trace(res, tmp_path / f"{name}.json")
+        assert (tmp_path / f"{name}.json").read_text() == expected[name]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(
+    st.tuples(
+        st.integers(0, 2),  # device
+        st.sampled_from(["compute", "send", "recv", "collective", "x\"y"]),
+        st.sampled_from([F, B, SEND_F, RECV_F, SEND_B, RECV_B, UPDATE, REDUCE_GRAD]),
+        st.integers(0, 3),  # stage
+        st.one_of(st.none(), st.integers(0, 4)),  # micro-batch
+        st.one_of(st.none(), st.integers(0, 2)),  # version
+        st.integers(0, 1),  # replica
+        st.integers(0, 6),  # start, in 0.5 us
+        st.integers(-1, 4),  # duration, in 0.25 us
+        st.one_of(st.none(), st.integers(0, 3)),  # flow
+    ),
+    max_size=25,
+))
+def test_write_trace_matches_chrome_trace_on_any_spans(raw):
+    import tempfile
+    from pathlib import Path
+
+    spans = [Span(dev, stream, Action(op, stage, mb, ver, replica=rep), t * 0.5e-6, t * 0.5e-6 + d * 0.25e-6,
+                  peer=None if flow is None else 1 - dev % 2, flow=flow, nbytes=8)
+             for dev, stream, op, stage, mb, ver, rep, t, d, flow in raw]
+    res = _with_spans(make_result(), spans)
+    with tempfile.TemporaryDirectory() as tmp:
+        _assert_written_as_chrome_trace(res, Path(tmp) / "t.json")
+
+
+def test_write_trace_bytes_independent_of_hash_seed(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from pipesim.sim.api import simulate\n"
+        "from pipesim.sim.strategies import ScheduleSpec\n"
+        "from pipesim.sim.trace import write_trace\n"
+        "write_trace(simulate(ScheduleSpec('1f1b', 2, 4, iterations=2, width=2), hardware='pcie-4gpu'), sys.argv[1])\n"
+    )
+    outs = []
+    for seed in ("0", "12345"):
+        out = tmp_path / f"seed{seed}.json"
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", script, str(out)], check=True, env=env)
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_write_trace_prints_nothing(tmp_path, capsys):
+    write_trace(make_result(), tmp_path / "t.json")
+    assert capsys.readouterr() == ("", "")
