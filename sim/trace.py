@@ -29,6 +29,10 @@ that coincide in the result coincide in the trace and rounding can never make
 two slices on a track overlap. The same result always serialises to the same
 bytes: events are emitted in a fixed order and keys are sorted.
 
+:func:`write_trace` formats the events by hand and streams them to the file
+(hundreds of thousands of spans take about a second); it writes exactly
+``dumps(chrome_trace(result))``, which stays the reference.
+
 Pure Python: no numpy, torch or plotly needed.
 """
 
@@ -37,10 +41,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from itertools import groupby, islice
 from operator import itemgetter
 from pathlib import Path
 
+from pipesim.sim._gc import gc_paused
 from pipesim.sim.ir import Action, Op
 from pipesim.sim.results import STREAMS, SimResult, Span
 
@@ -189,30 +194,38 @@ def _x_tail(dev: int, tid: int) -> str:
     return f',"ph":"X","pid":{dev},"tid":{tid},"ts":'
 
 
-#: (start ns, -duration ns, span index, text or None): one complete event.
-#: Sorted, a thread's tuples are in the order its events are written in, but
-#: for ties on (start, duration), which go by name (see :func:`_order_ties`).
-_Slice = tuple[int, int, int, "str | None"]
+#: Flow end of each transfer op: True at a send, False at a receive.
+_FLOW_END: dict[object, bool] = {Op.SEND_F: True, Op.SEND_B: True, Op.RECV_F: False, Op.RECV_B: False}
 
 
-def _order_ties(track: list[_Slice], spans: list[Span]) -> list[_Slice]:
-    """``track`` (sorted) with each run of slices that tie on (start,
-    duration) put in (name, input position) order."""
-    out: list[_Slice] = []
-    run: list[_Slice] = []
-    for sl in track:
-        if run and (sl[0] != run[0][0] or sl[1] != run[0][1]):
-            out.extend(_by_name(run, spans))
-            run = []
-        run.append(sl)
-    out.extend(_by_name(run, spans))
-    return out
-
-
-def _by_name(run: list[_Slice], spans: list[Span]) -> list[_Slice]:
-    if len(run) == 1:
-        return run
-    return sorted(run, key=lambda sl: (_action_name(spans[sl[2]].action), sl[2]))
+def _order_track(track: list[int], spans: list[Span]) -> tuple[list[int], list[int] | None]:
+    """The spans of one track in event order (start, longest first, name,
+    input position) and, when some overlap, the lane of each (in the order
+    of ``track``, the input order), else None."""
+    keyed = [(_ns(spans[i].start), _ns(spans[i].start) - _ns(spans[i].end), i) for i in track]
+    keyed.sort()
+    prev_start, prev_neg, _ = keyed[0]
+    last_end = prev_start - prev_neg
+    ties = overlap = False
+    for start, neg_dur, _ in islice(keyed, 1, None):
+        if start < last_end:
+            overlap = True
+        if start == prev_start and neg_dur == prev_neg:
+            ties = True
+        prev_start, prev_neg = start, neg_dur
+        last_end = start - neg_dur
+    if ties:  # each run of (start, duration) ties by name, input position
+        out: list[tuple[int, int, int]] = []
+        for _, run in groupby(keyed, key=lambda k: k[:2]):
+            run = list(run)
+            if len(run) > 1:
+                run.sort(key=lambda k: (_action_name(spans[k[2]].action), k[2]))
+            out.extend(run)
+        keyed = out
+    order = [k[2] for k in keyed]
+    if not overlap:
+        return order, None
+    return order, assign_lanes([(k[0], k[0] - k[1]) for k in sorted(keyed, key=itemgetter(2))])
 
 
 class _Layout:
@@ -221,51 +234,58 @@ class _Layout:
     from it and :func:`write_trace` formats text from it, so the two cannot
     disagree on which events there are or in which order they come.
 
-    With ``text``, each slice also carries the text of its event up to
-    ``"name"`` (``"args"``, ``"cat"``, ``"dur"``, ``"name"``: keys sorted as
-    :func:`dumps` sorts them), formatted by hand in the pass over the spans
-    (in their order in memory, much faster than in event order) from values
-    that are exact ints, an op type and an action name spelled from those
-    (characters JSON writes as they are); any other value raises
-    :class:`_Fallback`.
+    With ``text``, ``lines[i]`` is the text of the complete event of span
+    ``i`` as :func:`dumps` writes it (keys sorted), formatted by hand in the
+    pass over the spans (in their order in memory: much faster than in event
+    order). The tid in it is the one the track's first lane gets when no
+    stream of the device has extra lanes (:func:`_guess_tid`);
+    :func:`_complete_lines` corrects the others. Every value formatted is an
+    exact int, a time from :func:`_us` (an int, or a float, whose ``str`` is
+    the repr json writes), an op type or an action name spelled from those,
+    which JSON needs no escapes for; anything else raises :class:`_Fallback`.
     """
 
-    __slots__ = ("spans", "tails", "threads", "slices", "flows", "counters")
+    __slots__ = ("counters", "flows", "lines", "slices", "spans", "tails", "threads")
 
     def __init__(self, result: SimResult, *, text: bool = False):
         spans = result.spans
         self.spans = spans
-        op_value, cat_dur_of = _OP_VALUE, _CAT_DUR
-        send_ops, recv_ops = _SEND_OPS, _RECV_OPS
+        op_value, cat_dur_of, flow_end = _OP_VALUE, _CAT_DUR, _FLOW_END
 
         # One pass over the spans: times as integer nanoseconds before
         # anything else, the event text, the track, the flow ends.
-        tracks: dict[tuple[int, str], list[_Slice]] = {}
-        send_at: dict[int, tuple[int, tuple[int, str], int]] = {}
-        recv_at: dict[int, tuple[int, tuple[int, str], int]] = {}
-        not_pairs: set[int] = set()  # flow ids with several sends or receives
-        #: tracks whose slices are not each after the end and the start of the
-        #: one before: unsorted, overlapping or with ties
+        tracks: dict[tuple[int, str], list[int]] = {}  # span indices, input order
+        #: per track, [its span indices, its tail, start and end of its last span]
+        entries: dict[tuple[int, str], list] = {}
+        #: tracks whose spans do not each start after the end and the start
+        #: of the one before: unsorted, overlapping or with ties
         unusual: set[tuple[int, str]] = set()
         #: per track, the text of its events from "ph" to "ts", with the tid
         #: its first lane gets when no stream of the device has extra lanes
-        tails: dict[tuple[int, str], str] = {}
-        self.tails = tails
-        body = None
+        self.tails: dict[tuple[int, str], str | None] = {}
+        self.lines: list[str] = []
+        line = self.lines.append
+        send_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
+        recv_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
+        not_pairs: set[int] = set()  # flow ids with several sends or receives
         for i, s in enumerate(spans):
             a = s.action
             start = round(s.start * 1e9)
-            dur = round(s.end * 1e9) - start
-            flow = s.flow
+            end = round(s.end * 1e9)
             key = (s.device, s.stream)
-            track = tracks.get(key)
-            if track is None:
-                tracks[key] = track = []
-                if text:
-                    tails[key] = _x_tail(key[0], _guess_tid(key[1]))
-            elif start <= (last := track[-1])[0] or start < last[0] - last[1]:
-                # not after the end and the start of the track's last slice
-                unusual.add(key)
+            entry = entries.get(key)
+            if entry is None:
+                tracks[key] = [i]
+                tail = self.tails[key] = _x_tail(key[0], _guess_tid(key[1])) if text else None
+                entries[key] = [tracks[key], tail, start, end]
+            else:
+                entry[0].append(i)
+                if start <= entry[2] or start < entry[3]:
+                    unusual.add(key)
+                entry[2] = start
+                entry[3] = end
+                tail = entry[1]
+            flow = s.flow
             if text:
                 if type(a) is not Action or (v := op_value.get(a[0])) is None:
                     raise _Fallback
@@ -276,96 +296,64 @@ class _Layout:
                 if type(nb) is not int:
                     nb = int(nb)
                 # _us of duration and start; f"{x}" of a float is its repr
+                dur = end - start
                 us = dur // 1000 if dur % 1000 == 0 else dur / 1000
                 ts = start // 1000 if start % 1000 == 0 else start / 1000
                 peer = s.peer
                 cat_dur = cat_dur_of[op]
-                tail = tails[key]
                 # The two shapes of nearly every span first, a pass and a
                 # transfer, with each number turned into text once.
                 if rep == 0 == dist and type(mb) is int:
                     if flow is None and peer is None and type(ver) is int:
                         mb, stage, ver = str(mb), str(stage), str(ver)
-                        body = (f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
-                                f'"stage":{stage},"version":{ver}{cat_dur}{us},'
-                                f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
-                    elif type(flow) is type(peer) is int and ver is None:
+                        line(f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
+                             f'"stage":{stage},"version":{ver}{cat_dur}{us},'
+                             f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
+                        continue  # no flow
+                    if type(flow) is type(peer) is int and ver is None:
                         mb, stage = str(mb), str(stage)
-                        body = (f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
-                                f'"peer":{peer},"replica":0,"stage":{stage}{cat_dur}{us},'
-                                f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
+                        line(f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
+                             f'"peer":{peer},"replica":0,"stage":{stage}{cat_dur}{us},'
+                             f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
                     else:
-                        body = None
+                        line(_x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us,
+                                     _action_name(a), tail, ts))
                 else:
-                    body = None
-                if body is None:
-                    body = f'{{"args":{{"bytes":{nb},"distance":{dist}'
-                    if flow is not None:
-                        if type(flow) is not int:
-                            raise _Fallback
-                        body = f'{body},"flow":{flow}'
-                    if mb is not None:
-                        if type(mb) is not int:
-                            raise _Fallback
-                        body = f'{body},"microbatch":{mb}'
-                    if peer is not None:
-                        if type(peer) is not int:
-                            raise _Fallback
-                        body = f'{body},"peer":{peer}'
-                    body = f'{body},"replica":{rep},"stage":{stage}'
-                    if ver is not None:
-                        if type(ver) is not int:
-                            raise _Fallback
-                        body = f'{body},"version":{ver}'
-                    body = f'{body}{cat_dur}{us},"name":"{_action_name(a)}"{tail}{ts}}}'
-            track.append((start, -dur, i, body))
+                    line(_x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us,
+                                 _action_name(a), tail, ts))
             if flow is not None:
                 op = a.op
-                if op in send_ops or (key[1] == "send" and op not in recv_ops):
-                    side = send_at
-                elif op in recv_ops or key[1] == "recv":
-                    side = recv_at
-                else:
-                    continue
+                is_send = flow_end.get(op)
+                if is_send is None:
+                    if key[1] == "send":
+                        is_send = True
+                    elif key[1] == "recv":
+                        is_send = False
+                    else:
+                        continue
+                side = send_at if is_send else recv_at
                 if flow in side:
                     not_pairs.add(flow)
                 else:
-                    side[flow] = (i, key, start + dur // 2)
+                    side[flow] = (i, key, start + (end - start) // 2, op)
 
-        # Order each track by start, longest first, name, input position,
-        # and spread overlapping slices over extra lanes (tids). A track
-        # whose every slice starts after the end and the start of the one
-        # before is in order already, on one lane.
-        lanes_of: dict[tuple[int, str], list[list[_Slice]]] = {}
+        # Order each track and spread overlapping spans over extra lanes
+        # (tids). A track whose every span starts after the end and the start
+        # of the one before is in order already, on one lane.
+        lanes_of: dict[tuple[int, str], list[list[int]]] = {}
         lane_of_span: dict[int, int] = {}  # only spans of tracks with lanes
         for key, track in tracks.items():
             if key not in unusual:
                 lanes_of[key] = [track]
                 continue
-            track.sort()
-            prev_start, prev_neg, _, _ = track[0]
-            last_end = prev_start - prev_neg
-            ties = overlap = False
-            for start, neg_dur, _, _ in islice(track, 1, None):
-                if start < last_end:
-                    overlap = True
-                if start == prev_start and neg_dur == prev_neg:
-                    ties = True
-                prev_start, prev_neg = start, neg_dur
-                last_end = start - neg_dur
-            if ties:
-                track = _order_ties(track, spans)
-            if not overlap:
-                lanes_of[key] = [track]
+            order, lanes = _order_track(track, spans)
+            if lanes is None:
+                lanes_of[key] = [order]
                 continue
-            # assign_lanes over the track's spans in input order
-            by_input = sorted(track, key=lambda sl: sl[2])
-            lanes = assign_lanes([(sl[0], sl[0] - sl[1]) for sl in by_input])
-            for sl, lane in zip(by_input, lanes, strict=True):
-                lane_of_span[sl[2]] = lane
-            per_lane: list[list[_Slice]] = [[] for _ in range(max(lanes) + 1)]
-            for sl in track:  # in order, so each lane stays in order
-                per_lane[lane_of_span[sl[2]]].append(sl)
+            lane_of_span.update(zip(track, lanes, strict=True))
+            per_lane: list[list[int]] = [[] for _ in range(max(lanes) + 1)]
+            for i in order:  # in order, so each lane stays in order
+                per_lane[lane_of_span[i]].append(i)
             lanes_of[key] = per_lane
 
         # tids per device: every known stream always gets lane 0, in STREAMS
@@ -387,34 +375,63 @@ class _Layout:
                     named.append((tid, _lane_name(stream, lane)))
             self.threads.append((dev, named))
 
-        #: (device, tid, stream, slices) per thread with slices, by (device, tid):
-        #: complete events by start, longest first, name, input position
-        self.slices: list[tuple[int, int, str, list[_Slice]]] = sorted(
+        #: (device, tid, stream, span indices in event order) per thread with
+        #: spans, by (device, tid)
+        self.slices: list[tuple[int, int, str, list[int]]] = sorted(
             ((dev, tid_of[(dev, stream, lane)], stream, items)
              for (dev, stream), per_lane in lanes_of.items()
              for lane, items in enumerate(per_lane)),
             key=lambda t: (t[0], t[1]),
         )
 
-        #: (flow id, name, (pid, tid, ts ns) of the start, same of the finish)
-        #: per send/receive pair: one send span and one recv span sharing a
-        #: flow id; both ends at the middle of their slice
-        self.flows: list[tuple[int, str, tuple[int, int, int], tuple[int, int, int]]] = []
+        #: (flow id, name, pid, tid, ts ns of the start, pid, tid, ts ns of the
+        #: finish) per send/receive pair (one send span and one recv span
+        #: sharing a flow id), by flow id; both ends at the middle of their
+        #: slice, the name is the send's op type
+        self.flows: list[tuple[int, str, int, int, int, int, int, int]] = []
+        add = self.flows.append
         first_tid = {key: tid_of[(key[0], key[1], 0)] for key in tracks}
-        for flow_id in sorted(send_at):
-            if flow_id in not_pairs or flow_id not in recv_at:
+        for flow_id, (si, skey, sts, sop) in sorted(send_at.items()):
+            got = recv_at.get(flow_id)
+            if got is None or (not_pairs and flow_id in not_pairs):
                 continue
-            (si, skey, sts), (ri, rkey, rts) = send_at[flow_id], recv_at[flow_id]
-            stid = first_tid[skey] + lane_of_span.get(si, 0) if lane_of_span else first_tid[skey]
-            rtid = first_tid[rkey] + lane_of_span.get(ri, 0) if lane_of_span else first_tid[rkey]
-            self.flows.append((flow_id, _op_value(spans[si].action.op), (skey[0], stid, sts), (rkey[0], rtid, rts)))
+            ri, rkey, rts, _ = got
+            stid, rtid = first_tid[skey], first_tid[rkey]
+            if lane_of_span:
+                stid += lane_of_span.get(si, 0)
+                rtid += lane_of_span.get(ri, 0)
+            add((flow_id, _op_value(sop), skey[0], stid, sts, rkey[0], rtid, rts))
 
         #: (device, times in ns, totals) per memory track, by device
         self.counters: list[tuple[int, list[int], list[int]]] = []
         for track in sorted(result.memory, key=lambda m: m.device):
-            samples = list(zip(track.times, track.totals, strict=False))
-            self.counters.append((track.device, [round(t * 1e9) for t, _ in samples],
-                                  [int(b) for _, b in samples]))
+            times, totals = track.times, track.totals
+            self.counters.append((track.device,
+                                  [round(t * 1e9) for t, _ in zip(times, totals, strict=False)],  # _ns
+                                  [int(b) for _, b in zip(times, totals, strict=False)]))
+
+
+def _x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us, name, tail, ts) -> str:
+    """The text of a complete event of any shape (see :class:`_Layout`)."""
+    args = f'{{"args":{{"bytes":{nb},"distance":{dist}'
+    if flow is not None:
+        if type(flow) is not int:
+            raise _Fallback
+        args = f'{args},"flow":{flow}'
+    if mb is not None:
+        if type(mb) is not int:
+            raise _Fallback
+        args = f'{args},"microbatch":{mb}'
+    if peer is not None:
+        if type(peer) is not int:
+            raise _Fallback
+        args = f'{args},"peer":{peer}'
+    args = f'{args},"replica":{rep},"stage":{stage}'
+    if ver is not None:
+        if type(ver) is not int:
+            raise _Fallback
+        args = f'{args},"version":{ver}'
+    return f'{args}{cat_dur}{us},"name":"{name}"{tail}{ts}}}'
 
 
 def _other_data(result: SimResult) -> dict:
@@ -452,26 +469,31 @@ def _metadata(threads: list[tuple[int, list[tuple[int, str]]]]) -> list[dict]:
     return meta
 
 
-
 def chrome_trace(result: SimResult) -> dict:
     """The Chrome trace event document for ``result`` (see the module doc)."""
+    with gc_paused():
+        return _chrome_trace(result)
+
+
+def _chrome_trace(result: SimResult) -> dict:
     lay = _Layout(result)
     spans = lay.spans
     events = _metadata(lay.threads)
     for dev, tid, _, items in lay.slices:
-        for start, neg_dur, i, _ in items:
+        for i in items:
             s = spans[i]
+            start = _ns(s.start)
             events.append({
                 "ph": "X",
                 "pid": dev,
                 "tid": tid,
                 "ts": _us(start),
-                "dur": _us(-neg_dur),
+                "dur": _us(_ns(s.end) - start),
                 "name": _action_name(s.action),
                 "cat": _op_value(s.action.op),
                 "args": _span_args(s),
             })
-    for flow_id, name, (spid, stid, sts), (fpid, ftid, fts) in lay.flows:
+    for flow_id, name, spid, stid, sts, fpid, ftid, fts in lay.flows:
         events.append({"ph": "s", "id": flow_id, "pid": spid, "tid": stid, "ts": _us(sts),
                        "cat": FLOW_CAT, "name": name})
         events.append({"ph": "f", "id": flow_id, "pid": fpid, "tid": ftid, "ts": _us(fts),
@@ -513,14 +535,15 @@ def _complete_lines(lay: _Layout) -> Iterator[list[str]]:
     """The text of the complete events of a ``text`` layout, as :func:`dumps`
     writes them, in batches."""
     batch: list[str] = []
+    lines = lay.lines
     for dev, tid, stream, items in lay.slices:
         if tid == _guess_tid(stream):  # the text is complete
-            batch.extend(map(itemgetter(3), items))
+            batch.extend(map(lines.__getitem__, items))
         else:  # the device has extra lanes: correct the tid
             guessed = lay.tails[(dev, stream)]
             tail = _x_tail(dev, tid)
-            for item in items:
-                head, _, ts = item[3].rpartition(guessed)
+            for i in items:
+                head, _, ts = lines[i].rpartition(guessed)
                 batch.append(f"{head}{tail}{ts}")
         if len(batch) >= _BATCH:
             yield batch
@@ -529,31 +552,30 @@ def _complete_lines(lay: _Layout) -> Iterator[list[str]]:
 
 
 def _other_lines(lay: _Layout) -> Iterator[list[str]]:
-    """The text of the flow and counter events, as :func:`dumps` writes them,
-    in batches (hand-formatted as in :func:`_complete_lines`)."""
+    """The text of the flow and counter events of a ``text`` layout, as
+    :func:`dumps` writes them, in batches. (The layout checked that flow ids
+    and the devices of tracks are ints, :func:`_write_fast` those of
+    counters; times and byte counts are ints by construction.)"""
     batch: list[str] = []
     line = batch.append
     name_part: dict[str, str] = {}
-    for flow_id, name, (spid, stid, sts), (fpid, ftid, fts) in lay.flows:
-        if not type(flow_id) is type(spid) is type(fpid) is int:
-            raise _Fallback
+    for flow_id, name, spid, stid, sts, fpid, ftid, fts in lay.flows:
         mid = name_part.get(name)
         if mid is None:
             mid = name_part[name] = f',"name":{json.dumps(name)},"ph":'
+        head = f'"cat":{_FLOW_CAT_JSON},"id":{flow_id}{mid}'
         sts = sts // 1000 if sts % 1000 == 0 else sts / 1000
         fts = fts // 1000 if fts % 1000 == 0 else fts / 1000
-        line(f'{{"cat":{_FLOW_CAT_JSON},"id":{flow_id}{mid}"s","pid":{spid},"tid":{stid},"ts":{sts!r}}}')
-        line(f'{{"bp":"e","cat":{_FLOW_CAT_JSON},"id":{flow_id}{mid}"f","pid":{fpid},"tid":{ftid},"ts":{fts!r}}}')
+        line(f'{{{head}"s","pid":{spid},"tid":{stid},"ts":{sts}}}')
+        line(f'{{"bp":"e",{head}"f","pid":{fpid},"tid":{ftid},"ts":{fts}}}')
         if len(batch) >= _BATCH:
             yield batch
             batch = []
             line = batch.append
     for dev, times, totals in lay.counters:
-        if type(dev) is not int:
-            raise _Fallback
         tail = f'}},"name":"memory","ph":"C","pid":{dev},"tid":0,"ts":'
         for ts, total in zip(times, totals, strict=True):
-            line(f'{{"args":{{"bytes":{total}{tail}{(ts // 1000 if ts % 1000 == 0 else ts / 1000)!r}}}')
+            line(f'{{"args":{{"bytes":{total}{tail}{ts // 1000 if ts % 1000 == 0 else ts / 1000}}}')
         if len(batch) >= _BATCH:
             yield batch
             batch = []
@@ -563,6 +585,8 @@ def _other_lines(lay: _Layout) -> Iterator[list[str]]:
 
 def _write_fast(result: SimResult, path: Path) -> None:
     lay = _Layout(result, text=True)
+    if any(type(dev) is not int for dev, _, _ in lay.counters):
+        raise _Fallback
     enc = _encoder()
     rest = enc.encode({"displayTimeUnit": "ms", "otherData": _other_data(result)})[1:-1]
     with path.open("w", encoding="utf-8") as f:
@@ -582,18 +606,18 @@ def write_trace(result: SimResult, path: str | Path) -> Path:
     """Write ``dumps(chrome_trace(result))`` to ``path`` (byte-identical for
     the same result) and return the path. Prints nothing.
 
-    The events are formatted by hand straight from the layout
-    :func:`chrome_trace` uses and streamed to the file, without building the
-    document or encoding a dict per event: several times faster on big
-    results. A result with a value that hand-formatting could get wrong (a
-    field that is not an exact int, an action that is not an
-    :class:`~pipesim.sim.ir.Action` of a known op) is written through
-    ``dumps(chrome_trace(result))`` instead.
+    The events are formatted by hand from the layout :func:`chrome_trace`
+    uses and streamed to the file, without building the document or encoding
+    a dict per event: several times faster on big results. A result holding
+    a value that hand-formatting could get wrong (an action that is not an
+    :class:`~pipesim.sim.ir.Action` of a known op, a field that is not an
+    exact int) is written through ``dumps(chrome_trace(result))`` instead.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        _write_fast(result, path)
-    except _Fallback:
-        path.write_text(dumps(chrome_trace(result)), encoding="utf-8")
+    with gc_paused():
+        try:
+            _write_fast(result, path)
+        except _Fallback:
+            path.write_text(dumps(chrome_trace(result)), encoding="utf-8")
     return path
