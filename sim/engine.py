@@ -182,7 +182,8 @@ class _Run:
         # leaves the device is awaited through its transfer instead.
         self.awaited = {t for prog in self.programs for _, _, waits, _ in prog for t in waits}
         self.transfer_cost: dict[tuple, tuple] = {}
-        self.events: dict[object, simpy.Event] = {}
+        self.events: dict[object, simpy.Event] = {}  # tokens a device is waiting for
+        self.done: set = set()  # tokens available
         self.spans: list[Span] = []
         self.link_bytes: dict[str, int] = defaultdict(int)
         self.links: dict[str, simpy.Resource] = {}
@@ -194,10 +195,17 @@ class _Run:
 
     # -- tokens -----------------------------------------------------------
     def fire(self, token) -> None:
-        ev = self.events.get(token)
+        """Make ``token`` available: wake its waiter, or note it for later.
+
+        Most data arrives before its consumer looks for it (receives are
+        posted ahead), so an event is created only by a waiter that finds the
+        token missing; the rest cost a set insertion, not a trip through
+        SimPy's queue."""
+        ev = self.events.pop(token, None)
         if ev is None:
-            ev = self.events[token] = self.env.event()
-        if not ev.triggered:
+            self.done.add(token)
+        else:
+            self.done.add(token)
             ev.succeed()
 
     # -- main -------------------------------------------------------------
@@ -215,7 +223,7 @@ class _Run:
         spans = self.spans
         events = self.events
         compute_cost = self.costs.compute
-        awaited = self.awaited
+        awaited, done, fire = self.awaited, self.done, self.fire
         post_transfer, post_collective = self.post_transfer, self.post_collective
         cache: dict[tuple, float] = {}
         for posts, a, waits, token in self.programs[dev]:
@@ -227,10 +235,10 @@ class _Run:
             if a is None:
                 continue
             for need in waits:
-                ev = events.get(need)
-                if ev is None:
-                    ev = events[need] = env.event()
-                if not ev.triggered:
+                if need not in done:
+                    ev = events.get(need)  # a collective may have several waiters
+                    if ev is None:
+                        ev = events[need] = env.event()
                     self.blocked[dev] = (a, need)
                     yield ev
             key = (a.op, a.stage)
@@ -242,10 +250,7 @@ class _Run:
                 yield env.timeout(dur)
             spans.append(Span(dev, "compute", a, start, env.now))
             if token in awaited:
-                ev = events.get(token)
-                if ev is None:
-                    events[token] = ev = env.event()
-                ev.succeed()
+                fire(token)
         self.blocked.pop(dev, None)
         self.finished[dev] = True
 
