@@ -181,6 +181,7 @@ class _Run:
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
         self.awaited = {t for prog in self.programs for _, _, waits, _ in prog for t in waits}
+        # (src, dst, "F"|"B", sending stage) -> (bytes, route, uncontended seconds)
         self.transfer_cost: dict[tuple, tuple] = {}
         self.events: dict[object, simpy.Event] = {}  # tokens a device is waiting for
         self.done: set = set()  # tokens available
@@ -224,12 +225,16 @@ class _Run:
         events = self.events
         compute_cost = self.costs.compute
         awaited, done, fire = self.awaited, self.done, self.fire
-        post_transfer, post_collective = self.post_transfer, self.post_collective
+        transfers, start_transfer, post_collective = self.transfers, self.start_transfer, self.post_collective
         cache: dict[tuple, float] = {}
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
                 if x.op in P2P_OPS:
-                    post_transfer(dev, x, tok)
+                    first = transfers.pop(tok, None)
+                    if first is None:  # the other end starts it (inlined: runs per send and receive)
+                        transfers[tok] = (dev, x)
+                    else:
+                        start_transfer(dev, x, tok, first)
                 else:
                     post_collective(dev, x, tok)
             if a is None:
@@ -255,37 +260,34 @@ class _Run:
         self.finished[dev] = True
 
     # -- point-to-point ---------------------------------------------------
-    def post_transfer(self, dev: int, a: Action, token) -> None:
-        """Post one end of a transfer; the second end starts it.
+    def start_transfer(self, dev: int, a: Action, token, first: tuple) -> None:
+        """``a`` on ``dev`` is the second end of a transfer posted: start it.
 
-        Runs for every send and receive, so it keeps to plain tuples."""
-        first = self.transfers.pop(token, None)
-        if first is None:
-            self.transfers[token] = (dev, a)
-            return
+        ``first`` is the (device, action) of the end posted earlier. Runs
+        for every transfer, so it keeps to plain tuples."""
         if a.op is SEND_F or a.op is SEND_B:
             (dst, recv), src, send = first, dev, a
         else:
             (src, send), dst, recv = first, dev, a
-        nbytes = self.costs.transfer_bytes(send)
-        flow = self.next_flow
-        self.next_flow += 1
-        key = (src, dst, nbytes)
+        key = (src, dst, token[0], send.stage)
         cost = self.transfer_cost.get(key)
         if cost is None:
+            nbytes = self.costs.transfer_bytes(send)
             route = self.hw.route(src, dst)
-            cost = self.transfer_cost[key] = (route, self.hw.transfer_time(src, dst, nbytes))
-        route, duration = cost
+            cost = self.transfer_cost[key] = (nbytes, route, self.hw.transfer_time(src, dst, nbytes))
+        nbytes, route, duration = cost
         if nbytes:
             for link in route:
                 self.link_bytes[link.name] += nbytes
-        ends = (src, send, dst, recv, nbytes, flow)
+        flow = self.next_flow
+        self.next_flow = flow + 1
         if duration == 0.0:
             now = self.env.now
-            self.record_transfer(ends, now, now)
+            self.spans += (Span(src, "send", send, now, now, dst, flow, nbytes),
+                           Span(dst, "recv", recv, now, now, src, flow, nbytes))
             self.fire(token)
         else:
-            self.env.process(self.move(ends, route, duration, token))
+            self.env.process(self.move((src, send, dst, recv, nbytes, flow), route, duration, token))
 
     def move(self, ends: tuple, route, duration: float, token):
         start = yield from self.occupy(route, duration)

@@ -89,6 +89,8 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
     last = schedule.num_stages - 1
     out = []
     for dev, prog in enumerate(schedule.programs):
+        # Per (replica, stage) on this device: which neighbours live elsewhere.
+        remote: dict[tuple[int, int], tuple[bool, bool]] = {}
         computes: list[Action] = []
         posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
         for a in prog:
@@ -98,22 +100,28 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
                 continue
             j = len(computes)
             computes.append(a)
-            posts.append([])
+            after: list = []
+            posts.append(after)
             stage, rep, mb = a.stage, a.replica, a.microbatch
+            key = (rep, stage)
+            flags = remote.get(key)
+            if flags is None:
+                flags = remote[key] = (stage > 0 and home((rep, stage - 1)) != dev,
+                                       stage < last and home((rep, stage + 1)) != dev)
             # tokens spelled inline as transfer_key() would: this loop is hot
             if op is F:
-                if stage and home((rep, stage - 1)) != dev:
-                    posts[max(j - recv_lookahead, 0)].append(
+                if flags[0]:
+                    posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                         (Action(RECV_F, stage, mb, None, 0, rep), ("F", rep, stage - 1, mb)))
-                if stage < last and home((rep, stage + 1)) != dev:
-                    posts[j + 1].append((Action(SEND_F, stage, mb, None, 0, rep), ("F", rep, stage, mb)))
+                if flags[1]:
+                    after.append((Action(SEND_F, stage, mb, None, 0, rep), ("F", rep, stage, mb)))
             elif op is B or op is I:
-                if stage < last and home((rep, stage + 1)) != dev:
-                    posts[max(j - recv_lookahead, 0)].append(
+                if flags[1]:
+                    posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                         (Action(RECV_B, stage, mb, None, 0, rep), ("B", rep, stage + 1, mb)))
-                if stage and home((rep, stage - 1)) != dev and not (op is B and (rep, stage) in split):
-                    posts[j + 1].append((Action(SEND_B, stage, mb, None, 0, rep), ("B", rep, stage, mb)))
-        slots = [(tuple(p), a) for p, a in zip(posts, computes)]
+                if flags[0] and not (op is B and key in split):
+                    after.append((Action(SEND_B, stage, mb, None, 0, rep), ("B", rep, stage, mb)))
+        slots = list(zip(map(tuple, posts), computes))
         if posts[-1]:
             slots.append((tuple(posts[-1]), None))
         out.append(slots)

@@ -66,10 +66,7 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
     reads = PASS_OPS | {PREDICT}
     for dev, prog in enumerate(schedule.programs):
-        last_read: dict[tuple, int] = {}
-        for pos, a in enumerate(prog):
-            if a.op in reads:
-                last_read[(a.replica, a.stage, a.version)] = pos
+        last_read = {(a.replica, a.stage, a.version): pos for pos, a in enumerate(prog) if a.op in reads}
         current: dict[tuple[int, int], int] = defaultdict(int)
         extra: dict[tuple[int, int], int] = defaultdict(int)
         awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
