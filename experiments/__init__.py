@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Figures and the ``pipesim`` command line (:mod:`pipesim.experiments.cli`)."""
