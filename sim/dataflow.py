@@ -4,7 +4,7 @@ Both the validator's zero-time dry run and the SimPy engine need the same
 answer to "when may this action run?", so it is computed once, here, as
 *tokens*: hashable names for things that become available during execution.
 
-* a pass's completion: the bare pass ``Action`` (version dropped);
+* a pass's completion: ``(op, replica, stage, micro-batch)`` (:func:`bare`);
 * a transfer's arrival: ``("F"|"B", replica, source stage, micro-batch)``,
   shared by the SEND and the RECV that carry it;
 * a collective's completion: ``(op, stage, round)`` where round counts that
@@ -49,11 +49,6 @@ SEND_FOR = {F: SEND_F, B: SEND_B, I: SEND_B}
 Entry = tuple
 
 
-def pass_token(op, replica: int, stage: int, microbatch) -> tuple:
-    """Token of a pass's completion."""
-    return (op, replica, stage, microbatch)
-
-
 def bare(a: Action) -> tuple:
     """Token of pass ``a``'s completion (version and distance dropped)."""
     return (a.op, a.replica, a.stage, a.microbatch)
@@ -88,11 +83,6 @@ def token_name(token) -> str:
         return format_action(Action(SEND_F if kind == "F" else SEND_B, src, mb, replica=rep))
     op, stage, rnd = token
     return f"{op} of stage {stage} (round {rnd}) on every replica"
-
-
-def consumer_stage(a: Action) -> int:
-    """The stage that consumes the output of pass ``a`` (F: next, B/I: previous)."""
-    return a.stage + 1 if a.op is F else a.stage - 1
 
 
 def transfer_key(a: Action) -> tuple:

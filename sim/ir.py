@@ -51,7 +51,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -286,35 +286,6 @@ class Schedule:
 
 
 # --------------------------------------------------------------------------
-# Dependencies
-# --------------------------------------------------------------------------
-
-
-def pass_inputs(a: Action, num_stages: int, split_backward: bool) -> tuple[Action, ...]:
-    """The passes on *other* stages whose outputs ``a`` consumes.
-
-    A forward consumes the previous stage's forward output; a backward (or
-    input-gradient pass) consumes the next stage's input gradient, produced
-    by its B or I. ``split_backward`` tells whether the next stage splits its
-    backward into I and W. Same-stage order (F before B, I before W) is
-    enforced through program order, not listed here.
-    """
-    if a.op is F:
-        return () if a.stage == 0 else (Action(F, a.stage - 1, a.microbatch, replica=a.replica),)
-    if a.op in (B, I):
-        if a.stage == num_stages - 1:
-            return ()
-        op = I if split_backward else B
-        return (Action(op, a.stage + 1, a.microbatch, replica=a.replica),)
-    return ()
-
-
-def strip_version(a: Action) -> Action:
-    """The action with version and distance dropped, used as a lookup key."""
-    return Action(a.op, a.stage, a.microbatch, replica=a.replica)
-
-
-# --------------------------------------------------------------------------
 # CSV interchange
 # --------------------------------------------------------------------------
 
@@ -368,7 +339,3 @@ def parse_csv(text: str) -> list[list[Action]]:
     if not programs:
         raise ScheduleError("the schedule CSV holds no actions")
     return programs
-
-
-def count_ops(programs: Sequence[Sequence[Action]], ops: frozenset[Op] = COMPUTE_OPS) -> int:
-    return sum(1 for prog in programs for a in prog if a.op in ops)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipesim.sim.dataflow import bare, producer_of
 from pipesim.sim.ir import (
     AVERAGE,
     P2P_OPS,
@@ -27,8 +28,6 @@ from pipesim.sim.ir import (
     I,
     W,
     format_action,
-    pass_inputs,
-    strip_version,
 )
 from pipesim.sim.strategies import (
     ScheduleSpec,
@@ -119,14 +118,13 @@ def makespan(s, T):
         for d, prog in enumerate(s.programs):
             while pc[d] < len(prog):
                 a = prog[pc[d]]
-                deps = ()
-                if a.op in PASS_OPS:
-                    deps = pass_inputs(a, s.num_stages, (a.replica, a.stage + 1) in split)
+                prod = producer_of(a, s.num_stages, split) if a.op in PASS_OPS else None
+                deps = () if prod is None else (prod,)
                 if any(x not in end for x in deps):
                     break
                 start = max([free[d]] + [end[x] for x in deps])
                 free[d] = start + T.get(a.op, 0.0)
-                end[strip_version(a)] = free[d]
+                end[bare(a)] = free[d]
                 pc[d] += 1
                 progress = True
     assert all(pc[d] == len(p) for d, p in enumerate(s.programs)), "timing model deadlocked"
