@@ -36,7 +36,6 @@ from pipesim.sim.ir import (
     format_action,
 )
 
-SEND_FOR = {F: SEND_F, B: SEND_B, I: SEND_B}
 
 
 #: One compute action of a device program with its dataflow:

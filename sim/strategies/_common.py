@@ -207,3 +207,20 @@ def flush_schedule(
 def base_options(spec: ScheduleSpec) -> dict:
     """Options every schedule records."""
     return {"optimizer": spec.optimizer, "width": spec.width, "depth": spec.stages}
+
+
+def asynchronous_schedule(spec: ScheduleSpec, stage_program, options: dict | None = None) -> Schedule:
+    """One pipeline running all ``iterations * m`` micro-batches without a flush.
+
+    ``stage_program(stage, p, n)`` returns stage ``stage``'s actions for ``n``
+    micro-batches on a ``p``-stage pipeline, one stage per device.
+    """
+    p, n = spec.stages, spec.microbatches * spec.iterations
+    return Schedule(
+        strategy=spec.strategy,
+        num_stages=p,
+        num_microbatches=spec.microbatches,
+        num_iterations=spec.iterations,
+        programs=tuple(tuple(stage_program(k, p, n)) for k in range(p)),
+        options=base_options(spec) | (options or {}),
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pipesim.sim.ir import UPDATE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
-    base_options,
+    asynchronous_schedule,
     check_spec,
     one_f_one_b,
 )
@@ -50,12 +50,5 @@ def stage_program(stage: int, p: int, n: int, stashing: bool) -> list[Action]:
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=OPTIONS)
-    p, n = spec.stages, spec.microbatches * spec.iterations
-    return Schedule(
-        strategy=NAME,
-        num_stages=p,
-        num_microbatches=spec.microbatches,
-        num_iterations=spec.iterations,
-        programs=tuple(tuple(stage_program(k, p, n, spec.stashing)) for k in range(p)),
-        options=base_options(spec) | {"stashing": spec.stashing},
-    )
+    return asynchronous_schedule(spec, lambda k, p, n: stage_program(k, p, n, spec.stashing),
+                                 {"stashing": spec.stashing})

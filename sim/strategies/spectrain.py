@@ -23,7 +23,7 @@ from __future__ import annotations
 from pipesim.sim.ir import PREDICT, UPDATE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
-    base_options,
+    asynchronous_schedule,
     check_spec,
     one_f_one_b,
 )
@@ -60,17 +60,9 @@ def stage_program(stage: int, p: int, n: int) -> list[Action]:
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=OPTIONS)
-    p, n = spec.stages, spec.microbatches * spec.iterations
-    return Schedule(
-        strategy=NAME,
-        num_stages=p,
-        num_microbatches=spec.microbatches,
-        num_iterations=spec.iterations,
-        programs=tuple(tuple(stage_program(k, p, n)) for k in range(p)),
-        options=base_options(spec)
-        | {
-            "s_fwd": [s_fwd(k, p) for k in range(p)],
-            "s_bwd": [s_bwd(k, p) for k in range(p)],
-            "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",
-        },
-    )
+    p = spec.stages
+    return asynchronous_schedule(spec, stage_program, {
+        "s_fwd": [s_fwd(k, p) for k in range(p)],
+        "s_bwd": [s_bwd(k, p) for k in range(p)],
+        "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",
+    })
