@@ -159,7 +159,7 @@ def _check_structure(s: Schedule) -> None:
         a, dev, _ = sends.get(key) or recvs[key]
         side = "receive" if key in sends else "send"
         raise ScheduleError(f"{a} on device {dev} has no matching {side}")
-    for key, (send, sdev, spos) in sends.items():
+    for send, sdev, spos in sends.values():
         prod = (F if send.op is SEND_F else (I if (send.replica, send.stage) in split else B),
                 send.replica, send.stage, send.microbatch)
         pdev, ppos = seen[prod]
@@ -244,7 +244,7 @@ def providers(programs) -> dict:
     """Token -> the device whose progress provides it (a pass, or a transfer's send)."""
     where = {}
     for dev, prog in enumerate(programs):
-        for posts, a, _, token in prog:
+        for posts, _, _, token in prog:
             if token is not None:
                 where[token] = dev
             for x, tok in posts:
