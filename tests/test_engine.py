@@ -240,3 +240,33 @@ def test_engine_costs_kernels_by_the_bytes_they_move() -> None:
     model = CostModel(tuple(costs), mem_bandwidth=1.0)
     for n in (1, 2, 4):
         assert model.averaging(0, n) == bytes_moved("elastic_average", 1000, "float32", replicas=n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe", "data-parallel"]),
+       st.integers(2, 4), st.integers(1, 4), st.data())
+def test_dry_run_and_engine_agree_on_deadlock(strategy, p, m, data) -> None:
+    """Swap two compute actions on one device (keeping each device's own
+    F-before-B order legal or not): the validator's zero-time dry run and the
+    SimPy engine must reach the same verdict, and a deadlock is never a hang."""
+    spec = _spec_for(strategy, p, m)
+    schedule = build_schedule(spec)
+    dev = data.draw(st.integers(0, schedule.num_devices - 1))
+    prog = list(schedule.programs[dev])
+    i, j = sorted(data.draw(st.lists(st.integers(0, len(prog) - 1), min_size=2, max_size=2, unique=True)))
+    prog[i], prog[j] = prog[j], prog[i]
+    mutated = schedule.with_programs([prog if d == dev else q for d, q in enumerate(schedule.programs)])
+    try:
+        validate(mutated, deadlock=False)
+    except ScheduleError:
+        return  # structurally broken: both executors refuse before running
+    verdicts = []
+    for check in (lambda: validate(mutated), lambda: run_engine(mutated, stage_costs_uniform(mutated.num_stages),
+                                                              load_hardware("ideal"), check=False)):
+        try:
+            check()
+            verdicts.append("ok")
+        except ScheduleError as e:
+            assert "deadlock" in str(e) and "waits for" in str(e)
+            verdicts.append("deadlock")
+    assert verdicts[0] == verdicts[1], verdicts
