@@ -17,6 +17,7 @@ argument parser is told to behave the same way.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -348,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with gc_paused():  # bulk construction of actions and spans: see pipesim.sim._gc
             return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`pipesim schedule ... | head`): not an error;
+        # point stdout at nothing so the interpreter's final flush stays quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

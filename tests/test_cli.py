@@ -123,3 +123,15 @@ def test_console_script_entry_point(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "pipesim.experiments.cli", "simulate", "--strategy", "nope"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_closed_pipe_is_not_an_error() -> None:
+    # `pipesim schedule ... | head`: the reader leaves early
+    proc = subprocess.Popen([sys.executable, "-m", "pipesim.experiments.cli", "schedule", "--strategy", "1f1b",
+                             "--stages", "32", "--microbatches", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and err == b""
