@@ -97,7 +97,8 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     for rs in schedule.placement():
         held_max.setdefault(rs, 1)
     versions = []
-    for key in sorted(fwd):
+    # dict order is program order, the same on every run: no sort needed
+    for key in fwd:
         fv, fd = fwd[key]
         bv, bd = bwd.get(key, (fv, 0))
         versions.append(PassVersions(key[0], key[1], key[2], fv, bv, fd, bd, upd.get(key)))
