@@ -47,6 +47,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pipesim.experiments.export import write_png
+from pipesim.sim.metrics import round_sig
 
 DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_STAGES: tuple[int, ...] = (4, 8)
@@ -126,8 +127,7 @@ def default_strategies() -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _r(x: float) -> float:
-    return float(f"{x:.12g}")
+_r = round_sig
 
 
 def bubble_data(

@@ -23,8 +23,12 @@ from pipesim.sim.results import SimResult
 SUMMARY_VERSION = 1
 
 
-def _r(x: float) -> float:
+def round_sig(x: float) -> float:
+    """Round to 12 significant digits, so JSON is identical across platforms."""
     return float(f"{x:.12g}")
+
+
+_r = round_sig
 
 
 def device_busy(result: SimResult) -> list[float]:

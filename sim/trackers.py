@@ -31,6 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from pipesim.sim.dataflow import split_stages
 from pipesim.sim.ir import (
     Action,
     AVERAGE,
@@ -63,7 +64,7 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     upd: dict = {}
     held_max: dict[tuple[int, int], int] = {}
     changes: dict[int, list] = defaultdict(list)
-    split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
+    split = split_stages(schedule)
     reads = PASS_OPS | {PREDICT}
     for dev, prog in enumerate(schedule.programs):
         last_read = {(a.replica, a.stage, a.version): pos for pos, a in enumerate(prog) if a.op in reads}
@@ -150,7 +151,7 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
         if rep == 0 and stage in averaging:
             extend([dev], [t0], [w], "averaging")
 
-    split = {(a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I}
+    split = split_stages(schedule)
     by_stream: dict[str, list] = defaultdict(list)
     for s in spans:
         by_stream[s.stream].append(s)
