@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import defaultdict
 from pipesim.sim.ir import (
     AVERAGE,
-    RECV_B,
     RECV_F,
     REDUCE_GRAD,
     SEND_B,
@@ -96,22 +95,21 @@ def transfer_key(a: Action) -> tuple:
     return ("B", a.replica, a.stage + 1, a.microbatch)
 
 
-def compile_plan(schedule: Schedule, plan: list[list[tuple]]) -> list[list[Entry]]:
+def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
     """Per device, every compute action with its posts, waits and token.
 
-    ``plan`` is the grouped program (:func:`pipesim.sim.lowering.plan` or
-    :func:`~pipesim.sim.lowering.group`), whose posts already carry their
-    transfer tokens. Written for speed: it visits every action the engine
+    ``plan`` is a :class:`pipesim.sim.lowering.Plan` (from
+    :func:`~pipesim.sim.lowering.plan` or :func:`~pipesim.sim.lowering.group`),
+    whose posts already carry their transfer tokens. Written for speed: it visits every action the engine
     runs, so producer keys are built inline.
     """
     last = schedule.num_stages - 1
     split = split_stages(schedule)
-    received = {tok for slots in plan for posts, _ in slots for x, tok in posts
-                if x.op is RECV_F or x.op is RECV_B}
-    has_collectives = any(tok is None for slots in plan for posts, _ in slots for _, tok in posts)
+    received = plan.received
+    has_collectives = plan.has_collectives
     rounds: dict[tuple, int] = defaultdict(int)
     out = []
-    for slots in plan:
+    for slots in plan.slots:
         last_coll: dict[tuple, tuple] = {}
         entries = []
         append = entries.append

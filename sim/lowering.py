@@ -28,6 +28,8 @@ actions, and :func:`lower` flattens it back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from pipesim.sim.dataflow import split_stages, transfer_key
 from pipesim.sim.ir import (
     COMPUTE_OPS,
@@ -52,13 +54,27 @@ from pipesim.sim.ir import (
 Slot = tuple
 
 
+@dataclass
+class Plan:
+    """A lowered schedule grouped at its compute actions.
+
+    ``slots[d]`` is device d's list of :data:`Slot`. The lowering also notes
+    what the compiler would otherwise rescan every action for: the tokens of
+    transfers that have a receive, and whether any collective is posted.
+    """
+
+    slots: list[list[Slot]]
+    received: set = field(default_factory=set)
+    has_collectives: bool = False
+
+
 def _post(x: Action) -> tuple:
     return (x, transfer_key(x) if x.op in P2P_OPS else None)
 
 
-def group(schedule: Schedule) -> list[list[Slot]]:
+def group(schedule: Schedule) -> Plan:
     """The plan form of a schedule as it stands (lowered or not)."""
-    plan = []
+    out = Plan([])
     for prog in schedule.programs:
         slots, pending = [], []
         for a in prog:
@@ -66,14 +82,19 @@ def group(schedule: Schedule) -> list[list[Slot]]:
                 slots.append((tuple(pending), a))
                 pending = []
             else:
-                pending.append(_post(a))
+                post = _post(a)
+                pending.append(post)
+                if a.op is RECV_F or a.op is RECV_B:
+                    out.received.add(post[1])
+                elif post[1] is None:
+                    out.has_collectives = True
         if pending:
             slots.append((tuple(pending), None))
-        plan.append(slots)
-    return plan
+        out.slots.append(slots)
+    return out
 
 
-def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
+def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
     """Lowered plan: sends after their producers, receives ``recv_lookahead``
     compute actions ahead of their consumers. A schedule that already has
     communication is grouped as it is.
@@ -87,7 +108,8 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
     home = schedule.placement().get
     split = split_stages(schedule)
     last = schedule.num_stages - 1
-    out = []
+    out = Plan([])
+    received = out.received
     for dev, prog in enumerate(schedule.programs):
         # Per (replica, stage) on this device: which neighbours live elsewhere.
         remote: dict[tuple[int, int], tuple[bool, bool]] = {}
@@ -97,6 +119,7 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
             op = a.op
             if op not in COMPUTE_OPS:  # a collective already in the program
                 posts[-1].append((a, None))
+                out.has_collectives = True
                 continue
             j = len(computes)
             computes.append(a)
@@ -111,27 +134,31 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> list[list[Slot]]:
             # tokens spelled inline as transfer_key() would: this loop is hot
             if op is F:
                 if flags[0]:
+                    tok = ("F", rep, stage - 1, mb)
+                    received.add(tok)
                     posts[j - recv_lookahead if j > recv_lookahead else 0].append(
-                        (Action(RECV_F, stage, mb, None, 0, rep), ("F", rep, stage - 1, mb)))
+                        (Action(RECV_F, stage, mb, None, 0, rep), tok))
                 if flags[1]:
                     after.append((Action(SEND_F, stage, mb, None, 0, rep), ("F", rep, stage, mb)))
             elif op is B or op is I:
                 if flags[1]:
+                    tok = ("B", rep, stage + 1, mb)
+                    received.add(tok)
                     posts[j - recv_lookahead if j > recv_lookahead else 0].append(
-                        (Action(RECV_B, stage, mb, None, 0, rep), ("B", rep, stage + 1, mb)))
+                        (Action(RECV_B, stage, mb, None, 0, rep), tok))
                 if flags[0] and not (op is B and key in split):
                     after.append((Action(SEND_B, stage, mb, None, 0, rep), ("B", rep, stage, mb)))
         slots = list(zip(map(tuple, posts), computes))
         if posts[-1]:
             slots.append((tuple(posts[-1]), None))
-        out.append(slots)
+        out.slots.append(slots)
     return out
 
 
-def flatten(plan_: list[list[Slot]]) -> list[tuple[Action, ...]]:
+def flatten(plan_: Plan) -> list[tuple[Action, ...]]:
     """The flat per-device programs of a plan."""
     out = []
-    for slots in plan_:
+    for slots in plan_.slots:
         prog = []
         for posts, a in slots:
             prog.extend(x for x, _ in posts)
