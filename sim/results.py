@@ -8,6 +8,7 @@ reconciliation code never care which executor produced them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from pipesim.sim.ir import Action, Schedule
 
@@ -124,4 +125,4 @@ class SimResult:
     def makespan(self) -> float:
         if not self.spans:
             return 0.0
-        return max(s.end for s in self.spans) - min(s.start for s in self.spans)
+        return max(map(attrgetter("end"), self.spans)) - min(map(attrgetter("start"), self.spans))

@@ -28,6 +28,7 @@ Simultaneous changes free before they allocate, as a stream does.
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import attrgetter
 
 import numpy as np
 
@@ -68,15 +69,12 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     reads = PASS_OPS | {PREDICT}
     for dev, prog in enumerate(schedule.programs):
         last_read = {(a.replica, a.stage, a.version): pos for pos, a in enumerate(prog) if a.op in reads}
+        last_positions = set(last_read.values())  # cheap first test: most reads are not a last read
         current: dict[tuple[int, int], int] = defaultdict(int)
         extra: dict[tuple[int, int], int] = defaultdict(int)
         awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
         for pos, a in enumerate(prog):
             op = a.op
-            if op is F:
-                fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-            elif op is B or op is I:
-                bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
             if op is UPDATE:
                 rs = (a.replica, a.stage)
                 for mb in awaiting.pop(rs, ()):
@@ -87,12 +85,20 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
                     extra[rs] += 1
                     changes[dev].append((pos, +1, rs))
                     held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
-            elif op in reads:
+                continue
+            if op is F:
+                fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
+            elif op is B:
+                bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
+                if not split or (a.replica, a.stage) not in split:
+                    awaiting[(a.replica, a.stage)].append(a.microbatch)
+            elif op is I:
+                bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
+            elif op is W:
+                awaiting[(a.replica, a.stage)].append(a.microbatch)
+            if pos in last_positions:
                 rs = (a.replica, a.stage)
-                if (op is B and rs not in split) or op is W:
-                    awaiting[rs].append(a.microbatch)
-                v = a.version
-                if v is not None and v < current[rs] and last_read.get((a.replica, a.stage, v)) == pos:
+                if a.version < current[rs]:  # the last read of an older version frees it
                     extra[rs] -= 1
                     changes[dev].append((pos, -1, rs))
     for rs in schedule.placement():
@@ -125,7 +131,7 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
     placement = schedule.placement()
     opt_mult = 2 if optimizer == "adam" else 1
     spans = result.spans
-    t0 = min((s.start for s in spans), default=0.0)
+    t0 = min(map(attrgetter("start"), spans), default=0.0)
     param = [c.param_bytes for c in stage_costs]
     stash = [c.stash_bytes for c in stage_costs]
     ev_dev: list[int] = []
