@@ -5,8 +5,10 @@ answer to "when may this action run?", so it is computed once, here, as
 *tokens*: hashable names for things that become available during execution.
 
 * a pass's completion: ``(op, replica, stage, micro-batch)`` (:func:`bare`);
-* a transfer's arrival: ``("F"|"B", replica, source stage, micro-batch)``,
-  shared by the SEND and the RECV that carry it;
+* a transfer's arrival: ``(SEND_F|SEND_B, replica, source stage, micro-batch)``,
+  shared by the SEND and the RECV that carry it. The tag is the send's op, never
+  a plain ``"F"``: ``Op`` is a ``str`` enum, so ``(Op.F, ...)`` would equal
+  ``("F", ...)`` and a forward's completion would pass for its output's arrival;
 * a collective's completion: ``(op, stage, round)`` where round counts that
   stage's collectives of that op on each replica.
 
@@ -29,7 +31,6 @@ from pipesim.sim.ir import (
     B,
     F,
     I,
-    Op,
     W,
     Schedule,
     format_action,
@@ -72,13 +73,11 @@ def producer_of(a: Action, num_stages: int, split: set[tuple[int, int]]) -> tupl
 
 
 def token_name(token) -> str:
-    """Readable name of a token for error messages."""
-    if len(token) == 4 and isinstance(token[0], Op):
+    """Readable name of a token for error messages: the pass, or the send
+    that carries a transfer, or the collective."""
+    if len(token) == 4:
         op, rep, stage, mb = token
         return format_action(Action(op, stage, mb, replica=rep))
-    if token[0] in ("F", "B"):
-        kind, rep, src, mb = token
-        return format_action(Action(SEND_F if kind == "F" else SEND_B, src, mb, replica=rep))
     op, stage, rnd = token
     return f"{op} of stage {stage} (round {rnd}) on every replica"
 
@@ -87,12 +86,12 @@ def transfer_key(a: Action) -> tuple:
     """Identity of a transfer, shared by the send and its receive."""
     op = a.op
     if op is SEND_F:
-        return ("F", a.replica, a.stage, a.microbatch)
+        return (SEND_F, a.replica, a.stage, a.microbatch)
     if op is RECV_F:
-        return ("F", a.replica, a.stage - 1, a.microbatch)
+        return (SEND_F, a.replica, a.stage - 1, a.microbatch)
     if op is SEND_B:
-        return ("B", a.replica, a.stage, a.microbatch)
-    return ("B", a.replica, a.stage + 1, a.microbatch)
+        return (SEND_B, a.replica, a.stage, a.microbatch)
+    return (SEND_B, a.replica, a.stage + 1, a.microbatch)
 
 
 def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
@@ -134,11 +133,11 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
             token = (op, rep, stage, mb)
             if op is F:
                 if stage:
-                    key = ("F", rep, stage - 1, mb)  # through a receive if lowered
+                    key = (SEND_F, rep, stage - 1, mb)  # through a receive if lowered
                     waits = (key,) if key in received else ((F, rep, stage - 1, mb),)
             elif op is B or op is I:
                 if stage < last:
-                    key = ("B", rep, stage + 1, mb)
+                    key = (SEND_B, rep, stage + 1, mb)
                     waits = (key,) if key in received else (
                         (I if (rep, stage + 1) in split else B, rep, stage + 1, mb),)
             elif op is not W:  # UPDATE, PREDICT

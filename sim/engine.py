@@ -181,7 +181,7 @@ class _Run:
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
         self.awaited = {t for prog in self.programs for _, _, waits, _ in prog for t in waits}
-        # (src, dst, "F"|"B", sending stage) -> (bytes, route, uncontended seconds)
+        # (src, dst, SEND_F|SEND_B, sending stage) -> (bytes, route, uncontended seconds)
         self.transfer_cost: dict[tuple, tuple] = {}
         self.events: dict[object, simpy.Event] = {}  # tokens a device is waiting for
         self.done: set = set()  # tokens available

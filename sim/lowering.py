@@ -134,20 +134,20 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
             # tokens spelled inline as transfer_key() would: this loop is hot
             if op is F:
                 if flags[0]:
-                    tok = ("F", rep, stage - 1, mb)
+                    tok = (SEND_F, rep, stage - 1, mb)
                     received.add(tok)
                     posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                         (Action(RECV_F, stage, mb, None, 0, rep), tok))
                 if flags[1]:
-                    after.append((Action(SEND_F, stage, mb, None, 0, rep), ("F", rep, stage, mb)))
+                    after.append((Action(SEND_F, stage, mb, None, 0, rep), (SEND_F, rep, stage, mb)))
             elif op is B or op is I:
                 if flags[1]:
-                    tok = ("B", rep, stage + 1, mb)
+                    tok = (SEND_B, rep, stage + 1, mb)
                     received.add(tok)
                     posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                         (Action(RECV_B, stage, mb, None, 0, rep), tok))
                 if flags[0] and not (op is B and key in split):
-                    after.append((Action(SEND_B, stage, mb, None, 0, rep), ("B", rep, stage, mb)))
+                    after.append((Action(SEND_B, stage, mb, None, 0, rep), (SEND_B, rep, stage, mb)))
         slots = list(zip(map(tuple, posts), computes))
         if posts[-1]:
             slots.append((tuple(posts[-1]), None))

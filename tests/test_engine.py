@@ -270,3 +270,21 @@ def test_dry_run_and_engine_agree_on_deadlock(strategy, p, m, data) -> None:
             assert "deadlock" in str(e) and "waits for" in str(e)
             verdicts.append("deadlock")
     assert verdicts[0] == verdicts[1], verdicts
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe"]), st.integers(2, 4), st.integers(1, 4),
+       st.sampled_from(["pcie-4gpu", "dgx1-v100"]))
+def test_consumers_wait_for_their_data_to_arrive(strategy, p, m, hardware) -> None:
+    # On real links a pass may only start once the transfer carrying its
+    # input has ended (a pass token must never stand in for its transfer).
+    result = simulate(_spec_for(strategy, p, m), "vgg16-cifar", hardware)
+    start = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
+             for s in result.spans if s.stream == "compute"}
+    split = {(k[1], k[2]) for k in start if k[0] is I}
+    recvs = [s for s in result.spans if s.stream == "recv"]
+    assert recvs and any(s.duration > 0 for s in recvs)
+    for s in recvs:
+        a = s.action
+        op = F if a.op.value == "RECV_F" else (I if (a.replica, a.stage) in split else B)
+        assert start[(op, a.replica, a.stage, a.microbatch)] >= s.end - 1e-12, f"{a} arrived after its consumer began"
