@@ -288,3 +288,17 @@ def test_consumers_wait_for_their_data_to_arrive(strategy, p, m, hardware) -> No
         a = s.action
         op = F if a.op.value == "RECV_F" else (I if (a.replica, a.stage) in split else B)
         assert start[(op, a.replica, a.stage, a.microbatch)] >= s.end - 1e-12, f"{a} arrived after its consumer began"
+
+
+def test_critical_path_with_transfers_is_exact() -> None:
+    # GPipe, 2 stages, 1 micro-batch on pcie-4gpu: nothing overlaps, so the
+    # makespan is the critical path F0 -> send -> F1 -> B1 -> send -> B0 -> update.
+    hw = load_hardware("pcie-4gpu")
+    result = simulate(ScheduleSpec("gpipe", 2, 1), "vgg16-cifar", hw)
+    c0, c1 = result.stage_costs
+    act = c0.activation_bytes
+    update0 = 5 * c0.param_bytes / hw.device.mem_bandwidth  # SGD: read W, g, v; write W, v
+    expected = (c0.forward_s + hw.transfer_time(0, 1, act) + c1.forward_s + c1.backward_s
+                + hw.transfer_time(1, 0, act) + c0.backward_s + update0)
+    assert result.makespan == pytest.approx(expected, rel=1e-12)
+    assert hw.transfer_time(0, 1, act) > 0
