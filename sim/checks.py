@@ -66,42 +66,65 @@ def _name(op, replica: int, stage: int, mb=None) -> str:
     return format_action(Action(op, stage, mb, replica=replica))
 
 
+def _check_ranges(s: Schedule) -> None:
+    """Ids in range, checked a whole program at a time (the common case is
+    fine, so only a failing program is walked action by action)."""
+    p, r_count, total = s.num_stages, s.num_replicas, s.total_microbatches
+    for dev, prog in enumerate(s.programs):
+        if not prog:
+            continue
+        stages = [a.stage for a in prog]
+        reps = [a.replica for a in prog]
+        mbs = [a.microbatch for a in prog if a.op in MICROBATCH_OPS]
+        if (min(stages) >= 0 and max(stages) < p and min(reps) >= 0 and max(reps) < r_count
+                and (not mbs or (min(mbs) >= 0 and max(mbs) < total))
+                and min(a.distance for a in prog) >= 0):
+            continue
+        for a in prog:
+            if not 0 <= a.stage < p:
+                raise ScheduleError(f"{a} on device {dev}: stage {a.stage} out of range 0..{p - 1}")
+            if not 0 <= a.replica < r_count:
+                raise ScheduleError(f"{a} on device {dev}: replica {a.replica} out of range 0..{r_count - 1}")
+            if a.op in MICROBATCH_OPS and not 0 <= a.microbatch < total:
+                raise ScheduleError(f"{a} on device {dev}: micro-batch {a.microbatch} out of range 0..{total - 1}")
+            if a.distance < 0:
+                raise ScheduleError(f"{a}: negative prediction distance")
+
+
 def _check_structure(s: Schedule) -> None:
     p, r_count, total = s.num_stages, s.num_replicas, s.total_microbatches
+    _check_ranges(s)
     placement = s.placement()
     split = split_stages(s)
-    seen: dict[tuple, tuple[int, int]] = {}  # pass/comm token -> (device, position)
+    # pass or transfer -> (device, position). Passes are most of a schedule,
+    # so their device is left to ``placement`` and only the position kept.
+    seen: dict[tuple, int] = {}
+    comm_dev: dict[tuple, int] = {}
     for dev, prog in enumerate(s.programs):
         current: dict[tuple[int, int], int] = defaultdict(int)  # version now
         pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
         predicted: dict[tuple[int, int], tuple[int, int]] = {}
         for pos, a in enumerate(prog):
-            op, stage, rep, mb = a.op, a.stage, a.replica, a.microbatch
-            if not 0 <= stage < p:
-                raise ScheduleError(f"{a} on device {dev}: stage {stage} out of range 0..{p - 1}")
-            if not 0 <= rep < r_count:
-                raise ScheduleError(f"{a} on device {dev}: replica {rep} out of range 0..{r_count - 1}")
-            if op in MICROBATCH_OPS and not 0 <= mb < total:
-                raise ScheduleError(f"{a} on device {dev}: micro-batch {mb} out of range 0..{total - 1}")
-            if a.distance < 0:
-                raise ScheduleError(f"{a}: negative prediction distance")
-            rs = (rep, stage)
-            if op in PASS_OPS or op in P2P_OPS:
+            op = a.op
+            if op in PASS_OPS:
+                stage, rep, mb = a.stage, a.replica, a.microbatch
                 key = (op, rep, stage, mb)
                 if key in seen:
-                    raise ScheduleError(f"{a} appears twice (devices {seen[key][0]} and {dev})")
-                seen[key] = (dev, pos)
-            if op in PASS_OPS:
-                if op is B and rs in split:
-                    raise ScheduleError(f"{a}: replica {rep} stage {stage} mixes full backward B with split I/W")
+                    raise ScheduleError(f"{a} appears twice on device {dev}")
+                seen[key] = pos
+                rs = (rep, stage)
                 if op is not F:
-                    before = F if op is B or op is I else I
+                    if op is B and rs in split:
+                        raise ScheduleError(f"{a}: replica {rep} stage {stage} mixes full backward B with split I/W")
+                    before = I if op is W else F
                     if (before, rep, stage, mb) not in seen:
                         raise ScheduleError(f"{a} on device {dev} runs before {_name(before, rep, stage, mb)}")
+                    if op is not I and rs not in pending:
+                        pending[rs] = a
                 v = a.version
                 if v is None:
                     raise ScheduleError(f"{a} names no weight version")
-                if v > current[rs]:
+                if v and v > current[rs]:
                     raise ScheduleError(
                         f"{a} reads version {v} but stage {stage} holds version "
                         f"{current[rs]} at that point on device {dev}"
@@ -111,20 +134,26 @@ def _check_structure(s: Schedule) -> None:
                         f"{a} reads weights predicted {a.distance} ahead of version {v} "
                         f"but no PREDICT@v{v}+p{a.distance} of stage {stage} precedes it"
                     )
-                if (op is B or op is W) and rs not in pending:
-                    pending[rs] = a
+            elif op in P2P_OPS:
+                key = (op, a.replica, a.stage, a.microbatch)
+                if key in seen:
+                    raise ScheduleError(f"{a} appears twice (devices {comm_dev[key]} and {dev})")
+                seen[key] = pos
+                comm_dev[key] = dev
             elif op is UPDATE:
+                rs = (a.replica, a.stage)
                 if a.version != current[rs] + 1:
                     raise ScheduleError(
-                        f"{a} on device {dev}: stage {stage} is at version {current[rs]}, "
+                        f"{a} on device {dev}: stage {a.stage} is at version {current[rs]}, "
                         f"so its next update produces version {current[rs] + 1}"
                     )
                 current[rs] = a.version
                 pending.pop(rs, None)
                 predicted.pop(rs, None)
             elif op is PREDICT:
+                rs = (a.replica, a.stage)
                 if a.version is None or a.version > current[rs]:
-                    raise ScheduleError(f"{a} predicts from a version stage {stage} does not hold")
+                    raise ScheduleError(f"{a} predicts from a version stage {a.stage} does not hold")
                 predicted[rs] = (a.version, a.distance)
         if pending:
             a = min(pending.values())
@@ -138,48 +167,23 @@ def _check_structure(s: Schedule) -> None:
             if (rep, stage) not in placement:
                 raise ScheduleError(f"replica {rep} stage {stage} has no actions on any device")
     # Completeness: every micro-batch runs every stage forward and backward.
-    for (rep, stage) in sorted(placement):
-        bwd = (I, W) if (rep, stage) in split else (B,)
-        for op in (F, *bwd):
-            for mb in range(total):
-                if (op, rep, stage, mb) not in seen:
-                    raise ScheduleError(
-                        f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
-                        f"one forward and one backward per stage"
-                    )
+    # Pass keys are unique and in range, so a full count means none is
+    # missing; only a short count is searched for the missing pass.
+    expected = sum(total * (3 if rs in split else 2) for rs in placement)
+    if len(seen) - len(comm_dev) != expected:
+        for (rep, stage) in sorted(placement):
+            bwd = (I, W) if (rep, stage) in split else (B,)
+            for op in (F, *bwd):
+                for mb in range(total):
+                    if (op, rep, stage, mb) not in seen:
+                        raise ScheduleError(
+                            f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
+                            f"one forward and one backward per stage"
+                        )
 
     # Point-to-point pairs: send after its producer, receive before its consumer.
-    sends, recvs = {}, {}
-    for (op, rep, stage, mb), where in seen.items():
-        if op is SEND_F or op is SEND_B:
-            sends[send_key(Action(op, stage, mb, replica=rep))] = (Action(op, stage, mb, replica=rep), *where)
-        elif op is RECV_F or op is RECV_B:
-            recvs[send_key(Action(op, stage, mb, replica=rep))] = (Action(op, stage, mb, replica=rep), *where)
-    for key in sorted(sends.keys() ^ recvs.keys(), key=str):
-        a, dev, _ = sends.get(key) or recvs[key]
-        side = "receive" if key in sends else "send"
-        raise ScheduleError(f"{a} on device {dev} has no matching {side}")
-    for send, sdev, spos in sends.values():
-        prod = (F if send.op is SEND_F else (I if (send.replica, send.stage) in split else B),
-                send.replica, send.stage, send.microbatch)
-        pdev, ppos = seen[prod]
-        if pdev != sdev or ppos > spos:
-            raise ScheduleError(f"{send} is not after {_name(prod[0], *prod[1:])} on device {pdev}")
-    if sends:
-        for (op, rep, stage, mb), (dev, pos) in seen.items():
-            if op is not F and op is not B and op is not I:
-                continue
-            a = Action(op, stage, mb, replica=rep)
-            prod = producer_of(a, p, split)
-            if prod is None or seen[prod][0] == dev:
-                continue
-            recv = Action(RECV_F if op is F else RECV_B, stage, mb, replica=rep)
-            got = recvs.get(send_key(recv))
-            if got is None or got[1] != dev or got[2] > pos:
-                raise ScheduleError(
-                    f"{a} on device {dev} needs data from device {seen[prod][0]} "
-                    f"but no {recv} precedes it"
-                )
+    if comm_dev:
+        _check_transfers(s, seen, comm_dev, placement, split)
 
     # Collectives: every replica of a stage takes part the same number of times.
     counts: dict[tuple, int] = defaultdict(int)
@@ -194,6 +198,40 @@ def _check_structure(s: Schedule) -> None:
                     f"stage {stage}: replica {rep} runs {op.value} {n} times but replica {other} "
                     f"{counts.get((op, stage, other), 0)} times; collectives need every replica"
                 )
+
+
+def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, split: set) -> None:
+    """Sends and receives pair up; a send follows its producer and a receive
+    precedes its consumer, each on the right device."""
+    sends, recvs = {}, {}
+    for (op, rep, stage, mb), dev in comm_dev.items():
+        a = Action(op, stage, mb, replica=rep)
+        (sends if op is SEND_F or op is SEND_B else recvs)[send_key(a)] = (a, dev, seen[(op, rep, stage, mb)])
+    for key in sorted(sends.keys() ^ recvs.keys(), key=str):
+        a, dev, _ = sends.get(key) or recvs[key]
+        side = "receive" if key in sends else "send"
+        raise ScheduleError(f"{a} on device {dev} has no matching {side}")
+    for send, sdev, spos in sends.values():
+        prod = (F if send.op is SEND_F else (I if (send.replica, send.stage) in split else B),
+                send.replica, send.stage, send.microbatch)
+        pdev = placement[(send.replica, send.stage)]
+        if pdev != sdev or seen[prod] > spos:
+            raise ScheduleError(f"{send} is not after {_name(prod[0], *prod[1:])} on device {pdev}")
+    for (op, rep, stage, mb), pos in seen.items():
+        if op is not F and op is not B and op is not I:
+            continue
+        a = Action(op, stage, mb, replica=rep)
+        prod = producer_of(a, s.num_stages, split)
+        dev = placement[(rep, stage)]
+        if prod is None or placement[(prod[1], prod[2])] == dev:
+            continue
+        recv = Action(RECV_F if op is F else RECV_B, stage, mb, replica=rep)
+        got = recvs.get(send_key(recv))
+        if got is None or got[1] != dev or got[2] > pos:
+            raise ScheduleError(
+                f"{a} on device {dev} needs data from device {placement[(prod[1], prod[2])]} "
+                f"but no {recv} precedes it"
+            )
 
 
 def _check_deadlock(s: Schedule) -> None:
