@@ -34,9 +34,8 @@ _r = round_sig
 def device_busy(result: SimResult) -> list[float]:
     """Seconds each device's compute stream was busy."""
     busy = [0.0] * result.schedule.num_devices
-    for s in result.spans:
-        if s.stream == "compute":
-            busy[s.device] += s.end - s.start
+    for s in result.by_stream()["compute"]:
+        busy[s.device] += s.end - s.start
     return busy
 
 
@@ -56,7 +55,7 @@ def summarize(result: SimResult) -> dict:
     busy = device_busy(result)
     bubbles = bubble_fractions(result, busy, makespan)
     samples = s.num_replicas * s.total_microbatches * result.microbatch_size
-    compute_actions = sum(1 for sp in result.spans if sp.stream == "compute")
+    compute_actions = len(result.by_stream()["compute"])
 
     devices = []
     for dev, (bubble, mem) in enumerate(zip(bubbles, result.memory, strict=True)):

@@ -121,6 +121,17 @@ class SimResult:
     #: the StageCost of each model stage the execution was costed with
     stage_costs: tuple = ()
 
+    def by_stream(self) -> dict[str, list[Span]]:
+        """Spans split by stream, in their original order (computed once:
+        trackers, metrics and plots all want the compute spans alone)."""
+        cached = self.__dict__.get("_by_stream")
+        if cached is None or cached[0] != len(self.spans):
+            split: dict[str, list[Span]] = {name: [] for name in STREAMS}
+            for s in self.spans:
+                split.setdefault(s.stream, []).append(s)
+            cached = self._by_stream = (len(self.spans), split)
+        return cached[1]
+
     @property
     def makespan(self) -> float:
         if not self.spans:

@@ -158,9 +158,7 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
             extend([dev], [t0], [w], "averaging")
 
     split = split_stages(schedule)
-    by_stream: dict[str, list] = defaultdict(list)
-    for s in spans:
-        by_stream[s.stream].append(s)
+    by_stream = result.by_stream()
     compute = by_stream["compute"]
     by_dev: dict[int, list] = defaultdict(list)
     for s in compute:

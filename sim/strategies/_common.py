@@ -152,11 +152,12 @@ def flush_iteration(
         if a.op in (B, W):
             last[(a.replica, a.stage)] = pos
     out: list[Action] = []
+    ends = set(last.values())
+    offset = t * m
     for pos, a in enumerate(order):
         # positional construction: NamedTuple._replace costs ten times more
-        out.append(Action(a.op, a.stage, a.microbatch + t * m, t, a.distance, a.replica))
-        rs = (a.replica, a.stage)
-        if last.get(rs) == pos:
+        out.append(Action(a.op, a.stage, a.microbatch + offset, t, a.distance, a.replica))
+        if pos in ends:
             if reduce:
                 out.append(Action(REDUCE_GRAD, a.stage, replica=a.replica))
             out.append(Action(UPDATE, a.stage, version=t + 1, replica=a.replica))
