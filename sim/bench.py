@@ -60,13 +60,18 @@ def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardwar
             "compute_actions": actions, "seconds": round(elapsed, 4), "actions_per_s": round(actions / elapsed)}
 
 
-def cli_seconds(args: list[str]) -> float:
-    """Wall time of ``pipesim <args>`` in a fresh interpreter (imports included)."""
+def cli_seconds(args: list[str], repeat: int = 3) -> tuple[float, float]:
+    """(best, median) wall time of ``pipesim <args>`` over ``repeat`` fresh
+    interpreters (imports and exit included)."""
+    times = []
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "pipesim.experiments.cli", *args, "--out", out]
-        start = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
-        return time.perf_counter() - start
+        for _ in range(repeat):
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[0], times[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         base = ["simulate", "--strategy", "1f1b", "--stages", "64", "--microbatches", "1024"]
         print("[cli] pipesim simulate ... p=64 m=1024 (summary only, then all outputs)", file=sys.stderr, flush=True)
-        target = {"cli_summary_only_s": round(cli_seconds([*base, "--summary-only"]), 3),
-                  "cli_all_outputs_s": round(cli_seconds(base), 3), "target_s": 2.0}
+        best, median = cli_seconds([*base, "--summary-only"])
+        all_best, all_median = cli_seconds(base, repeat=1)
+        target = {"cli_summary_only_best_s": round(best, 3), "cli_summary_only_median_s": round(median, 3),
+                  "cli_all_outputs_s": round(all_best, 3), "target_s": 2.0}
     report = {"raw_simpy_timeouts_per_s": round(raw), "cases": rows, "target": target}
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -103,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['strategy']:<10} {r['stages']:>3} {r['microbatches']:>5} {r['model']:<9} {r['hardware']:<12} "
               f"{r['compute_actions']:>8} {r['seconds']:>7.3f} {r['actions_per_s']:>10,} {r['ratio_to_raw_simpy']:>7.3f}")
     if target:
-        print(f"CLI, 1f1b p=64 m=1024 (131,072 compute actions): {target['cli_summary_only_s']:.2f} s with "
-              f"--summary-only, {target['cli_all_outputs_s']:.2f} s writing trace.json and timeline.html "
-              f"(target {target['target_s']:.1f} s)")
+        print(f"CLI, 1f1b p=64 m=1024 (131,072 compute actions), --summary-only: best "
+              f"{target['cli_summary_only_best_s']:.2f} s, median {target['cli_summary_only_median_s']:.2f} s of 3 "
+              f"(target {target['target_s']:.1f} s); writing trace.json and timeline.html too: "
+              f"{target['cli_all_outputs_s']:.2f} s")
     return 0
 
 
