@@ -302,3 +302,16 @@ def test_critical_path_with_transfers_is_exact() -> None:
                 + hw.transfer_time(1, 0, act) + c0.backward_s + update0)
     assert result.makespan == pytest.approx(expected, rel=1e-12)
     assert hw.transfer_time(0, 1, act) > 0
+
+
+def test_out_of_memory_is_reported_and_breakdown_sums_to_peak() -> None:
+    gpipe = summarize(simulate(ScheduleSpec("gpipe", 2, 64), "gpt-13b", "dgx-h100"))
+    onef1b = summarize(simulate(ScheduleSpec("1f1b", 2, 64), "gpt-13b", "dgx-h100"))
+    assert gpipe["out_of_memory"] and all(d["out_of_memory"] for d in gpipe["devices"])
+    for s in (gpipe, onef1b):
+        for d in s["devices"]:
+            assert sum(d["memory_breakdown"].values()) == d["peak_memory_bytes"]
+    # GPipe stashes all 64 micro-batches, 1F1B at most p - k = 2 on stage 0
+    stash0 = onef1b["stages_info"][0]["stash_bytes"]
+    assert gpipe["devices"][0]["memory_breakdown"]["activations"] == 64 * stash0
+    assert onef1b["devices"][0]["memory_breakdown"]["activations"] == 2 * stash0
