@@ -124,8 +124,7 @@ def _profile(args, hardware, schedule):
 
         prof = load_profile(args.profile)
         return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
-    per_stage = args.stages if schedule.num_stages == 1 and args.stages > 1 else 1
-    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, per_stage)
+    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages)
 
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,

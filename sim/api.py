@@ -25,16 +25,17 @@ def resolve_hardware(hardware: str | Hardware) -> Hardware:
 
 
 def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_size: int | None,
-              layers_per_stage: int = 1) -> Profile:
+              pipeline_depth: int = 1) -> Profile:
     """The catalog model costed on ``hardware``'s device.
 
-    ``uniform`` gets one layer per pipeline stage of the widest pipeline the
-    comparison uses, so that each stage costs exactly F = 1 ms, B = 2 ms and
-    data parallelism holds the same total work on one device.
+    ``uniform`` gets one layer per model stage, so each stage costs exactly
+    F = 1 ms, B = 2 ms. A single-stage schedule (data parallelism) gets
+    ``pipeline_depth`` layers instead, the depth the strategy was asked for, so
+    each device holds the whole model a pipeline of that depth would split.
     """
     layers = None
     if model == "uniform":
-        layers = schedule.num_stages * layers_per_stage
+        layers = schedule.num_stages if schedule.num_stages > 1 else pipeline_depth
     return model_profile(model, hardware.device, microbatch_size, layers=layers)
 
 
@@ -77,10 +78,7 @@ def simulate(
     with gc_paused():
         schedule = build_schedule(spec)
     if profile is None:
-        # data parallelism keeps the whole model on one device: cost the
-        # same model the pipelines of this size would split
-        per_stage = spec.stages if schedule.num_stages == 1 and spec.stages > 1 else 1
-        profile = model_for(schedule, model, hw, microbatch_size, layers_per_stage=per_stage)
+        profile = model_for(schedule, model, hw, microbatch_size, pipeline_depth=spec.stages)
     elif microbatch_size is not None:
         profile = replace(profile, microbatch_size=microbatch_size)
     return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead)

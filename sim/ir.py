@@ -129,10 +129,6 @@ class Action(NamedTuple):
         return format_action(self)
 
     @property
-    def is_compute(self) -> bool:
-        return self.op in COMPUTE_OPS
-
-    @property
     def key(self) -> tuple[int, int, int | None]:
         """(replica, stage, microbatch): what identifies a pass's data."""
         return (self.replica, self.stage, self.microbatch)

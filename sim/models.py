@@ -404,13 +404,6 @@ def model_names() -> list[str]:
     return sorted([*_MODELS, "uniform"])
 
 
-def model_description(name: str) -> str:
-    """One line for listings (``pipesim models``)."""
-    if name == "uniform":
-        return f"uniform layers, F = 1 ms, B = 2 ms, nothing sent ({UNIFORM_DEFAULT_LAYERS} layers by default)"
-    return _lookup(name).description
-
-
 def _lookup(name: str) -> _Model:
     try:
         return _MODELS[name]
