@@ -28,6 +28,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op
+from pipesim.sim.metrics import bubble_fractions
 from pipesim.sim.results import SimResult
 
 #: Fixed colour of every action type, shared by all pipesim figures.
@@ -60,16 +61,8 @@ _COMM_WIDTH = 0.45
 
 
 def device_bubbles(result: SimResult) -> list[float]:
-    """Bubble fraction of every device: 1 − busy compute time / makespan."""
-    n = max([result.schedule.num_devices] + [s.device + 1 for s in result.spans])
-    busy = [0.0] * n
-    for s in result.spans:
-        if s.stream == "compute":
-            busy[s.device] += s.end - s.start
-    makespan = result.makespan
-    if makespan <= 0:
-        return [0.0] * n
-    return [max(0.0, 1.0 - b / makespan) for b in busy]
+    """Bubble fraction of every device (:func:`pipesim.sim.metrics.bubble_fractions`)."""
+    return bubble_fractions(result)
 
 
 def _hovertemplate(op: Op, all_versions: bool, comm: bool) -> str:

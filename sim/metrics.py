@@ -33,8 +33,11 @@ _r = round_sig
 
 def device_busy(result: SimResult) -> list[float]:
     """Seconds each device's compute stream was busy."""
-    busy = [0.0] * result.schedule.num_devices
-    for s in result.by_stream()["compute"]:
+    compute = result.by_stream()["compute"]
+    # a measured timeline may name more devices than the schedule it ran
+    n = max([result.schedule.num_devices] + [s.device + 1 for s in compute])
+    busy = [0.0] * n
+    for s in compute:
         busy[s.device] += s.end - s.start
     return busy
 
@@ -42,9 +45,9 @@ def device_busy(result: SimResult) -> list[float]:
 def bubble_fractions(result: SimResult, busy: list[float] | None = None,
                      makespan: float | None = None) -> list[float]:
     makespan = result.makespan if makespan is None else makespan
-    if makespan <= 0:
-        return [0.0] * result.schedule.num_devices
     busy = device_busy(result) if busy is None else busy
+    if makespan <= 0:
+        return [0.0] * len(busy)
     return [max(0.0, 1.0 - b / makespan) for b in busy]
 
 
