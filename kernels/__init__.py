@@ -21,7 +21,7 @@ from pipesim.kernels.backend import (
     triton_available,
     use_backend,
 )
-from pipesim.kernels.buffers import DoubleBuffer, StashFullError, WeightStash
+from pipesim.kernels.buffers import DoubleBuffer, StashFullError, VersionPool, WeightStash
 from pipesim.kernels.cost import KERNELS, bytes_moved
 from pipesim.kernels.module import (
     PredictionGroup,
@@ -47,6 +47,7 @@ __all__ = [
     "PredictionGroup",
     "Predictor",
     "StashFullError",
+    "VersionPool",
     "WeightStash",
     "adam_coefficients",
     "bytes_moved",

@@ -10,6 +10,15 @@ copy only what the semantics require:
   recycled, so steady state allocates nothing.
 * :class:`DoubleBuffer` never copies: the update writes W(t+1) into the
   buffer that held W(t−1), then the roles swap.
+* :class:`VersionPool` generalises the double buffer to any number of
+  versions for a runtime that knows its readers in advance (the schedule IR
+  names the version every pass reads). Versions never move: an update
+  writes the next version in place when nobody will read the current one
+  again, and into a free buffer otherwise. That matters for autograd: a
+  forward's graph keeps pointing at the storage it computed with, so a
+  version must stay where it is until its backward has run, which
+  :class:`WeightStash` (copy the old version away, update in place) cannot
+  promise.
 """
 
 from __future__ import annotations
@@ -230,6 +239,99 @@ class DoubleBuffer:
                 lists = [take(dst, idx), take(src, idx), take(grads, idx)]
                 impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], -float(lr))
         return self.update(write)
+
+
+class VersionPool:
+    """Weight versions in buffers that never move, for readers announced ahead.
+
+    ``tensors`` are version ``version`` (no copy). A runtime driven by a
+    schedule calls :meth:`expect` for every pass that will read a version
+    (before the update that would otherwise overwrite it), :meth:`get` to
+    read, and :meth:`release` when the pass is done. :meth:`update` then
+    decides: no reader left on the current version → the optimizer writes
+    in place (flush schedules, vanilla asynchronous pipelining: one buffer);
+    readers left → the next version goes into a recycled buffer (PipeDream
+    stashing: N − k buffers; 2BW: exactly two, like :class:`DoubleBuffer`).
+
+    ``capacity`` bounds the buffers, live one included; exceeding it raises
+    :class:`StashFullError` rather than silently growing memory.
+    """
+
+    def __init__(self, tensors, capacity: int | None = None, *, version: int = 0):
+        live = as_tensor_list("tensors", tensors)
+        if capacity is not None and int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = None if capacity is None else int(capacity)
+        self._r = _Readers(int(version))
+        self._bufs: dict[int, list[Tensor]] = {int(version): live}
+        self._free: list[list[Tensor]] = []
+        self._allocated = 1
+
+    @property
+    def version(self) -> int:
+        return self._r.version
+
+    @property
+    def held(self) -> list[int]:
+        return self._r.held()
+
+    @property
+    def buffers(self) -> int:
+        """Buffers allocated (held or free), the live one included."""
+        return self._allocated
+
+    @property
+    def nbytes(self) -> int:
+        per = sum(t.numel() * t.element_size() for t in self._bufs[self.version])
+        return per * self._allocated
+
+    def readers(self, version: int) -> int:
+        self._r.check_held(version)
+        return self._r.readers[version]
+
+    def expect(self, version: int | None = None, count: int = 1) -> int:
+        """Announce ``count`` future reads of ``version`` (default: current)."""
+        v = self._r.version if version is None else version
+        self._r.check_held(v)
+        self._r.readers[v] += int(count)
+        return v
+
+    def get(self, version: int) -> list[Tensor]:
+        self._r.check_held(version)
+        return self._bufs[version]
+
+    def release(self, version: int) -> None:
+        """One announced read of ``version`` is done; an old version with none left frees its buffer."""
+        if self._r.release(version):
+            self._free.append(self._bufs.pop(version))
+
+    def update(self, write) -> int:
+        """``write(dst, src)`` produces the next version from the current one; returns its number.
+
+        ``dst is src`` when the update may happen in place.
+        """
+        cur = self._r.version
+        src = self._bufs[cur]
+        if self._r.readers[cur]:
+            if self._free:
+                dst = self._free.pop()
+            else:
+                if self.capacity is not None and self._allocated >= self.capacity:
+                    raise StashFullError(
+                        f"cannot produce version {cur + 1}: capacity {self.capacity} reached "
+                        f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)")
+                dst = empty_like_all(src)
+                self._allocated += 1
+        else:
+            dst = src
+            del self._r.readers[cur]
+            del self._bufs[cur]
+        with torch.no_grad():
+            write(dst, src)
+        self._r.version = cur + 1
+        self._r.readers[cur + 1] = 0
+        self._bufs[cur + 1] = dst
+        return cur + 1
 
 
 def _copy(dst: list[Tensor], src: list[Tensor]) -> None:

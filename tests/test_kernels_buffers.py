@@ -13,7 +13,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
-from pipesim.kernels import DoubleBuffer, StashFullError, WeightStash
+from pipesim.kernels import DoubleBuffer, StashFullError, VersionPool, WeightStash
 
 SHAPES = [(3, 2), (5,), ()]
 
@@ -187,3 +187,80 @@ def test_stash_errors():
         stash.get(0)
     with pytest.raises(ValueError, match="no readers"):
         WeightStash(weights(0), 2).release(0)
+
+
+class VersionPoolMachine(RuleBasedStateMachine):
+    """Readers announced ahead, as the runtime does from the schedule: every
+    held version must keep its values *and its storage* until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = VersionPool(weights(0))
+        self.pending: list[int] = []  # announced reads not yet released
+        self.ptrs: dict[int, list[int]] = {0: [t.data_ptr() for t in self.pool.get(0)]}
+
+    @rule(count=st.integers(1, 3))
+    def expect_current(self, count):
+        v = self.pool.expect(count=count)
+        self.pending += [v] * count
+
+    @rule(data=st.data())
+    def release_one(self, data):
+        if self.pending:
+            v = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+            self.pool.release(v)
+
+    @rule()
+    def update(self):
+        cur = self.pool.version
+        had_readers = self.pool.readers(cur) > 0
+
+        def write(dst, src):
+            for d, s in zip(dst, src):
+                d.copy_(s + 1)
+        new = self.pool.update(write)
+        assert new == cur + 1
+        ptrs = [t.data_ptr() for t in self.pool.get(new)]
+        if not had_readers:  # in place: same storage, old version gone
+            assert ptrs == self.ptrs.pop(cur)
+        self.ptrs[new] = ptrs
+
+    @invariant()
+    def versions_stay_put(self):
+        for v in self.pool.held:
+            assert_is_version(self.pool.get(v), v)
+            if v in self.ptrs:
+                assert [t.data_ptr() for t in self.pool.get(v)] == self.ptrs[v]
+        assert set(self.pool.held) == set(self.pending) | {self.pool.version}
+        # buffers in use never exceed versions held; free ones are recycled first
+        assert self.pool.buffers <= max(len(self.pool.held), 1) + len(self.pool._free)
+
+
+TestVersionPool = VersionPoolMachine.TestCase
+TestVersionPool.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_version_pool_double_buffers_2bw():
+    """2BW's pattern (forwards keep reading the previous version) needs two buffers, never three."""
+    pool = VersionPool(weights(0), capacity=2)
+    for _ in range(6):
+        pool.expect(count=2)          # next iteration's passes read the current version
+        pool.update(lambda d, s: [x.copy_(y + 1) for x, y in zip(d, s)])
+        for v in pool.held[:-1]:
+            if pool.readers(v):
+                pool.release(v)
+                pool.release(v)
+    assert pool.buffers == 2
+    assert_is_version(pool.get(pool.version), 6)
+
+
+def test_version_pool_capacity_and_errors():
+    pool = VersionPool(weights(0), capacity=1)
+    pool.update(lambda d, s: [x.add_(1) for x in d])  # no readers: in place, fits
+    pool.expect()
+    with pytest.raises(StashFullError, match="capacity 1"):
+        pool.update(lambda d, s: None)
+    with pytest.raises(KeyError):
+        pool.get(0)
+    with pytest.raises(ValueError):
+        VersionPool(weights(0), capacity=0)
