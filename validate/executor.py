@@ -1,0 +1,527 @@
+"""Execute a schedule's IR with real tensors: one walker, two ways to move data.
+
+Every executor of pipesim reads the same compiled plan
+(:func:`pipesim.sim.dataflow.compile_plan` over
+:func:`pipesim.sim.lowering.plan`): per device, each compute action with the
+sends, receives and collectives posted right before it, and the tokens it
+waits for. :class:`DeviceExecutor` walks one device's entries and does the
+tensor work through its :class:`~pipesim.validate.stage.PipelineStage` s; a
+*comm* object moves data. Two comms exist:
+
+* :class:`LocalComm` (here): a mailbox in one process. :func:`emulate` runs
+  every device's walker in **simulated-time order** (the SimPy engine's
+  timeline for the same schedule), which is a valid execution order because
+  the simulator honours every dependency. This is the numerics reference
+  and, timed, the single-device mode.
+* ``DistComm`` (:mod:`pipesim.validate.runtime`): torch.distributed
+  point-to-point and collectives, one process per device.
+
+Collectives are computed by the same functions in both (:func:`reduce_mean`,
+:func:`average_elastic`) on flat per-replica tensors in replica order, so a
+distributed run is bit-identical to the emulator on CPU whatever the
+backend's own reduction order would be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from pipesim.kernels import elastic_average
+from pipesim.sim.dataflow import compile_plan
+from pipesim.sim.ir import (
+    AVERAGE,
+    P2P_OPS,
+    PREDICT,
+    RECV_B,
+    RECV_F,
+    REDUCE_GRAD,
+    SEND_B,
+    SEND_F,
+    UPDATE,
+    Action,
+    B,
+    F,
+    I,
+    Schedule,
+    W,
+)
+from pipesim.sim.lowering import plan
+from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
+from torch import Tensor
+
+# ---------------------------------------------------------------- collectives
+
+
+def flat(tensors: list[Tensor]) -> Tensor:
+    """One contiguous copy of a tensor list (what a collective ships)."""
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def unflat(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
+    out, i = [], 0
+    for t in like:
+        out.append(buf[i:i + t.numel()].view_as(t))
+        i += t.numel()
+    return out
+
+
+def reduce_mean(flats: list[Tensor]) -> Tensor:
+    """Mean of the replicas' gradients, summed in replica order (deterministic)."""
+    acc = flats[0].clone()
+    for f in flats[1:]:
+        acc.add_(f)
+    if len(flats) > 1:
+        acc.div_(len(flats))
+    return acc
+
+
+def average_elastic(flats: list[Tensor], centre: Tensor, alpha: float) -> None:
+    """EASGD in place on flat replicas (replica order) and the centre."""
+    elastic_average([[f] for f in flats], [centre], alpha)
+
+
+def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
+    """stage -> replicas that hold it, in order."""
+    out: dict[int, set] = defaultdict(set)
+    for (rep, stage) in schedule.placement():
+        out[stage].add(rep)
+    return {s: sorted(r) for s, r in out.items()}
+
+
+# ---------------------------------------------------------------- timing
+
+
+class Clock:
+    """Timestamps for spans: ``perf_counter_ns`` on CPU, CUDA events on a GPU
+    (resolved to host nanoseconds once the run is over, against one
+    synchronised reference event, so recording never stalls the stream)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record()
+            torch.cuda.synchronize(device)
+            self._ref_ns = time.perf_counter_ns()
+
+    def now(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter_ns()
+
+    @staticmethod
+    def host() -> int:
+        return time.perf_counter_ns()
+
+    def resolve(self, stamp: Any) -> int:
+        if isinstance(stamp, int):
+            return stamp
+        return self._ref_ns + round(self._ref.elapsed_time(stamp) * 1e6)
+
+
+@dataclass
+class Record:
+    """One timed action on one stream of one device (host nanoseconds once resolved)."""
+
+    device: int
+    stream: str
+    action: Action
+    start: Any
+    end: Any = None
+    peer: int | None = None
+    nbytes: int = 0
+
+
+# ---------------------------------------------------------------- comm
+
+
+class Comm(Protocol):
+    """How a walker moves data. ``record`` (None when untimed) is the span
+    of the posted operation; the comm stamps its ``end`` when it sees the
+    operation complete."""
+
+    def send(self, token: tuple, action: Action, tensor: Tensor, record: Record | None) -> None: ...
+    def recv(self, token: tuple, action: Action, record: Record | None) -> None: ...
+    def take(self, token: tuple) -> Tensor: ...
+    def collective(self, token: tuple, action: Action, stage: PipelineStage, record: Record | None) -> None: ...
+    def finish(self, token: tuple) -> None: ...
+    def poll(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalComm:
+    """Every device in one process: transfers are a mailbox, collectives run
+    when the last replica posts them."""
+
+    def __init__(self, schedule: Schedule, centres: dict[int, Tensor]):
+        self.mail: dict[tuple, Tensor] = {}
+        self.replicas = stage_replicas(schedule)
+        self.alpha = float(schedule.options.get("alpha", 0.0) or 0.0)
+        self.centres = centres
+        self.pending: dict[tuple, list] = defaultdict(list)
+        self.done: set = set()
+        self.clock: Clock | None = None
+
+    def send(self, token, action, tensor, record=None):
+        self.mail[token] = tensor
+        if record is not None:
+            record.end = record.start
+
+    def recv(self, token, action, record=None):
+        if record is not None:
+            record.end = record.start
+
+    def take(self, token):
+        try:
+            return self.mail.pop(token)
+        except KeyError:
+            raise RuntimeSemanticsError(f"data of {token} taken before it was sent: the execution order "
+                                        "violates a dependency") from None
+
+    def collective(self, token, action, stage, record=None):
+        group = self.pending[token]
+        group.append((stage, record))
+        if len(group) == len(self.replicas[action.stage]):
+            group.sort(key=lambda sr: sr[0].replica)
+            run_collective(action, [s for s, _ in group], self.centres, self.alpha)
+            for _, rec in group:
+                if rec is not None:
+                    rec.end = self.clock.now() if self.clock else rec.start
+            del self.pending[token]
+            self.done.add(token)
+
+    def finish(self, token):
+        if token not in self.done:
+            raise RuntimeSemanticsError(f"collective {token} awaited before every replica posted it")
+
+    def poll(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def initial_centres(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage]) -> dict[int, Tensor]:
+    """EASGD's centre of every averaged stage starts at the initial weights
+    (every replica starts from the same ones)."""
+    averaged = {a.stage for prog in schedule.programs for a in prog if a.op is AVERAGE}
+    out = {}
+    for (rep, stage), s in sorted(stages.items()):
+        if stage in averaged and stage not in out:
+            out[stage] = flat(s.weights())
+    return out
+
+
+def apply_collective(action: Action, flats: list[Tensor], centre: Tensor | None, alpha: float) -> list[Tensor]:
+    """The collective's result per replica (replica order), from their flat inputs.
+
+    REDUCE_GRAD: the mean gradient (one tensor, shared). AVERAGE: each
+    replica's averaged weights; ``centre`` moves in place.
+    """
+    if action.op is REDUCE_GRAD:
+        mean = reduce_mean(flats)
+        return [mean] * len(flats)
+    average_elastic(flats, centre, alpha)
+    return flats
+
+
+def collective_input(action: Action, stage: PipelineStage) -> Tensor:
+    return flat(stage.grads if action.op is REDUCE_GRAD else stage.weights())
+
+
+def write_back(action: Action, stage: PipelineStage, result: Tensor) -> None:
+    dst = stage.grads if action.op is REDUCE_GRAD else stage.weights()
+    with torch.no_grad():
+        torch._foreach_copy_(dst, unflat(result, dst))
+
+
+def run_collective(action: Action, stages: list[PipelineStage], centres: dict[int, Tensor], alpha: float) -> None:
+    """REDUCE_GRAD or AVERAGE over every replica of a stage, all held locally."""
+    results = apply_collective(action, [collective_input(action, s) for s in stages],
+                               centres.get(action.stage), alpha)
+    for s, r in zip(stages, results):
+        write_back(action, s, r)
+
+
+# ---------------------------------------------------------------- the walker
+
+
+@dataclass
+class RunOutput:
+    """What executing (part of) a schedule produced, per device."""
+
+    losses: dict[tuple[int, int], float] = field(default_factory=dict)  # (replica, mb) -> loss
+    weights: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # (replica, stage) -> state
+    versions_used: dict[tuple[int, int], list] = field(default_factory=dict)
+    records: list[Record] = field(default_factory=list)
+    unscheduled_predictions: int = 0
+    peak_memory: dict[int, int] = field(default_factory=dict)  # device -> bytes (CUDA only)
+
+
+class DeviceExecutor:
+    """Walks one device's compiled entries, doing the tensor work of each action."""
+
+    def __init__(self, device: int, entries: list, stages: dict[tuple[int, int], PipelineStage],
+                 data, schedule: Schedule, comm: Comm, *, clock: Clock | None = None,
+                 peers: dict[tuple, int] | None = None):
+        self.device = device
+        self.entries = entries
+        self.stages = stages
+        self.data = data
+        self.num_replicas = schedule.num_replicas
+        self.comm = comm
+        self.clock = clock
+        self.records: list[Record] = []
+        self.local: dict[tuple, Tensor] = {}  # pass token -> output, for consumers on this device
+        self.peers = peers or {}
+        self.position = 0
+
+    def _batch(self, replica: int, mb: int) -> tuple[Tensor, Tensor]:
+        x, y = self.data.batch(mb * self.num_replicas + replica)
+        dev = next(iter(self.stages.values())).device
+        return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+    # -- posts -------------------------------------------------------------
+    def post(self, posts) -> None:
+        clock = self.clock
+        for x, tok in posts:
+            op = x.op
+            t0 = clock.now() if clock else None
+            if op is SEND_F or op is SEND_B:
+                src = (F, x.replica, x.stage, x.microbatch) if op is SEND_F else None
+                if src is None:
+                    tensor = self.local.pop((B, x.replica, x.stage, x.microbatch), None)
+                    if tensor is None:
+                        tensor = self.local.pop((I, x.replica, x.stage, x.microbatch))
+                else:
+                    tensor = self.local.pop(src)
+                rec = Record(self.device, "send", x, t0, None, self.peers.get(tok),
+                             tensor.numel() * tensor.element_size()) if clock else None
+                self.comm.send(tok, x, tensor, rec)
+            elif op is RECV_F or op is RECV_B:
+                rec = Record(self.device, "recv", x, t0, None, self.peers.get(tok)) if clock else None
+                self.comm.recv(tok, x, rec)
+            else:
+                rec = Record(self.device, "collective", x, t0) if clock else None
+                self.comm.collective(tok, x, self.stages[(x.replica, x.stage)], rec)
+            if rec is not None:
+                self.records.append(rec)
+
+    # -- compute -----------------------------------------------------------
+    def _input(self, tok) -> Tensor:
+        if tok[0] is SEND_F or tok[0] is SEND_B:
+            return self.comm.take(tok)
+        return self.local.pop(tok)
+
+    def compute(self, a: Action, waits: tuple, token) -> None:
+        stage = self.stages[(a.replica, a.stage)]
+        op = a.op
+        data_wait = None
+        for w in waits:
+            if len(w) == 3:
+                self.comm.finish(w)
+            else:
+                data_wait = w
+        # inputs are taken before the clock starts: waiting is not compute
+        if op is F:
+            x = target = None
+            if stage.is_first or stage.is_last:
+                x0, target = self._batch(a.replica, a.microbatch)
+                x = x0 if stage.is_first else None
+            if data_wait is not None:
+                x = self._input(data_wait)
+        elif op is B or op is I:
+            g = self._input(data_wait) if data_wait is not None else None
+        clock = self.clock
+        t0 = clock.now() if clock else None
+        if op is F:
+            out = stage.forward(a, x, target)
+            if not stage.is_last:
+                self.local[token] = out
+        elif op is B or op is I:
+            dx = stage.backward(a, g)
+            if dx is not None:
+                self.local[token] = dx
+        elif op is W:
+            stage.backward(a, None)
+        elif op is UPDATE:
+            stage.update(a)
+        elif op is PREDICT:
+            stage.predict(a)
+        else:  # pragma: no cover - the plan holds only compute actions here
+            raise RuntimeSemanticsError(f"{a} is not a compute action")
+        if clock:
+            self.records.append(Record(self.device, "compute", a, t0, clock.now()))
+        self.comm.poll()
+
+    def ready(self, j: int) -> bool:
+        """Whether entry j's compute action has everything it waits for (emulator)."""
+        comm = self.comm
+        for w in self.entries[j][2]:
+            if len(w) == 3:
+                if w not in comm.done:
+                    return False
+            elif w[0] is SEND_F or w[0] is SEND_B:
+                if w not in comm.mail:
+                    return False
+            elif w not in self.local:
+                return False
+        return True
+
+    def step_entry(self, j: int, part: str) -> None:
+        posts, a, waits, token = self.entries[j]
+        if part == "posts":
+            self.post(posts)
+        elif a is not None:
+            self.compute(a, waits, token)
+
+    def run(self) -> None:
+        for posts, a, waits, token in self.entries:
+            self.post(posts)
+            if a is not None:
+                self.compute(a, waits, token)
+
+    def output(self) -> RunOutput:
+        out = RunOutput(records=self.records)
+        for key, s in sorted(self.stages.items()):
+            out.weights[key] = s.state_dict()
+            out.versions_used[key] = list(s.versions_used)
+            out.unscheduled_predictions += s.unscheduled_predictions
+            for mb, loss in s.losses.items():
+                out.losses[(s.replica, mb)] = float(loss)
+        return out
+
+
+def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
+    out: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    for prog in schedule.programs:
+        for a in prog:
+            if a.op not in P2P_OPS and a.op is not REDUCE_GRAD and a.op is not AVERAGE:
+                out[(a.replica, a.stage)].append(a)
+    return out
+
+
+def compiled(schedule: Schedule, recv_lookahead: int = 1) -> list[list]:
+    return compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
+
+
+def prepare_stages(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], optim: OptimizerConfig) -> None:
+    acts = stage_actions(schedule)
+    for key, s in stages.items():
+        if s.num_stages != schedule.num_stages:
+            raise ValueError(f"stage {key} was built for {s.num_stages} stages, the schedule has {schedule.num_stages}")
+        s.prepare(acts.get(key, []), optim)
+
+
+def merge(outputs: list[RunOutput]) -> RunOutput:
+    out = RunOutput()
+    for o in outputs:
+        out.losses.update(o.losses)
+        out.weights.update(o.weights)
+        out.versions_used.update(o.versions_used)
+        out.records.extend(o.records)
+        out.peak_memory.update(o.peak_memory)
+        out.unscheduled_predictions += o.unscheduled_predictions
+    out.losses = dict(sorted(out.losses.items()))
+    out.weights = dict(sorted(out.weights.items()))
+    out.versions_used = dict(sorted(out.versions_used.items()))
+    return out
+
+
+# ---------------------------------------------------------------- the emulator
+
+
+def execution_events(entries: list[list], timeline) -> list[list[tuple[float, int, int]]]:
+    """Per device, in program order, ``(simulated time, part, entry)`` events:
+    part 0 posts entry j's communication when the previous compute action
+    ends (the walk reaches it then), part 1 runs its compute action when the
+    simulator started it."""
+    starts: dict[int, list[float]] = defaultdict(list)
+    ends: dict[int, list[float]] = defaultdict(list)
+    for s in timeline.by_stream()["compute"]:
+        starts[s.device].append(s.start)
+        ends[s.device].append(s.end)
+    out = []
+    for dev, prog in enumerate(entries):
+        st, en = sorted(starts[dev]), sorted(ends[dev])
+        n_compute = sum(1 for e in prog if e[1] is not None)
+        if len(st) != n_compute:
+            raise ValueError(f"device {dev}: the timeline has {len(st)} compute spans, the schedule {n_compute}")
+        events, k = [], 0
+        for j, (_, a, _, _) in enumerate(prog):
+            events.append((en[k - 1] if k else 0.0, 0, j))
+            if a is not None:
+                events.append((st[k], 1, j))
+                k += 1
+        out.append(events)
+    return out
+
+
+def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, optim: OptimizerConfig,
+            timeline, *, recv_lookahead: int = 1, timed: bool = False, progress=None) -> RunOutput:
+    """Run every device's program in one process, in ``timeline``'s order.
+
+    ``stages`` holds a :class:`PipelineStage` for every (replica, stage) of
+    the schedule (they may share one device: the single-device mode).
+    ``timeline`` is a :class:`~pipesim.sim.results.SimResult` of the same
+    schedule; with ``timed`` every action is timed on the stages' device.
+    """
+    missing = sorted(set(schedule.placement()) - set(stages))
+    if missing:
+        raise ValueError(f"no PipelineStage for (replica, stage) {missing[0]}")
+    prepare_stages(schedule, stages, optim)
+    entries = compiled(schedule, recv_lookahead)
+    comm = LocalComm(schedule, initial_centres(schedule, stages))
+    device = next(iter(stages.values())).device
+    clock = Clock(device) if timed else None
+    comm.clock = clock
+    placement = schedule.placement()
+    executors = [
+        DeviceExecutor(d, entries[d], {k: s for k, s in stages.items() if placement[k] == d}, data, schedule,
+                       comm, clock=clock)
+        for d in range(schedule.num_devices)
+    ]
+    # Walk the devices in simulated-time order. Zero-cost actions (updates on
+    # an ideal machine) tie with what follows them, so at each step the
+    # earliest event whose inputs are ready runs; program order within a
+    # device always holds.
+    events = execution_events(entries, timeline)
+    pos = [0] * len(executors)
+    total = sum(map(len, events))
+    for done in range(1, total + 1):
+        best = None
+        for d, ex in enumerate(executors):
+            if pos[d] == len(events[d]):
+                continue
+            t, part, j = events[d][pos[d]]
+            if part and not ex.ready(j):
+                continue
+            if best is None or (t, part, d) < best[0]:
+                best = ((t, part, d), d, j, part)
+        if best is None:
+            stuck = [str(ex.entries[events[d][pos[d]][2]][1]) for d, ex in enumerate(executors)
+                     if pos[d] < len(events[d])]
+            raise RuntimeSemanticsError(f"emulation cannot proceed: {', '.join(stuck)} wait for data never produced")
+        _, d, j, part = best
+        executors[d].step_entry(j, "compute" if part else "posts")
+        pos[d] += 1
+        if progress is not None and part:
+            progress(done, total)
+    if clock and clock.cuda:
+        torch.cuda.synchronize(device)
+    return merge([ex.output() for ex in executors])
+
+
+def iteration_losses(losses: dict[tuple[int, int], float], m: int) -> list[float]:
+    """One mean loss per iteration (over its micro-batches and replicas)."""
+    per: dict[int, list[float]] = defaultdict(list)
+    for (_, mb), v in losses.items():
+        per[mb // m].append(v)
+    return [sum(v) / len(v) for _, v in sorted(per.items())]

@@ -1,0 +1,351 @@
+"""A pipeline stage that executes the IR's passes with real tensors.
+
+:class:`PipelineStage` plays the role of torch.distributed.pipelining's
+``PipelineStage``: it wraps the ``nn.Module`` of one model stage (of one
+replica) on one device. Unlike torch's, it also owns what pipesim's
+strategies make explicit in the schedule:
+
+* **weight versions** in a :class:`~pipesim.kernels.VersionPool`. Every pass
+  of the IR names the version it reads, so the stage announces each
+  version's readers as soon as the version exists; the optimizer then
+  writes in place when nobody will read the old version again (flush
+  schedules, vanilla asynchronous pipelining) and into a second buffer
+  otherwise (PipeDream's stash, PipeDream-2BW's double buffer). A version
+  never moves while it has readers, which is what lets a forward's autograd
+  graph stay valid until its backward.
+* **predicted weights** (SpecTrain, PipeOptim) in one scratch buffer,
+  written by ``PREDICT`` through :func:`pipesim.kernels.predict_sgd` /
+  :func:`~pipesim.kernels.predict_adam`.
+* **gradient accumulation and the optimizer step**, functional so the next
+  version can be written out of place. Gradient scaling is explicit
+  (:attr:`OptimizerConfig.scale_grads`).
+
+How a pass reads "its" weights: every pass binds *aliases* of a buffer
+(``tensor.data``, a fresh autograd version counter on the same storage) as
+the module's parameters. A forward's graph therefore reads whatever that
+storage holds when its backward runs, and the stage makes sure it holds the
+backward's version: unchanged storage for stashing and 2BW; the live buffer,
+updated in place, for vanilla PipeDream (the backward reads the current
+weights, as the IR says); the prediction buffer refilled with the
+backward's (version, distance) for SpecTrain. Activations saved by the
+forward are not recomputed, exactly as in those systems' implementations.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from pipesim.kernels import VersionPool, adam_coefficients, predict_adam, predict_sgd
+from pipesim.kernels import foreach
+from pipesim.sim.ir import B, F, I, PREDICT, UPDATE, W, Action
+from torch import Tensor, nn
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+class RuntimeSemanticsError(RuntimeError):
+    """The runtime cannot execute an action as the schedule states it."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer every stage runs, and how gradients are scaled.
+
+    ``scale_grads`` divides the accumulated gradient of an update by the
+    number of micro-batches it accumulates (m for flush schedules and 2BW,
+    1 for PipeDream), so the learning rate means the same for every
+    strategy; torch.distributed.pipelining's ``scale_grads`` does the same.
+    Gradients all-reduced across replicas are always averaged.
+    """
+
+    kind: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    scale_grads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch between its forward and its last backward pass."""
+
+    x: Tensor  # the stage input (a leaf that requires grad when it is a float activation)
+    out: Tensor  # the stage output, or the loss on the last stage
+    leaves: list[Tensor]  # weight aliases the graph was built on
+    buffer: list[Tensor]  # the storage those aliases share
+    version: int
+    distance: int
+    grad_out: Tensor | None = None  # kept between I and W
+
+
+def _bind_targets(module: nn.Module) -> tuple[list[str], list[tuple[nn.Module, str]], list[Tensor]]:
+    names, slots, params = [], [], []
+    for name, p in module.named_parameters():
+        owner_name, _, attr = name.rpartition(".")
+        names.append(name)
+        slots.append((module.get_submodule(owner_name) if owner_name else module, attr))
+        params.append(p)
+    return names, slots, params
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages`` (of replica ``replica``), wrapping ``module``.
+
+    The module's parameters become version 0 (copied, so the caller's module
+    is left as it was). ``loss_fn`` is applied on the last stage.
+    """
+
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str = "cpu", *, replica: int = 0,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None):
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index {stage_index} outside 0..{num_stages - 1}")
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.replica = replica
+        self.loss_fn = loss_fn
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn")
+        self.names, self._slots, params = _bind_targets(self.module)
+        with torch.no_grad():
+            weights = [p.detach().clone() for p in params]
+        self.pool = VersionPool(weights)
+        self.grads = [torch.zeros_like(w) for w in weights]
+        self.accumulated = 0  # micro-batches in self.grads since the last update
+        self.optim: OptimizerConfig | None = None
+        self.state: dict[str, list[Tensor]] = {}
+        self.steps = 0
+        self.scratch: list[Tensor] | None = None
+        self.scratch_key: tuple[int, int] | None = None
+        self.inflight: dict[int, _InFlight] = {}
+        self.reads: Counter = Counter()  # version -> announced reads not yet made
+        self.losses: dict[int, Tensor] = {}  # micro-batch -> loss (last stage)
+        self.versions_used: list[tuple[str, int, int, int]] = []  # (op, mb, version, distance)
+        self.unscheduled_predictions = 0
+
+    # ------------------------------------------------------------ set-up
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.replica, self.stage_index)
+
+    @property
+    def num_params(self) -> int:
+        return len(self.grads)
+
+    def prepare(self, actions: list[Action], optim: OptimizerConfig) -> None:
+        """Read this stage's actions once: who reads which version, and the optimizer."""
+        self.optim = optim
+        for a in actions:
+            if a.op in (F, B, I, W) and a.distance == 0:
+                self.reads[a.version] += 1
+            elif a.op is PREDICT:
+                self.reads[a.version] += 1
+        self._announce(self.pool.version)
+
+    def _announce(self, version: int) -> None:
+        n = self.reads.get(version, 0)
+        if n:
+            self.pool.expect(version, n)
+
+    def weights(self, version: int | None = None) -> list[Tensor]:
+        """The tensors of a held version (default: current)."""
+        return self.pool.get(self.pool.version if version is None else version)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Current weights by parameter name (copies)."""
+        return {n: t.detach().clone() for n, t in zip(self.names, self.weights())}
+
+    # ------------------------------------------------------------ passes
+
+    def _bind(self, buffer: list[Tensor]) -> list[Tensor]:
+        leaves = [t.data.requires_grad_() for t in buffer]
+        for (owner, attr), leaf in zip(self._slots, leaves):
+            owner._parameters[attr] = leaf
+        return leaves
+
+    def _read(self, a: Action) -> list[Tensor]:
+        """The buffer pass ``a`` computes on, with its (version, distance) in it."""
+        if a.distance == 0:
+            try:
+                return self.pool.get(a.version)
+            except KeyError:
+                raise RuntimeSemanticsError(
+                    f"{a}: version {a.version} is not held (held: {self.pool.held})") from None
+        if self.scratch_key != (a.version, a.distance):
+            self.unscheduled_predictions += 1
+            self._predict_into_scratch(a.version, a.distance)
+        return self.scratch
+
+    def _done_reading(self, a: Action) -> None:
+        if a.distance == 0:
+            self.reads[a.version] -= 1
+            self.pool.release(a.version)
+
+    def forward(self, a: Action, x: Tensor, target: Tensor | None = None) -> Tensor:
+        """Run F; returns the output to send on (detached), or the loss on the last stage."""
+        buffer = self._read(a)
+        if x.is_floating_point() and not self.is_first:
+            x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            leaves = self._bind(buffer)
+            out = self.module(x)
+            if self.is_last:
+                out = self.loss_fn(out, target)
+        self._done_reading(a)
+        self.inflight[a.microbatch] = _InFlight(x, out, leaves, buffer, a.version, a.distance)
+        self.versions_used.append(("F", a.microbatch, a.version, a.distance))
+        if self.is_last:
+            self.losses[a.microbatch] = out.detach()
+        return out.detach()
+
+    def _graph_reads(self, a: Action, rec: _InFlight) -> None:
+        """Make the storage the forward's graph points at hold ``a``'s weights."""
+        if a.distance == 0 and rec.distance == 0:
+            want = self._read(a)
+            if want is rec.buffer or all(w.data_ptr() == r.data_ptr() for w, r in zip(want, rec.buffer)):
+                return
+            raise RuntimeSemanticsError(
+                f"{a}: its forward computed on version {rec.version}, whose buffer no longer holds "
+                f"version {a.version}; the schedule needs this version stashed or read in place")
+        if rec.buffer is not self.scratch:
+            raise RuntimeSemanticsError(
+                f"{a}: backward with prediction distance {a.distance} after a forward on stored "
+                f"version {rec.version}: not executable without recomputing the forward")
+        if self.scratch_key != (a.version, a.distance):
+            self._predict_into_scratch(a.version, a.distance)
+
+    def backward(self, a: Action, grad_out: Tensor | None) -> Tensor | None:
+        """Run B (input and weight gradients), I (input only) or W (weights only).
+
+        Returns the input gradient to send back (None on stage 0 and for W).
+        """
+        rec = self.inflight[a.microbatch]
+        self._graph_reads(a, rec)
+        if a.op is W:
+            grad_out = rec.grad_out
+        with torch.enable_grad():
+            want_x = a.op is not W and rec.x.requires_grad
+            want_w = a.op is not I
+            inputs = ([rec.x] if want_x else []) + (rec.leaves if want_w else [])
+            if inputs:
+                got = torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out,
+                                          retain_graph=a.op is I, allow_unused=True)
+            else:
+                got = ()
+        dx = got[0] if want_x else None
+        if want_w:
+            wg = got[1:] if want_x else got
+            with torch.no_grad():
+                for acc, g in zip(self.grads, wg):
+                    if g is not None:
+                        acc.add_(g)
+            self.accumulated += 1
+            del self.inflight[a.microbatch]
+        else:
+            rec.grad_out = grad_out
+        self._done_reading(a)
+        self.versions_used.append((a.op.value, a.microbatch, a.version, a.distance))
+        return dx
+
+    # ------------------------------------------------------------ weights
+
+    def _predict_into_scratch(self, version: int, distance: int) -> None:
+        if version != self.pool.version:
+            raise RuntimeSemanticsError(
+                f"stage {self.stage_index}: prediction from version {version}, but the current "
+                f"version is {self.pool.version} (predictions start from the live weights)")
+        src = self.pool.get(version)
+        if self.scratch is None:
+            self.scratch = [torch.empty_like(t) for t in src]
+        opt = self.optim
+        if opt.kind == "sgd" and "momentum" in self.state:
+            predict_sgd(src, self.state["momentum"], opt.lr, distance, out=self.scratch)
+        elif opt.kind == "adam" and self.steps:
+            predict_adam(src, self.state["exp_avg"], self.state["exp_avg_sq"], self.steps, opt.lr,
+                         opt.betas, opt.eps, distance, out=self.scratch)
+        else:  # no optimizer state yet: nothing moves the weights
+            foreach.copy(self.scratch, src)
+        self.scratch_key = (version, distance)
+
+    def predict(self, a: Action) -> None:
+        """PREDICT: the scratch buffer gets the weights ``a.distance`` updates ahead."""
+        self._predict_into_scratch(a.version, a.distance)
+        self._done_reading(a)
+
+    def update(self, a: Action) -> None:
+        """UPDATE: apply the accumulated gradient, producing version ``a.version``."""
+        if a.version != self.pool.version + 1:
+            raise RuntimeSemanticsError(f"{a}: produces version {a.version} but the current one is {self.pool.version}")
+        opt = self.optim
+        grads = self.grads
+        with torch.no_grad():
+            if opt.scale_grads and self.accumulated > 1:
+                torch._foreach_div_(grads, float(self.accumulated))
+            self.steps += 1
+            if opt.kind == "sgd":
+                self._sgd(grads)
+            else:
+                self._adam(grads)
+        self.pool.update(self._write)
+        self._announce(self.pool.version)
+        with torch.no_grad():
+            torch._foreach_zero_(grads)
+        self.accumulated = 0
+        if self.scratch_key is not None:
+            self.scratch_key = None  # predictions were relative to the old weights
+
+    def _sgd(self, grads: list[Tensor]) -> None:
+        opt = self.optim
+        if opt.momentum:
+            if "momentum" not in self.state:
+                self.state["momentum"] = [g.clone() for g in grads]
+            else:
+                buf = self.state["momentum"]
+                torch._foreach_mul_(buf, opt.momentum)
+                torch._foreach_add_(buf, grads)
+            step = self.state["momentum"]
+        else:
+            step = grads
+        self._pending = (step, -opt.lr)
+
+    def _adam(self, grads: list[Tensor]) -> None:
+        opt = self.optim
+        b1, b2 = opt.betas
+        if "exp_avg" not in self.state:
+            self.state["exp_avg"] = [torch.zeros_like(g) for g in grads]
+            self.state["exp_avg_sq"] = [torch.zeros_like(g) for g in grads]
+        m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        self._pending = ("adam",) + adam_coefficients(self.steps, opt.lr, opt.betas, opt.eps, 1.0)
+
+    def _write(self, dst: list[Tensor], src: list[Tensor]) -> None:
+        pending = self._pending
+        if pending[0] == "adam":
+            _, c, eps = pending
+            foreach.adam_apply(dst, src, self.state["exp_avg"], self.state["exp_avg_sq"], c, eps)
+        else:
+            step, alpha = pending
+            foreach.axpy(dst, src, step, alpha)
+
+
+#: Action types a stage executes itself (collectives and transfers are the executor's).
+STAGE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT})
