@@ -43,7 +43,9 @@ class StageCost:
 
     ``activation_bytes`` is what the stage sends forward (its last layer's
     output; the input gradient sent back has the same size).
-    ``backward_input_s + backward_weight_s == backward_s`` up to rounding.
+    ``backward_input_s + backward_weight_s == backward_s`` up to rounding,
+    plus the profile's per-pass overhead once more (a split backward is two
+    passes).
     """
 
     first_layer: int
@@ -75,13 +77,15 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
     if not (0 <= first <= last < len(profile.layers)):
         raise WorkloadError(f"no layers {first}..{last} in a profile of {len(profile.layers)} layers")
     layers = profile.layers[first : last + 1]
+    o_f, o_b = profile.overhead_forward_s, profile.overhead_backward_s
     return StageCost(
         first_layer=first,
         last_layer=last,
-        forward_s=math.fsum(la.forward_s for la in layers),
-        backward_s=math.fsum(la.backward_s for la in layers),
-        backward_input_s=math.fsum(la.backward_input for la in layers),
-        backward_weight_s=math.fsum(la.backward_weight for la in layers),
+        forward_s=math.fsum(la.forward_s for la in layers) + o_f,
+        backward_s=math.fsum(la.backward_s for la in layers) + o_b,
+        # a split backward is two passes, each with the fixed overhead
+        backward_input_s=math.fsum(la.backward_input for la in layers) + o_b,
+        backward_weight_s=math.fsum(la.backward_weight for la in layers) + o_b,
         param_bytes=sum(la.param_bytes for la in layers),
         activation_bytes=layers[-1].activation_bytes,
         stash_bytes=sum(la.stash_bytes for la in layers),

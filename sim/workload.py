@@ -26,6 +26,12 @@ JSON form (times in seconds, sizes in bytes, per micro-batch)::
     }
 
 ``backward_input_s`` is optional (see :attr:`LayerCost.backward_input`).
+An optional ``"overhead": {"forward_s": ..., "backward_s": ...}`` is a fixed
+cost per *stage* pass (a runtime's dispatch and autograd bookkeeping, kernel
+launches) that per-layer timings cannot carry: timing each layer alone would
+charge it once per layer. ``pipesim profile`` measures it; every stage pays it
+once per forward and once per backward pass (each half of a split backward
+pays it too).
 """
 
 from __future__ import annotations
@@ -132,9 +138,16 @@ class Profile:
     microbatch_size: int = 1
     optimizer: str = "sgd"
     notes: str = ""
+    #: fixed seconds per stage pass, on top of its layers (see the module doc)
+    overhead_forward_s: float = 0.0
+    overhead_backward_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        for name in ("overhead_forward_s", "overhead_backward_s"):
+            v = getattr(self, name)
+            if not _is_num(v) or not (0 <= v < math.inf):
+                raise WorkloadError(f"profile {self.name!r}: {name} must be a finite number >= 0, got {v!r}")
         if not isinstance(self.name, str) or not self.name:
             raise WorkloadError("a profile needs a non-empty name")
         if not self.layers:
@@ -178,6 +191,8 @@ class Profile:
         }
         if self.notes:
             d["notes"] = self.notes
+        if self.overhead_forward_s or self.overhead_backward_s:
+            d["overhead"] = {"forward_s": self.overhead_forward_s, "backward_s": self.overhead_backward_s}
         d["layers"] = [layer.to_json() for layer in self.layers]
         return d
 
@@ -221,16 +236,24 @@ class Profile:
         notes = d.get("notes", "")
         if not isinstance(notes, str):
             raise WorkloadError("'notes' must be a string")
+        overhead = d.get("overhead", {})
+        if not isinstance(overhead, dict) or set(overhead) - {"forward_s", "backward_s"}:
+            raise WorkloadError("'overhead' must be an object with forward_s and/or backward_s")
+        for k, v in overhead.items():
+            if not _is_num(v) or not (0 <= v < math.inf):
+                raise WorkloadError(f"overhead.{k} must be a finite number >= 0, got {v!r}")
         return cls(
             name=d["name"],
             layers=tuple(layers),
             microbatch_size=d.get("microbatch_size", 1),
             optimizer=d.get("optimizer", "sgd"),
             notes=notes,
+            overhead_forward_s=float(overhead.get("forward_s", 0.0)),
+            overhead_backward_s=float(overhead.get("backward_s", 0.0)),
         )
 
 
-_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes"}
+_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
 _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s"}
 

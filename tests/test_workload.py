@@ -295,3 +295,23 @@ def test_layer_and_sequence_overrides():
     assert model_profile("gpt-1.3b", FLOPS_ONLY, optimizer="sgd").optimizer == "sgd"
     assert model_profile("gpt-1.3b", FLOPS_ONLY).optimizer == "adam"
     assert model_profile("vgg16", FLOPS_ONLY).optimizer == "sgd"
+
+
+def test_profile_pass_overhead_is_charged_once_per_stage_pass():
+    from pipesim.sim.partition import split_at
+
+    layers = tuple(LayerCost(f"l{i}", 1e-3, 2e-3, 100, 10, 10) for i in range(4))
+    base = Profile("p", layers)
+    prof = Profile("p", layers, overhead_forward_s=1e-4, overhead_backward_s=3e-4)
+    a, b = split_at(base, [0, 2]), split_at(prof, [0, 2])
+    for x, y in zip(a, b):
+        assert y.forward_s == pytest.approx(x.forward_s + 1e-4)
+        assert y.backward_s == pytest.approx(x.backward_s + 3e-4)
+        assert y.backward_input_s == pytest.approx(x.backward_input_s + 3e-4)
+    again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert again == prof
+    assert "overhead" not in base.to_json()
+    with pytest.raises(WorkloadError, match="overhead"):
+        Profile.from_json({**prof.to_json(), "overhead": {"forward_s": -1}})
+    with pytest.raises(WorkloadError, match="overhead"):
+        Profile.from_json({**prof.to_json(), "overhead": {"launch_s": 1}})
