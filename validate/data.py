@@ -1,0 +1,340 @@
+"""Training data for the validation harness: real, bundled, deterministic.
+
+Every source here is an endless stream of micro-batches addressed by index,
+and ``source.batch(index)`` is a pure function of ``(seed, index)``. That is
+what a pipeline runtime needs: each rank builds its own source and asks for
+whichever micro-batches its schedule touches, in whatever order, and the
+first and last stages must still agree on which targets belong to which
+inputs, and a rerun must see the same stream. Nothing here keeps an
+iterator position, so there is no state to synchronise or checkpoint.
+
+Randomness comes from ``numpy.random.default_rng([seed, ...])`` (a
+``SeedSequence`` over the integer words), never from a global RNG, so the
+global state of torch or numpy neither affects nor is affected by a batch.
+
+Sources (nothing is downloaded; both data sets ship with installed packages):
+
+``digits``
+    scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes).
+    The stream walks the data set in epochs: sample position ``p`` of the
+    stream is example ``perm_e[p % n]`` of epoch ``e = p // n``, with a fresh
+    permutation per epoch. A micro-batch that straddles an epoch boundary
+    takes its tail from the next epoch's permutation, so every epoch visits
+    every example exactly once.
+``char_corpus``
+    Character-level language modelling on the help texts that ship with
+    Python (``pydoc_data.topics``, about 465k characters). Windows start at
+    offsets drawn per micro-batch; targets are the inputs shifted by one.
+``synthetic``
+    Random tensors of given per-sample shapes and dtypes, for timing runs
+    where the values do not matter but the shapes must. Any source's
+    ``input_spec``/``target_spec`` describe it well enough to build one
+    (:func:`synthetic_like`).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CharCorpus",
+    "Digits",
+    "MicroBatchSource",
+    "Synthetic",
+    "TensorSpec",
+    "char_corpus",
+    "corpus_text",
+    "digits",
+    "synthetic",
+    "synthetic_like",
+]
+
+# Tags keep the streams of different sources apart even for equal seeds.
+_DIGITS_TAG = 1
+_CORPUS_TAG = 2
+_SYNTHETIC_TAG = 3
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Per-sample shape and dtype of one side of a micro-batch.
+
+    ``high`` is the exclusive upper bound of integer values (class count,
+    vocabulary size); synthetic data needs it to produce valid indices.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    high: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 1 for s in self.shape):
+            raise ValueError(f"TensorSpec shape must be positive, got {self.shape}")
+        if self.dtype.is_floating_point:
+            return
+        if self.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"TensorSpec dtype must be floating or integer, got {self.dtype}")
+        if self.high is None or self.high < 1:
+            raise ValueError(f"integer TensorSpec needs high >= 1, got {self.high}")
+
+    def batch_shape(self, microbatch_size: int) -> tuple[int, ...]:
+        return (microbatch_size, *self.shape)
+
+
+@runtime_checkable
+class MicroBatchSource(Protocol):
+    """What the harness needs from a data stream."""
+
+    microbatch_size: int
+
+    @property
+    def input_spec(self) -> TensorSpec: ...
+
+    @property
+    def target_spec(self) -> TensorSpec: ...
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    # bool is an int subclass; True as a batch size is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _rng(tag: int, seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([tag, seed, index])
+
+
+# ----------------------------------------------------------------- digits
+
+
+@functools.cache
+def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """Load and standardise once per process (about 10 ms, but per batch it adds up)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = d.data.astype(np.float64)
+    mean = x.mean(axis=0)
+    std = x.std(axis=0)
+    # Corner pixels are always 0: StandardScaler's convention (scale 1) keeps
+    # them 0 instead of dividing by zero.
+    std[std == 0.0] = 1.0
+    x = ((x - mean) / std).astype(np.float32)
+    inputs = torch.from_numpy(x)
+    targets = torch.from_numpy(d.target.astype(np.int64))
+    return inputs, targets
+
+
+@functools.lru_cache(maxsize=16)
+def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    perm = _rng(_DIGITS_TAG, seed, epoch).permutation(n)
+    perm.flags.writeable = False
+    return perm
+
+
+@dataclass(frozen=True)
+class Digits:
+    """8x8 digit images, standardised per pixel over the whole data set.
+
+    Standardising per pixel (not with one global mean) gives every input
+    feature unit scale, which is what lets a plain-SGD MLP learn in a few
+    dozen steps.
+    """
+
+    microbatch_size: int
+    seed: int = 0
+    image: bool = False
+    num_classes: int = field(default=10, init=False)
+
+    def __post_init__(self) -> None:
+        _check_int("microbatch_size", self.microbatch_size, 1)
+        _check_int("seed", self.seed, 0)
+
+    @property
+    def num_examples(self) -> int:
+        return _digits_arrays()[0].shape[0]
+
+    @property
+    def input_spec(self) -> TensorSpec:
+        return TensorSpec((1, 8, 8) if self.image else (64,), torch.float32)
+
+    @property
+    def target_spec(self) -> TensorSpec:
+        return TensorSpec((), torch.int64, high=self.num_classes)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = _check_int("index", index, 0)
+        x, y = _digits_arrays()
+        n = x.shape[0]
+        b = self.microbatch_size
+        positions = index * b + np.arange(b, dtype=np.int64)
+        epochs = positions // n
+        within = positions % n
+        rows = np.empty(b, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            rows[sel] = _epoch_permutation(self.seed, int(e), n)[within[sel]]
+        idx = torch.from_numpy(rows)
+        inputs = x[idx]
+        if self.image:
+            inputs = inputs.reshape(b, 1, 8, 8)
+        return inputs, y[idx]
+
+
+def digits(microbatch_size: int, *, seed: int = 0, image: bool = False) -> Digits:
+    """scikit-learn's digits: inputs (b, 64) or, with ``image``, (b, 1, 8, 8)."""
+    return Digits(microbatch_size, seed=seed, image=image)
+
+
+# ------------------------------------------------------------ char corpus
+
+
+@functools.cache
+def corpus_text() -> str:
+    """The help texts bundled with Python, in sorted-key order (stable across runs)."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
+
+
+@functools.cache
+def _corpus_tokens() -> tuple[str, torch.Tensor]:
+    text = corpus_text()
+    vocab = "".join(sorted(set(text)))
+    lut = {c: i for i, c in enumerate(vocab)}
+    ids = np.fromiter((lut[c] for c in text), dtype=np.int64, count=len(text))
+    return vocab, torch.from_numpy(ids)
+
+
+@dataclass(frozen=True)
+class CharCorpus:
+    """Next-character prediction windows over :func:`corpus_text`.
+
+    Offsets are drawn uniformly per micro-batch rather than walked in
+    epochs: with ~465k start positions, overlapping random windows are the
+    usual char-LM practice and keep ``batch`` independent of anything but
+    ``(seed, index)``.
+    """
+
+    microbatch_size: int
+    seq_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("microbatch_size", self.microbatch_size, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("seq_len", self.seq_len, 1)
+        n = self.num_tokens
+        if self.seq_len > n - 1:
+            raise ValueError(f"seq_len {self.seq_len} is longer than the corpus allows (at most {n - 1})")
+
+    @property
+    def vocab(self) -> str:
+        return _corpus_tokens()[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def num_tokens(self) -> int:
+        return _corpus_tokens()[1].numel()
+
+    @property
+    def input_spec(self) -> TensorSpec:
+        return TensorSpec((self.seq_len,), torch.int64, high=self.vocab_size)
+
+    @property
+    def target_spec(self) -> TensorSpec:
+        return TensorSpec((self.seq_len,), torch.int64, high=self.vocab_size)
+
+    def encode(self, text: str) -> torch.Tensor:
+        lut = {c: i for i, c in enumerate(self.vocab)}
+        try:
+            return torch.tensor([lut[c] for c in text], dtype=torch.int64)
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the corpus vocabulary") from None
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        vocab = self.vocab
+        return "".join(vocab[int(i)] for i in torch.as_tensor(ids).reshape(-1))
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = _check_int("index", index, 0)
+        tokens = _corpus_tokens()[1]
+        L = self.seq_len
+        # Window k reads L + 1 tokens: L inputs and the L next characters.
+        starts = _rng(_CORPUS_TAG, self.seed, index).integers(0, tokens.numel() - L, size=self.microbatch_size)
+        offsets = torch.from_numpy(starts)[:, None] + torch.arange(L + 1)
+        windows = tokens[offsets]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def char_corpus(microbatch_size: int, seq_len: int, *, seed: int = 0) -> CharCorpus:
+    """Character windows of Python's bundled help texts: (b, seq_len) ids and next-char targets."""
+    return CharCorpus(microbatch_size, seq_len, seed=seed)
+
+
+# --------------------------------------------------------------- synthetic
+
+
+def _random(rng: np.random.Generator, spec: TensorSpec, b: int) -> torch.Tensor:
+    shape = spec.batch_shape(b)
+    if spec.dtype.is_floating_point:
+        # numpy has no bfloat16: draw in float32 and convert.
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(spec.dtype)
+    assert spec.high is not None
+    return torch.from_numpy(rng.integers(0, spec.high, size=shape, dtype=np.int64)).to(spec.dtype)
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    """Random micro-batches with the shapes and dtypes of a real source.
+
+    Floats are standard normal, integers uniform in ``[0, high)``, so the
+    same model code (embedding lookups, cross-entropy targets) runs
+    unchanged; only the values are meaningless.
+    """
+
+    microbatch_size: int
+    input_spec: TensorSpec
+    target_spec: TensorSpec
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("microbatch_size", self.microbatch_size, 1)
+        _check_int("seed", self.seed, 0)
+        for name in ("input_spec", "target_spec"):
+            if not isinstance(getattr(self, name), TensorSpec):
+                raise ValueError(f"{name} must be a TensorSpec, got {getattr(self, name)!r}")
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = _check_int("index", index, 0)
+        rng = _rng(_SYNTHETIC_TAG, self.seed, index)
+        b = self.microbatch_size
+        return _random(rng, self.input_spec, b), _random(rng, self.target_spec, b)
+
+
+def synthetic(
+    microbatch_size: int, inputs: TensorSpec, targets: TensorSpec, *, seed: int = 0
+) -> Synthetic:
+    """Random micro-batches: ``inputs``/``targets`` give per-sample shape and dtype."""
+    return Synthetic(microbatch_size, inputs, targets, seed=seed)
+
+
+def synthetic_like(source: MicroBatchSource, *, seed: int | None = None) -> Synthetic:
+    """A synthetic stream shaped like ``source`` (same micro-batch size, shapes, dtypes)."""
+    seed = operator.index(getattr(source, "seed", 0)) if seed is None else seed
+    return Synthetic(source.microbatch_size, source.input_spec, source.target_spec, seed=seed)

@@ -1,0 +1,428 @@
+"""Small real models for checking the simulator against measured runs.
+
+A :class:`RealModel` is a *flat* list of layers, because that is the unit the
+simulator's partitioner works in: a profile has one entry per layer and a
+stage is a contiguous range of them. Every layer maps one tensor to one
+tensor, so stage ``k`` is just ``nn.Sequential(*layers[first:last + 1])`` and
+a pipeline runtime only ever sends one activation (and one gradient) across a
+stage boundary. Residual connections therefore live *inside* a layer (a whole
+transformer block is one layer), never across layers.
+
+The models are deliberately boring so that measured behaviour depends on the
+schedule, not on the model:
+
+* no dropout and no BatchNorm, so a layer's output depends only on its
+  parameters and input (no RNG state to replay, no running statistics that
+  change with how micro-batches are grouped);
+* parameters come from the ``seed`` alone (built inside a forked RNG), so
+  every rank of a distributed run can build the full model and keep its own
+  stage, and a single-process reference run starts from the same weights;
+* sizes are picked so that one micro-batch of 32-64 samples costs roughly
+  0.5-5 ms of forward per (non-trivial) layer on one CPU thread: long enough
+  that per-op overhead does not dominate, short enough for quick tests.
+
+:func:`layer_stats` measures the per-layer byte counts the simulator's
+profile JSON needs (``param_bytes``, ``activation_bytes``, ``stash_bytes``)
+with one real forward + backward, so memory predictions can be compared with
+what autograd actually keeps.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pipesim.validate import data as _data
+from torch import nn
+
+__all__ = [
+    "LayerStats",
+    "ModelError",
+    "RealModel",
+    "build_model",
+    "cross_entropy",
+    "layer_stats",
+    "model_names",
+    "split",
+]
+
+
+class ModelError(ValueError):
+    """A model name or size the catalog cannot build."""
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every prediction: samples, and positions for sequences."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@dataclass
+class RealModel:
+    """A model as the pipeline sees it: layers in order plus its data and loss.
+
+    The layers are the model: :func:`split` hands out ``nn.Sequential``
+    views of them that share parameters, so training a stage trains the model.
+    """
+
+    name: str
+    layers: list[nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    config: dict[str, Any]
+    layer_names: list[str]
+    # (microbatch_size, seed) -> the real source. A picklable partial, not a
+    # lambda, so a RealModel can be sent to worker processes.
+    source_fn: Callable[[int, int], _data.MicroBatchSource] = field(repr=False)
+    description: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def sequential(self) -> nn.Sequential:
+        """The whole model as one module (shares parameters with ``layers``)."""
+        return nn.Sequential(*self.layers)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for layer in self.layers for p in layer.parameters())
+
+    def data(
+        self, microbatch_size: int, *, seed: int = 0, synthetic: bool = False
+    ) -> _data.MicroBatchSource:
+        """The model's training stream; ``synthetic`` keeps shapes and dtypes, drops the values."""
+        source = self.source_fn(microbatch_size, seed)
+        return _data.synthetic_like(source) if synthetic else source
+
+
+# ------------------------------------------------------------------ mlp
+
+
+def _linear_relu(n_in: int, n_out: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU())
+
+
+def _build_mlp(width: int, depth: int) -> tuple[list[nn.Module], list[str], dict[str, Any]]:
+    layers = [_linear_relu(64 if i == 0 else width, width) for i in range(depth)]
+    layers.append(nn.Linear(width, 10))
+    names = [f"fc{i}" for i in range(depth)] + ["head"]
+    return layers, names, {}
+
+
+# ------------------------------------------------------------ gpt-small
+
+
+class TokenEmbedding(nn.Module):
+    """Token + learned position embedding: the first layer takes token ids."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(seq_len, width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        L = idx.shape[-1]
+        if L > self.pos.num_embeddings:
+            raise ValueError(f"sequence of {L} tokens is longer than the model's seq_len {self.pos.num_embeddings}")
+        return self.tok(idx) + self.pos(torch.arange(L, device=idx.device))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm GPT block; both residuals stay inside so the layer is one tensor in, one out."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, L, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.reshape(b, L, h, d // h).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, L, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class LMHead(nn.Module):
+    def __init__(self, width: int, vocab_size: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.ln(x))
+
+
+def _gpt_init(layers: list[nn.Module], depth: int) -> None:
+    """GPT-2's initialisation: N(0, 0.02), zero biases, residual outputs scaled by 1/sqrt(2*depth).
+
+    PyTorch's default (Kaiming-uniform) works too but learns noticeably
+    slower with plain SGD, and the tests want visible progress in few steps.
+    """
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = 0.02 / math.sqrt(2 * depth) if name in ("proj", "out") else 0.02
+                nn.init.normal_(module.weight, 0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+
+def _build_gpt(
+    width: int, depth: int, *, heads: int = 4, seq_len: int = 32
+) -> tuple[list[nn.Module], list[str], dict[str, Any]]:
+    heads = _check_size("heads", heads)
+    seq_len = _check_size("seq_len", seq_len)
+    if width % heads:
+        raise ModelError(f"gpt-small width {width} is not divisible by heads {heads}")
+    probe = _data.char_corpus(1, seq_len)  # validates seq_len against the corpus
+    vocab = probe.vocab_size
+    layers: list[nn.Module] = [TokenEmbedding(vocab, seq_len, width)]
+    layers += [TransformerBlock(width, heads) for _ in range(depth)]
+    layers.append(LMHead(width, vocab))
+    _gpt_init(layers, depth)
+    names = ["embed"] + [f"block{i}" for i in range(depth)] + ["head"]
+    return layers, names, {"heads": heads, "seq_len": seq_len, "vocab_size": vocab}
+
+
+# ------------------------------------------------------------ vgg-small
+
+
+def _build_vgg(width: int, depth: int) -> tuple[list[nn.Module], list[str], dict[str, Any]]:
+    """Conv3x3+ReLU layers; every second one also max-pools and the next doubles channels.
+
+    The 8x8 input allows three poolings (8 -> 4 -> 2 -> 1); deeper stacks
+    keep the 1x1 map and the channel count after that.
+    """
+    layers: list[nn.Module] = []
+    names: list[str] = []
+    channels, size, pools = 1, 8, 0
+    for i in range(depth):
+        out = width * 2**pools
+        unit: list[nn.Module] = [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU()]
+        pool = i % 2 == 1 and size > 1
+        if pool:
+            unit.append(nn.MaxPool2d(2))
+            size //= 2
+            pools += 1
+        layers.append(nn.Sequential(*unit))
+        names.append(f"conv{i}" + ("+pool" if pool else ""))
+        channels = out
+    hidden = 4 * width
+    layers.append(nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, hidden), nn.ReLU()))
+    layers.append(nn.Linear(hidden, 10))
+    names += ["fc", "head"]
+    return layers, names, {"hidden": hidden, "final_map": [channels, size, size]}
+
+
+# -------------------------------------------------------------- catalog
+
+
+def _digits_source(image: bool, microbatch_size: int, seed: int) -> _data.MicroBatchSource:
+    return _data.digits(microbatch_size, seed=seed, image=image)
+
+
+def _corpus_source(seq_len: int, microbatch_size: int, seed: int) -> _data.MicroBatchSource:
+    return _data.char_corpus(microbatch_size, seq_len, seed=seed)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    builder: Callable[..., tuple[list[nn.Module], list[str], dict[str, Any]]]
+    width: int
+    depth: int
+    options: tuple[str, ...]  # extra keyword arguments the builder accepts
+    summary: str
+
+
+_CATALOG: dict[str, _Spec] = {
+    "mlp": _Spec(_build_mlp, 1024, 4, (), "digits (64 px) -> depth x Linear(width)+ReLU -> Linear(10)"),
+    "gpt-small": _Spec(
+        _build_gpt, 128, 4, ("heads", "seq_len"),
+        "char LM on pydoc topics: embed -> depth x pre-LN block -> LN + Linear(vocab)",
+    ),
+    "vgg-small": _Spec(
+        _build_vgg, 64, 4, (), "digits (1x8x8) -> depth x Conv3x3+ReLU(+pool) -> Linear+ReLU -> Linear(10)"
+    ),
+}
+
+
+def model_names() -> list[str]:
+    return sorted(_CATALOG)
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def build_model(
+    name: str, *, width: int | None = None, depth: int | None = None, seed: int = 0, **kw: Any
+) -> RealModel:
+    """Build a catalog model; the same arguments give bit-identical parameters in any process."""
+    spec = _CATALOG.get(name)
+    if spec is None:
+        raise ModelError(f"unknown model {name!r} (choose from: {', '.join(model_names())})")
+    unknown = sorted(set(kw) - set(spec.options))
+    if unknown:
+        allowed = ", ".join(("width", "depth", "seed") + spec.options)
+        raise ModelError(f"{name} does not take {', '.join(unknown)} (options: {allowed})")
+    width = _check_size("width", spec.width if width is None else width)
+    depth = _check_size("depth", spec.depth if depth is None else depth)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ModelError(f"seed must be a non-negative integer, got {seed!r}")
+    # fork_rng: the global RNG supplies the default initialisers, so seed it
+    # here and restore the caller's state afterwards (their stream must not
+    # depend on whether they built a model).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            layers, names, extra = spec.builder(width, depth, **kw)
+        except ValueError as e:
+            if isinstance(e, ModelError):
+                raise
+            raise ModelError(f"{name}: {e}") from None
+    config = {"width": width, "depth": depth, "seed": seed, **extra}
+    if name == "gpt-small":
+        source_fn = functools.partial(_corpus_source, extra["seq_len"])
+    else:
+        source_fn = functools.partial(_digits_source, name == "vgg-small")
+    model = RealModel(name, layers, cross_entropy, config, names, source_fn)
+    model.description = f"{name}: {spec.summary}; {config}; {model.num_params():,} parameters"
+    return model
+
+
+# ---------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Byte counts of one layer for one micro-batch, as the profile JSON wants them.
+
+    ``stash_bytes`` follows the simulator's convention (see
+    ``pipesim.sim.models``): a layer's stash is its input plus its internal
+    intermediates, and a tensor the layer saves that *is* its output (a
+    final ReLU keeps its result) is counted with the next layer, which saves
+    the same storage as its input. That way summing layers over a stage
+    counts each saved storage once. The price is at stage boundaries: a
+    stage whose last layer saves its own output (mlp, vgg-small: the final
+    ReLU) really holds that tensor too, and the sum leaves it out; the
+    receiving stage's copy is counted.
+    """
+
+    index: int
+    name: str
+    param_bytes: int
+    activation_bytes: int
+    stash_bytes: int
+    output_shape: tuple[int, ...]
+    output_dtype: torch.dtype
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr())
+
+
+def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.device = "cpu") -> list[LayerStats]:
+    """Measure each layer's bytes with one forward + backward of a real micro-batch.
+
+    Runs on a copy of the layers so the model's ``.grad`` fields and device
+    placement are untouched.
+    """
+    device = torch.device(device)
+    layers = [copy.deepcopy(layer).to(device) for layer in model.layers]
+    inputs, targets = model.data(microbatch_size).batch(0)
+    x, targets = inputs.to(device), targets.to(device)
+    params = [p for layer in layers for p in layer.parameters()]
+    param_keys = {_storage_key(p) for p in params}
+
+    stats: list[LayerStats] = []
+    for i, layer in enumerate(layers):
+        saved: dict[tuple[str, int], int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[tuple[str, int], int] = saved) -> torch.Tensor:
+            key = _storage_key(t)
+            if key not in param_keys and key[1] != 0:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        saved.pop(_storage_key(out), None)  # counted by the next layer
+        stats.append(
+            LayerStats(
+                index=i,
+                name=model.layer_names[i],
+                param_bytes=sum(p.nbytes for p in layer.parameters()),
+                activation_bytes=out.nbytes,
+                stash_bytes=sum(saved.values()),
+                output_shape=tuple(out.shape),
+                output_dtype=out.dtype,
+            )
+        )
+        x = out
+    loss = model.loss_fn(x, targets)
+    # autograd.grad rather than backward(): a real backward pass through
+    # every saved tensor, without accumulating into anyone's .grad.
+    torch.autograd.grad(loss, params)
+    return stats
+
+
+# ---------------------------------------------------------------- split
+
+
+def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Sequential]:
+    """Cut the layers into contiguous stages (sharing parameters with the model).
+
+    ``stages`` is either the start layer of each stage (``[0, 3, 5]``) or the
+    partitioner's output (objects with ``first_layer``/``last_layer``, e.g.
+    ``pipesim.sim.partition.StageCost``), which must cover every layer once,
+    in order.
+    """
+    n = model.num_layers
+    items = list(stages)
+    if not items:
+        raise ValueError("split needs at least one stage")
+    if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
+        starts = items
+        if starts[0] != 0:
+            raise ValueError(f"the first stage must start at layer 0, got {starts[0]}")
+        if any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"stage starts must be strictly increasing, got {starts}")
+        if starts[-1] >= n:
+            raise ValueError(f"stage start {starts[-1]} is past the last layer ({n - 1}) of {model.name}")
+        bounds = list(zip(starts, [*starts[1:], n]))
+    elif all(hasattr(s, "first_layer") and hasattr(s, "last_layer") for s in items):
+        bounds = []
+        expected = 0
+        for s in items:
+            first, last = s.first_layer, s.last_layer
+            if first != expected or last < first:
+                raise ValueError(
+                    f"stages must be contiguous and non-empty from layer 0: expected a stage starting at "
+                    f"{expected}, got layers {first}..{last}"
+                )
+            bounds.append((first, last + 1))
+            expected = last + 1
+        if expected != n:
+            raise ValueError(f"stages cover layers 0..{expected - 1}, but {model.name} has {n} layers")
+    else:
+        raise ValueError(
+            "split takes a list of stage start indices or of objects with first_layer/last_layer "
+            f"(such as StageCost), got {items!r}"
+        )
+    return [nn.Sequential(*model.layers[a:b]) for a, b in bounds]
