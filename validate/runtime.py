@@ -1,0 +1,353 @@
+"""The distributed runtime: one process per device, each walking its part of the IR.
+
+Each worker builds the same model from the same seed, keeps the stages the
+schedule places on its device, and runs :class:`~pipesim.validate.executor.DeviceExecutor`
+over its compiled entries with :class:`DistComm`, which maps the IR's
+communication onto torch.distributed:
+
+* ``SEND_*`` → ``isend`` posted right after the producing pass,
+  ``RECV_*`` → ``irecv`` into a preallocated buffer, posted
+  ``recv_lookahead`` compute actions ahead of its consumer, which waits on
+  it. Sends never block the walk, receives are posted before they are
+  needed, and the validator has checked that the IR cannot deadlock under
+  exactly that model; gloo's send completing only once its receive is
+  posted therefore cannot stall a worker. Every transfer carries a tag
+  unique to it (gloo matches on it); NCCL ignores tags and matches in
+  order per pair of ranks, so for NCCL :func:`check_pair_order` proves the
+  lowering posts both ends in the same order first.
+* ``REDUCE_GRAD``/``AVERAGE`` across devices → an asynchronous
+  ``all_gather`` of the replica's flat tensors on a group per stage, posted
+  when the IR posts it and finished by the action that waits for it; the
+  reduction itself is :func:`~pipesim.validate.executor.apply_collective`,
+  in replica order, so the result is bit-identical to the emulator's.
+
+Timing: every action is stamped on the device's clock (perf_counter_ns,
+CUDA events on GPU). Ranks on one host share the monotonic clock, so their
+stamps are already aligned; ranks on other hosts are aligned to rank 0 by a
+ping-pong that keeps the round trip with the least delay (NTP's estimate).
+Records are gathered to rank 0 and returned.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from pipesim.sim.ir import SEND_B, SEND_F, Schedule, ScheduleError
+from pipesim.validate.executor import (
+    Clock,
+    DeviceExecutor,
+    LocalComm,
+    Record,
+    RunOutput,
+    apply_collective,
+    collective_input,
+    compiled,
+    initial_centres,
+    merge,
+    prepare_stages,
+    stage_replicas,
+    write_back,
+)
+from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
+
+
+def transfer_tag(token: tuple, num_replicas: int, num_stages: int) -> int:
+    """A tag unique to one transfer of one run, the same at both ends."""
+    kind, rep, stage, mb = token
+    return ((mb * num_replicas + rep) * num_stages + stage) * 2 + (0 if kind is SEND_F else 1)
+
+
+def transfer_peers(schedule: Schedule, entries: list[list]) -> dict[int, dict[tuple, int]]:
+    """Per device, the other end of each of its transfers."""
+    where = schedule.placement()
+    out: dict[int, dict[tuple, int]] = defaultdict(dict)
+    for dev, prog in enumerate(entries):
+        for posts, *_ in prog:
+            for x, tok in posts:
+                if tok is None or len(tok) != 4:
+                    continue
+                kind, rep, stage, _ = tok
+                src = where[(rep, stage)]
+                dst = where[(rep, stage + 1 if kind is SEND_F else stage - 1)]
+                out[dev][tok] = dst if dev == src else src
+    return out
+
+
+def check_pair_order(entries: list[list], peers: dict[int, dict[tuple, int]]) -> None:
+    """NCCL matches point-to-point messages in posting order per pair of ranks:
+    the sends from a to b must be posted in the order b posts its receives."""
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    for dev, prog in enumerate(entries):
+        for posts, *_ in prog:
+            for x, tok in posts:
+                if tok is None or len(tok) != 4:
+                    continue
+                peer = peers[dev][tok]
+                if x.op.name.startswith("SEND"):
+                    sends[(dev, peer)].append((tok, x))
+                else:
+                    recvs[(peer, dev)].append((tok, x))
+    for pair, ss in sorted(sends.items()):
+        rs = recvs.get(pair, [])
+        for (ts, xs), (tr, xr) in zip(ss, rs):
+            if ts != tr:
+                raise ScheduleError(
+                    f"NCCL needs device {pair[0]}'s sends to device {pair[1]} in the order that device "
+                    f"receives them: {xs} is sent where {xr} is received")
+
+
+def boundary_specs(stage_modules, data) -> list[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of every stage's output for one micro-batch: what transfers carry."""
+    x = data.batch(0)[0]
+    specs = []
+    with torch.no_grad():
+        for mod in stage_modules:
+            x = mod(x)
+            specs.append((x.shape, x.dtype))
+    return specs
+
+
+class DistComm:
+    """The IR's communication on torch.distributed (see the module doc)."""
+
+    def __init__(self, schedule: Schedule, device: int, stages: dict[tuple[int, int], PipelineStage],
+                 peers: dict[tuple, int], specs, groups: dict[int, object], clock: Clock | None,
+                 torch_device: torch.device):
+        self.schedule = schedule
+        self.device = device
+        self.stages = stages
+        self.peers = peers
+        self.specs = specs
+        self.groups = groups
+        self.clock = clock
+        self.torch_device = torch_device
+        self.replicas = stage_replicas(schedule)
+        self.alpha = float(schedule.options.get("alpha", 0.0) or 0.0)
+        self.centres = initial_centres(schedule, stages)
+        self.local = LocalComm(schedule, self.centres)
+        self.local.clock = clock
+        self.sends: list[tuple] = []  # (work, tensor, record)
+        self.recvs: dict[tuple, tuple] = {}  # token -> (work, buffer, record)
+        self.gathers: dict[tuple, tuple] = {}  # token -> (work, outs, action, stage, record)
+        self.records: list[Record] = []
+
+    def _tag(self, token):
+        return transfer_tag(token, self.schedule.num_replicas, self.schedule.num_stages)
+
+    def _stamp(self, record):
+        if record is not None:
+            record.end = self.clock.now()
+
+    def send(self, token, action, tensor, record=None):
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self.peers[token], tag=self._tag(token))
+        self.sends.append((work, tensor, record))
+
+    def recv(self, token, action, record=None):
+        kind, rep, stage, mb = token
+        shape, dtype = self.specs[stage if kind is SEND_F else stage - 1]
+        buf = torch.empty(shape, dtype=dtype, device=self.torch_device)
+        work = dist.irecv(buf, src=self.peers[token], tag=self._tag(token))
+        self.recvs[token] = (work, buf, record)
+
+    def take(self, token):
+        try:
+            work, buf, record = self.recvs.pop(token)
+        except KeyError:
+            raise RuntimeSemanticsError(f"data of {token} awaited without a posted receive") from None
+        work.wait()
+        self._stamp(record)
+        return buf
+
+    def collective(self, token, action, stage, record=None):
+        devices = self.replicas[action.stage]
+        group = self.groups.get(action.stage)
+        if group is None:  # every replica of this stage lives here
+            self.local.collective(token, action, stage, record)
+            return
+        mine = collective_input(action, stage)
+        outs = [torch.empty_like(mine) for _ in range(len(devices))]
+        work = dist.all_gather(outs, mine, group=group, async_op=True)
+        self.gathers[token] = (work, outs, action, stage, record)
+
+    def finish(self, token):
+        got = self.gathers.pop(token, None)
+        if got is None:
+            self.local.finish(token)
+            return
+        work, outs, action, stage, record = got
+        work.wait()
+        self._stamp(record)
+        # group ranks follow device order; the reduction follows replica order
+        reps = self.replicas[action.stage]
+        where = self.schedule.placement()
+        by_device = sorted(reps, key=lambda r: where[(r, action.stage)])
+        flats = [None] * len(reps)
+        for i, r in enumerate(by_device):
+            flats[reps.index(r)] = outs[i]
+        results = apply_collective(action, flats, self.centres.get(action.stage), self.alpha)
+        write_back(action, stage, results[reps.index(stage.replica)])
+
+    def poll(self):
+        if self.sends:
+            still = []
+            for s in self.sends:
+                if s[0].is_completed():
+                    self._stamp(s[2])
+                else:
+                    still.append(s)
+            self.sends = still
+
+    def close(self):
+        for token in list(self.gathers):
+            self.finish(token)
+        for work, _, record in self.sends:
+            work.wait()
+            self._stamp(record)
+        self.sends = []
+        if self.recvs:
+            raise RuntimeSemanticsError(f"receives never consumed: {sorted(map(str, self.recvs))[:3]}")
+
+
+def stage_groups(schedule: Schedule) -> tuple[dict[int, list[int]], bool]:
+    """stage -> devices its collectives span, when they span several.
+
+    Each such device must hold exactly one replica of the stage (width x
+    depth, data parallelism, disjoint AvgPipe); all replicas on one device
+    (shared AvgPipe) need no group.
+    """
+    where = schedule.placement()
+    has_coll = {a.stage for prog in schedule.programs for a in prog if a.op.name in ("REDUCE_GRAD", "AVERAGE")}
+    out = {}
+    for stage in sorted(has_coll):
+        devs = [where[(r, stage)] for r in sorted(r for (r, s) in where if s == stage)]
+        if len(set(devs)) == 1:
+            continue
+        if len(set(devs)) != len(devs):
+            raise ScheduleError(
+                f"stage {stage}: replicas on devices {devs}; the runtime needs them all on one device "
+                "or one per device")
+        out[stage] = sorted(devs)
+    return out
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a worker needs to rebuild its part of the run (picklable)."""
+
+    schedule: Schedule
+    model: str
+    starts: tuple[int, ...]
+    microbatch_size: int
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    width: int | None = None
+    depth: int | None = None
+    seed: int = 0
+    synthetic: bool = False
+    recv_lookahead: int = 1
+    timed: bool = True
+    warmup_iterations: int = 0
+
+
+def build_stages(job: Job, keys, device: torch.device):
+    """The model's stage modules and a PipelineStage for every (replica, stage) in ``keys``."""
+    from pipesim.validate.models import build_model, split
+
+    model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
+    modules = split(model, list(job.starts))
+    if len(modules) != job.schedule.num_stages:
+        raise ValueError(f"{len(job.starts)} stage starts for a {job.schedule.num_stages}-stage schedule")
+    import copy
+
+    stages = {}
+    for rep, k in sorted(keys):
+        stages[(rep, k)] = PipelineStage(copy.deepcopy(modules[k]), k, job.schedule.num_stages, device,
+                                         replica=rep, loss_fn=model.loss_fn)
+    data = model.data(job.microbatch_size, seed=job.seed, synthetic=job.synthetic)
+    return model, modules, stages, data
+
+
+def _clock_offset(rank: int, world: int, device: torch.device) -> int:
+    """ns to add to this rank's stamps to put them on rank 0's clock."""
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if all(h == hosts[0] for h in hosts):
+        return 0  # one host: CLOCK_MONOTONIC is shared by every process
+    best = (None, 0)
+    buf = torch.zeros(1, dtype=torch.int64)
+    offsets = [0] * world
+    for peer in range(1, world):
+        for _ in range(8):
+            if rank == peer:
+                t1 = time.perf_counter_ns()
+                dist.send(buf, 0)
+                dist.recv(buf, 0)
+                t3 = time.perf_counter_ns()
+                rtt = t3 - t1
+                if best[0] is None or rtt < best[0]:
+                    best = (rtt, int(buf.item()) - (t1 + t3) // 2)
+            elif rank == 0:
+                dist.recv(buf, peer)
+                buf.fill_(time.perf_counter_ns())
+                dist.send(buf, peer)
+    if rank:
+        offsets[rank] = best[1]
+    return offsets[rank]
+
+
+def worker(ctx, job: Job):
+    """Body of one rank: build, align clocks, walk, gather to rank 0."""
+    schedule = job.schedule
+    dev = ctx.rank
+    device = ctx.device
+    where = schedule.placement()
+    keys = [k for k, d in where.items() if d == dev]
+    _, modules, stages, data = build_stages(job, keys, device)
+    specs = boundary_specs(modules, data)
+    prepare_stages(schedule, stages, job.optimizer)
+    entries = compiled(schedule, job.recv_lookahead)
+    peers = transfer_peers(schedule, entries)
+    if ctx.backend == "nccl":
+        check_pair_order(entries, peers)
+    groups = {}
+    for stage, devs in stage_groups(schedule).items():  # every rank creates every group, in order
+        g = dist.new_group(devs)
+        if dev in devs:
+            groups[stage] = g
+    offset = _clock_offset(ctx.rank, ctx.world_size, device)
+    clock = Clock(device) if job.timed else None
+    comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, clock, device)
+    ex = DeviceExecutor(dev, entries[dev], stages, data, schedule, comm, clock=clock, peers=peers[dev])
+    dist.barrier()
+    ex.run()
+    comm.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out = ex.output()
+    for r in out.records:
+        r.start = clock.resolve(r.start) + offset
+        r.end = clock.resolve(r.end) + offset if r.end is not None else None
+    if device.type == "cuda":
+        out.peak_memory = {dev: torch.cuda.max_memory_allocated(device)}
+    out.weights = {k: {n: t.cpu() for n, t in w.items()} for k, w in out.weights.items()}
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(out, gathered, dst=0)
+    return merge(gathered) if ctx.rank == 0 else None
+
+
+def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1) -> RunOutput:
+    """Run ``job`` with one process per device of its schedule; rank 0's merged output."""
+    from pipesim.validate.launch import launch
+
+    results = launch(worker, job.schedule.num_devices, args=(job,), backend=backend,
+                     timeout_s=timeout_s, threads=threads)
+    return results[0]
