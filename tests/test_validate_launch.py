@@ -1,0 +1,273 @@
+"""The multi-process launcher and the communication profiler.
+
+Worker functions live at module level: spawned workers import them by name.
+Each multi-process test is one launch of two gloo ranks (about 1.5 s, mostly
+the workers importing torch), so the file keeps the launches few.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from pipesim.sim.hardware import Hardware
+from pipesim.validate import commprofile
+from pipesim.validate.commprofile import (
+    fit_latency_bandwidth,
+    hardware_json,
+    measure_p2p,
+)
+from pipesim.validate.launch import LaunchTimeout, WorkerError, launch
+
+# --- worker functions (top level: spawn imports them by name) ---------------
+
+
+def _collective(ctx, payload):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    # every rank creates every group, in the same order
+    pair = ctx.new_group([0, 1])
+    one = torch.ones(3)
+    dist.all_reduce(one, group=pair)
+    raw = commprofile._collective_worker(ctx, [1, 256], 2, 1, True)
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "threads": torch.get_num_threads(),
+        "sum": t.item(),
+        "group_sum": one.tolist(),
+        "payload": payload,
+        "pid": os.getpid(),
+        "big": torch.full((1 << 18,), float(ctx.rank)),  # 1 MiB: larger than a pipe buffer
+        "raw": raw,
+    }
+
+
+def _wait_for(path, seconds=20.0):
+    end = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def _record_pid(piddir, rank):
+    path = os.path.join(piddir, f"pid{rank}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+def _raise_on_one(ctx, piddir):
+    _record_pid(piddir, ctx.rank)
+    if ctx.rank == 1:
+        _wait_for(os.path.join(piddir, "pid0"))  # rank 0 is up and about to block
+        raise ValueError("boom")
+    time.sleep(300)  # stands for a rank stuck far beyond the test's patience
+
+
+def _exit_on_one(ctx, piddir):
+    _record_pid(piddir, ctx.rank)
+    if ctx.rank == 1:
+        _wait_for(os.path.join(piddir, "pid0"))
+        os._exit(3)
+    dist.recv(torch.empty(1), src=1)  # would wait for rank 1 until the pg timeout
+
+
+def _hang_on_one(ctx, piddir):
+    _record_pid(piddir, ctx.rank)
+    if ctx.rank == 1:
+        time.sleep(300)
+    return ctx.rank
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _pids(piddir) -> list[int]:
+    return [int(open(os.path.join(piddir, n)).read()) for n in sorted(os.listdir(piddir)) if n.startswith("pid")]
+
+
+def _assert_no_workers_left(pids):
+    assert pids, "workers recorded no pids"
+    assert multiprocessing.active_children() == []
+    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+
+
+# --- multi-process ---------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_results_per_rank_and_collectives_work():
+    out = launch(_collective, 2, args=({"x": [1, 2]},), timeout_s=60)
+    assert [r["rank"] for r in out] == [0, 1]
+    for r in out:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
+        assert r["threads"] == 1
+        assert r["sum"] == 1.0  # 0 + 1
+        assert r["group_sum"] == [2.0, 2.0, 2.0]
+        assert r["payload"] == {"x": [1, 2]}
+        assert torch.equal(r["big"], torch.full((1 << 18,), float(r["rank"])))
+    _assert_no_workers_left([r["pid"] for r in out])
+
+    prof = commprofile._collective_profile("gloo", [1, 256], 2, [r["raw"] for r in out])
+    assert prof.world_size == 2 and prof.sizes == (4, 1024)
+    assert all(t > 0 and math.isfinite(t) for t in prof.allreduce_s + prof.allgather_s)
+    assert all(b > 0 for b in prof.busbw_Bps)
+
+
+@pytest.mark.multiprocess
+def test_raising_rank_reports_and_stops_the_others(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_raise_on_one, 2, args=(str(tmp_path),), timeout_s=60)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert str(err).splitlines()[0] == "rank 1 failed: ValueError: boom"
+    assert "_raise_on_one" in err.traceback and "ValueError: boom" in err.traceback
+    assert err.traceback.strip() in str(err)
+    assert elapsed < 20, elapsed  # rank 0 was killed, not waited for
+    _assert_no_workers_left(_pids(tmp_path))
+    again = pickle.loads(pickle.dumps(err))
+    assert again.rank == 1 and str(again) == str(err)
+
+
+@pytest.mark.multiprocess
+def test_rank_dying_without_raising_is_reported(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_exit_on_one, 2, args=(str(tmp_path),), timeout_s=60)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 3
+    assert str(err).startswith("rank 1 failed:") and "exit code 3" in str(err).splitlines()[0]
+    assert time.monotonic() - t0 < 20
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_hanging_rank_times_out(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_hang_on_one, 2, args=(str(tmp_path),), timeout_s=5)
+    elapsed = time.monotonic() - t0
+    # rank 0 returns at once unless a loaded machine delays its start past the deadline
+    assert info.value.ranks in ((1,), (0, 1))
+    assert "ranks still running: [" in str(info.value)
+    assert isinstance(info.value, TimeoutError)
+    assert 5 <= elapsed < 10, elapsed
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_measure_p2p_fits_a_link_the_simulator_accepts():
+    p2p = measure_p2p("gloo", sizes=(4, 1 << 16, 1 << 20), repeats=3, warmup=1, timeout_s=60)
+    assert p2p.sizes == (4, 1 << 16, 1 << 20)
+    assert len(p2p.one_way_s) == 3 and all(t > 0 for t in p2p.one_way_s)
+    assert all(lo <= med for lo, med in zip(p2p.min_one_way_s, p2p.one_way_s))
+    assert 0 <= p2p.latency_s < 1 and math.isfinite(p2p.latency_s)
+    assert 0 < p2p.bandwidth_Bps < math.inf
+    hw = Hardware.from_json(hardware_json("measured", "cpu", 1e10, 1e10, 1 << 34, p2p, 2))
+    assert hw.transfer_time(0, 1, 1 << 20) == pytest.approx(p2p.predict(1 << 20))
+    assert multiprocessing.active_children() == []
+
+
+# --- no processes ------------------------------------------------------------
+
+
+def _nested_fn():
+    def inner(ctx):
+        return 1
+
+    return inner
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs", "exc", "match"),
+    [
+        (lambda ctx: 0, {}, TypeError, "picklable top-level function"),
+        (_nested_fn(), {}, TypeError, "picklable top-level function"),
+        ("not callable", {}, TypeError, "callable"),
+        (_hang_on_one, {"world_size": 0}, ValueError, "world_size"),
+        (_hang_on_one, {"world_size": True}, ValueError, "world_size"),
+        (_hang_on_one, {"backend": "mpi"}, ValueError, "backend"),
+        (_hang_on_one, {"timeout_s": 0}, ValueError, "timeout_s"),
+        (_hang_on_one, {"timeout_s": math.inf}, ValueError, "timeout_s"),
+        (_hang_on_one, {"threads": 0}, ValueError, "threads"),
+        (_hang_on_one, {"devices": [0, 1]}, ValueError, "nccl"),
+        (_hang_on_one, {"args": (lambda: 0,)}, TypeError, "picklable"),
+    ],
+)
+def test_bad_arguments_fail_before_spawning(fn, kwargs, exc, match):
+    kwargs = {"world_size": 2, **kwargs}
+    t0 = time.monotonic()
+    with pytest.raises(exc, match=match):
+        launch(fn, kwargs.pop("world_size"), timeout_s=kwargs.pop("timeout_s", 30), **kwargs)
+    assert time.monotonic() - t0 < 1.0
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="nccl needs CUDA devices"):
+        launch(_hang_on_one, 2, backend="nccl")
+
+
+def test_profiler_argument_errors_spawn_nothing():
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        measure_p2p(sizes=(4096,))
+    with pytest.raises(ValueError, match="sizes"):
+        measure_p2p(sizes=(0, 4))
+    with pytest.raises(ValueError, match="world_size"):
+        commprofile.measure_allreduce(world_size=1)
+    with pytest.raises(ValueError, match="repeats"):
+        measure_p2p(repeats=0)
+    assert multiprocessing.active_children() == []
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [4, 4096, 1 << 16, 1 << 20, 1 << 24]
+    lat, bw = 50e-6, 2e9
+    times = [lat + s / bw for s in sizes]
+    got_lat, got_bw = fit_latency_bandwidth(sizes, times)
+    assert got_lat == pytest.approx(lat, rel=1e-6)
+    assert got_bw == pytest.approx(bw, rel=1e-6)
+    # noise that makes the slope non-positive still gives a usable link
+    got_lat, got_bw = fit_latency_bandwidth([4, 1 << 20], [2e-3, 1e-3])
+    assert got_lat >= 0 and 0 < got_bw < math.inf
+
+
+def test_hardware_json_round_trips():
+    p2p = commprofile.P2PProfile(
+        backend="gloo", sizes=(4, 1 << 20), one_way_s=(1e-4, 6e-4), min_one_way_s=(9e-5, 5e-4),
+        latency_s=1e-4, bandwidth_Bps=2e9, repeats=10, device="cpu",
+    )
+    d = hardware_json("loopback-3", "cpu core", 5e10, 8e9, 1 << 34, p2p, 3, device_notes="one core per rank")
+    hw = Hardware.from_json(d)
+    assert hw.num_devices == 3 and hw.devices_per_node == 3 and hw.nodes == 1
+    assert hw.intra_node.kind == "switch"
+    assert hw.device.mem_bandwidth == 8e9 and hw.device.flops == 5e10
+    assert hw.transfer_time(0, 2, 1 << 20) == pytest.approx(1e-4 + (1 << 20) / 2e9)
+    assert Hardware.from_json(hw.to_json()) == hw
+    assert "gloo" in d["notes"] and "ping-pong" in d["notes"]
+    with pytest.raises(ValueError):
+        hardware_json("bad", "cpu", -1, 8e9, 1 << 34, p2p, 2)
+
+
+def test_memory_bandwidth_is_positive():
+    bw = commprofile.measure_memory_bandwidth("cpu", nbytes=1 << 20, repeats=3, warmup=1)
+    assert 0 < bw < math.inf

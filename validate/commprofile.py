@@ -1,0 +1,447 @@
+"""Measure what communication and memory traffic cost on this machine's backend.
+
+The simulator prices a transfer as ``latency + bytes / bandwidth`` per link and
+an optimizer step as ``bytes / mem_bandwidth``. To compare a real run with a
+prediction, those numbers have to come from the same processes, backend and
+thread settings the run uses, so everything here runs through
+:func:`pipesim.validate.launch.launch` (one process per rank, gloo or NCCL):
+
+* :func:`measure_p2p` ping-pongs float32 tensors between two ranks, takes the
+  median one-way time per size (half a round trip: the round trip needs no
+  clock agreement between processes), and fits the simulator's link model.
+* :func:`measure_allreduce` times ``all_reduce`` (and optionally
+  ``all_gather``) so ring-all-reduce predictions can be checked too.
+* :func:`measure_memory_bandwidth` times ``c = a + alpha * b``, the access
+  pattern of an optimizer step or a weight prediction.
+* :func:`hardware_json` turns the numbers into a hardware description that
+  :meth:`pipesim.sim.hardware.Hardware.from_json` accepts.
+
+Medians, not means: a single scheduler hiccup on a shared CPU box would
+otherwise dominate. On a box with fewer idle cores than threads wanting to
+run (each gloo rank has a main thread plus gloo's I/O threads), a woken
+receiver can wait for the next scheduler tick (4 ms at HZ=250), and
+round trips become bimodal: tens of microseconds or one tick. The profile
+keeps the fastest sample per size next to the median so that shows. Every size gets warm-up iterations first (the first
+send between a pair sets up connections and, with NCCL, communicators).
+On CUDA the timed region is bracketed by ``torch.cuda.synchronize()``, since
+NCCL calls return once the work is queued, not when it is done.
+
+Run ``python -m pipesim.validate.commprofile`` to print a profile as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pipesim.sim.hardware import Hardware
+from pipesim.validate.launch import LaunchContext, launch
+
+__all__ = [
+    "DEFAULT_COLLECTIVE_SIZES",
+    "DEFAULT_P2P_SIZES",
+    "CollectiveProfile",
+    "P2PProfile",
+    "fit_latency_bandwidth",
+    "hardware_json",
+    "measure_allreduce",
+    "measure_memory_bandwidth",
+    "measure_p2p",
+]
+
+#: 4 B .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
+DEFAULT_P2P_SIZES = (4, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+DEFAULT_COLLECTIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class P2PProfile:
+    """Point-to-point costs between two ranks and the link model fitted to them."""
+
+    backend: str
+    sizes: tuple[int, ...]  # bytes actually sent (whole float32 elements)
+    one_way_s: tuple[float, ...]  # median one-way time per size
+    min_one_way_s: tuple[float, ...]  # fastest one-way time per size: far below the median = contended CPUs
+    latency_s: float
+    bandwidth_Bps: float
+    repeats: int
+    device: str
+
+    def predict(self, nbytes: float) -> float:
+        """The fitted model's one-way time, the simulator's ``transfer_time`` for a switch link."""
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CollectiveProfile:
+    """Median collective times per size over ``world_size`` ranks.
+
+    Per iteration the slowest rank's time counts (the collective is done
+    when the last rank is), then the median over iterations. ``busbw_Bps``
+    follows nccl-tests: ``bytes / time * 2(n-1)/n``, the per-link bandwidth a
+    ring all-reduce achieved, directly comparable with a p2p bandwidth.
+    ``allgather_s`` is per *input* size (each rank contributes ``size`` bytes).
+    """
+
+    backend: str
+    world_size: int
+    sizes: tuple[int, ...]
+    allreduce_s: tuple[float, ...]
+    busbw_Bps: tuple[float, ...]
+    allgather_s: tuple[float, ...] | None
+    repeats: int
+    device: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Point-to-point
+# ---------------------------------------------------------------------------
+
+
+def measure_p2p(
+    backend: str = "gloo",
+    sizes: Sequence[int] = DEFAULT_P2P_SIZES,
+    repeats: int = 20,
+    *,
+    warmup: int = 3,
+    timeout_s: float = 120.0,
+    devices: Sequence[int] | None = None,
+) -> P2PProfile:
+    """Ping-pong between two fresh ranks and fit ``latency + bytes / bandwidth``.
+
+    ``sizes`` are in bytes and rounded down to whole float32 elements (at
+    least one). At least two distinct sizes are needed for the fit.
+    """
+    elems = _elements(sizes)
+    if len(set(elems)) < 2:
+        raise ValueError("measure_p2p: needs at least two distinct sizes to fit latency and bandwidth")
+    _check_counts(repeats, warmup)
+    results = launch(
+        _p2p_worker, 2, args=(elems, repeats, warmup), backend=backend, timeout_s=timeout_s, devices=devices
+    )
+    one_way, fastest, device = results[0]
+    nbytes = [n * _F32 for n in elems]
+    latency, bandwidth = fit_latency_bandwidth(nbytes, one_way)
+    return P2PProfile(
+        backend=backend,
+        sizes=tuple(nbytes),
+        one_way_s=tuple(one_way),
+        min_one_way_s=tuple(fastest),
+        latency_s=latency,
+        bandwidth_Bps=bandwidth,
+        repeats=repeats,
+        device=device,
+    )
+
+
+def _p2p_worker(ctx: LaunchContext, elems: list[int], repeats: int, warmup: int):
+    peer = 1 - ctx.rank
+    cuda = ctx.device.type == "cuda"
+    medians, fastest = [], []
+    for n in elems:
+        buf = torch.ones(n, dtype=torch.float32, device=ctx.device)
+        samples = []
+        for i in range(warmup + repeats):
+            if ctx.rank == 0:
+                _sync(cuda)
+                t0 = time.perf_counter_ns()
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+                _sync(cuda)
+                if i >= warmup:
+                    samples.append((time.perf_counter_ns() - t0) * 1e-9 / 2)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+        _sync(cuda)
+        medians.append(statistics.median(samples) if samples else None)
+        fastest.append(min(samples) if samples else None)
+    return medians, fastest, _device_name(ctx.device)
+
+
+def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``t = latency + bytes / bandwidth`` in *relative* error.
+
+    Sizes span orders of magnitude; a plain least-squares fit lets the
+    largest message decide everything and leaves the intercept (latency) as
+    noise, often negative. Dividing each equation by its measured time
+    weighs every size equally. Latency is clamped at 0; when noise makes
+    the slope non-positive, the bandwidth falls back to the largest
+    message's throughput so it stays positive and finite.
+    """
+    x = np.asarray(nbytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if x.shape != t.shape or x.size < 2 or np.unique(x).size < 2:
+        raise ValueError("fit_latency_bandwidth: needs matching sizes and times with at least two distinct sizes")
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"fit_latency_bandwidth: times must be positive and finite, got {t.tolist()}")
+    a = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    lat = max(float(lat), 0.0)
+    if not inv_bw > 0:
+        big = int(np.argmax(x))
+        inv_bw = max(t[big] - lat, t[big] * 1e-3) / x[big]
+    return lat, float(1.0 / inv_bw)
+
+
+# ---------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------
+
+
+def measure_allreduce(
+    backend: str = "gloo",
+    world_size: int = 2,
+    sizes: Sequence[int] = DEFAULT_COLLECTIVE_SIZES,
+    repeats: int = 10,
+    *,
+    warmup: int = 2,
+    all_gather: bool = False,
+    timeout_s: float = 120.0,
+    threads: int = 1,
+    devices: Sequence[int] | None = None,
+) -> CollectiveProfile:
+    """Median ``all_reduce`` (sum, float32) time per size in bytes, over ``world_size`` ranks."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"measure_allreduce: world_size must be an integer >= 2, got {world_size!r}")
+    elems = _elements(sizes)
+    _check_counts(repeats, warmup)
+    per_rank = launch(
+        _collective_worker,
+        world_size,
+        args=(elems, repeats, warmup, all_gather),
+        backend=backend,
+        timeout_s=timeout_s,
+        threads=threads,
+        devices=devices,
+    )
+    return _collective_profile(backend, elems, repeats, per_rank)
+
+
+def _collective_profile(backend: str, elems: list[int], repeats: int, per_rank: list) -> CollectiveProfile:
+    """Reduce the workers' raw timings; separate from the launch so it can be checked without one."""
+    world_size = len(per_rank)
+    all_gather = bool(per_rank[0][1])
+    ar = _slowest_median([r[0] for r in per_rank])
+    ag = _slowest_median([r[1] for r in per_rank]) if all_gather else None
+    nbytes = [n * _F32 for n in elems]
+    factor = 2 * (world_size - 1) / world_size
+    return CollectiveProfile(
+        backend=backend,
+        world_size=world_size,
+        sizes=tuple(nbytes),
+        allreduce_s=tuple(ar),
+        busbw_Bps=tuple(b / t * factor for b, t in zip(nbytes, ar)),
+        allgather_s=tuple(ag) if ag is not None else None,
+        repeats=repeats,
+        device=per_rank[0][2],
+    )
+
+
+def _collective_worker(ctx: LaunchContext, elems: list[int], repeats: int, warmup: int, all_gather: bool):
+    cuda = ctx.device.type == "cuda"
+
+    def timed(op) -> list[float]:
+        out = []
+        for i in range(warmup + repeats):
+            dist.barrier()  # start together, so one rank's lateness is not timed as the collective's
+            _sync(cuda)
+            t0 = time.perf_counter_ns()
+            op()
+            _sync(cuda)
+            if i >= warmup:
+                out.append((time.perf_counter_ns() - t0) * 1e-9)
+        return out
+
+    ar, ag = [], []
+    for n in elems:
+        buf = torch.ones(n, dtype=torch.float32, device=ctx.device)
+        ar.append(timed(lambda buf=buf: dist.all_reduce(buf)))
+        if all_gather:
+            outs = [torch.empty_like(buf) for _ in range(ctx.world_size)]
+            ag.append(timed(lambda outs=outs, buf=buf: dist.all_gather(outs, buf)))
+    return ar, ag, _device_name(ctx.device)
+
+
+def _slowest_median(per_rank: list[list[list[float]]]) -> list[float]:
+    """Per size: median over iterations of the slowest rank's time."""
+    sizes = len(per_rank[0])
+    return [statistics.median(max(col) for col in zip(*(r[s] for r in per_rank))) for s in range(sizes)]
+
+
+# ---------------------------------------------------------------------------
+# Memory bandwidth
+# ---------------------------------------------------------------------------
+
+
+def measure_memory_bandwidth(
+    device: str | torch.device = "cpu", nbytes: int = 1 << 26, repeats: int = 10, *, warmup: int = 2
+) -> float:
+    """Sustained bytes/s of ``c = a + alpha * b`` on float32 tensors of ``nbytes`` each.
+
+    That is the access pattern of an SGD/momentum update or a weight
+    prediction (read two, write one), so it counts ``3 * nbytes`` per call.
+    ``nbytes`` should be well beyond the last-level cache. Runs in the
+    calling process with its current ``torch.get_num_threads()``: call it
+    where the real run's thread count applies (inside a launched worker
+    for a per-rank figure).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < _F32:
+        raise ValueError(f"measure_memory_bandwidth: nbytes must be an integer >= 4, got {nbytes!r}")
+    _check_counts(repeats, warmup)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    n = nbytes // _F32
+    a = torch.ones(n, dtype=torch.float32, device=dev)
+    b = torch.ones(n, dtype=torch.float32, device=dev)
+    c = torch.empty(n, dtype=torch.float32, device=dev)
+    samples = []
+    for i in range(warmup + repeats):
+        _sync(cuda)
+        t0 = time.perf_counter_ns()
+        torch.add(a, b, alpha=0.5, out=c)
+        _sync(cuda)
+        if i >= warmup:
+            samples.append((time.perf_counter_ns() - t0) * 1e-9)
+    return 3 * n * _F32 / statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------
+# Hardware description
+# ---------------------------------------------------------------------------
+
+
+def hardware_json(
+    name: str,
+    device_name: str,
+    flops: float,
+    mem_bandwidth: float,
+    memory_bytes: float,
+    p2p: P2PProfile,
+    world_size: int,
+    *,
+    dtype_bytes: int = 4,
+    device_notes: str = "",
+) -> dict[str, Any]:
+    """A preset-file dict for one node of ``world_size`` ranks linked as ``p2p`` measured.
+
+    The interconnect is a ``switch``: each device has its own tx/rx port, so
+    disjoint pairs do not contend. That is how separate processes on one
+    host behave over loopback TCP (gloo) and how NVSwitch/NVLink-P2P GPUs
+    behave under NCCL; a PCIe box whose peers share a host bridge would be a
+    ``bus`` instead, which two ranks cannot tell apart. The dict is checked
+    with :meth:`Hardware.from_json` before it is returned.
+    """
+    sizes = ", ".join(_fmt_bytes(s) for s in p2p.sizes)
+    d: dict[str, Any] = {
+        "name": name,
+        "notes": (
+            f"Measured by pipesim.validate.commprofile on {platform.node() or 'this host'} "
+            f"(torch {torch.__version__}, backend {p2p.backend}, {p2p.device}): {world_size} ranks, one process "
+            f"each. Link numbers fitted as latency + bytes/bandwidth (least squares in relative error) to "
+            f"median one-way times of float32 send/recv ping-pongs ({p2p.repeats} repeats of {sizes})."
+        ),
+        "device": {
+            "name": device_name,
+            "flops": float(flops),
+            "mem_bandwidth": float(mem_bandwidth),
+            "memory_bytes": float(memory_bytes),
+            "dtype_bytes": dtype_bytes,
+        },
+        "num_devices": world_size,
+        "devices_per_node": world_size,
+        "intra_node": {
+            "kind": "switch",
+            "label": p2p.backend,
+            "bandwidth": float(p2p.bandwidth_Bps),
+            "latency": float(p2p.latency_s),
+            "notes": (
+                f"{p2p.backend} point-to-point between processes on one host: "
+                f"latency {p2p.latency_s * 1e6:.1f} us, bandwidth {p2p.bandwidth_Bps / 1e9:.3f} GB/s."
+            ),
+        },
+    }
+    if device_notes:
+        d["device"]["notes"] = device_notes
+    Hardware.from_json(d, source=f"measured hardware {name!r}")
+    return d
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def _elements(sizes: Sequence[int]) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+        raise ValueError(f"sizes must be a non-empty sequence of byte counts, got {sizes!r}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"sizes must be positive integers (bytes), got {list(sizes)}")
+    return [max(1, s // _F32) for s in sizes]
+
+
+def _check_counts(repeats: int, warmup: int) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pipesim.validate.commprofile", description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--world-size", type=int, default=2, help="ranks for the all-reduce timing")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--all-gather", action="store_true")
+    opts = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    p2p = measure_p2p(opts.backend, repeats=opts.repeats)
+    ar = measure_allreduce(opts.backend, opts.world_size, repeats=opts.repeats, all_gather=opts.all_gather)
+    if opts.backend == "nccl":
+        mem = measure_memory_bandwidth("cuda")
+    else:
+        torch.set_num_threads(1)  # what each launched CPU rank uses
+        mem = measure_memory_bandwidth("cpu")
+    print(json.dumps({"p2p": p2p.to_json(), "allreduce": ar.to_json(), "mem_bandwidth_Bps": mem,
+                      "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

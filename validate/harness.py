@@ -1,0 +1,270 @@
+"""``pipesim validate`` as a library call: profile, simulate, run, compare.
+
+:func:`run_validation` takes a :class:`ValidateConfig` and
+
+1. builds the schedule from the strategy registry (the same IR the simulator
+   runs);
+2. profiles the model on this machine (per-layer costs, the runtime's pass
+   overhead, the optimizer's effective bandwidth; point-to-point latency and
+   bandwidth on the backend), unless profile and hardware files are given;
+3. partitions the layers with the simulator's partitioner and simulates;
+4. runs the schedule for real on the same partition: one process per device
+   (gloo or NCCL), or every stage in one process on one device
+   (``backend="single"``);
+5. reconciles the two timelines (:mod:`pipesim.validate.reconcile`).
+
+Single-device mode runs the devices' programs one after another on one
+device, in simulated-time order. It measures what every action costs on
+that device (the compute model: per-layer times, overheads, the optimizer),
+and nothing about overlap, links or bubbles; its prediction is therefore the
+simulated actions laid end to end in the order they ran, not the simulated
+parallel timeline.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.hardware import Hardware, load_hardware
+from pipesim.sim.ir import Schedule
+from pipesim.sim.metrics import round_sig
+from pipesim.sim.partition import partition
+from pipesim.sim.results import SimResult, Span
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workload import Profile, load_profile
+from pipesim.validate.executor import emulate, iteration_losses
+from pipesim.validate.models import build_model
+from pipesim.validate.profiler import ProfileSettings, profile_model, update_bandwidth
+from pipesim.validate.reconcile import compare, measured_result
+from pipesim.validate.runtime import Job, build_stages, run_distributed
+from pipesim.validate.stage import OptimizerConfig
+
+BACKENDS = ("gloo", "nccl", "single")
+
+
+class ValidateError(ValueError):
+    """A validation run this machine cannot do, or bad arguments (one line)."""
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """What to validate. ``replicas`` is the number of parallel pipelines
+    (the strategies' width); ``model_width``/``model_depth`` size the model."""
+
+    strategy: str
+    stages: int = 2
+    microbatches: int = 8
+    model: str = "mlp"
+    backend: str = "gloo"
+    iterations: int = 4
+    microbatch_size: int = 32
+    replicas: int = 1
+    model_width: int | None = None
+    model_depth: int | None = None
+    seed: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    synthetic: bool = False
+    recv_lookahead: int = 1
+    timeout_s: float = 600.0
+    profile_path: str | None = None
+    hardware_path: str | None = None
+    profile_repeats: int = 15
+    oversubscribe: bool = False
+    strategy_options: tuple = ()  # extra ScheduleSpec fields as (name, value) pairs
+
+
+def torch_device(backend: str) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if backend == "nccl":
+            raise ValidateError("--backend nccl needs CUDA devices, and this machine has none (use gloo)")
+        return torch.device("cpu")
+    return torch.device("cuda", 0)
+
+
+def check_machine(cfg: ValidateConfig, schedule: Schedule) -> None:
+    """Refuse runs this machine cannot do (or cannot time meaningfully)."""
+    if cfg.backend not in BACKENDS:
+        raise ValidateError(f"unknown backend {cfg.backend!r} (choose from: {', '.join(BACKENDS)})")
+    n = schedule.num_devices
+    if cfg.backend == "nccl":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < n:
+            raise ValidateError(f"{cfg.strategy} needs {n} GPUs for --backend nccl; this machine has {have} "
+                                "(use --backend single to run every stage on one GPU)")
+    if cfg.backend == "gloo" and not cfg.oversubscribe:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if n > cores:
+            raise ValidateError(f"{cfg.strategy} needs {n} worker processes but this machine has {cores} cores: "
+                                "timings would measure the OS scheduler (pass --oversubscribe to run anyway, "
+                                "or use --backend single)")
+
+
+def build(cfg: ValidateConfig) -> Schedule:
+    opts = dict(cfg.strategy_options)
+    if cfg.replicas != 1:
+        opts["width"] = cfg.replicas
+    spec = ScheduleSpec(strategy=cfg.strategy, stages=cfg.stages, microbatches=cfg.microbatches,
+                        iterations=cfg.iterations, **opts)
+    return build_schedule(spec)
+
+
+def profile(cfg: ValidateConfig, device: torch.device, progress=None) -> Profile:
+    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    settings = ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=cfg.profile_repeats)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as each gloo worker runs
+    try:
+        return profile_model(model, device=device, settings=settings, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int) -> Hardware:
+    """This machine as the simulator sees it: measured links and update bandwidth."""
+    from pipesim.validate.commprofile import hardware_json, measure_p2p
+
+    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        bw = update_bandwidth(model, device=device,
+                              settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7))
+    finally:
+        torch.set_num_threads(threads)
+    if cfg.backend == "single" or num_devices == 1:
+        p2p = None
+    else:
+        p2p = measure_p2p(backend=cfg.backend, timeout_s=min(cfg.timeout_s, 120.0))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    n = max(num_devices, 1)
+    if p2p is None:  # one device: nothing is transferred between processes
+        d = {"name": f"measured-{cfg.backend}", "notes": "single-device mode: no links measured",
+             "device": {"name": name, "flops": 1e12, "mem_bandwidth": bw, "memory_bytes": float(memory)},
+             "num_devices": n, "devices_per_node": n, "intra_node": {"kind": "ideal"}}
+    else:
+        d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n)
+    # flops is unused: the measured profile gives every layer's time directly
+    return Hardware.from_json(d)
+
+
+def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
+    """The predicted compute actions laid end to end in the order the
+    single-device run executed them (what single-device mode can predict)."""
+    dur = {(s.device, s.action): s.duration for s in predicted.by_stream()["compute"]}
+    t = 0.0
+    spans = []
+    for s in sorted(measured.by_stream()["compute"], key=lambda s: s.start):
+        d = dur[(s.device, s.action)]
+        spans.append(Span(s.device, "compute", s.action, t, t + d))
+        t += d
+    return replace(predicted, spans=spans)
+
+
+@dataclass
+class Validation:
+    """Everything one validation produced."""
+
+    report: dict
+    predicted: SimResult
+    measured: SimResult
+    profile: Profile
+    hardware: Hardware
+
+
+def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
+    """Profile, simulate, run and compare (see the module doc)."""
+    say = progress or (lambda msg: None)
+    schedule = build(cfg)
+    check_machine(cfg, schedule)
+    device = torch_device(cfg.backend)
+    build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)  # fail fast on names
+
+    if cfg.profile_path:
+        prof = load_profile(cfg.profile_path)
+        if prof.microbatch_size != cfg.microbatch_size:
+            prof = replace(prof, microbatch_size=cfg.microbatch_size)
+    else:
+        say(f"profiling {cfg.model} layers on {device} ...")
+        prof = profile(cfg, device)
+    if cfg.hardware_path:
+        hw = load_hardware(cfg.hardware_path)
+    else:
+        say(f"measuring {cfg.backend} links and the optimizer's bandwidth ...")
+        hw = hardware_for(cfg, device, schedule.num_devices)
+    if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
+        raise ValidateError(f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs "
+                            f"{schedule.num_devices}")
+    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    if model.num_layers != prof.num_layers:
+        raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
+    if schedule.num_stages > model.num_layers:
+        raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
+                            f"{model.num_layers} (raise --model-depth)")
+    costs = partition(prof, schedule.num_stages)
+    starts = tuple(c.first_layer for c in costs)
+    say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")
+    predicted = run_engine(schedule, costs, hw, microbatch_size=cfg.microbatch_size, optimizer=prof.optimizer,
+                           recv_lookahead=cfg.recv_lookahead,
+                           meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer})
+
+    job = Job(schedule=schedule, model=cfg.model, starts=starts, microbatch_size=cfg.microbatch_size,
+              optimizer=cfg.optimizer, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed,
+              synthetic=cfg.synthetic, recv_lookahead=cfg.recv_lookahead)
+    if cfg.backend == "single":
+        say(f"running every stage in this process on {device} ...")
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            _, _, stages, data = build_stages(job, schedule.placement(), device)
+            out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
+                          timed=True)
+            if device.type == "cuda":
+                out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        say(f"running {schedule.num_devices} {cfg.backend} workers ...")
+        out = run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
+    measured = measured_result(schedule, out.records, microbatch_size=cfg.microbatch_size, stage_costs=costs,
+                               meta={"model": cfg.model, "backend": cfg.backend, "measured": True})
+    reference = serialized(predicted, measured) if cfg.backend == "single" else predicted
+    losses = iteration_losses(out.losses, schedule.num_microbatches)
+    report = {
+        "strategy": cfg.strategy,
+        "stages": schedule.num_stages,
+        "devices": schedule.num_devices,
+        "replicas": schedule.num_replicas,
+        "microbatches": schedule.num_microbatches,
+        "iterations": schedule.num_iterations,
+        "microbatch_size": cfg.microbatch_size,
+        "model": model.description,
+        "backend": cfg.backend,
+        "mode": "single-device (serialized)" if cfg.backend == "single" else "one process per device",
+        "device": str(device),
+        "partition_starts": list(starts),
+        "optimizer": asdict(cfg.optimizer),
+        "hardware": {"name": hw.name, "mem_bandwidth_Bps": round_sig(hw.device.mem_bandwidth),
+                     "link_bandwidth_Bps": round_sig(hw.intra_node.bandwidth) if hw.intra_node.bandwidth != float("inf") else None,
+                     "link_latency_s": round_sig(hw.intra_node.latency)},
+        "profile": {"overhead_forward_s": round_sig(prof.overhead_forward_s),
+                    "overhead_backward_s": round_sig(prof.overhead_backward_s),
+                    "layers": prof.num_layers},
+    }
+    report.update(compare(reference, measured, losses=losses, versions_used=out.versions_used,
+                          peak_memory=out.peak_memory or None))
+    if cfg.backend == "single" and out.peak_memory:
+        report["peak_memory_note"] = "single-device mode holds every stage on one device: measured is their sum"
+    report["unscheduled_predictions"] = out.unscheduled_predictions
+    return Validation(report, reference, measured, prof, hw)
