@@ -215,7 +215,7 @@ class DistComm:
             raise RuntimeSemanticsError(f"receives never consumed: {sorted(map(str, self.recvs))[:3]}")
 
 
-def stage_groups(schedule: Schedule) -> tuple[dict[int, list[int]], bool]:
+def stage_groups(schedule: Schedule) -> dict[int, list[int]]:
     """stage -> devices its collectives span, when they span several.
 
     Each such device must hold exactly one replica of the stage (width x
@@ -304,8 +304,8 @@ def _clock_offset(rank: int, world: int, device: torch.device) -> int:
     return offsets[rank]
 
 
-def worker(ctx, job: Job):
-    """Body of one rank: build, align clocks, walk, gather to rank 0."""
+def run_job(ctx, job: Job) -> RunOutput | None:
+    """One job on this rank: build, align clocks, walk, gather to rank 0."""
     schedule = job.schedule
     dev = ctx.rank
     device = ctx.device
@@ -333,21 +333,44 @@ def worker(ctx, job: Job):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out = ex.output()
-    for r in out.records:
-        r.start = clock.resolve(r.start) + offset
-        r.end = clock.resolve(r.end) + offset if r.end is not None else None
+    if clock is not None:
+        for r in out.records:
+            r.start = clock.resolve(r.start) + offset
+            r.end = clock.resolve(r.end) + offset if r.end is not None else None
     if device.type == "cuda":
         out.peak_memory = {dev: torch.cuda.max_memory_allocated(device)}
     out.weights = {k: {n: t.cpu() for n, t in w.items()} for k, w in out.weights.items()}
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(out, gathered, dst=0)
+    dist.barrier()
     return merge(gathered) if ctx.rank == 0 else None
 
 
-def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1) -> RunOutput:
-    """Run ``job`` with one process per device of its schedule; rank 0's merged output."""
+def worker(ctx, jobs: list[Job]) -> list[RunOutput] | None:
+    """Body of one rank: the jobs in order, in one process group."""
+    outs = [run_job(ctx, job) for job in jobs]
+    return outs if ctx.rank == 0 else None
+
+
+def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1
+             ) -> list[RunOutput]:
+    """Run jobs of the same device count one after another in one set of worker
+    processes (start-up is the expensive part of a short run)."""
+    from pipesim.sim.checks import validate
     from pipesim.validate.launch import launch
 
-    results = launch(worker, job.schedule.num_devices, args=(job,), backend=backend,
-                     timeout_s=timeout_s, threads=threads)
+    if not jobs:
+        return []
+    n = jobs[0].schedule.num_devices
+    for job in jobs:
+        if job.schedule.num_devices != n:
+            raise ValueError(f"jobs of one launch need the same device count ({n} and {job.schedule.num_devices})")
+        validate(job.schedule, deadlock=True)  # a deadlocking schedule is named here, not hung on
+        stage_groups(job.schedule)
+    results = launch(worker, n, args=(list(jobs),), backend=backend, timeout_s=timeout_s, threads=threads)
     return results[0]
+
+
+def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1) -> RunOutput:
+    """Run ``job`` with one process per device of its schedule; every rank's output, merged."""
+    return run_many([job], backend=backend, timeout_s=timeout_s, threads=threads)[0]

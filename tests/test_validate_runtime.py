@@ -1,0 +1,136 @@
+"""The distributed runtime against the emulator: same IR, same numbers.
+
+Bit-identical final weights, losses and weight versions on CPU for every
+strategy (2 devices), and a few 3- and 4-device schedules. Jobs of one
+device count share one launch, because starting workers is what costs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipesim.sim.checks import validate
+from pipesim.sim.engine import simulate
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.ir import Op, ScheduleError
+from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
+from pipesim.validate.executor import compiled, emulate
+from pipesim.validate.runtime import (
+    Job,
+    build_stages,
+    check_pair_order,
+    run_many,
+    transfer_peers,
+    transfer_tag,
+)
+from pipesim.validate.stage import OptimizerConfig
+
+STARTS = {1: (0,), 2: (0, 3), 3: (0, 2, 4), 4: (0, 1, 3, 4)}
+
+TWO_DEVICES = [
+    ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2}),
+    ("pipedream", {}), ("pipedream", {"stashing": False}), ("pipedream-2bw", {}), ("spectrain", {}),
+    ("avgpipe", {"width": 2}), ("data-parallel", {}),
+]
+MORE_DEVICES = [
+    ("1f1b", 3, {}), ("spectrain", 3, {}),
+    ("pipedream-2bw", 2, {"width": 2}), ("avgpipe", 2, {"width": 2, "placement": "disjoint"}),
+]
+
+
+def job_for(strategy, stages, kw, m=4):
+    sched = build_schedule(ScheduleSpec(strategy=strategy, stages=stages, microbatches=m, iterations=2, **kw))
+    return Job(schedule=sched, model="mlp", starts=STARTS[sched.num_stages], microbatch_size=8, width=32,
+               depth=4, optimizer=OptimizerConfig(lr=0.05, momentum=0.9))
+
+
+def reference(job):
+    sched = job.schedule
+    timeline = simulate(sched, stage_costs_uniform(sched.num_stages), load_hardware("ideal"))
+    _, _, stages, data = build_stages(job, sched.placement(), torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' setting: results are bit-identical per thread count
+    try:
+        return emulate(sched, stages, data, job.optimizer, timeline)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same(got, want):
+    assert got.losses == want.losses
+    assert got.versions_used == want.versions_used
+    assert got.weights.keys() == want.weights.keys()
+    for key in want.weights:
+        for name, t in want.weights[key].items():
+            assert torch.equal(got.weights[key][name], t), (key, name)
+
+
+def test_all_strategies_are_covered():
+    assert {s for s, _ in TWO_DEVICES} == set(strategy_names())
+
+
+@pytest.mark.multiprocess
+def test_two_device_strategies_match_the_emulator_bit_for_bit():
+    jobs = [job_for(s, 2 if s != "interleaved-1f1b" else 2, kw) for s, kw in TWO_DEVICES]
+    outs = run_many(jobs, timeout_s=240)
+    for (strategy, kw), job, out in zip(TWO_DEVICES, jobs, outs):
+        assert_same(out, reference(job))
+        compute = [r for r in out.records if r.stream == "compute"]
+        n_compute = sum(1 for p in job.schedule.programs for a in p if a.op.name not in
+                        ("REDUCE_GRAD", "AVERAGE"))
+        assert len(compute) == n_compute, strategy
+        assert all(r.end >= r.start for r in out.records if r.end is not None)
+        # communication is timed too, and every transfer completed
+        sends = [r for r in out.records if r.stream == "send"]
+        assert all(r.end is not None for r in sends)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("devices", [3, 4])
+def test_larger_pipelines_match_the_emulator(devices):
+    cases = [(s, st, kw) for s, st, kw in MORE_DEVICES
+             if build_schedule(ScheduleSpec(strategy=s, stages=st, microbatches=4, **kw)).num_devices == devices]
+    assert cases
+    jobs = [job_for(s, st, kw) for s, st, kw in cases]
+    for job, out in zip(jobs, run_many(jobs, timeout_s=240)):
+        assert_same(out, reference(job))
+
+
+def test_transfer_tags_are_unique_and_symmetric():
+    for strategy, kw in TWO_DEVICES:
+        sched = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=3, **kw))
+        entries = compiled(sched)
+        tokens = {tok for prog in entries for posts, *_ in prog for _, tok in posts if tok and len(tok) == 4}
+        tags = {transfer_tag(t, sched.num_replicas, sched.num_stages) for t in tokens}
+        assert len(tags) == len(tokens)
+
+
+def test_nccl_pair_order_holds_for_every_strategy_and_is_checked():
+    for strategy, kw in TWO_DEVICES:
+        sched = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=2, **kw))
+        entries = compiled(sched)
+        check_pair_order(entries, transfer_peers(sched, entries))
+    # swap two receives on device 1: the sends from device 0 no longer match
+    sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=4))
+    entries = compiled(sched)
+    recv_slots = [j for j, (posts, *_) in enumerate(entries[1]) if any(x.op is Op.RECV_F for x, _ in posts)]
+    a, b = recv_slots[0], recv_slots[1]
+    ea, eb = entries[1][a], entries[1][b]
+    entries[1][a] = (eb[0], *ea[1:])
+    entries[1][b] = (ea[0], *eb[1:])
+    with pytest.raises(ScheduleError, match="NCCL"):
+        check_pair_order(entries, transfer_peers(sched, entries))
+
+
+def test_a_deadlocking_schedule_is_refused_before_any_process_starts():
+    sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=2))
+    progs = [list(p) for p in sched.programs]
+    progs[1] = [a for a in progs[1] if a.op is not Op.FORWARD or a.microbatch != 1] + \
+        [a for a in progs[1] if a.op is Op.FORWARD and a.microbatch == 1]
+    bad = sched.with_programs(progs)
+    with pytest.raises(ScheduleError):
+        validate(bad, deadlock=True)
+    job = Job(schedule=bad, model="mlp", starts=(0, 3), microbatch_size=4, width=8, depth=4)
+    with pytest.raises(ScheduleError):
+        run_many([job], timeout_s=30)
