@@ -7,7 +7,11 @@ Sub-commands:
 * ``compare``: several strategies on the same model and machine (the
   default job: ``pipesim compare`` with no arguments);
 * ``schedule``: print a strategy's per-device order (torch CSV or pipesim CSV);
-* ``figure``: paper-style figures (``bubbles``).
+* ``figure``: paper-style figures (``bubbles``);
+* ``profile``: measure a real model and this machine's links, writing the
+  profile and hardware JSON that ``simulate`` takes;
+* ``validate``: profile, simulate, run for real (gloo, NCCL or one device)
+  and reconcile: report.json, overlay.html, trace.json.
 
 Bad input of any kind ends with one line on stderr and exit code 2: every
 library error is a ``ValueError`` subclass with a one-line message, and the
@@ -99,9 +103,17 @@ def _spec(args, strategy: str | None = None):
     take are left out, so one set of flags can drive every strategy;
     otherwise an option the strategy does not use is an error.
     """
-    from pipesim.sim.strategies import ScheduleSpec, strategy_options
+    from pipesim.sim.strategies import ScheduleSpec
 
     name = strategy or args.strategy
+    return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
+                        iterations=args.iterations, **_strategy_options(args, strategy))
+
+
+def _strategy_options(args, strategy: str | None = None) -> dict:
+    """The strategy options given on the command line (see :func:`_spec`)."""
+    from pipesim.sim.strategies import strategy_options
+
     given = {}
     if args.no_stashing:
         given["stashing"] = False
@@ -110,9 +122,8 @@ def _spec(args, strategy: str | None = None):
         if value is not None:
             given[option] = value
     if strategy is not None:
-        given = {k: v for k, v in given.items() if k in strategy_options(name)}
-    return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
-                        iterations=args.iterations, **given)
+        given = {k: v for k, v in given.items() if k in strategy_options(strategy)}
+    return given
 
 
 def _profile(args, hardware, schedule):
@@ -309,6 +320,113 @@ def cmd_figure(args) -> int:
     return 0
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="mlp", help="real model: mlp, gpt-small or vgg-small")
+    p.add_argument("--model-width", type=_positive, default=None, help="model width (hidden size / channels)")
+    p.add_argument("--model-depth", type=_positive, default=None, help="model depth (hidden layers / blocks)")
+    p.add_argument("--microbatch-size", type=_positive, default=32, help="samples per micro-batch")
+    p.add_argument("--seed", type=_nonnegative, default=0, help="seed of the weights and the data order")
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_profile(args) -> int:
+    import json
+
+    from pipesim.sim.workload import save_profile
+    from pipesim.validate.harness import ValidateConfig, hardware_for, profile, torch_device
+
+    cfg = ValidateConfig(strategy="gpipe", model=args.model, backend=args.backend,
+                         microbatch_size=args.microbatch_size, model_width=args.model_width,
+                         model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
+    device = torch_device(args.backend)
+    from pipesim.validate.models import build_model
+
+    build_model(args.model, width=args.model_width, depth=args.model_depth, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
+    prof = profile(cfg, device)
+    save_profile(prof, out / "profile.json")
+    _progress(f"measuring {args.backend} point-to-point links and the optimizer's bandwidth ...")
+    hw = hardware_for(cfg, device, args.devices)
+    (out / "hardware.json").write_text(json.dumps(hw.to_json(), indent=1) + "\n")
+    rows = [[la.name, f"{la.forward_s * 1e3:.3f}", f"{la.backward_s * 1e3:.3f}", _fmt_bytes(la.param_bytes),
+             _fmt_bytes(la.activation_bytes), _fmt_bytes(la.stash_bytes)] for la in prof.layers]
+    print(_table(rows, ["layer", "F ms", "B ms", "params", "output", "stash"], limit=64))
+    print(f"per-pass overhead: forward {prof.overhead_forward_s * 1e6:.1f} us, backward "
+          f"{prof.overhead_backward_s * 1e6:.1f} us; optimizer bandwidth {hw.device.mem_bandwidth / 1e9:.2f} GB/s")
+    if hw.intra_node.kind != "ideal":
+        print(f"{args.backend} link: latency {hw.intra_node.latency * 1e6:.1f} us, "
+              f"bandwidth {hw.intra_node.bandwidth / 1e9:.3f} GB/s")
+    print(f"wrote {out}/profile.json and {out}/hardware.json "
+          f"(pipesim simulate --profile {out}/profile.json --hardware {out}/hardware.json)")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    import json
+
+    from pipesim.experiments.overlay import write_merged_trace, write_overlay_html
+    from pipesim.sim.metrics import dumps
+    from pipesim.sim.workload import save_profile
+    from pipesim.validate.harness import ValidateConfig, run_validation
+    from pipesim.validate.launch import WorkerError
+    from pipesim.validate.stage import OptimizerConfig
+
+    options = _strategy_options(args)
+    options.pop("width", None)  # replicas, below
+    cfg = ValidateConfig(
+        strategy=args.strategy, stages=args.stages, microbatches=args.microbatches or 8, model=args.model,
+        backend=args.backend, iterations=args.iterations, microbatch_size=args.microbatch_size,
+        replicas=args.width or 1, model_width=args.model_width, model_depth=args.model_depth, seed=args.seed,
+        optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr, momentum=args.momentum),
+        synthetic=args.synthetic, recv_lookahead=args.recv_lookahead, timeout_s=args.timeout,
+        profile_path=args.profile, hardware_path=args.hardware, oversubscribe=args.oversubscribe,
+        strategy_options=tuple(sorted(options.items())),
+    )
+    out = Path(args.out)
+    try:
+        v = run_validation(cfg, progress=_progress)
+    except WorkerError as e:
+        print(f"error: {e.args[0].splitlines()[0] if e.args else e}", file=sys.stderr)
+        if getattr(e, "traceback", None):
+            print(e.traceback, file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    r = v.report
+    (out / "report.json").write_text(dumps(r))
+    save_profile(v.profile, out / "profile.json")
+    (out / "hardware.json").write_text(json.dumps(v.hardware.to_json(), indent=1) + "\n")
+    flagged = r["flagged_actions"]
+    title = (f"{cfg.strategy}, {r['stages']} stages, {cfg.model}, {cfg.backend}: iteration "
+             f"{r['iteration_time_measured_s'] * 1e3:.2f} ms measured, {r['iteration_time_predicted_s'] * 1e3:.2f} ms "
+             f"predicted ({r['iteration_time_error']:+.1%})")
+    write_overlay_html(v.measured, v.predicted, out / "overlay.html", title=title, flagged=flagged)
+    write_merged_trace(v.measured, v.predicted, out / "trace.json")
+    a = r["action_errors"]
+    print(title)
+    print(_table([
+        ["iteration time (ms)", f"{r['iteration_time_measured_s'] * 1e3:.3f}",
+         f"{r['iteration_time_predicted_s'] * 1e3:.3f}", f"{r['iteration_time_error']:+.1%}"],
+        ["bubble fraction", f"{r['bubble_fraction_measured']:.3f}", f"{r['bubble_fraction_predicted']:.3f}",
+         f"{r['bubble_fraction_predicted'] - r['bubble_fraction_measured']:+.3f}"],
+    ], ["", "measured", "predicted", "error"]))
+    print(f"per action: |start error| median {a['start_error_s']['median'] * 1e3:.3f} ms, p90 "
+          f"{a['start_error_s']['p90'] * 1e3:.3f} ms; |duration error| median {a['duration_error']['median']:.1%}, "
+          f"p90 {a['duration_error']['p90']:.1%}; {a['flagged_count']} of {a['compared']} actions over the thresholds")
+    for f in flagged[:5]:
+        print(f"  device {f['device']} {f['action']}: {f['duration_measured_s'] * 1e3:.3f} ms measured, "
+              f"{f['duration_predicted_s'] * 1e3:.3f} ms predicted")
+    wv = r["weight_versions"]
+    print(f"weight versions: {'as predicted' if wv['match'] else str(wv['mismatches']) + ' passes differ'} "
+          f"({wv['passes_compared']} passes); losses " + ", ".join(f"{x:.4f}" for x in r["losses"]))
+    print(f"wrote {out}/report.json, overlay.html, trace.json, profile.json, hardware.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipesim", description="Simulate, validate and plot pipeline-parallel training schedules.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -338,6 +456,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lowered", action="store_true", help="include the sends and receives")
     p.add_argument("--list", action="store_true", help="list strategy names")
     p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("profile", help="measure a real model and this machine's links for the simulator")
+    _model_args(p)
+    p.add_argument("--backend", choices=("gloo", "nccl", "single"), default="gloo",
+                   help="what to measure links on (single: no links)")
+    p.add_argument("--devices", type=_positive, default=2, help="devices the hardware JSON describes")
+    p.add_argument("--repeats", type=_positive, default=15, help="timed repetitions per layer (median)")
+    p.add_argument("--out", default="out/profile", help="output folder")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("validate", help="run a schedule for real and reconcile it with the simulation")
+    _add_schedule_args(p, strategy_required=True)
+    p.set_defaults(stages=2, iterations=4)
+    _model_args(p)
+    p.add_argument("--backend", choices=("gloo", "nccl", "single"), default="gloo",
+                   help="gloo: CPU processes; nccl: one process per GPU; single: every stage on one device")
+    p.add_argument("--profile", default=None, help="use this profile JSON instead of profiling")
+    p.add_argument("--hardware", default=None, help="use this hardware JSON instead of measuring links")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--synthetic", action="store_true", help="random inputs of the right shapes (timing only)")
+    p.add_argument("--recv-lookahead", type=_nonnegative, default=1,
+                   help="post receives this many compute actions early (0 = right before use)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the workers are stopped")
+    p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")
+    p.add_argument("--out", default="out/validate", help="output folder")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("figure", help="paper-style figures")
     p.add_argument("name", choices=("bubbles",))
