@@ -227,7 +227,10 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         if device.type == "cpu":
             torch.set_num_threads(1)
         try:
-            _, _, stages, data = build_stages(job, schedule.placement(), device)
+            _, modules, stages, data = build_stages(job, schedule.placement(), device)
+            from pipesim.validate.runtime import boundary_specs, warm_up
+
+            warm_up(stages, data, boundary_specs(modules, data), device)
             out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
                           timed=True)
             if device.type == "cuda":

@@ -248,7 +248,7 @@ class _Spec:
 
 
 _CATALOG: dict[str, _Spec] = {
-    "mlp": _Spec(_build_mlp, 1024, 4, (), "digits (64 px) -> depth x Linear(width)+ReLU -> Linear(10)"),
+    "mlp": _Spec(_build_mlp, 512, 4, (), "digits (64 px) -> depth x Linear(width)+ReLU -> Linear(10)"),
     "gpt-small": _Spec(
         _build_gpt, 128, 4, ("heads", "seq_len"),
         "char LM on pydoc topics: embed -> depth x pre-LN block -> LN + Linear(vocab)",

@@ -264,6 +264,23 @@ class PipelineStage:
         self.versions_used.append((a.op.value, a.microbatch, a.version, a.distance))
         return dx
 
+    def warm_up(self, x: Tensor, target: Tensor | None = None) -> None:
+        """One forward and backward that change nothing: the first pass of a
+        process pays for lazy initialisation (autograd's engine, allocator
+        pools, kernel selection), which a timed run should not mistake for
+        the schedule's cost."""
+        x = x.to(self.device)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            leaves = self._bind(self.pool.get(self.pool.version))
+            out = self.module(x)
+            if self.is_last:
+                out = self.loss_fn(out, target.to(self.device))
+            inputs = ([x] if x.requires_grad else []) + leaves
+            torch.autograd.grad(out, inputs, grad_outputs=None if self.is_last else torch.ones_like(out),
+                                allow_unused=True)
+
     # ------------------------------------------------------------ weights
 
     def _predict_into_scratch(self, version: int, distance: int) -> None:
