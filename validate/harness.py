@@ -188,7 +188,10 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     schedule = build(cfg)
     check_machine(cfg, schedule)
     device = torch_device(cfg.backend)
-    build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)  # fail fast on names
+    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    if schedule.num_stages > model.num_layers:  # fail before any measuring
+        raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
+                            f"{model.num_layers} (raise --model-depth)")
 
     if cfg.profile_path:
         prof = load_profile(cfg.profile_path)
@@ -205,12 +208,8 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
         raise ValidateError(f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs "
                             f"{schedule.num_devices}")
-    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
     if model.num_layers != prof.num_layers:
         raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
-    if schedule.num_stages > model.num_layers:
-        raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
-                            f"{model.num_layers} (raise --model-depth)")
     costs = partition(prof, schedule.num_stages)
     starts = tuple(c.first_layer for c in costs)
     say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")

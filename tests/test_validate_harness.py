@@ -1,0 +1,166 @@
+"""Reconciliation, the validation harness and its command line.
+
+Most of this runs in one process (single-device mode, hand-made timelines);
+one test runs the full gloo path through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from pipesim.experiments.cli import main
+from pipesim.sim.api import simulate
+from pipesim.sim.results import Span
+from pipesim.sim.strategies import ScheduleSpec
+from pipesim.sim.workload import load_profile
+from pipesim.validate.harness import ValidateConfig, ValidateError, build, check_machine, run_validation
+from pipesim.validate.reconcile import (
+    DURATION_THRESHOLD,
+    compare,
+    compare_actions,
+    compare_versions,
+    iteration_ends,
+    iteration_time,
+)
+
+REQUIRED = ("iteration_time_measured_s", "iteration_time_predicted_s", "iteration_time_error",
+            "bubble_fraction_measured", "bubble_fraction_predicted", "action_errors", "losses",
+            "weight_versions", "flagged_actions")
+
+
+def predicted(strategy="gpipe", iterations=3, m=4):
+    return simulate(ScheduleSpec(strategy=strategy, stages=2, microbatches=m, iterations=iterations), "uniform",
+                    "ideal")
+
+
+def stretched(result, factor=1.0, slow=None):
+    """A fake measurement: every span scaled, and optionally one action slowed."""
+    spans, shift = [], 0.0
+    for s in sorted(result.spans, key=lambda s: s.start):
+        d = s.duration * factor
+        if slow is not None and (s.device, str(s.action)) == slow:
+            d *= 3
+        spans.append(Span(s.device, s.stream, s.action, s.start * factor + shift, s.start * factor + shift + d))
+        if slow is not None and (s.device, str(s.action)) == slow:
+            shift += d - s.duration * factor
+    return replace(result, spans=spans, memory=[], versions=[])
+
+
+def test_iteration_time_of_a_flush_schedule_is_its_period():
+    res = predicted("gpipe", iterations=3)
+    ends = iteration_ends(res)
+    assert len(ends) == 3 and ends == sorted(ends)
+    # uniform stages, F=1 ms, B=2 ms, free updates: one GPipe iteration is (m+p-1)(F+B)
+    assert iteration_time(res) == pytest.approx((4 + 2 - 1) * 3e-3)
+    assert iteration_time(stretched(res, 2.0)) == pytest.approx(2 * iteration_time(res))
+
+
+def test_action_errors_find_the_slow_action():
+    res = predicted("1f1b")
+    meas = stretched(res, slow=(1, "1B2@v0"))
+    summary, flagged = compare_actions(res, meas)
+    assert summary["compared"] == len(res.by_stream()["compute"])
+    assert flagged and flagged[0]["action"] == "1B2@v0" and flagged[0]["device"] == 1
+    assert flagged[0]["duration_error"] == pytest.approx(-2 / 3)
+    assert summary["duration_error"]["max"] == pytest.approx(2 / 3)
+    same, none = compare_actions(res, stretched(res))
+    assert none == [] and same["duration_error"]["max"] == 0
+    assert 2 / 3 > DURATION_THRESHOLD
+
+
+def test_compare_report_signs_and_versions():
+    res = predicted("pipedream", iterations=2)
+    meas = stretched(res, 1.25)
+    used = {}
+    for pv in res.versions:
+        used.setdefault((pv.replica, pv.stage), []).extend([
+            ("F", pv.microbatch, pv.forward_version, pv.forward_distance),
+            ("B", pv.microbatch, pv.backward_version, pv.backward_distance)])
+    report = compare(res, meas, losses=[1.0, 0.5], versions_used=used)
+    for key in REQUIRED:
+        assert key in report
+    assert report["iteration_time_error"] == pytest.approx(1 / 1.25 - 1)
+    assert report["weight_versions"]["match"]
+    key = next(iter(used))
+    used[key][1] = (used[key][1][0], used[key][1][1], used[key][1][2] + 1, 0)
+    bad = compare_versions(res, used)
+    assert not bad["match"] and bad["mismatches"] == 1
+
+
+def test_machine_checks_are_one_line_errors():
+    with pytest.raises(ValidateError, match="needs 2 GPUs"):
+        check_machine(ValidateConfig("1f1b", backend="nccl"), build(ValidateConfig("1f1b")))
+    cfg = ValidateConfig("pipedream-2bw", replicas=4)
+    with pytest.raises(ValidateError, match="worker processes"):
+        check_machine(cfg, build(cfg))
+    with pytest.raises(ValidateError, match="unknown backend"):
+        check_machine(ValidateConfig("1f1b", backend="mpi"), build(ValidateConfig("1f1b")))
+
+
+def test_single_device_validation_end_to_end():
+    cfg = ValidateConfig("spectrain", stages=2, microbatches=4, iterations=3, model="mlp", backend="single",
+                         microbatch_size=8, model_width=32, profile_repeats=3)
+    v = run_validation(cfg)
+    r = v.report
+    for key in REQUIRED:
+        assert key in r
+    assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+    assert r["weight_versions"]["match"] and r["weight_versions"]["passes_compared"] == 2 * 2 * 12
+    assert r["action_errors"]["compared"] == len(v.measured.by_stream()["compute"])
+    assert r["iteration_time_error"] == pytest.approx(
+        (r["iteration_time_predicted_s"] - r["iteration_time_measured_s"]) / r["iteration_time_measured_s"],
+        rel=1e-6)
+    # single-device mode predicts the actions laid end to end, in the order they ran
+    pred = v.predicted.by_stream()["compute"]
+    assert all(a.end == pytest.approx(b.start) for a, b in zip(pred, pred[1:]))
+    assert r["mode"].startswith("single-device")
+
+
+def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
+    code = main(["profile", "--model", "mlp", "--model-width", "32", "--microbatch-size", "8", "--backend",
+                 "single", "--repeats", "3", "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    prof = load_profile(tmp_path / "profile.json")
+    assert prof.num_layers == 5 and prof.overhead_forward_s > 0
+    assert all(la.forward_s > 0 and la.backward_s > 0 for la in prof.layers)
+    code = main(["simulate", "--strategy", "1f1b", "--stages", "2", "--profile", str(tmp_path / "profile.json"),
+                 "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "sim"), "--summary-only"])
+    assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["validate", "--strategy", "1f1b", "--model", "resnet"], "unknown model"),
+    (["validate", "--strategy", "nope"], "unknown strategy"),
+    (["validate", "--strategy", "1f1b", "--backend", "nccl"], "GPUs"),
+    (["validate", "--strategy", "1f1b", "--stages", "9", "--backend", "single"], "stages"),
+])
+def test_cli_validate_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
+    code = main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.multiprocess
+def test_cli_validate_gloo_writes_report_overlay_and_trace(tmp_path, capsys):
+    code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--microbatches", "4", "--model", "mlp",
+                 "--model-width", "32", "--microbatch-size", "8", "--iterations", "2", "--backend", "gloo",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    report = json.loads((tmp_path / "report.json").read_text())
+    for key in REQUIRED:
+        assert key in report
+    assert report["backend"] == "gloo" and report["devices"] == 2
+    assert report["weight_versions"]["match"]
+    assert report["action_errors"]["compared"] == 2 * 2 * 8 + 2 * 2  # 2 stages: F, B of 8 micro-batches; 2 updates
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert {"measured device 0", "simulated device 1"} <= names
+    html = (tmp_path / "overlay.html").read_text()
+    assert "d0 measured" in html and "d1 simulated" in html
+    assert "iteration time" in out.out
