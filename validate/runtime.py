@@ -153,6 +153,7 @@ class DistComm:
         self.members = stage_groups(schedule)
         self.p2p = {SEND_F: None, SEND_B: None}
         self.poster = None
+        self.reaper = None
         self.failure: BaseException | None = None
         self.lock = contextlib.nullcontext()
 
@@ -196,8 +197,11 @@ class DistComm:
         peer, tag, group = self.peers[token], self._tag(token), self.p2p[token[0]]
         if kind == "send":
             work = dist.isend(tensor, dst=peer, tag=tag, group=group)
-            with self.lock:
-                self.sends.append((work, tensor, extra))
+            if self.reaper is not None:
+                self.reap.put((work, tensor, extra))
+            else:
+                with self.lock:
+                    self.sends.append((work, tensor, extra))
         else:
             slot = extra
             slot[0] = dist.irecv(tensor, src=peer, tag=tag, group=group)
@@ -230,17 +234,41 @@ class DistComm:
                         slot[3].set()
                 return
 
+    def _reaper_loop(self):
+        """Waits for sends in the order they were posted, stamps their end
+        and lets their buffers go. gloo's works cannot be polled
+        (``is_completed`` stays False until ``wait``), so without this a
+        run would keep every sent tensor until it ends."""
+        while True:
+            item = self.reap.get()
+            if item is None:
+                return
+            work, _, record = item
+            try:
+                work.wait()
+            except BaseException as e:  # surfaced when the walker closes
+                self.failure = self.failure or e
+                return
+            self._stamp(record)
+
     def start_poster(self):
         self.outbox = queue.SimpleQueue()
+        self.reap = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.poster = threading.Thread(target=self._poster_loop, name="pipesim-poster", daemon=True)
+        self.reaper = threading.Thread(target=self._reaper_loop, name="pipesim-reaper", daemon=True)
         self.poster.start()
+        self.reaper.start()
 
     def _stop_poster(self):
         if self.poster is not None:
             self.outbox.put(None)
             self.poster.join()
             self.poster = None
+        if self.reaper is not None:
+            self.reap.put(None)
+            self.reaper.join()
+            self.reaper = None
         if self.failure is not None:
             raise self.failure
 
