@@ -69,8 +69,16 @@ def unflat(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def reduce_mean(flats: list[Tensor]) -> Tensor:
-    """Mean of the replicas' gradients, summed in replica order (deterministic)."""
+def reduce_mean(flats: list[Tensor], into: Tensor | None = None) -> Tensor:
+    """Mean of the replicas' gradients, summed in replica order (deterministic).
+
+    With two replicas the sum may go into ``into`` (one of them) in place:
+    floating-point addition is commutative, so either replica gets the same
+    bits as the ordered sum.
+    """
+    if into is not None and len(flats) == 2 and any(f is into for f in flats):
+        other = flats[1] if flats[0] is into else flats[0]
+        return into.add_(other).div_(2)
     acc = flats[0].clone()
     for f in flats[1:]:
         acc.add_(f)
@@ -219,24 +227,30 @@ def initial_centres(schedule: Schedule, stages: dict[tuple[int, int], PipelineSt
     return out
 
 
-def apply_collective(action: Action, flats: list[Tensor], centre: Tensor | None, alpha: float) -> list[Tensor]:
+def apply_collective(action: Action, flats: list[Tensor], centre: Tensor | None, alpha: float,
+                     into: Tensor | None = None) -> list[Tensor]:
     """The collective's result per replica (replica order), from their flat inputs.
 
-    REDUCE_GRAD: the mean gradient (one tensor, shared). AVERAGE: each
-    replica's averaged weights; ``centre`` moves in place.
+    REDUCE_GRAD: the mean gradient (one tensor, shared; computed in ``into``
+    when that is possible, see :func:`reduce_mean`). AVERAGE: each replica's
+    averaged weights; ``centre`` moves in place.
     """
     if action.op is REDUCE_GRAD:
-        mean = reduce_mean(flats)
+        mean = reduce_mean(flats, into)
         return [mean] * len(flats)
     average_elastic(flats, centre, alpha)
     return flats
 
 
 def collective_input(action: Action, stage: PipelineStage) -> Tensor:
+    if action.op is REDUCE_GRAD and stage.grad_flat is not None:
+        return stage.grad_flat  # no copy: reduced in place
     return flat(stage.grads if action.op is REDUCE_GRAD else stage.weights())
 
 
 def write_back(action: Action, stage: PipelineStage, result: Tensor) -> None:
+    if action.op is REDUCE_GRAD and result is stage.grad_flat:
+        return
     dst = stage.grads if action.op is REDUCE_GRAD else stage.weights()
     with torch.no_grad():
         torch._foreach_copy_(dst, unflat(result, dst))
@@ -244,8 +258,8 @@ def write_back(action: Action, stage: PipelineStage, result: Tensor) -> None:
 
 def run_collective(action: Action, stages: list[PipelineStage], centres: dict[int, Tensor], alpha: float) -> None:
     """REDUCE_GRAD or AVERAGE over every replica of a stage, all held locally."""
-    results = apply_collective(action, [collective_input(action, s) for s in stages],
-                               centres.get(action.stage), alpha)
+    flats = [collective_input(action, s) for s in stages]
+    results = apply_collective(action, flats, centres.get(action.stage), alpha, into=flats[0])
     for s, r in zip(stages, results):
         write_back(action, s, r)
 

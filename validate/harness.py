@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -116,15 +117,29 @@ def build(cfg: ValidateConfig) -> Schedule:
 
 
 def profile(cfg: ValidateConfig, device: torch.device, progress=None) -> Profile:
+    """The model's per-layer costs on ``device``; with a distributed backend,
+    the per-pass overhead is the runtime's measured cost per pass when
+    passing tensors of the model's typical boundary size
+    (:func:`~pipesim.validate.profiler.measure_dispatch`)."""
     model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
     settings = ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=cfg.profile_repeats)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # as each gloo worker runs
     try:
-        return profile_model(model, device=device, settings=settings, progress=progress)
+        prof = profile_model(model, device=device, settings=settings, progress=progress)
     finally:
         torch.set_num_threads(threads)
+    if cfg.backend in ("gloo", "nccl"):
+        from pipesim.validate.profiler import measure_dispatch
+
+        boundary = int(statistics.median(la.activation_bytes for la in prof.layers[:-1] or prof.layers))
+        o_f, o_b = measure_dispatch(cfg.backend, boundary, timeout_s=min(cfg.timeout_s, 120.0))
+        prof = replace(prof, overhead_forward_s=max(prof.overhead_forward_s, o_f),
+                       overhead_backward_s=max(prof.overhead_backward_s, o_b),
+                       notes=prof.notes + f"; per-pass overhead measured in the {cfg.backend} runtime passing "
+                                          f"{boundary} bytes")
+    return prof
 
 
 def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int) -> Hardware:

@@ -207,3 +207,75 @@ def update_bandwidth(model: RealModel, *, device: torch.device | str = "cpu",
     *_, upd = time_in_model_order(_fresh(model), device, settings, optimizer)
     params = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
     return 5 * params / sum(upd)
+
+
+# ---------------------------------------------------------------- runtime dispatch
+
+
+class _Relay(nn.Module):
+    """A stage that does (almost) nothing: x * w with one scalar weight, so the
+    runtime's whole path (binding, autograd, sends, receives) runs around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _RelayData:
+    def __init__(self, numel: int):
+        self.x = torch.ones(numel)
+        self.y = torch.zeros(numel)
+
+    def batch(self, index):
+        return self.x, self.y
+
+
+def _relay_loss(out, target):
+    return (out - target).square().mean()
+
+
+def _dispatch_worker(ctx, numel: int, microbatches: int, iterations: int):
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+    from pipesim.validate.runtime import execute
+
+    sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches,
+                                        iterations=iterations))
+    k = ctx.rank
+    stages = {(0, k): PipelineStage(_Relay(), k, 2, ctx.device, loss_fn=_relay_loss if k == 1 else None)}
+    specs = [((numel,), torch.float32)] * 2
+    return execute(ctx, sched, stages, _RelayData(numel), specs, OptimizerConfig())
+
+
+def measure_dispatch(backend: str = "gloo", nbytes: int = 1 << 17, *, microbatches: int = 16,
+                     iterations: int = 3, timeout_s: float = 120.0) -> tuple[float, float]:
+    """Seconds per pass the distributed runtime costs around a stage that does nothing.
+
+    Two ranks run GPipe on stages that only scale their input, sending
+    ``nbytes`` per micro-batch. Stage 0's forwards and the last stage's
+    backwards each run back to back, so their period (start to start) is the
+    runtime's own cost per pass: the walker's bookkeeping, binding weights,
+    autograd, posting the pass's send and the CPU the
+    backend spends pushing it out. On GPUs most of that overlaps the device;
+    on CPUs it is taken from the core the passes run on. Returns the median
+    period of a forward and of a backward;
+    :func:`pipesim.validate.harness.profile` uses them as the profile's
+    per-pass overhead when they exceed the in-process figure.
+    """
+    import statistics
+
+    from pipesim.validate.runtime import launch_settings
+    from pipesim.validate.launch import launch
+
+    numel = max(1, nbytes // 4)
+    out = launch(_dispatch_worker, 2, args=(numel, microbatches, iterations), backend=backend,
+                 timeout_s=timeout_s, **launch_settings(backend))[0]
+    gaps = {"F": [], "B": []}
+    for dev, op, stage in ((0, F, 0), (1, B, 1)):
+        comp = sorted((r for r in out.records if r.stream == "compute" and r.device == dev), key=lambda r: r.start)
+        for prev, cur in zip(comp, comp[1:]):
+            if cur.action.op is op and prev.action.op is op and cur.action.stage == stage:
+                gaps[op.value].append((cur.start - prev.start) / 1e9)
+    return statistics.median(gaps["F"]), statistics.median(gaps["B"])

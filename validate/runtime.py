@@ -40,6 +40,7 @@ import contextlib
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -152,7 +153,6 @@ class DistComm:
         self.records: list[Record] = []
         self.members = stage_groups(schedule)
         self.p2p = {SEND_F: None, SEND_B: None}
-        self.poster = None
         self.reaper = None
         self.failure: BaseException | None = None
         self.lock = contextlib.nullcontext()
@@ -177,62 +177,20 @@ class DistComm:
             record.end = self.clock.now()
 
     def send(self, token, action, tensor, record=None):
-        self._submit(("send", token, tensor.contiguous(), record))
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self.peers[token], tag=self._tag(token), group=self.p2p[token[0]])
+        if self.reaper is not None:
+            self.reap.put((work, tensor, record))
+        else:
+            with self.lock:
+                self.sends.append((work, tensor, record))
 
     def recv(self, token, action, record=None):
         kind, rep, stage, mb = token
         shape, dtype = self.specs[stage if kind is SEND_F else stage - 1]
         buf = torch.empty(shape, dtype=dtype, device=self.torch_device)
-        slot = self.recvs[token] = [None, buf, record, threading.Event() if self.poster else None]
-        self._submit(("recv", token, buf, slot))
-
-    def _submit(self, item) -> None:
-        if self.poster is None:
-            self._post(item)
-        else:
-            self.outbox.put(item)
-
-    def _post(self, item) -> None:
-        kind, token, tensor, extra = item
-        peer, tag, group = self.peers[token], self._tag(token), self.p2p[token[0]]
-        if kind == "send":
-            work = dist.isend(tensor, dst=peer, tag=tag, group=group)
-            if self.reaper is not None:
-                self.reap.put((work, tensor, extra))
-            else:
-                with self.lock:
-                    self.sends.append((work, tensor, extra))
-        else:
-            slot = extra
-            slot[0] = dist.irecv(tensor, src=peer, tag=tag, group=group)
-            if slot[3] is not None:
-                slot[3].set()
-
-    def _poster_loop(self):
-        """Posts every send and receive off the walker's thread.
-
-        gloo serialises the traffic of a connection, so posting an ``isend``
-        or ``irecv`` can wait while a message on the same connection is
-        being read: on the 2-core CI machine single posts took up to 5 ms,
-        which the walker would have spent idle instead of computing. The
-        IR's execution model says posting never blocks; this thread is how
-        the runtime keeps that promise on gloo. Items are posted in the
-        walker's order.
-        """
-        while True:
-            item = self.outbox.get()
-            if item is None:
-                return
-            try:
-                self._post(item)
-            except BaseException as e:  # surfaced by the walker's next wait
-                self.failure = e
-                if item[0] == "recv":
-                    item[3][3].set()
-                for slot in list(self.recvs.values()):
-                    if slot[3] is not None:
-                        slot[3].set()
-                return
+        work = dist.irecv(buf, src=self.peers[token], tag=self._tag(token), group=self.p2p[token[0]])
+        self.recvs[token] = (work, buf, record)
 
     def _reaper_loop(self):
         """Waits for sends in the order they were posted, stamps their end
@@ -251,20 +209,12 @@ class DistComm:
                 return
             self._stamp(record)
 
-    def start_poster(self):
-        self.outbox = queue.SimpleQueue()
+    def start_reaper(self):
         self.reap = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.poster = threading.Thread(target=self._poster_loop, name="pipesim-poster", daemon=True)
         self.reaper = threading.Thread(target=self._reaper_loop, name="pipesim-reaper", daemon=True)
-        self.poster.start()
         self.reaper.start()
 
-    def _stop_poster(self):
-        if self.poster is not None:
-            self.outbox.put(None)
-            self.poster.join()
-            self.poster = None
+    def _stop_reaper(self):
         if self.reaper is not None:
             self.reap.put(None)
             self.reaper.join()
@@ -274,14 +224,9 @@ class DistComm:
 
     def take(self, token):
         try:
-            slot = self.recvs.pop(token)
+            work, buf, record = self.recvs.pop(token)
         except KeyError:
             raise RuntimeSemanticsError(f"data of {token} awaited without a posted receive") from None
-        if slot[3] is not None:  # posted by the poster thread
-            slot[3].wait()
-            if self.failure is not None:
-                raise self.failure
-        work, buf, record, _ = slot
         self._wait(work)
         self._stamp(record)
         return buf
@@ -300,8 +245,12 @@ class DistComm:
             works = [dist.all_gather(outs, mine, group=group, async_op=True)]
         else:
             tag = self._collective_tag(token)
-            works = [dist.isend(mine, dst=d, tag=tag) for d in members if d != self.device]
-            works += [dist.irecv(outs[i], src=d, tag=tag) for i, d in enumerate(members) if d != self.device]
+            # each direction on its own connection (see p2p), so the exchange is full duplex
+            up, down = self.p2p[SEND_F], self.p2p[SEND_B]
+            me = self.device
+            works = [dist.isend(mine, dst=d, tag=tag, group=up if d > me else down) for d in members if d != me]
+            works += [dist.irecv(outs[i], src=d, tag=tag, group=up if me > d else down)
+                      for i, d in enumerate(members) if d != me]
         self.gathers[token] = (works, outs, action, stage, record)
 
     def finish(self, token):
@@ -320,8 +269,9 @@ class DistComm:
         flats = [None] * len(reps)
         for i, r in enumerate(by_device):
             flats[reps.index(r)] = outs[i]
-        results = apply_collective(action, flats, self.centres.get(action.stage), self.alpha)
-        write_back(action, stage, results[reps.index(stage.replica)])
+        own = reps.index(stage.replica)
+        results = apply_collective(action, flats, self.centres.get(action.stage), self.alpha, into=flats[own])
+        write_back(action, stage, results[own])
 
     def poll(self):
         if self.sends:
@@ -335,7 +285,7 @@ class DistComm:
                 self.sends = still
 
     def close(self):
-        self._stop_poster()
+        self._stop_reaper()
         for token in list(self.gathers):
             self.finish(token)
         for work, _, record in self.sends:
@@ -410,9 +360,9 @@ def _yield_to_communication() -> None:
     """Lower this (compute) thread's priority below the threads that move data.
 
     Each CPU rank has one core (``launch(pin_cores=True)``), shared by its
-    compute thread, the poster and gloo's I/O thread. At equal priority a
-    send posted after a forward waited for the next backward to give up the
-    core: transfers of 128 KiB took 1.5-3 ms instead of 0.1. Threads started
+    compute thread, gloo's I/O thread and the reaper. At equal priority data
+    that had arrived waited for the computing thread's time slice to end
+    (transfers of 128 KiB took 1.5-3 ms instead of 0.2). Threads started
     earlier keep their priority; only the calling thread is demoted.
     """
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
@@ -461,16 +411,24 @@ def _clock_offset(rank: int, world: int, device: torch.device) -> int:
 
 
 def run_job(ctx, job: Job) -> RunOutput | None:
-    """One job on this rank: build, align clocks, walk, gather to rank 0."""
-    schedule = job.schedule
+    """One job on this rank: build its stages, then :func:`execute`."""
+    where = job.schedule.placement()
+    keys = [k for k, d in where.items() if d == ctx.rank]
+    _, modules, stages, data = build_stages(job, keys, ctx.device)
+    return execute(ctx, job.schedule, stages, data, boundary_specs(modules, data), job.optimizer,
+                   recv_lookahead=job.recv_lookahead, timed=job.timed)
+
+
+def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, specs,
+            optimizer: OptimizerConfig, *, recv_lookahead: int = 1, timed: bool = True) -> RunOutput | None:
+    """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
+
+    ``stages`` are this rank's; ``specs`` the (shape, dtype) of every stage's output.
+    """
     dev = ctx.rank
     device = ctx.device
-    where = schedule.placement()
-    keys = [k for k, d in where.items() if d == dev]
-    _, modules, stages, data = build_stages(job, keys, device)
-    specs = boundary_specs(modules, data)
-    prepare_stages(schedule, stages, job.optimizer)
-    entries = compiled(schedule, job.recv_lookahead)
+    prepare_stages(schedule, stages, optimizer)
+    entries = compiled(schedule, recv_lookahead)
     peers = transfer_peers(schedule, entries)
     if ctx.backend == "nccl":
         check_pair_order(entries, peers)
@@ -481,7 +439,7 @@ def run_job(ctx, job: Job) -> RunOutput | None:
             groups[stage] = g
     warm_up(stages, data, specs, device)
     offset = _clock_offset(ctx.rank, ctx.world_size, device)
-    clock = Clock(device) if job.timed else None
+    clock = Clock(device) if timed else None
     comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, clock, device)
     # activations and gradients travel on process groups of their own: a pair
     # of ranks then has one connection per direction of the pipeline, so a
@@ -490,7 +448,12 @@ def run_job(ctx, job: Job) -> RunOutput | None:
     everyone = list(range(ctx.world_size))
     comm.p2p = {SEND_F: dist.new_group(everyone), SEND_B: dist.new_group(everyone)}
     if ctx.backend == "gloo":
-        comm.start_poster()
+        # The reaper needs the GIL to stamp a send; by default a thread
+        # waiting for it gets it only after the holder has run 5 ms. (Posting
+        # from a thread of its own was tried and dropped: handing sends over
+        # delayed them by up to 6 ms behind the walker.)
+        sys.setswitchinterval(1e-4)
+        comm.start_reaper()
         _yield_to_communication()  # NCCL posts are asynchronous kernel launches already
     ex = DeviceExecutor(dev, entries[dev], stages, data, schedule, comm, clock=clock, peers=peers[dev])
     dist.barrier()
@@ -518,6 +481,13 @@ def worker(ctx, jobs: list[Job]) -> list[RunOutput] | None:
     return outs if ctx.rank == 0 else None
 
 
+def launch_settings(backend: str) -> dict:
+    """How timed runs place their workers (every measurement uses the same):
+    on CPUs, a core per rank, kept awake (see :func:`pipesim.validate.launch.launch`)."""
+    cpu = backend == "gloo"
+    return {"pin_cores": cpu, "keep_cores_awake": cpu}
+
+
 def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1
              ) -> list[RunOutput]:
     """Run jobs of the same device count one after another in one set of worker
@@ -533,9 +503,8 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
             raise ValueError(f"jobs of one launch need the same device count ({n} and {job.schedule.num_devices})")
         validate(job.schedule, deadlock=True)  # a deadlocking schedule is named here, not hung on
         stage_groups(job.schedule)
-    cpu = backend == "gloo"
     results = launch(worker, n, args=(list(jobs),), backend=backend, timeout_s=timeout_s, threads=threads,
-                     pin_cores=cpu, keep_cores_awake=cpu)
+                     **launch_settings(backend))
     return results[0]
 
 

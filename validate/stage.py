@@ -126,7 +126,17 @@ class PipelineStage:
         with torch.no_grad():
             weights = [p.detach().clone() for p in params]
         self.pool = VersionPool(weights)
-        self.grads = [torch.zeros_like(w) for w in weights]
+        # gradients live in one flat buffer when they can, so a collective
+        # ships and reduces them in place, without gathering and scattering
+        self.grad_flat: Tensor | None = None
+        if weights and all(w.dtype == weights[0].dtype for w in weights):
+            self.grad_flat = torch.zeros(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=self.device)
+            self.grads, i = [], 0
+            for w in weights:
+                self.grads.append(self.grad_flat[i:i + w.numel()].view_as(w))
+                i += w.numel()
+        else:
+            self.grads = [torch.zeros_like(w) for w in weights]
         self.accumulated = 0  # micro-batches in self.grads since the last update
         self.optim: OptimizerConfig | None = None
         self.state: dict[str, list[Tensor]] = {}
