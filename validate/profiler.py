@@ -29,6 +29,7 @@ device is a CPU (as each gloo worker runs).
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -202,11 +203,32 @@ def _fresh(model: RealModel) -> RealModel:
 def update_bandwidth(model: RealModel, *, device: torch.device | str = "cpu",
                      settings: ProfileSettings = ProfileSettings(), optimizer: OptimizerConfig = OptimizerConfig()
                      ) -> float:
-    """Bytes/s at which the simulator's update traffic (5 |W|, SGD) matches the measured steps."""
+    """Bytes/s at which the simulator's update traffic (5 |W|, SGD) matches the measured steps.
+
+    The whole model is one stage here, stepped right after its own forward
+    and backward, as a runtime steps a stage after its last backward (the
+    gradients just accumulated are still warm in cache, the optimizer state
+    is not), and in one call: timing each layer's step alone would charge
+    the per-call cost once per layer instead.
+    """
     device = torch.device(device)
-    *_, upd = time_in_model_order(_fresh(model), device, settings, optimizer)
-    params = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
-    return 5 * params / sum(upd)
+    fresh = _fresh(model)
+    whole = _stage(nn.Sequential(*copy.deepcopy(fresh.layers)), True, True, fresh.loss_fn, device, optimizer)
+    data = fresh.data(settings.microbatch_size)
+    times = []
+    repeats = max(3 * settings.repeats, 30)  # a step is short, and noisy
+    for step in range(settings.warmup + repeats):
+        x, y = data.batch(step)
+        whole.forward(Action(F, 0, 0, 0), x.to(device), y.to(device))
+        whole.backward(Action(B, 0, 0, 0), None)
+        whole.accumulated = 4  # as after a mini-batch of micro-batches: scaled once
+        t0 = _now(device)
+        whole.update(Action(UPDATE, 0, None, whole.pool.version + 1))
+        if step >= settings.warmup:
+            times.append(_now(device) - t0)
+        whole.pool.expect(whole.pool.version, 10 ** 9)
+    params = sum(t.numel() * t.element_size() for t in whole.weights())
+    return 5 * params / (statistics.median(times) / 1e9)
 
 
 # ---------------------------------------------------------------- runtime dispatch
