@@ -1,5 +1,17 @@
 """Run pipesim schedules on real devices and reconcile them with the simulator.
 
-Not built yet: the multi-process runtime that executes the schedule IR, the
-profiler and the reconciliation report arrive with the validation-harness issue.
+* :mod:`~pipesim.validate.models`, :mod:`~pipesim.validate.data`: small real
+  models (mlp, gpt-small, vgg-small) as flat layer lists, and bundled data;
+* :mod:`~pipesim.validate.stage`: :class:`PipelineStage`, one stage of one
+  replica with its weight versions, predictions, gradients and optimizer;
+* :mod:`~pipesim.validate.executor`: the walker shared by every executor, and
+  :func:`emulate`, the single-process reference;
+* :mod:`~pipesim.validate.runtime` (with :mod:`~pipesim.validate.launch`): one
+  process per device over torch.distributed;
+* :mod:`~pipesim.validate.profiler`, :mod:`~pipesim.validate.commprofile`:
+  measure the model and the machine for the simulator;
+* :mod:`~pipesim.validate.reconcile`, :mod:`~pipesim.validate.harness`:
+  compare measured with simulated timelines (``pipesim validate``).
+
+Submodules are imported on use; this package itself imports nothing heavy.
 """
