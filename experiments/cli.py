@@ -358,10 +358,21 @@ def cmd_profile(args) -> int:
     print(_table(rows, ["layer", "F ms", "B ms", "params", "output", "stash"], limit=64))
     print(f"per-pass overhead: forward {prof.overhead_forward_s * 1e6:.1f} us, backward "
           f"{prof.overhead_backward_s * 1e6:.1f} us; optimizer bandwidth {hw.device.mem_bandwidth / 1e9:.2f} GB/s")
+    written = "profile.json and hardware.json"
     if hw.intra_node.kind != "ideal":
+        from pipesim.validate.commprofile import measure_allreduce
+        from pipesim.validate.harness import ring_allreduce_prediction
+
         print(f"{args.backend} link: latency {hw.intra_node.latency * 1e6:.1f} us, "
               f"bandwidth {hw.intra_node.bandwidth / 1e9:.3f} GB/s")
-    print(f"wrote {out}/profile.json and {out}/hardware.json "
+        _progress(f"measuring all-reduce over {args.devices} {args.backend} ranks ...")
+        coll = measure_allreduce(args.backend, args.devices)
+        (out / "collectives.json").write_text(json.dumps(coll.to_json(), indent=1) + "\n")
+        written = "profile.json, hardware.json and collectives.json"
+        rows = [[_fmt_bytes(n), f"{t * 1e3:.3f}", f"{ring_allreduce_prediction(hw, args.devices, n) * 1e3:.3f}"]
+                for n, t in zip(coll.sizes, coll.allreduce_s)]
+        print(_table(rows, ["all-reduce size", "measured ms", "ring model ms"], limit=64))
+    print(f"wrote {written} to {out} "
           f"(pipesim simulate --profile {out}/profile.json --hardware {out}/hardware.json)")
     return 0
 

@@ -15,7 +15,7 @@ from pipesim.sim.hardware import load_hardware
 from pipesim.sim.ir import Op, ScheduleError
 from pipesim.sim.partition import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
-from pipesim.validate.executor import compiled, emulate
+from pipesim.validate.executor import compiled, emulate, iteration_losses
 from pipesim.validate.runtime import (
     Job,
     build_stages,
@@ -134,3 +134,54 @@ def test_a_deadlocking_schedule_is_refused_before_any_process_starts():
     job = Job(schedule=bad, model="mlp", starts=(0, 3), microbatch_size=4, width=8, depth=4)
     with pytest.raises(ScheduleError):
         run_many([job], timeout_s=30)
+
+
+def _stages_for(job, keys, device="cpu"):
+    return build_stages(job, keys, torch.device(device))
+
+
+def test_schedule_step_twice_equals_one_run_twice_as_long():
+    from pipesim.validate.schedule import PipelineSchedule
+
+    for strategy in ("1f1b", "data-parallel"):
+        short = job_for(strategy, 2, {}, m=4)
+        sched2 = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=4))
+        long = Job(schedule=sched2, model="mlp", starts=short.starts, microbatch_size=8, width=32, depth=4,
+                   optimizer=short.optimizer)
+        _, _, stages, data = _stages_for(short, short.schedule.placement())
+        runner = PipelineSchedule(short.schedule, stages.values(), short.optimizer)
+        first, second = runner.step(data), runner.step(data)
+        want = reference(long)
+        got = runner.output
+        assert first + second == iteration_losses(want.losses, sched2.num_microbatches)
+        for key, w in want.weights.items():
+            for name, t in w.items():
+                assert torch.equal(got.weights[key][name], t), (strategy, key, name)
+
+
+def _torch_style_worker(ctx, job):
+    from pipesim.validate.schedule import PipelineSchedule
+
+    keys = [k for k, d in job.schedule.placement().items() if d == ctx.rank]
+    _, _, stages, data = build_stages(job, keys, ctx.device)
+    runner = PipelineSchedule(job.schedule, stages.values(), job.optimizer)
+    return runner.step(data), runner.step(data)
+
+
+@pytest.mark.multiprocess
+def test_schedule_step_runs_distributed_inside_a_process_group():
+    from pipesim.validate.launch import launch
+    from pipesim.validate.schedule import PipelineSchedule
+
+    job = job_for("pipedream-2bw", 2, {}, m=4)
+    got = launch(_torch_style_worker, 2, args=(job,), timeout_s=120)
+    assert got[1] == (None, None)
+    _, _, stages, data = build_stages(job, job.schedule.placement(), torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = PipelineSchedule(job.schedule, stages.values(), job.optimizer)
+        want = (runner.step(data), runner.step(data))
+    finally:
+        torch.set_num_threads(threads)
+    assert got[0] == want

@@ -479,7 +479,8 @@ def execution_events(entries: list[list], timeline) -> list[list[tuple[float, in
 
 
 def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, optim: OptimizerConfig,
-            timeline, *, recv_lookahead: int = 1, timed: bool = False, progress=None) -> RunOutput:
+            timeline, *, recv_lookahead: int = 1, timed: bool = False, progress=None,
+            centres: dict[int, Tensor] | None = None) -> RunOutput:
     """Run every device's program in one process, in ``timeline``'s order.
 
     ``stages`` holds a :class:`PipelineStage` for every (replica, stage) of
@@ -492,7 +493,7 @@ def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], da
         raise ValueError(f"no PipelineStage for (replica, stage) {missing[0]}")
     prepare_stages(schedule, stages, optim)
     entries = compiled(schedule, recv_lookahead)
-    comm = LocalComm(schedule, initial_centres(schedule, stages))
+    comm = LocalComm(schedule, initial_centres(schedule, stages) if centres is None else centres)
     device = next(iter(stages.values())).device
     clock = Clock(device) if timed else None
     comm.clock = clock

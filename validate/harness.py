@@ -173,6 +173,11 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int) ->
     return Hardware.from_json(d)
 
 
+def ring_allreduce_prediction(hw: Hardware, devices: int, nbytes: int) -> float:
+    """What the simulator charges for an all-reduce of ``nbytes`` over the first ``devices`` devices."""
+    return hw.ring_allreduce_time(list(range(devices)), nbytes)
+
+
 def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
     """The predicted compute actions laid end to end in the order the
     single-device run executed them (what single-device mode can predict)."""

@@ -133,7 +133,7 @@ class DistComm:
 
     def __init__(self, schedule: Schedule, device: int, stages: dict[tuple[int, int], PipelineStage],
                  peers: dict[tuple, int], specs, groups: dict[int, object], clock: Clock | None,
-                 torch_device: torch.device):
+                 torch_device: torch.device, centres: dict | None = None):
         self.schedule = schedule
         self.device = device
         self.stages = stages
@@ -144,7 +144,7 @@ class DistComm:
         self.torch_device = torch_device
         self.replicas = stage_replicas(schedule)
         self.alpha = float(schedule.options.get("alpha", 0.0) or 0.0)
-        self.centres = initial_centres(schedule, stages)
+        self.centres = initial_centres(schedule, stages) if centres is None else centres
         self.local = LocalComm(schedule, self.centres)
         self.local.clock = clock
         self.sends: list[tuple] = []  # (work, tensor, record)
@@ -420,7 +420,8 @@ def run_job(ctx, job: Job) -> RunOutput | None:
 
 
 def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, specs,
-            optimizer: OptimizerConfig, *, recv_lookahead: int = 1, timed: bool = True) -> RunOutput | None:
+            optimizer: OptimizerConfig, *, recv_lookahead: int = 1, timed: bool = True,
+            centres: dict | None = None) -> RunOutput | None:
     """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
 
     ``stages`` are this rank's; ``specs`` the (shape, dtype) of every stage's output.
@@ -440,7 +441,7 @@ def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage
     warm_up(stages, data, specs, device)
     offset = _clock_offset(ctx.rank, ctx.world_size, device)
     clock = Clock(device) if timed else None
-    comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, clock, device)
+    comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, clock, device, centres)
     # activations and gradients travel on process groups of their own: a pair
     # of ranks then has one connection per direction of the pipeline, so a
     # gradient sent back never queues behind an activation arriving (gloo
