@@ -336,22 +336,20 @@ def cmd_profile(args) -> int:
     import json
 
     from pipesim.sim.workload import save_profile
-    from pipesim.validate.harness import ValidateConfig, hardware_for, profile, torch_device
+    from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, torch_device
 
     cfg = ValidateConfig(strategy="gpipe", model=args.model, backend=args.backend,
                          microbatch_size=args.microbatch_size, model_width=args.model_width,
                          model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
     device = torch_device(args.backend)
-    from pipesim.validate.models import build_model
-
-    build_model(args.model, width=args.model_width, depth=args.model_depth, seed=args.seed)
+    model = model_of(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
-    prof = profile(cfg, device)
+    prof = profile(cfg, device, model=model)
     save_profile(prof, out / "profile.json")
     _progress(f"measuring {args.backend} point-to-point links and the optimizer's bandwidth ...")
-    hw = hardware_for(cfg, device, args.devices)
+    hw = hardware_for(cfg, device, args.devices, model=model)
     (out / "hardware.json").write_text(json.dumps(hw.to_json(), indent=1) + "\n")
     rows = [[la.name, f"{la.forward_s * 1e3:.3f}", f"{la.backward_s * 1e3:.3f}", _fmt_bytes(la.param_bytes),
              _fmt_bytes(la.activation_bytes), _fmt_bytes(la.stash_bytes)] for la in prof.layers]

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import plotly.graph_objects as go
 from pipesim.experiments.export import png_supported, write_png
-from pipesim.experiments.timeline import IDLE_COLOR, OP_ORDER, PALETTE
+from pipesim.experiments.timeline import OP_ORDER, PALETTE, apply_timeline_layout
 from pipesim.sim.results import SimResult, Span
 from pipesim.sim.trace import chrome_trace, dumps
 
@@ -151,23 +151,8 @@ def overlay_figure(
                  f"simulated {ms_p:.4g} ms ({err})"
                  + (f" · {len(flags)} flagged" if flags else ""))
     labels = row_labels(n_dev)
-    n_rows = len(labels)
-    x_max = max(ms_m, ms_p)
-    fig.update_layout(
-        title={"text": title},
-        barmode="overlay",
-        plot_bgcolor=IDLE_COLOR,
-        paper_bgcolor="white",
-        height=int(170 + 34 * max(n_rows, 1)),
-        margin={"l": 10, "r": 10, "t": 80, "b": 50},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
-                "title": {"text": "action"}},
-        hoverlabel={"align": "left"},
-        xaxis={"title": {"text": "time (ms)"}, "range": [0, x_max if x_max > 0 else 1],
-               "showgrid": False, "zeroline": False},
-        yaxis={"tickmode": "array", "tickvals": list(range(n_rows)), "ticktext": labels,
-               "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
-    )
+    apply_timeline_layout(fig, title=title, tickvals=list(range(len(labels))), ticktext=labels,
+                          x_max_ms=max(ms_m, ms_p))
     # a faint line between devices, so each measured/simulated pair reads as one
     for d in range(1, n_dev):
         fig.add_hline(y=2 * d - 0.5, line={"color": "#BBBBBB", "width": 1})

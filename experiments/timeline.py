@@ -83,6 +83,27 @@ def _hovertemplate(op: Op, all_versions: bool, comm: bool) -> str:
     return "<br>".join(lines) + "<extra>%{fullData.name}</extra>"
 
 
+def apply_timeline_layout(fig: go.Figure, *, title: str, tickvals: list, ticktext: list, x_max_ms: float) -> None:
+    """The look every timeline shares: rows top to bottom on an idle-coloured
+    background, time in ms, the legend of actions on top."""
+    n_rows = len(tickvals)
+    fig.update_layout(
+        title={"text": title},
+        barmode="overlay",
+        plot_bgcolor=IDLE_COLOR,
+        paper_bgcolor="white",
+        height=int(170 + 34 * max(n_rows, 1)),
+        margin={"l": 10, "r": 10, "t": 80, "b": 50},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
+                "title": {"text": "action"}},
+        hoverlabel={"align": "left"},
+        xaxis={"title": {"text": "time (ms)"}, "range": [0, x_max_ms if x_max_ms > 0 else 1],
+               "showgrid": False, "zeroline": False},
+        yaxis={"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
+               "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
+    )
+
+
 def timeline_figure(
     result: SimResult,
     title: str | None = None,
@@ -188,22 +209,7 @@ def timeline_figure(
             + (f", {sched.num_replicas} replicas" if sched.num_replicas > 1 else "")
             + f" · makespan {makespan_ms:.4g} ms · bubble {100 * overall:.1f}%"
         )
-    n_rows = len(tickvals)
-    fig.update_layout(
-        title={"text": title},
-        barmode="overlay",
-        plot_bgcolor=IDLE_COLOR,
-        paper_bgcolor="white",
-        height=int(170 + 34 * max(n_rows, 1)),
-        margin={"l": 10, "r": 10, "t": 80, "b": 50},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
-                "title": {"text": "action"}},
-        hoverlabel={"align": "left"},
-        xaxis={"title": {"text": "time (ms)"}, "range": [0, makespan_ms if makespan_ms > 0 else 1],
-               "showgrid": False, "zeroline": False},
-        yaxis={"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
-               "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
-    )
+    apply_timeline_layout(fig, title=title, tickvals=tickvals, ticktext=ticktext, x_max_ms=makespan_ms)
     if comm_dropped:
         fig.add_annotation(
             text=(f"communication rows omitted: {comm_dropped} transfer/collective spans "

@@ -66,7 +66,26 @@ class _Readers:
         return False
 
 
-class WeightStash:
+class _VersionHolder:
+    """What every version holder answers the same way, from its ``_Readers``."""
+
+    _r: _Readers
+
+    @property
+    def version(self) -> int:
+        return self._r.version
+
+    @property
+    def held(self) -> list[int]:
+        """Versions held (current included), oldest first."""
+        return self._r.held()
+
+    def readers(self, version: int) -> int:
+        self._r.check_held(version)
+        return self._r.readers[version]
+
+
+class WeightStash(_VersionHolder):
     """PipeDream weight stashing: a forward and its backward read the same version.
 
     ``tensors`` are the live weights, which are version ``version``. A pass
@@ -91,21 +110,8 @@ class WeightStash:
         self._free: list[list[Tensor]] = []
         self._allocated = 0
 
-    @property
-    def version(self) -> int:
-        return self._r.version
-
-    @property
-    def held(self) -> list[int]:
-        """Versions held (current included), oldest first."""
-        return self._r.held()
-
     def __len__(self) -> int:
         return len(self._r.readers)
-
-    def readers(self, version: int) -> int:
-        self._r.check_held(version)
-        return self._r.readers[version]
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +158,7 @@ class WeightStash:
         return empty_like_all(self._live)
 
 
-class DoubleBuffer:
+class DoubleBuffer(_VersionHolder):
     """PipeDream-2BW: the current weights and a shadow holding the previous version.
 
     ``tensors`` become the current buffer (no copy); the shadow is allocated
@@ -172,10 +178,6 @@ class DoubleBuffer:
         self._r = _Readers(int(version))
 
     @property
-    def version(self) -> int:
-        return self._r.version
-
-    @property
     def current(self) -> list[Tensor]:
         return self._bufs[self._cur]
 
@@ -188,14 +190,6 @@ class DoubleBuffer:
     def shadow_version(self) -> int | None:
         prev = self._r.version - 1
         return prev if prev in self._r.readers else None
-
-    @property
-    def held(self) -> list[int]:
-        return self._r.held()
-
-    def readers(self, version: int) -> int:
-        self._r.check_held(version)
-        return self._r.readers[version]
 
     def acquire(self, version: int | None = None) -> int:
         """Register a reader of the current version, or of the shadow's (2BW reads t−1)."""
@@ -241,7 +235,7 @@ class DoubleBuffer:
         return self.update(write)
 
 
-class VersionPool:
+class VersionPool(_VersionHolder):
     """Weight versions in buffers that never move, for readers announced ahead.
 
     ``tensors`` are version ``version`` (no copy). A runtime driven by a
@@ -268,14 +262,6 @@ class VersionPool:
         self._allocated = 1
 
     @property
-    def version(self) -> int:
-        return self._r.version
-
-    @property
-    def held(self) -> list[int]:
-        return self._r.held()
-
-    @property
     def buffers(self) -> int:
         """Buffers allocated (held or free), the live one included."""
         return self._allocated
@@ -284,10 +270,6 @@ class VersionPool:
     def nbytes(self) -> int:
         per = sum(t.numel() * t.element_size() for t in self._bufs[self.version])
         return per * self._allocated
-
-    def readers(self, version: int) -> int:
-        self._r.check_held(version)
-        return self._r.readers[version]
 
     def expect(self, version: int | None = None, count: int = 1) -> int:
         """Announce ``count`` future reads of ``version`` (default: current)."""

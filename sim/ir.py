@@ -281,6 +281,17 @@ class Schedule:
     __hash__ = None  # type: ignore[assignment]
 
 
+def shift_versions(schedule: Schedule, by: int) -> Schedule:
+    """The same schedule reading and producing versions ``by`` later: what a
+    run that continues training from ``by`` applied updates executes.
+    (Validation assumes a run starts at version 0, so only executors use this.)"""
+    if not by:
+        return schedule
+    return schedule.with_programs(
+        tuple(a._replace(version=a.version + by) if a.version is not None else a for a in prog)
+        for prog in schedule.programs)
+
+
 # --------------------------------------------------------------------------
 # CSV interchange
 # --------------------------------------------------------------------------

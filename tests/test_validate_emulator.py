@@ -14,7 +14,7 @@ import pytest
 import torch
 from pipesim.sim.engine import simulate
 from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import Action, F, Op, ScheduleError
+from pipesim.sim.ir import Action, Op
 from pipesim.sim.partition import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.validate.executor import emulate, iteration_losses

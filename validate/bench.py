@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipesim.sim.hardware import load_hardware
 from pipesim.sim.workload import save_profile
 
 #: (strategy, extra ScheduleSpec options, replicas): every strategy on two devices
@@ -46,7 +45,7 @@ def _say(msg: str) -> None:
 
 def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
         repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None) -> dict:
-    from pipesim.validate.harness import ValidateConfig, hardware_for, profile, run_validation, torch_device
+    from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
 
     base = ValidateConfig(strategy="1f1b", stages=2, microbatches=microbatches, model=model, backend=backend,
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
@@ -54,10 +53,10 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     device = torch_device(backend)
     tmp = Path(tempfile.mkdtemp(prefix="pipesim-bench-"))
     _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
-    save_profile(profile(base, device), tmp / "profile.json")
-    hw = hardware_for(base, device, 2)
+    real = model_of(base)
+    save_profile(profile(base, device, model=real), tmp / "profile.json")
+    hw = hardware_for(base, device, 2, model=real)
     (tmp / "hardware.json").write_text(json.dumps(hw.to_json()))
-    load_hardware(str(tmp / "hardware.json"))
     rows = []
     chosen = [s for s in STRATEGIES if strategies is None or s[0] in strategies]
     for i, (name, options, replicas) in enumerate(chosen, 1):

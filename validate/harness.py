@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 from pipesim.sim.engine import simulate as run_engine
@@ -39,7 +38,7 @@ from pipesim.sim.results import SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workload import Profile, load_profile
 from pipesim.validate.executor import emulate, iteration_losses
-from pipesim.validate.models import build_model
+from pipesim.validate.models import RealModel, build_model
 from pipesim.validate.profiler import ProfileSettings, profile_model, update_bandwidth
 from pipesim.validate.reconcile import compare, measured_result
 from pipesim.validate.runtime import Job, build_stages, run_distributed
@@ -116,12 +115,17 @@ def build(cfg: ValidateConfig) -> Schedule:
     return build_schedule(spec)
 
 
-def profile(cfg: ValidateConfig, device: torch.device, progress=None) -> Profile:
+def model_of(cfg: ValidateConfig) -> RealModel:
+    """The real model ``cfg`` names (a one-line :class:`ModelError` if it cannot be built)."""
+    return build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+
+
+def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: RealModel | None = None) -> Profile:
     """The model's per-layer costs on ``device``; with a distributed backend,
     the per-pass overhead is the runtime's measured cost per pass when
     passing tensors of the model's typical boundary size
     (:func:`~pipesim.validate.profiler.measure_dispatch`)."""
-    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    model = model or model_of(cfg)
     settings = ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=cfg.profile_repeats)
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -142,11 +146,12 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None) -> Profile
     return prof
 
 
-def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int) -> Hardware:
+def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
+                 model: RealModel | None = None) -> Hardware:
     """This machine as the simulator sees it: measured links and update bandwidth."""
     from pipesim.validate.commprofile import hardware_json, measure_p2p
 
-    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    model = model or model_of(cfg)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -208,7 +213,7 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     schedule = build(cfg)
     check_machine(cfg, schedule)
     device = torch_device(cfg.backend)
-    model = build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    model = model_of(cfg)
     if schedule.num_stages > model.num_layers:  # fail before any measuring
         raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
                             f"{model.num_layers} (raise --model-depth)")
@@ -219,12 +224,12 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
             prof = replace(prof, microbatch_size=cfg.microbatch_size)
     else:
         say(f"profiling {cfg.model} layers on {device} ...")
-        prof = profile(cfg, device)
+        prof = profile(cfg, device, model=model)
     if cfg.hardware_path:
         hw = load_hardware(cfg.hardware_path)
     else:
         say(f"measuring {cfg.backend} links and the optimizer's bandwidth ...")
-        hw = hardware_for(cfg, device, schedule.num_devices)
+        hw = hardware_for(cfg, device, schedule.num_devices, model=model)
     if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
         raise ValidateError(f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs "
                             f"{schedule.num_devices}")

@@ -36,7 +36,6 @@ Records are gathered to rank 0 and returned.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import socket
@@ -48,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from pipesim.sim.ir import SEND_B, SEND_F, Schedule, ScheduleError
+from pipesim.sim.ir import COLLECTIVE_OPS, SEND_B, SEND_F, Schedule, ScheduleError
 from pipesim.validate.executor import (
     Clock,
     DeviceExecutor,
@@ -132,7 +131,8 @@ class DistComm:
     """The IR's communication on torch.distributed (see the module doc)."""
 
     def __init__(self, schedule: Schedule, device: int, stages: dict[tuple[int, int], PipelineStage],
-                 peers: dict[tuple, int], specs, groups: dict[int, object], clock: Clock | None,
+                 peers: dict[tuple, int], specs, groups: dict[int, object], members: dict[int, list[int]],
+                 clock: Clock | None,
                  torch_device: torch.device, centres: dict | None = None):
         self.schedule = schedule
         self.device = device
@@ -151,11 +151,10 @@ class DistComm:
         self.recvs: dict[tuple, tuple] = {}  # token -> (work, buffer, record)
         self.gathers: dict[tuple, tuple] = {}  # token -> (work, outs, action, stage, record)
         self.records: list[Record] = []
-        self.members = stage_groups(schedule)
+        self.members = members  # stage -> devices of its collectives (stage_groups)
         self.p2p = {SEND_F: None, SEND_B: None}
         self.reaper = None
         self.failure: BaseException | None = None
-        self.lock = contextlib.nullcontext()
 
     def _tag(self, token):
         return transfer_tag(token, self.schedule.num_replicas, self.schedule.num_stages)
@@ -182,8 +181,7 @@ class DistComm:
         if self.reaper is not None:
             self.reap.put((work, tensor, record))
         else:
-            with self.lock:
-                self.sends.append((work, tensor, record))
+            self.sends.append((work, tensor, record))
 
     def recv(self, token, action, record=None):
         kind, rep, stage, mb = token
@@ -232,7 +230,6 @@ class DistComm:
         return buf
 
     def collective(self, token, action, stage, record=None):
-        devices = self.replicas[action.stage]
         group = self.groups.get(action.stage)
         if group is None:  # every replica of this stage lives here
             self.local.collective(token, action, stage, record)
@@ -274,15 +271,15 @@ class DistComm:
         write_back(action, stage, results[own])
 
     def poll(self):
+        """NCCL: stamp the sends that completed (gloo's go through the reaper)."""
         if self.sends:
-            with self.lock:
-                still = []
-                for s in self.sends:
-                    if s[0].is_completed():
-                        self._stamp(s[2])
-                    else:
-                        still.append(s)
-                self.sends = still
+            still = []
+            for s in self.sends:
+                if s[0].is_completed():
+                    self._stamp(s[2])
+                else:
+                    still.append(s)
+            self.sends = still
 
     def close(self):
         self._stop_reaper()
@@ -304,10 +301,11 @@ def stage_groups(schedule: Schedule) -> dict[int, list[int]]:
     (shared AvgPipe) need no group.
     """
     where = schedule.placement()
-    has_coll = {a.stage for prog in schedule.programs for a in prog if a.op.name in ("REDUCE_GRAD", "AVERAGE")}
+    replicas = stage_replicas(schedule)
+    has_coll = {a.stage for prog in schedule.programs for a in prog if a.op in COLLECTIVE_OPS}
     out = {}
     for stage in sorted(has_coll):
-        devs = [where[(r, stage)] for r in sorted(r for (r, s) in where if s == stage)]
+        devs = [where[(r, stage)] for r in replicas[stage]]
         if len(set(devs)) == 1:
             continue
         if len(set(devs)) != len(devs):
@@ -382,7 +380,7 @@ def warm_up(stages: dict[tuple[int, int], PipelineStage], data, specs, device: t
         torch.cuda.synchronize(device)
 
 
-def _clock_offset(rank: int, world: int, device: torch.device) -> int:
+def _clock_offset(rank: int, world: int) -> int:
     """ns to add to this rank's stamps to put them on rank 0's clock."""
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
@@ -390,7 +388,6 @@ def _clock_offset(rank: int, world: int, device: torch.device) -> int:
         return 0  # one host: CLOCK_MONOTONIC is shared by every process
     best = (None, 0)
     buf = torch.zeros(1, dtype=torch.int64)
-    offsets = [0] * world
     for peer in range(1, world):
         for _ in range(8):
             if rank == peer:
@@ -405,9 +402,7 @@ def _clock_offset(rank: int, world: int, device: torch.device) -> int:
                 dist.recv(buf, peer)
                 buf.fill_(time.perf_counter_ns())
                 dist.send(buf, peer)
-    if rank:
-        offsets[rank] = best[1]
-    return offsets[rank]
+    return best[1]  # rank 0's own offset stays 0
 
 
 def run_job(ctx, job: Job) -> RunOutput | None:
@@ -433,15 +428,16 @@ def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage
     peers = transfer_peers(schedule, entries)
     if ctx.backend == "nccl":
         check_pair_order(entries, peers)
+    members = stage_groups(schedule)
     groups = {}
-    for stage, devs in stage_groups(schedule).items():  # every rank creates every group, in order
+    for stage, devs in members.items():  # every rank creates every group, in order
         g = dist.new_group(devs)
         if dev in devs:
             groups[stage] = g
     warm_up(stages, data, specs, device)
-    offset = _clock_offset(ctx.rank, ctx.world_size, device)
+    offset = _clock_offset(ctx.rank, ctx.world_size)
     clock = Clock(device) if timed else None
-    comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, clock, device, centres)
+    comm = DistComm(schedule, dev, stages, peers[dev], specs, groups, members, clock, device, centres)
     # activations and gradients travel on process groups of their own: a pair
     # of ranks then has one connection per direction of the pipeline, so a
     # gradient sent back never queues behind an activation arriving (gloo

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from pipesim.sim.ir import UPDATE, Schedule
+from pipesim.sim.ir import UPDATE, Schedule, shift_versions
 from pipesim.validate.executor import RunOutput, emulate, initial_centres, iteration_losses
-from pipesim.validate.stage import OptimizerConfig, PipelineStage
+from pipesim.validate.stage import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,6 @@ class _Offset:
 
     def batch(self, index):
         return self.data.batch(index + self.offset)
-
-
-def shift_versions(schedule: Schedule, by: int) -> Schedule:
-    """The same schedule reading and producing versions ``by`` later."""
-    if not by:
-        return schedule
-    return schedule.with_programs(
-        tuple(a._replace(version=a.version + by) if a.version is not None else a for a in prog)
-        for prog in schedule.programs)
 
 
 class PipelineSchedule:
