@@ -46,8 +46,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InputError
 
-class HardwareError(ValueError):
+
+class HardwareError(InputError):
     """A hardware description is unknown, malformed, or too small for a schedule."""
 
 

@@ -56,8 +56,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from .errors import InputError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(InputError):
     """A schedule is malformed, inconsistent or would deadlock."""
 
 

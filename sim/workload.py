@@ -41,12 +41,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InputError
+
 #: Optimizer state kept per weight byte: SGD with momentum keeps one
 #: momentum buffer, Adam two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"sgd": 1, "adam": 2}
 
 
-class WorkloadError(ValueError):
+class WorkloadError(InputError):
     """A profile, catalog name or partition request is invalid."""
 
 

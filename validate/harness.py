@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.errors import InputError
 from pipesim.sim.hardware import Hardware, load_hardware
 from pipesim.sim.ir import Schedule
 from pipesim.sim.metrics import round_sig
@@ -47,7 +48,7 @@ from pipesim.validate.stage import OptimizerConfig
 BACKENDS = ("gloo", "nccl", "single")
 
 
-class ValidateError(ValueError):
+class ValidateError(InputError):
     """A validation run this machine cannot do, or bad arguments (one line)."""
 
 

@@ -94,6 +94,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from pipesim.sim.errors import RunError
 
 __all__ = ["BACKENDS", "LaunchContext", "LaunchTimeout", "WorkerError", "launch"]
 
@@ -107,7 +108,7 @@ _TERM_GRACE_S = 2.0
 _EXIT_GRACE_S = 10.0
 
 
-class WorkerError(RuntimeError):
+class WorkerError(RunError):
     """A worker raised or died; the first line of ``str()`` says which and why.
 
     ``traceback`` is the worker's formatted traceback text ("" when it died
@@ -153,7 +154,7 @@ def _rebuild_worker_error(rank, summary, tb, exc_type, exitcode, others):
     return WorkerError(rank, summary, tb, exc_type=exc_type, exitcode=exitcode, others=others)
 
 
-class LaunchTimeout(TimeoutError):
+class LaunchTimeout(RunError, TimeoutError):
     """Not every rank returned within ``timeout_s``; ``ranks`` are the ones that had not."""
 
     def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:

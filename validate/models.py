@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pipesim.sim.errors import InputError
 from pipesim.validate import data as _data
 from torch import nn
 
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 
-class ModelError(ValueError):
+class ModelError(InputError):
     """A model name or size the catalog cannot build."""
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..errors import InputError
 from pipesim.sim.ir import AVERAGE, REDUCE_GRAD, UPDATE, Action, B, F, Op, Schedule, W
 
 
-class StrategyError(ValueError):
+class StrategyError(InputError):
     """A schedule spec that no strategy can build (one-line message)."""
 
 
