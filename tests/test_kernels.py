@@ -35,6 +35,9 @@ from pipesim.kernels import foreach
 from pipesim.kernels.bench import model_shapes
 from pipesim.kernels.bench import run as bench_run
 
+#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+pytestmark = pytest.mark.numerics
+
 SETTINGS = settings(max_examples=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 

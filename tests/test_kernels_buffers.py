@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 from pipesim.kernels import DoubleBuffer, StashFullError, VersionPool, WeightStash
 
+#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+pytestmark = pytest.mark.numerics
+
 SHAPES = [(3, 2), (5,), ()]
 
 

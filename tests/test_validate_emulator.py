@@ -21,6 +21,9 @@ from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import nn
 
+#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+pytestmark = pytest.mark.numerics
+
 D, CLASSES, BATCH = 12, 3, 4
 LR, MOM = 0.1, 0.9
 loss_fn = nn.CrossEntropyLoss()

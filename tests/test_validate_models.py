@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from pipesim.validate import data
+from pipesim.validate.numerics import intra_op_threads
 from pipesim.validate.models import (
     LayerStats,
     ModelError,
@@ -25,10 +26,8 @@ ALL_MODELS = ["gpt-small", "mlp", "vgg-small"]
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Intra-op threads buy nothing on these small tensors, and on a loaded machine they spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module", params=ALL_MODELS)

@@ -1,8 +1,19 @@
 """The distributed runtime against the emulator: same IR, same numbers.
 
 Bit-identical final weights, losses and weight versions on CPU for every
-strategy (2 devices), and a few 3- and 4-device schedules. Jobs of one
+strategy (2 devices), and a few 3- and 4-device schedules, and
+``PipelineSchedule.step()`` twice against one run twice as long. Jobs of one
 device count share one launch, because starting workers is what costs.
+
+Why exact equality is the right assertion here, on any CPU: both sides run
+the same operations on the same shapes in the same order, reduce across
+replicas in pipesim's own replica order, and compute with the same intra-op
+thread count on the same machine (the argument in full, point by point, is
+:mod:`pipesim.validate.numerics`). A difference in the last bit therefore
+means one of those points broke, which is a bug, not rounding. CI runs this
+module under ``ATEN_CPU_CAPABILITY=default`` and ``avx2`` as well, so a
+result that depends on the vector width fails everywhere, not only on the
+machine whose kernels happen to expose it.
 """
 
 from __future__ import annotations
@@ -24,7 +35,11 @@ from pipesim.validate.runtime import (
     transfer_peers,
     transfer_tag,
 )
-from pipesim.validate.stage import OptimizerConfig
+from pipesim.validate.numerics import EXECUTOR_THREADS
+from pipesim.validate.stage import OptimizerConfig, PipelineStage
+
+#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+pytestmark = pytest.mark.numerics
 
 STARTS = {1: (0,), 2: (0, 3), 3: (0, 2, 4), 4: (0, 1, 3, 4)}
 
@@ -49,12 +64,7 @@ def reference(job):
     sched = job.schedule
     timeline = simulate(sched, stage_costs_uniform(sched.num_stages), load_hardware("ideal"))
     _, _, stages, data = build_stages(job, sched.placement(), torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' setting: results are bit-identical per thread count
-    try:
-        return emulate(sched, stages, data, job.optimizer, timeline)
-    finally:
-        torch.set_num_threads(threads)
+    return emulate(sched, stages, data, job.optimizer, timeline)
 
 
 def assert_same(got, want):
@@ -177,11 +187,39 @@ def test_schedule_step_runs_distributed_inside_a_process_group():
     got = launch(_torch_style_worker, 2, args=(job,), timeout_s=120)
     assert got[1] == (None, None)
     _, _, stages, data = build_stages(job, job.schedule.placement(), torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        runner = PipelineSchedule(job.schedule, stages.values(), job.optimizer)
-        want = (runner.step(data), runner.step(data))
-    finally:
-        torch.set_num_threads(threads)
+    runner = PipelineSchedule(job.schedule, stages.values(), job.optimizer)
+    want = (runner.step(data), runner.step(data))
     assert got[0] == want
+
+
+def test_every_executor_computes_with_the_workers_thread_count(monkeypatch):
+    """Point 4 of the bit-identity argument: a GEMM's result depends on the
+    intra-op thread count, so the emulator and ``step()`` must compute with
+    the count the distributed workers use, whatever the caller has set, and
+    give the caller's setting back afterwards."""
+    from pipesim.validate.schedule import PipelineSchedule
+
+    seen = []
+    forward = PipelineStage.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineStage, "forward", spy)
+    job = job_for("1f1b", 2, {}, m=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(EXECUTOR_THREADS + 1)
+    try:
+        reference(job)
+        _, _, stages, data = _stages_for(job, job.schedule.placement())
+        PipelineSchedule(job.schedule, stages.values(), job.optimizer).step(data)
+        assert torch.get_num_threads() == EXECUTOR_THREADS + 1
+        _, _, stages, data = _stages_for(job, job.schedule.placement())
+        free = PipelineSchedule(job.schedule, stages.values(), job.optimizer, threads=None)
+        n = len(seen)
+        free.step(data)
+    finally:
+        torch.set_num_threads(before)
+    assert seen[:n] == [EXECUTOR_THREADS] * n and n > 0
+    assert set(seen[n:]) == {EXECUTOR_THREADS + 1}

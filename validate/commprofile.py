@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from pipesim.sim.hardware import Hardware
 from pipesim.validate.launch import LaunchContext, launch
+from pipesim.validate.numerics import intra_op_threads
 
 __all__ = [
     "DEFAULT_COLLECTIVE_SIZES",
@@ -466,8 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.backend == "nccl":
         mem = measure_memory_bandwidth("cuda")
     else:
-        torch.set_num_threads(1)  # what each launched CPU rank uses
-        mem = measure_memory_bandwidth("cpu")
+        with intra_op_threads():  # what each launched CPU rank uses
+            mem = measure_memory_bandwidth("cpu")
     print(json.dumps({"p2p": p2p.to_json(), "allreduce": ar.to_json(), "mem_bandwidth_Bps": mem,
                       "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
     return 0

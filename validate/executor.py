@@ -50,6 +50,7 @@ from pipesim.sim.ir import (
     W,
 )
 from pipesim.sim.lowering import plan
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import Tensor
 
@@ -480,14 +481,23 @@ def execution_events(entries: list[list], timeline) -> list[list[tuple[float, in
 
 def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, optim: OptimizerConfig,
             timeline, *, recv_lookahead: int = 1, timed: bool = False, progress=None,
-            centres: dict[int, Tensor] | None = None) -> RunOutput:
+            centres: dict[int, Tensor] | None = None, threads: int | None = EXECUTOR_THREADS) -> RunOutput:
     """Run every device's program in one process, in ``timeline``'s order.
 
     ``stages`` holds a :class:`PipelineStage` for every (replica, stage) of
     the schedule (they may share one device: the single-device mode).
     ``timeline`` is a :class:`~pipesim.sim.results.SimResult` of the same
     schedule; with ``timed`` every action is timed on the stages' device.
+    ``threads`` is the intra-op thread count to compute with: the default
+    is the distributed workers', which makes the result bit-identical to
+    theirs (:mod:`pipesim.validate.numerics`); ``None`` keeps torch's setting.
     """
+    with intra_op_threads(threads):
+        return _emulate(schedule, stages, data, optim, timeline, recv_lookahead=recv_lookahead, timed=timed,
+                        progress=progress, centres=centres)
+
+
+def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres) -> RunOutput:
     missing = sorted(set(schedule.placement()) - set(stages))
     if missing:
         raise ValueError(f"no PipelineStage for (replica, stage) {missing[0]}")

@@ -40,6 +40,7 @@ from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workload import Profile, load_profile
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.models import RealModel, build_model
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.profiler import ProfileSettings, profile_model, update_bandwidth
 from pipesim.validate.reconcile import compare, measured_result
 from pipesim.validate.runtime import Job, build_stages, run_distributed
@@ -116,6 +117,12 @@ def build(cfg: ValidateConfig) -> Schedule:
     return build_schedule(spec)
 
 
+def _executor_threads(device: torch.device) -> int | None:
+    """Intra-op threads to measure and run with on ``device``: a CPU
+    worker's count (what every rank computes with), torch's own on a GPU."""
+    return EXECUTOR_THREADS if device.type == "cpu" else None
+
+
 def model_of(cfg: ValidateConfig) -> RealModel:
     """The real model ``cfg`` names (a one-line :class:`ModelError` if it cannot be built)."""
     return build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
@@ -128,13 +135,8 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
     (:func:`~pipesim.validate.profiler.measure_dispatch`)."""
     model = model or model_of(cfg)
     settings = ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=cfg.profile_repeats)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # as each gloo worker runs
-    try:
+    with intra_op_threads(_executor_threads(device)):
         prof = profile_model(model, device=device, settings=settings, progress=progress)
-    finally:
-        torch.set_num_threads(threads)
     if cfg.backend in ("gloo", "nccl"):
         from pipesim.validate.profiler import measure_dispatch
 
@@ -153,14 +155,9 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
     from pipesim.validate.commprofile import hardware_json, measure_p2p
 
     model = model or model_of(cfg)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with intra_op_threads(_executor_threads(device)):
         bw = update_bandwidth(model, device=device,
                               settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7))
-    finally:
-        torch.set_num_threads(threads)
     if cfg.backend == "single" or num_devices == 1:
         p2p = None
     else:
@@ -248,20 +245,15 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
               synthetic=cfg.synthetic, recv_lookahead=cfg.recv_lookahead)
     if cfg.backend == "single":
         say(f"running every stage in this process on {device} ...")
-        threads = torch.get_num_threads()
-        if device.type == "cpu":
-            torch.set_num_threads(1)
-        try:
+        with intra_op_threads(_executor_threads(device)):
             _, modules, stages, data = build_stages(job, schedule.placement(), device)
             from pipesim.validate.runtime import boundary_specs, warm_up
 
             warm_up(stages, data, boundary_specs(modules, data), device)
             out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
-                          timed=True)
-            if device.type == "cuda":
-                out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
-        finally:
-            torch.set_num_threads(threads)
+                          timed=True, threads=None)
+        if device.type == "cuda":
+            out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
     else:
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         out = run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)

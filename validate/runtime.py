@@ -63,6 +63,7 @@ from pipesim.validate.executor import (
     stage_replicas,
     write_back,
 )
+from pipesim.validate.numerics import EXECUTOR_THREADS
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
 
@@ -485,7 +486,7 @@ def launch_settings(backend: str) -> dict:
     return {"pin_cores": cpu, "keep_cores_awake": cpu}
 
 
-def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1
+def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = EXECUTOR_THREADS
              ) -> list[RunOutput]:
     """Run jobs of the same device count one after another in one set of worker
     processes (start-up is the expensive part of a short run)."""
@@ -505,6 +506,7 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
     return results[0]
 
 
-def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = 1) -> RunOutput:
+def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0,
+                    threads: int = EXECUTOR_THREADS) -> RunOutput:
     """Run ``job`` with one process per device of its schedule; every rank's output, merged."""
     return run_many([job], backend=backend, timeout_s=timeout_s, threads=threads)[0]

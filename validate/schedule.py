@@ -19,6 +19,11 @@ Consecutive steps continue training: each step reads the next
 micro-batches of ``data`` and its weight versions continue from the last
 step's (the IR's versions are shifted by the updates already applied).
 Gradient scaling is explicit in :class:`~pipesim.validate.stage.OptimizerConfig`.
+
+Steps compute with ``threads`` intra-op threads (default: the distributed
+workers' count), so a local step, a distributed step and the emulator give
+the same bits (:mod:`pipesim.validate.numerics`); ``threads=None`` keeps
+torch's own setting, faster on a many-core CPU but no longer bit-identical.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 from pipesim.sim.ir import UPDATE, Schedule, shift_versions
 from pipesim.validate.executor import RunOutput, emulate, initial_centres, iteration_losses
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.stage import OptimizerConfig
 
 
@@ -54,7 +60,7 @@ class PipelineSchedule:
     """Run ``schedule`` on ``stages`` with :meth:`step` (see the module doc)."""
 
     def __init__(self, schedule: Schedule, stages, optimizer: OptimizerConfig = OptimizerConfig(), *,
-                 recv_lookahead: int = 1, timed: bool = False):
+                 recv_lookahead: int = 1, timed: bool = False, threads: int | None = EXECUTOR_THREADS):
         self.schedule = schedule
         self.stages = {s.key: s for s in stages}
         if not self.stages:
@@ -62,6 +68,7 @@ class PipelineSchedule:
         self.optimizer = optimizer
         self.recv_lookahead = recv_lookahead
         self.timed = timed
+        self.threads = threads
         self.steps = 0
         self.output: RunOutput | None = None
         self.updates_per_step = sum(1 for a in schedule.programs[schedule.placement()[next(iter(self.stages))]]
@@ -78,10 +85,8 @@ class PipelineSchedule:
         src = _Offset(data, self.steps * sched.total_microbatches * sched.num_replicas)
         if self._centres is None:
             self._centres = initial_centres(sched, self.stages)
-        if self._distributed():
-            out = self._step_distributed(sched, src)
-        else:
-            out = self._step_local(sched, src)
+        with intra_op_threads(self.threads):
+            out = self._step_distributed(sched, src) if self._distributed() else self._step_local(sched, src)
         self.steps += 1
         self.output = out
         return None if out is None else iteration_losses(out.losses, sched.num_microbatches)
@@ -95,7 +100,7 @@ class PipelineSchedule:
             self._timeline = simulate(self.schedule, stage_costs_uniform(sched.num_stages), load_hardware("ideal"))
         timeline = self._timeline
         return emulate(sched, self.stages, data, self.optimizer, timeline, recv_lookahead=self.recv_lookahead,
-                       timed=self.timed, centres=self._centres)
+                       timed=self.timed, centres=self._centres, threads=None)  # set by step()
 
     def _step_distributed(self, sched: Schedule, data) -> RunOutput | None:
         from pipesim.validate.runtime import execute
