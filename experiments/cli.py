@@ -13,9 +13,17 @@ Sub-commands:
 * ``validate``: profile, simulate, run for real (gloo, NCCL or one device)
   and reconcile: report.json, overlay.html, trace.json.
 
-Bad input of any kind ends with one line on stderr and exit code 2: every
-library error is a ``ValueError`` subclass with a one-line message, and the
-argument parser is told to behave the same way.
+Exit codes tell the truth (:mod:`pipesim.sim.errors`):
+
+* **2**, one line on stderr: bad input. Every library check raises an
+  :class:`~pipesim.sim.errors.InputError` with a one-line message, and the
+  argument parser is told to behave the same way.
+* **1**, with the failing rank's traceback and a hint: a run that failed
+  (:class:`~pipesim.sim.errors.RunError`: a worker raised or died, a launch
+  or a collective timed out).
+* **1**, with the full traceback: anything else, which is a bug in pipesim
+  and is never disguised as bad input.
+* **130**: interrupted (Ctrl-C); every worker is stopped first.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_USAGE = 2
+from pipesim.sim.cliargs import Parser, UsageError, nonnegative, positive, run_command
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
 COMPARE_ITERATIONS = 4
@@ -44,31 +52,7 @@ DEFAULT_COMPARE = (
 _KEEP_UNTIL_EXIT: list = []
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported in one line with exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, no usage dump
-        raise UsageError(f"{self.prog}: {message}")
-
-
-def _int_at_least(low: int):
-    """An argparse type: a whole number >= ``low``, with a one-line complaint."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-_positive, _nonnegative = _int_at_least(1), _int_at_least(0)
+_positive, _nonnegative = positive, nonnegative
 
 
 def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -> None:
@@ -382,7 +366,6 @@ def cmd_validate(args) -> int:
     from pipesim.sim.metrics import dumps
     from pipesim.sim.workload import save_profile
     from pipesim.validate.harness import ValidateConfig, run_validation
-    from pipesim.validate.launch import WorkerError
     from pipesim.validate.stage import OptimizerConfig
 
     options = _strategy_options(args)
@@ -397,13 +380,7 @@ def cmd_validate(args) -> int:
         strategy_options=tuple(sorted(options.items())),
     )
     out = Path(args.out)
-    try:
-        v = run_validation(cfg, progress=_progress)
-    except WorkerError as e:
-        print(f"error: {e.args[0].splitlines()[0] if e.args else e}", file=sys.stderr)
-        if getattr(e, "traceback", None):
-            print(e.traceback, file=sys.stderr)
-        return 1
+    v = run_validation(cfg, progress=_progress)
     out.mkdir(parents=True, exist_ok=True)
     r = v.report
     (out / "report.json").write_text(dumps(r))
@@ -437,8 +414,9 @@ def cmd_validate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pipesim", description="Simulate, validate and plot pipeline-parallel training schedules.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="pipesim", description="Simulate, validate and plot pipeline-parallel training schedules.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     p = sub.add_parser("simulate", help="simulate one strategy or an imported schedule")
     _add_schedule_args(p, strategy_required=False)
@@ -501,33 +479,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:
-            args.model = COMPARE_MODEL
-            if args.hardware is None:
-                args.hardware = COMPARE_HARDWARE
-        from pipesim.sim._gc import gc_paused
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-        with gc_paused():  # bulk construction of actions and spans: see pipesim.sim._gc
-            return args.func(args)
-    except BrokenPipeError:
-        # the reader went away (`pipesim schedule ... | head`): not an error;
-        # point stdout at nothing so the interpreter's final flush stays quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (ValueError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    try:
+        return version("pipesim")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: _dispatch(argv))
+
+
+def _dispatch(argv: list[str] | None) -> int:
+    """Parse ``argv`` and run the sub-command it names."""
+    args = build_parser().parse_args(argv)
+    if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:
+        args.model = COMPARE_MODEL
+        if args.hardware is None:
+            args.hardware = COMPARE_HARDWARE
+    from pipesim.sim._gc import gc_paused
+
+    with gc_paused():  # bulk construction of actions and spans: see pipesim.sim._gc
+        return args.func(args)
 
 
 def console_main() -> None:

@@ -30,10 +30,10 @@ makespan.
   With T_F = T_I = T_W = 1 (the uniform model: T_B = 2 T_F split evenly):
   **(p−1)/(3m + p−1)**. Drawn for m ≥ p, where ZB-H1 is defined.
 
-Strategies that need m ≥ p (interleaved, 2BW, zero-bubble) are not simulated
-below p; a simulation that rejects its parameters (``ValueError``, which
-covers :class:`pipesim.sim.ir.ScheduleError`) is skipped and listed in
-``bubbles.json`` under ``"skipped"``.
+Strategies that say they need m ≥ p (``Strategy.needs_m_ge_p``: interleaved,
+2BW, zero-bubble) are not simulated below p; a simulation that rejects its
+parameters (an :class:`~pipesim.sim.errors.InputError`) is skipped and listed
+in ``bubbles.json`` under ``"skipped"``.
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pipesim.experiments.export import write_png
+from pipesim.sim.errors import InputError
 from pipesim.sim.metrics import round_sig
 
 DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_STAGES: tuple[int, ...] = (4, 8)
-
-#: Name fragments of strategies that need at least p micro-batches.
-NEEDS_M_GE_P: tuple[str, ...] = ("interleav", "2bw", "zb", "zero", "zerobubble")
 
 #: Colours of the simulated strategies, by position in the strategy list.
 STRATEGY_COLORS: tuple[str, ...] = (
@@ -94,8 +92,12 @@ def bubble_zb_h1(p: int, m: int, t_f: float = 1.0, t_i: float = 1.0, t_w: float 
 
 
 def needs_m_ge_p(strategy: str) -> bool:
-    s = strategy.lower().replace("_", "").replace("-", "")
-    return any(frag.replace("-", "") in s for frag in NEEDS_M_GE_P)
+    """Whether the strategy is defined only for m >= p (it says so itself);
+    a name no strategy has is simulated, and skipped if it is rejected."""
+    from pipesim.sim.strategies import find_strategy
+
+    found = find_strategy(strategy)
+    return found is not None and found.needs_m_ge_p
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +161,7 @@ def bubble_data(
     for k, (p, name, m) in enumerate(plan, start=1):
         try:
             value = float(sim(name, p, m))
-        except ValueError as e:
+        except InputError as e:  # the strategy rejects these sizes
             skipped.append({"strategy": name, "stages": p, "microbatches": m, "reason": str(e)})
             if progress:
                 print(f"[{k}/{len(plan)}] p={p} m={m} {name}: skipped ({e})", file=sys.stderr, flush=True)

@@ -17,8 +17,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from pipesim.sim.ir import PASS_OPS
-from pipesim.sim.results import SimResult
+from .ir import PASS_OPS
+from .results import SimResult
+from .strategies import find_strategy
 
 SUMMARY_VERSION = 1
 
@@ -102,7 +103,9 @@ def summarize(result: SimResult) -> dict:
             info["prediction_distance_bwd"] = max(dist_b.get(stage, {0}))
         stages_info.append(info)
 
-    inconsistency = _inconsistency(result) if predicting or s.strategy.startswith("pipedream") else None
+    strategy = find_strategy(s.strategy)  # None for an imported schedule
+    asynchronous = strategy is not None and strategy.asynchronous
+    inconsistency = _inconsistency(result) if predicting or asynchronous else None
     summary = {
         "summary_version": SUMMARY_VERSION,
         "strategy": s.strategy,

@@ -33,6 +33,8 @@ from pipesim.sim.strategies import (
     ScheduleSpec,
     StrategyError,
     build_schedule,
+    get_strategy,
+    strategies,
     strategy_names,
     strategy_options,
 )
@@ -308,7 +310,14 @@ def check_versions(s, spec):
             assert st_ == min(i, p - k - 1)
         elif name == "pipedream-2bw":
             assert st_ == (0 if i < m else 1)
+    declared = get_strategy(name).weight_versions
     for (r, k), h in held.items():
+        # the strategy's declared steady-state count bounds what the IR holds,
+        # and is reached once the pipeline has been full for a while and a
+        # second iteration has begun (2BW reads the last iteration's version)
+        assert h <= declared(s.options, k, p)
+        if total >= 2 * p and s.num_iterations >= 2:
+            assert h == declared(s.options, k, p), (name, k)
         if name in FLUSH + ("avgpipe", "data-parallel", "spectrain"):
             assert h == 1
         elif name == "pipedream":
@@ -590,3 +599,47 @@ def test_strategy_options_lists_what_is_accepted(name):
                 build_schedule(spec)
     with pytest.raises(StrategyError, match="unknown strategy"):
         strategy_options("nope")
+
+
+# --------------------------------------------------------------------------
+# what callers ask the strategies (facts declared in each module)
+# --------------------------------------------------------------------------
+
+
+def test_asynchronous_strategies_update_within_an_iteration():
+    """``asynchronous`` means weights change between micro-batches of one
+    iteration: a pass of iteration 1 or later reads a version other than its
+    iteration number on some stage. Flush schedules never do."""
+    for strat in strategies():
+        s = build_schedule(ScheduleSpec(strat.name, 4, 8, iterations=2))
+        m = s.num_microbatches
+        reads = [a for prog in s.programs for a in prog if a.op in PASS_OPS]
+        off_iteration = any(a.version != a.microbatch // m or a.distance for a in reads)
+        assert off_iteration == strat.asynchronous, strat.name
+
+
+def test_needs_m_ge_p_is_what_the_strategy_defines():
+    """Strategies that declare ``needs_m_ge_p`` are the ones whose schedules
+    are defined (or match the analytic forms) only from m >= p; every other
+    strategy builds and validates with fewer micro-batches than stages."""
+    for strat in strategies():
+        if strat.needs_m_ge_p:
+            continue
+        s = build_schedule(ScheduleSpec(strat.name, 4, 4 if strat.name == "data-parallel" else 2))
+        validate(s)
+    assert {s.name for s in strategies() if s.needs_m_ge_p} == {"interleaved-1f1b", "pipedream-2bw", "zb-h1"}
+
+
+def test_option_defaults_and_default_width_come_from_the_strategy():
+    for strat in strategies():
+        spec = ScheduleSpec(strat.name, 2, 4)
+        assert spec.width == strat.default_width
+        defaults = strat.option_defaults()
+        assert set(defaults) == set(strat.options)
+        assert all(getattr(spec, name) == value for name, value in defaults.items())
+    assert get_strategy("avgpipe").default_width == 2
+
+
+def test_unknown_strategy_names_the_choices():
+    with pytest.raises(StrategyError, match="choose one of gpipe, 1f1b"):
+        get_strategy("nope")

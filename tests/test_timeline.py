@@ -7,6 +7,7 @@ import re
 from fractions import Fraction
 
 import pytest
+from pipesim.sim.errors import InputError
 
 from pipesim.experiments import export, figures, timeline
 from pipesim.experiments.figures import (
@@ -214,10 +215,10 @@ def test_analytic_curves():
     assert bubble_zb_h1(4, 4, 1, 1, 0) == pytest.approx(bubble_gpipe(4, 4))
 
 
-def test_needs_m_ge_p():
-    for name in ("interleaved", "interleaved-1f1b", "pipedream-2bw", "2bw", "zb-h1", "ZB_H1"):
+def test_needs_m_ge_p_asks_the_strategy():
+    for name in ("interleaved-1f1b", "pipedream-2bw", "zb-h1"):
         assert needs_m_ge_p(name), name
-    for name in ("gpipe", "1f1b", "pipedream", "spectrain", "avgpipe"):
+    for name in ("gpipe", "1f1b", "pipedream", "spectrain", "avgpipe", "data-parallel", "not-a-strategy"):
         assert not needs_m_ge_p(name), name
 
 
@@ -228,8 +229,8 @@ class FakeSim:
     def __call__(self, strategy, stages, microbatches):
         self.calls.append((strategy, stages, microbatches))
         if strategy == "broken" and microbatches == 2:
-            raise ValueError("m must be even-ish")
-        if strategy == "interleaved":
+            raise InputError("m must be even-ish")
+        if strategy == "interleaved-1f1b":
             return bubble_interleaved(stages, microbatches, 2)
         return bubble_gpipe(stages, microbatches) * (0.5 if strategy == "half" else 1.0)
 
@@ -238,25 +239,25 @@ def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
     sim = FakeSim()
     mbs = (1, 2, 4, 8, 16)
     html = bubble_figure(tmp_path, stages=(4, 8), microbatches=mbs,
-                         strategies=["gpipe", "interleaved", "half", "broken"], simulate=sim, png=False)
+                         strategies=["gpipe", "interleaved-1f1b", "half", "broken"], simulate=sim, png=False)
     assert html == tmp_path / "bubbles.html"
     assert html.is_file() and (tmp_path / "bubbles.json").is_file()
     assert not (tmp_path / "bubbles.png").exists()
     # strategies needing m >= p are never simulated below p
-    assert ("interleaved", 4, 2) not in sim.calls and ("interleaved", 4, 4) in sim.calls
-    assert not any(s == "interleaved" and p == 8 and m < 8 for s, p, m in sim.calls)
+    assert ("interleaved-1f1b", 4, 2) not in sim.calls and ("interleaved-1f1b", 4, 4) in sim.calls
+    assert not any(s == "interleaved-1f1b" and p == 8 and m < 8 for s, p, m in sim.calls)
     assert len(sim.calls) == 2 * 5 * 3 + 3 + 2  # gpipe/half/broken everywhere, interleaved m>=p
     data = json.loads((tmp_path / "bubbles.json").read_text())
     assert data["stages"] == [4, 8] and data["microbatches"] == list(mbs)
     g4 = data["simulated"]["4"]["gpipe"]
     assert g4["m"] == list(mbs) and g4["bubble"][2] == pytest.approx(3 / 7)
-    assert data["simulated"]["4"]["interleaved"]["m"] == [4, 8, 16]
+    assert data["simulated"]["4"]["interleaved-1f1b"]["m"] == [4, 8, 16]
     assert data["simulated"]["8"]["half"]["bubble"][0] == pytest.approx(7 / 16)
     # the ValueError point is skipped and reported, the rest of the series is kept
     assert data["simulated"]["4"]["broken"]["m"] == [1, 4, 8, 16]
     reasons = {(s["strategy"], s["stages"], s["microbatches"]): s["reason"] for s in data["skipped"]}
     assert "m must be even-ish" in reasons[("broken", 4, 2)]
-    assert reasons[("interleaved", 8, 4)] == "needs m >= p"
+    assert reasons[("interleaved-1f1b", 8, 4)] == "needs m >= p"
     # analytic curves
     a4, a8 = data["analytic"]["4"], data["analytic"]["8"]
     assert a4["gpipe_1f1b"]["bubble"][a4["gpipe_1f1b"]["m"].index(4)] == pytest.approx(3 / 7)
@@ -272,7 +273,7 @@ def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
     # the HTML holds both subplots, every strategy and the dashed analytic curves
     text = html.read_text()
     assert "p = 4" in text and "p = 8" in text
-    for name in ("gpipe", "interleaved", "half", "broken"):
+    for name in ("gpipe", "interleaved-1f1b", "half", "broken"):
         assert f'"name":"{name}"' in text
     traces = _embedded_data(text, "pipesim-bubbles")
     assert sum(1 for t in traces if t.get("line", {}).get("dash") == "dash") == 2 * 3

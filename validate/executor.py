@@ -50,6 +50,7 @@ from pipesim.sim.ir import (
     W,
 )
 from pipesim.sim.lowering import plan
+from pipesim.sim.strategies.avgpipe import elastic_rate
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import Tensor
@@ -172,7 +173,7 @@ class LocalComm:
     def __init__(self, schedule: Schedule, centres: dict[int, Tensor]):
         self.mail: dict[tuple, Tensor] = {}
         self.replicas = stage_replicas(schedule)
-        self.alpha = float(schedule.options.get("alpha", 0.0) or 0.0)
+        self.alpha = elastic_rate(schedule.options)
         self.centres = centres
         self.pending: dict[tuple, list] = defaultdict(list)
         self.done: set = set()

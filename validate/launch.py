@@ -143,6 +143,16 @@ class WorkerError(RunError):
             )
         super().__init__(text)
 
+    @property
+    def hint(self) -> str:
+        """What to try, from how the rank failed."""
+        if self.exitcode is not None and self.exitcode < 0:
+            return ("a worker was killed from outside (by a signal): if nobody stopped it, the machine may have "
+                    "run out of memory (see `dmesg`); try a smaller model or micro-batch")
+        if not self.traceback:
+            return "the worker died without a Python traceback; its stderr, if any, is above"
+        return f"the traceback above is rank {self.rank}'s own: fix what it names and run again"
+
     def __reduce__(self):  # keep picklable despite the custom signature
         return (
             _rebuild_worker_error,
@@ -164,6 +174,11 @@ class LaunchTimeout(RunError, TimeoutError):
             f"launch timed out after {timeout_s:g} s; ranks still running: {list(self.ranks)} "
             "(all workers were killed)"
         )
+
+    @property
+    def hint(self) -> str:
+        return (f"give the run more than {self.timeout_s:g} s (pipesim validate --timeout), run fewer iterations, "
+                "or look for a rank blocked in a collective (the process-group timeout names it)")
 
     def __reduce__(self):
         return (LaunchTimeout, (self.ranks, self.timeout_s))

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from pipesim.sim.ir import COLLECTIVE_OPS, SEND_B, SEND_F, Schedule, ScheduleError
+from pipesim.sim.strategies.avgpipe import elastic_rate
 from pipesim.validate.executor import (
     Clock,
     DeviceExecutor,
@@ -144,7 +145,7 @@ class DistComm:
         self.clock = clock
         self.torch_device = torch_device
         self.replicas = stage_replicas(schedule)
-        self.alpha = float(schedule.options.get("alpha", 0.0) or 0.0)
+        self.alpha = elastic_rate(schedule.options)
         self.centres = initial_centres(schedule, stages) if centres is None else centres
         self.local = LocalComm(schedule, self.centres)
         self.local.clock = clock

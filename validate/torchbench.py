@@ -136,7 +136,9 @@ class TorchJob:
 def _torch_run(ctx, job: TorchJob) -> dict:
     import torch.distributed as dist
     from pipesim.validate.models import build_model, split
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from pipesim.sim.strategies import get_strategy
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     rank, world = ctx.rank, ctx.world_size
     model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
@@ -156,7 +158,7 @@ def _torch_run(ctx, job: TorchJob) -> dict:
     module = modules[rank].to(ctx.device)
     stage = PipelineStage(module, rank, world, ctx.device,
                           input_args=examples[rank], output_args=examples[rank + 1])
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[job.schedule]
+    kind = getattr(pipelining, get_strategy(job.schedule).torch_equivalent)
     sched = kind(stage, n_microbatches=job.microbatches, loss_fn=model.loss_fn, scale_grads=True)
     # foreach: the multi-tensor update pipesim's stages use as well
     opt = torch.optim.SGD(module.parameters(), lr=job.lr, momentum=job.momentum, foreach=True)

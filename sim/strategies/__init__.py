@@ -13,10 +13,8 @@ parallelism excepted, see their modules).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from pipesim.sim.ir import Schedule
-from pipesim.sim.strategies import (
+from ..ir import Schedule
+from . import (
     avgpipe,
     data_parallel,
     gpipe,
@@ -27,28 +25,42 @@ from pipesim.sim.strategies import (
     spectrain,
     zero_bubble,
 )
-from pipesim.sim.strategies._common import ScheduleSpec, StrategyError
+from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, StrategyError
 
-__all__ = ["ScheduleSpec", "StrategyError", "build_schedule", "strategy_names", "strategy_options"]
+__all__ = [
+    "OPTION_DEFAULTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
+    "get_strategy", "strategies", "strategy_names", "strategy_options",
+]
 
-_MODULES = (
-    gpipe,
-    one_f_one_b,
-    interleaved,
-    zero_bubble,
-    pipedream,
-    pipedream_2bw,
-    spectrain,
-    avgpipe,
-    data_parallel,
-)
-_BUILDERS: dict[str, Callable[[ScheduleSpec], Schedule]] = {mod.NAME: mod.build for mod in _MODULES}
-_OPTIONS: dict[str, tuple[str, ...]] = {mod.NAME: mod.OPTIONS for mod in _MODULES}
+#: Every strategy, in the order listings and comparisons use.
+_REGISTRY: dict[str, Strategy] = {
+    mod.STRATEGY.name: mod.STRATEGY
+    for mod in (gpipe, one_f_one_b, interleaved, zero_bubble, pipedream, pipedream_2bw, spectrain, avgpipe,
+                data_parallel)
+}
+
+
+def strategies() -> tuple[Strategy, ...]:
+    """Every registered strategy, in a stable order."""
+    return tuple(_REGISTRY.values())
 
 
 def strategy_names() -> list[str]:
     """The strategy names ``build_schedule`` accepts, in a stable order."""
-    return list(_BUILDERS)
+    return list(_REGISTRY)
+
+
+def find_strategy(name: str) -> Strategy | None:
+    """The strategy called ``name``, or None (an imported schedule has none)."""
+    return _REGISTRY.get(name)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy called ``name``; a one-line StrategyError naming the choices if there is none."""
+    found = _REGISTRY.get(name)
+    if found is None:
+        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return found
 
 
 def strategy_options(name: str) -> tuple[str, ...]:
@@ -56,18 +68,9 @@ def strategy_options(name: str) -> tuple[str, ...]:
     optimizer (e.g. ``("width", "chunks")``). A non-default value of any other
     option makes ``build_schedule`` raise, so a front end comparing several
     strategies passes each only the options it lists."""
-    try:
-        return _OPTIONS[name]
-    except KeyError:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(_OPTIONS)}") from None
+    return get_strategy(name).options
 
 
 def build_schedule(spec: ScheduleSpec) -> Schedule:
     """The compute-only schedule ``spec`` asks for; StrategyError if it cannot be built."""
-    try:
-        builder = _BUILDERS[spec.strategy]
-    except KeyError:
-        raise StrategyError(
-            f"unknown strategy {spec.strategy!r}; choose one of {', '.join(_BUILDERS)}"
-        ) from None
-    return builder(spec)
+    return get_strategy(spec.strategy).build(spec)

@@ -20,26 +20,17 @@ Nothing here imports torch: the simulator never does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 from ..errors import InputError
-from pipesim.sim.ir import AVERAGE, REDUCE_GRAD, UPDATE, Action, B, F, Op, Schedule, W
+from ..ir import AVERAGE, REDUCE_GRAD, UPDATE, Action, B, F, Op, Schedule, W
 
 
 class StrategyError(InputError):
     """A schedule spec that no strategy can build (one-line message)."""
 
 
-#: Values the spec's options take when a strategy does not use them.
-OPTION_DEFAULTS = {
-    "chunks": 2,
-    "stashing": True,
-    "alpha": 0.25,
-    "tau": 1,
-    "advance": 1,
-    "placement": "shared",
-}
 PLACEMENTS = ("shared", "disjoint")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -74,7 +65,65 @@ class ScheduleSpec:
 
     def __post_init__(self) -> None:
         if self.width is None:
-            object.__setattr__(self, "width", 2 if self.strategy == "avgpipe" else 1)
+            from . import find_strategy  # the registry imports this module
+
+            found = find_strategy(self.strategy)
+            object.__setattr__(self, "width", found.default_width if found else 1)
+
+
+#: The strategy-specific options of :class:`ScheduleSpec` and the values they
+#: take when a strategy does not use them (read off the spec's own defaults,
+#: so there is one definition). ``width`` is not among them: its default
+#: depends on the strategy (:attr:`Strategy.default_width`).
+OPTION_DEFAULTS: dict[str, object] = {
+    f.name: f.default for f in fields(ScheduleSpec)
+    if f.name not in ("strategy", "stages", "microbatches", "iterations", "width", "optimizer")
+}
+
+
+def one_version(options: Mapping[str, object], stage: int, stages: int) -> int:
+    """Weight versions of a strategy that updates in place: one."""
+    return 1
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What callers may ask a strategy: each module declares one as ``STRATEGY``.
+
+    Front ends, metrics and executors read these facts instead of testing a
+    strategy's name, so everything about a strategy stays in its module.
+
+    * ``options``: the :class:`ScheduleSpec` fields it reads besides stages,
+      microbatches, iterations and optimizer (``"width"`` if it supports
+      replicas); a non-default value of any other option is an error.
+    * ``default_width``: the replicas it runs when ``width`` is not given.
+    * ``asynchronous``: no flush; all iterations run as one stream and
+      weights are updated between micro-batches of one iteration, so
+      forward versions can differ across stages (metrics report the
+      inconsistency).
+    * ``needs_m_ge_p``: defined only for at least as many micro-batches per
+      iteration as pipeline stages (sweeps skip smaller m).
+    * ``weight_versions(options, stage, stages)``: the most weight versions
+      stage ``stage`` of a ``stages``-deep pipeline keeps at once in steady
+      state (stashing p−k, double buffering 2, in place 1), given the
+      schedule's ``options``; the trackers measure the same from the IR.
+    * ``torch_equivalent``: the torch.distributed.pipelining schedule class
+      with the same per-rank compute order, if there is one.
+    """
+
+    name: str
+    build: Callable[[ScheduleSpec], Schedule]
+    summary: str
+    options: tuple[str, ...] = ()
+    default_width: int = 1
+    asynchronous: bool = False
+    needs_m_ge_p: bool = False
+    weight_versions: Callable[[Mapping[str, object], int, int], int] = field(default=one_version)
+    torch_equivalent: str | None = None
+
+    def option_defaults(self) -> dict[str, object]:
+        """The default of every option this strategy reads."""
+        return {name: (self.default_width if name == "width" else OPTION_DEFAULTS[name]) for name in self.options}
 
 
 def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
@@ -105,9 +154,11 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
         raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
     uses = set(uses)
     if "width" not in uses and spec.width != 1:
+        from . import strategies  # the registry imports this module
+
+        wide = [s.name for s in strategies() if "width" in s.options]
         raise StrategyError(
-            f"{spec.strategy} does not support width > 1 (got {spec.width}); width applies to gpipe, "
-            "1f1b, interleaved-1f1b, zb-h1, pipedream-2bw, avgpipe and data-parallel"
+            f"{spec.strategy} does not support width > 1 (got {spec.width}); width applies to {', '.join(wide)}"
         )
     for name, default in OPTION_DEFAULTS.items():
         if name not in uses and getattr(spec, name) != default:

@@ -27,18 +27,12 @@ docs/semantics.md, not a verified reproduction:
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, Schedule
-from pipesim.sim.strategies._common import (
-    ScheduleSpec,
-    base_options,
-    check_spec,
-    flush_iteration,
-    one_f_one_b,
-)
+from collections.abc import Mapping
+
+from ..ir import Action, Schedule
+from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, base_options, check_spec, flush_iteration, one_f_one_b
 
 NAME = "avgpipe"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width", "alpha", "tau", "advance", "placement")
 
 
 def shared_order(stage: int, p: int, m: int, n_p: int, advance: int) -> list[Action]:
@@ -55,7 +49,7 @@ def disjoint_order(stage: int, p: int, m: int, replica: int, advance: int) -> li
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m, n_p = spec.stages, spec.microbatches, spec.width
     if spec.placement == "shared":
         orders = [shared_order(k, p, m, n_p, spec.advance) for k in range(p)]
@@ -84,3 +78,15 @@ def build(spec: ScheduleSpec) -> Schedule:
             "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
         },
     )
+
+
+def elastic_rate(options: Mapping[str, object]) -> float:
+    """The averaging rate alpha an AVERAGE applies: the schedule's own, else
+    AvgPipe's default (a schedule imported without options still averages)."""
+    return float(options.get("alpha", OPTION_DEFAULTS["alpha"]))
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width", "alpha", "tau", "advance", "placement"), default_width=2,
+    summary="N_p pipelines with elastic averaging every tau iterations and advance forward propagation",
+)

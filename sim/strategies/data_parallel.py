@@ -12,16 +12,14 @@ count m/n, since micro-batch ids are per replica.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, B, F, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, StrategyError, check_spec, flush_schedule
+from ..ir import Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule
 
 NAME = "data-parallel"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width",)
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     n = spec.stages * spec.width
     m = spec.microbatches
     if m % n:
@@ -34,3 +32,9 @@ def build(spec: ScheduleSpec) -> Schedule:
         spec, 1, [order], num_microbatches=local, width=n,
         options={"devices": n, "global_microbatches": m, "width": n, "depth": 1},
     )
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",),
+    summary="whole model per device, stages x width devices, all-reduce, update",
+)

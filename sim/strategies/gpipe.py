@@ -10,12 +10,10 @@ width > 1) come from :func:`~pipesim.sim.strategies._common.flush_schedule`.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, B, F, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, check_spec, flush_schedule
+from ..ir import Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule
 
 NAME = "gpipe"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width",)
 
 
 def stage_order(stage: int, m: int) -> list[Action]:
@@ -24,6 +22,12 @@ def stage_order(stage: int, m: int) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m = spec.stages, spec.microbatches
     return flush_schedule(spec, p, [stage_order(k, m) for k in range(p)])
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",), torch_equivalent="ScheduleGPipe",
+    summary="all forwards, then all backwards (torch's order), flush, one update",
+)

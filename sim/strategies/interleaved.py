@@ -23,12 +23,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipesim.sim.ir import Action, B, F, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, StrategyError, check_spec, flush_schedule
+from ..ir import Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule
 
 NAME = "interleaved-1f1b"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width", "chunks")
 
 
 def rounds(p: int, m: int) -> tuple[int, int]:
@@ -66,7 +64,7 @@ def rank_order(rank: int, p: int, v: int, m: int) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m, v = spec.stages, spec.microbatches, spec.chunks
     n_rounds, _ = rounds(p, m)
     if m % n_rounds:
@@ -77,3 +75,10 @@ def build(spec: ScheduleSpec) -> Schedule:
     return flush_schedule(
         spec, v * p, [rank_order(r, p, v, m) for r in range(p)], options={"chunks": v}
     )
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width", "chunks"), needs_m_ge_p=True,
+    torch_equivalent="ScheduleInterleaved1F1B",
+    summary="Megatron interleaving: v model chunks per device, stage c*p+r on rank r (torch's order)",
+)

@@ -14,12 +14,10 @@ schedule GPipe-like on the early stages.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, check_spec, flush_schedule, one_f_one_b
+from ..ir import Action, Schedule
+from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule, one_f_one_b
 
 NAME = "1f1b"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width",)
 
 
 def stage_order(stage: int, p: int, m: int) -> list[Action]:
@@ -28,6 +26,12 @@ def stage_order(stage: int, p: int, m: int) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m = spec.stages, spec.microbatches
     return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",), torch_equivalent="Schedule1F1B",
+    summary="PipeDream-Flush / DAPPLE: p-k-1 warm-up forwards, 1F1B, flush (torch's order)",
+)

@@ -20,17 +20,12 @@ The UPDATE after B(i) produces version ``i+1``.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import UPDATE, Action, B, F, Schedule
-from pipesim.sim.strategies._common import (
-    ScheduleSpec,
-    asynchronous_schedule,
-    check_spec,
-    one_f_one_b,
-)
+from collections.abc import Mapping
+
+from ..ir import UPDATE, Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
 
 NAME = "pipedream"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("stashing",)
 
 
 def stage_program(stage: int, p: int, n: int, stashing: bool) -> list[Action]:
@@ -49,6 +44,18 @@ def stage_program(stage: int, p: int, n: int, stashing: bool) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     return asynchronous_schedule(spec, lambda k, p, n: stage_program(k, p, n, spec.stashing),
                                  {"stashing": spec.stashing})
+
+
+def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
+    """Stashing keeps the p-k versions read between a forward and its
+    backward; vanilla updates in place."""
+    return stages - stage if options.get("stashing", True) else 1
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("stashing",), asynchronous=True, weight_versions=weight_versions,
+    summary="asynchronous 1F1B, an update after every backward; weight stashing, or vanilla without",
+)

@@ -21,12 +21,12 @@ across the w replicas).
 
 from __future__ import annotations
 
-from pipesim.sim.ir import REDUCE_GRAD, UPDATE, Action, B, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, StrategyError, base_options, check_spec, one_f_one_b
+from collections.abc import Mapping
+
+from ..ir import REDUCE_GRAD, UPDATE, Action, B, Schedule
+from ._common import ScheduleSpec, Strategy, StrategyError, base_options, check_spec, one_f_one_b
 
 NAME = "pipedream-2bw"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width",)
 
 
 def read_version(i: int, m: int) -> int:
@@ -46,7 +46,7 @@ def stage_program(stage: int, p: int, m: int, n: int, replica: int, reduce: bool
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m, w = spec.stages, spec.microbatches, spec.width
     if m < p:
         raise StrategyError(f"pipedream-2bw needs microbatches >= stages (m={m} < p={p})")
@@ -63,3 +63,15 @@ def build(spec: ScheduleSpec) -> Schedule:
         programs=tuple(programs),
         options=base_options(spec),
     )
+
+
+def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
+    """Double buffering: the version being read and the one being written."""
+    return 2
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",), asynchronous=True, needs_m_ge_p=True,
+    weight_versions=weight_versions,
+    summary="1F1B without flush, one update per m micro-batches, double-buffered weights (staleness 1)",
+)

@@ -20,17 +20,10 @@ stage, whose two distances coincide, share one.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import PREDICT, UPDATE, Action, B, F, Schedule
-from pipesim.sim.strategies._common import (
-    ScheduleSpec,
-    asynchronous_schedule,
-    check_spec,
-    one_f_one_b,
-)
+from ..ir import PREDICT, UPDATE, Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
 
 NAME = "spectrain"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ()
 
 
 def s_fwd(k: int, n: int) -> int:
@@ -59,10 +52,16 @@ def stage_program(stage: int, p: int, n: int) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p = spec.stages
     return asynchronous_schedule(spec, stage_program, {
         "s_fwd": [s_fwd(k, p) for k in range(p)],
         "s_bwd": [s_bwd(k, p) for k in range(p)],
         "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",
     })
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, asynchronous=True,
+    summary="asynchronous 1F1B with weight prediction, s_fwd(k) = k//2+N-k-1, s_bwd(k) = k//2",
+)

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipesim.sim.ir import Action, B, F, I, Schedule, W
-from pipesim.sim.strategies._common import ScheduleSpec, check_spec, flush_schedule, one_f_one_b
+from ..ir import Action, B, F, I, Schedule, W
+from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule, one_f_one_b
 
 NAME = "zb-h1"
-#: Spec options this strategy reads besides stages, microbatches, iterations, optimizer.
-OPTIONS: tuple[str, ...] = ("width",)
 
 
 def stage_order(stage: int, p: int, m: int) -> list[Action]:
@@ -53,6 +51,12 @@ def stage_order(stage: int, p: int, m: int) -> list[Action]:
 
 
 def build(spec: ScheduleSpec) -> Schedule:
-    check_spec(spec, uses=OPTIONS)
+    check_spec(spec, uses=STRATEGY.options)
     p, m = spec.stages, spec.microbatches
     return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",), needs_m_ge_p=True,
+    summary="zero bubble H1: backward split into I and W, W deferred (<= k pending on stage k)",
+)
