@@ -35,16 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-from pipesim.sim.cliargs import Parser, UsageError, nonnegative, positive, run_command
+from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
 COMPARE_ITERATIONS = 4
 PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
-DEFAULT_COMPARE = (
-    "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw",
-    "spectrain", "avgpipe", "data-parallel",
-)
-
 
 #: The result of ``pipesim simulate``, kept referenced so that
 #: :func:`console_main` can end the process without CPython first freeing it
@@ -52,31 +47,67 @@ DEFAULT_COMPARE = (
 _KEEP_UNTIL_EXIT: list = []
 
 
-_positive, _nonnegative = positive, nonnegative
+def _strategy_names() -> list[str]:
+    from pipesim.sim.strategies import strategy_names
+
+    return strategy_names()
+
+
+def _catalog_models() -> list[str]:
+    from pipesim.sim.models import model_names
+
+    return model_names()
+
+
+def _hardware_presets() -> list[str]:
+    from pipesim.sim.hardware import preset_names
+
+    return preset_names()
+
+
+def _real_models() -> list[str]:
+    from pipesim.validate.models import model_names
+
+    return model_names()
+
+
+#: Strategy options on the command line: spec field -> (flag's type, help).
+#: Their defaults are the spec's own (``OPTION_DEFAULTS``), shown in the help.
+_STRATEGY_FLAGS = {
+    "chunks": (positive, "model chunks per device for interleaved-1f1b (v)"),
+    "alpha": (float, "AvgPipe: elastic averaging rate"),
+    "tau": (positive, "AvgPipe: average every tau iterations"),
+    "advance": (nonnegative, "AvgPipe: forwards issued ahead of the 1F1B warm-up"),
+    "placement": (str, "AvgPipe: where the replicas run"),
+}
 
 
 def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -> None:
-    p.add_argument("--strategy", required=strategy_required, help="schedule to build (see `pipesim schedule --list`)")
-    p.add_argument("--stages", type=_positive, default=4, help="pipeline depth in devices per replica (data-parallel: devices)")
-    p.add_argument("--microbatches", type=_positive, default=None,
-                   help="micro-batches per iteration per replica, m (default 8; imported CSV: inferred)")
-    p.add_argument("--iterations", type=_positive, default=1, help="iterations K (asynchronous schedules run K*m micro-batches)")
-    p.add_argument("--width", type=_positive, default=None, help="parallel pipelines w (width x depth; AvgPipe's N_p)")
-    p.add_argument("--chunks", type=_positive, default=None, help="model chunks per device for interleaved-1f1b (v, default 2)")
+    from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
+
+    list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), _strategy_names)
+    p.add_argument("--stages", type=positive, default=4, help="pipeline depth in devices per replica (data-parallel: devices)")
+    p.add_argument("--microbatches", type=positive, default=None,
+                   help="micro-batches per iteration per replica, m (default: 8; imported CSV: inferred)")
+    p.add_argument("--iterations", type=positive, default=1, help="iterations K (asynchronous schedules run K*m micro-batches)")
+    p.add_argument("--width", type=positive, default=None,
+                   help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
-    p.add_argument("--alpha", type=float, default=None, help="AvgPipe elastic averaging rate")
-    p.add_argument("--tau", type=_positive, default=None, help="AvgPipe: average every tau iterations")
-    p.add_argument("--advance", type=_nonnegative, default=None, help="AvgPipe: forwards issued ahead of 1F1B warm-up")
-    p.add_argument("--placement", choices=("shared", "disjoint"), default=None, help="AvgPipe replica placement")
+    for name, (kind, text) in _STRATEGY_FLAGS.items():
+        p.add_argument(f"--{name}", type=kind, default=None, choices=PLACEMENTS if name == "placement" else None,
+                       help=f"{text} (default: {OPTION_DEFAULTS[name]})")
 
 
 def _add_machine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", default=None, help="catalog model (default uniform)")
+    list_choices(g.add_argument("--model", default=None, help="catalog model (default: uniform)"), _catalog_models)
     g.add_argument("--profile", default=None, help="per-layer cost profile JSON (from `pipesim profile` or hand-written)")
-    p.add_argument("--hardware", default=None, help="preset name or JSON file (default ideal; compare: pcie-4gpu)")
-    p.add_argument("--microbatch-size", type=_positive, default=None, help="samples per micro-batch")
-    p.add_argument("--recv-lookahead", type=_nonnegative, default=1,
+    list_choices(p.add_argument("--hardware", default=None,
+                                help="preset, preset-xN (N nodes) or a JSON file (default: ideal; compare: pcie-4gpu)"),
+                 _hardware_presets)
+    p.add_argument("--microbatch-size", type=positive, default=None,
+                   help="samples per micro-batch (default: the model's)")
+    p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
 
 
@@ -101,7 +132,7 @@ def _strategy_options(args, strategy: str | None = None) -> dict:
     given = {}
     if args.no_stashing:
         given["stashing"] = False
-    for option in ("chunks", "alpha", "tau", "advance", "placement", "width"):
+    for option in (*_STRATEGY_FLAGS, "width"):
         value = getattr(args, option, None)
         if value is not None:
             given[option] = value
@@ -233,7 +264,7 @@ def cmd_simulate(args) -> int:
 def cmd_compare(args) -> int:
     from pipesim.sim.metrics import dumps
 
-    strategies = args.strategies.split(",") if args.strategies else list(DEFAULT_COMPARE)
+    strategies = args.strategies.split(",") if args.strategies else _strategy_names()
     out = Path(args.out)
     rows, summaries = [], {}
     base = None
@@ -266,22 +297,23 @@ def cmd_compare(args) -> int:
 
 def cmd_schedule(args) -> int:
     from pipesim.sim.ir import to_csv
-    from pipesim.sim.strategies import build_schedule, strategy_names
+    from pipesim.sim.strategies import build_schedule, get_strategy, strategies
 
     if args.list:
-        print("\n".join(strategy_names()))
+        width = max(len(s.name) for s in strategies())
+        print("\n".join(f"{s.name:<{width}}  {s.summary}" for s in strategies()))
         return 0
     if not args.strategy:
         raise UsageError("pipesim schedule: give --strategy NAME (or --list)")
-    if args.devices is not None:
-        if args.strategy == "interleaved-1f1b":
-            if args.stages % args.devices:
-                raise UsageError(f"pipesim schedule: {args.stages} stages do not split evenly over {args.devices} devices")
-            args.chunks, args.stages = args.stages // args.devices, args.devices
-        elif args.devices != args.stages * (args.width or 1) and args.strategy != "avgpipe":
-            raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
-                             f"{args.stages * (args.width or 1)} devices, not {args.devices}")
+    if args.devices is not None and "chunks" in get_strategy(args.strategy).options:
+        # --stages counts model stages here: they are dealt over the devices in chunks
+        if args.stages % args.devices:
+            raise UsageError(f"pipesim schedule: {args.stages} stages do not split evenly over {args.devices} devices")
+        args.chunks, args.stages = args.stages // args.devices, args.devices
     schedule = build_schedule(_spec(args))
+    if args.devices is not None and schedule.num_devices != args.devices:
+        raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
+                         f"{schedule.num_devices} devices, not {args.devices}")
     if args.lowered:
         from pipesim.sim.lowering import lower
 
@@ -306,10 +338,10 @@ def cmd_figure(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mlp", help="real model: mlp, gpt-small or vgg-small")
-    p.add_argument("--model-width", type=_positive, default=None, help="model width (hidden size / channels)")
-    p.add_argument("--model-depth", type=_positive, default=None, help="model depth (hidden layers / blocks)")
-    p.add_argument("--microbatch-size", type=_positive, default=32, help="samples per micro-batch")
-    p.add_argument("--seed", type=_nonnegative, default=0, help="seed of the weights and the data order")
+    p.add_argument("--model-width", type=positive, default=None, help="model width (hidden size / channels)")
+    p.add_argument("--model-depth", type=positive, default=None, help="model depth (hidden layers / blocks)")
+    p.add_argument("--microbatch-size", type=positive, default=32, help="samples per micro-batch")
+    p.add_argument("--seed", type=nonnegative, default=0, help="seed of the weights and the data order")
 
 
 def _progress(msg: str) -> None:
@@ -438,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schedule", help="print a strategy's per-device order")
     _add_schedule_args(p, strategy_required=False)
-    p.add_argument("--devices", type=_positive, default=None, help="devices (interleaved: stages/devices chunks)")
+    p.add_argument("--devices", type=positive, default=None, help="devices (interleaved: stages/devices chunks)")
     p.add_argument("--format", choices=("torch-csv", "csv", "text"), default="text")
     p.add_argument("--lowered", action="store_true", help="include the sends and receives")
     p.add_argument("--list", action="store_true", help="list strategy names")
@@ -448,8 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--backend", choices=("gloo", "nccl", "single"), default="gloo",
                    help="what to measure links on (single: no links)")
-    p.add_argument("--devices", type=_positive, default=2, help="devices the hardware JSON describes")
-    p.add_argument("--repeats", type=_positive, default=15, help="timed repetitions per layer (median)")
+    p.add_argument("--devices", type=positive, default=2, help="devices the hardware JSON describes")
+    p.add_argument("--repeats", type=positive, default=15, help="timed repetitions per layer (median)")
     p.add_argument("--out", default="out/profile", help="output folder")
     p.set_defaults(func=cmd_profile)
 
@@ -465,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--synthetic", action="store_true", help="random inputs of the right shapes (timing only)")
-    p.add_argument("--recv-lookahead", type=_nonnegative, default=1,
+    p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the workers are stopped")
     p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")

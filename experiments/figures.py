@@ -60,7 +60,7 @@ STRATEGY_COLORS: tuple[str, ...] = (
 )
 ANALYTIC_STYLE = {
     "gpipe_1f1b": ("analytic GPipe / 1F1B: (p−1)/(m+p−1)", "#000000"),
-    "interleaved": ("analytic interleaved: (p−1)/(v·m+p−1)", "#555555"),
+    "interleaved": ("analytic interleaved: (p−1)/({v}m+p−1)", "#555555"),  # v: the chunks drawn
     "zb_h1": ("analytic ZB-H1: (p−1)/(3m+p−1)", "#2E7D32"),
 }
 
@@ -231,9 +231,8 @@ def figure_from_data(data: dict) -> go.Figure:
                 ),
                 row=1, col=col,
             )
-        for key, (label, color) in ANALYTIC_STYLE.items():
-            if key == "interleaved":
-                label = label.replace("v·m", f"{data['interleaved_chunks']}m")
+        for key, (template, color) in ANALYTIC_STYLE.items():
+            label = template.format(v=data["interleaved_chunks"])
             series = data["analytic"][str(p)][key]
             if not series["m"]:
                 continue

@@ -30,8 +30,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
-            text += f" (choices: {', '.join(map(str, action.choices))})"
+        choices = action.choices
+        listed = getattr(action, "listed_choices", None)
+        if listed is not None:  # looked up only when help is shown (see list_choices)
+            choices = listed()
+        if choices is not None and not isinstance(action, argparse._SubParsersAction):
+            text += f" (choices: {', '.join(map(str, choices))})"
         if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or "default:" in text:
             return text
         return text + " (default: %(default)s)"
@@ -46,6 +50,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # one line, exit 2, no usage dump
         raise UsageError(f"{self.prog}: {message}")
+
+
+def list_choices(action: argparse.Action, names: Callable[[], list[str]]) -> argparse.Action:
+    """Show ``names()`` as the choices in ``action``'s help, without enforcing
+    them: the library checks the value itself with a better message (and a
+    file path may be allowed too), and ``names`` is only called when help is
+    printed, so a catalog that imports torch costs nothing otherwise."""
+    action.listed_choices = names
+    return action
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -25,10 +25,10 @@ from . import (
     spectrain,
     zero_bubble,
 )
-from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, StrategyError
+from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError
 
 __all__ = [
-    "OPTION_DEFAULTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
+    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
     "get_strategy", "strategies", "strategy_names", "strategy_options",
 ]
 
