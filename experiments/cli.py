@@ -328,6 +328,12 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from pipesim.experiments.bench import run
+
+    return run(args.name, args.args)
+
+
 def cmd_figure(args) -> int:
     from pipesim.experiments.figures import bubble_figure
 
@@ -503,6 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")
     p.add_argument("--out", default="out/validate", help="output folder")
     p.set_defaults(func=cmd_validate)
+
+    from pipesim.experiments.bench import BENCHES, describe
+
+    p = sub.add_parser("bench", help="benchmarks: print their figures (tables, or --json)",
+                       description="Run one benchmark; `pipesim bench NAME --help` lists its options.",
+                       epilog="benchmarks:\n" + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=list(BENCHES), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("figure", help="paper-style figures")
     p.add_argument("name", choices=("bubbles",))

@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m pipesim.kernels.bench [--json] [--device cuda] ...``
+"""Kernel benchmark: ``pipesim bench kernels`` (or ``python -m pipesim.kernels.bench``).
 
 For a model-sized parameter list (about 100 tensors shaped like a
 transformer's; 10M parameters on CPU, 100M on GPU) each kernel is timed
@@ -24,6 +24,7 @@ import math
 import time
 
 import torch
+from pipesim.sim.cliargs import bench_main, positive, run_command
 from pipesim.kernels import (
     DoubleBuffer,
     WeightStash,
@@ -260,29 +261,37 @@ def check_targets(rows: list[dict]) -> list[str]:
     return miss
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipesim.kernels.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print a JSON list of rows")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--numel", type=int, default=None, help="parameters (default 10M CPU, 100M GPU)")
-    ap.add_argument("--tensors", type=int, default=100)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--kernels", default=None, help="comma-separated subset")
+def add_arguments(ap) -> None:
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="device to time on")
+    ap.add_argument("--numel", type=positive, default=None, help="parameters (default: 10M CPU, 100M GPU)")
+    ap.add_argument("--tensors", type=positive, default=100, help="tensors the parameters are split into")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    ap.add_argument("--repeat", type=positive, default=15, help="timed runs per kernel (the best is kept)")
+    ap.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of warm-up before measuring")
-    args = ap.parse_args(argv)
+
+
+def run_bench(args) -> dict:
     rows = run(args.device, args.numel, args.tensors, tuple(args.dtypes.split(",")), args.repeat,
                tuple(args.kernels.split(",")) if args.kernels else None, args.warmup)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(f"threads={torch.get_num_threads()}; best of {args.repeat}; "
-              "gbps = minimum bytes / time; copy = flat copy_ of the same bytes")
-        print(format_table(rows))
-        miss = check_targets(rows)
-        print("\ntargets: " + ("all met" if not miss else "missed:\n  " + "\n  ".join(miss)))
-    return 0
+    return {"threads": torch.get_num_threads(), "repeat": args.repeat, "rows": rows, "misses": check_targets(rows)}
+
+
+def render(report: dict) -> str:
+    miss = report["misses"]
+    return "\n".join([
+        f"threads={report['threads']}; best of {report['repeat']}; "
+        "gbps = minimum bytes / time; copy = flat copy_ of the same bytes",
+        format_table(report["rows"]),
+        "\ntargets: " + ("all met" if not miss else "missed:\n  " + "\n  ".join(miss)),
+    ])
+
+
+def main(argv=None, prog: str = "python -m pipesim.kernels.bench") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
+                      run=run_bench, render=render)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

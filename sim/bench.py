@@ -1,4 +1,4 @@
-"""Simulator benchmark: ``python -m pipesim.sim.bench [--json]``.
+"""Simulator benchmark: ``pipesim bench sim`` (or ``python -m pipesim.sim.bench``).
 
 Prints, measured in one process so the ratios hold on a noisy machine:
 
@@ -7,10 +7,12 @@ Prints, measured in one process so the ratios hold on a noisy machine:
 * simulated compute actions per second of the full ``simulate()`` path
   (validation, lowering, engine, trackers, summary) for several sizes, and
   its ratio to the raw rate;
-* the time of the issue's target, ``pipesim simulate --strategy 1f1b
-  --stages 64 --microbatches 1024`` (131,072 compute actions), run end to
-  end through the CLI in a fresh interpreter, with ``--summary-only`` and
-  with every output (trace.json, timeline.html) written.
+* the issue's target, ``pipesim simulate --strategy 1f1b --stages 64
+  --microbatches 1024 --summary-only`` (131,072 compute actions): the same
+  library calls that command makes (build, cost, partition, simulate,
+  summarise, write summary.json), timed in this process. ``pipesim bench
+  sim`` adds the console script's end-to-end time (interpreter start and
+  imports included), which only the command-line layer can measure.
 
 Nothing here asserts: the figures are for the reader (and the issue note).
 """
@@ -18,19 +20,24 @@ Nothing here asserts: the figures are for the reader (and the issue note).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import simpy
 
-from pipesim.sim._gc import gc_paused
-from pipesim.sim.api import simulate
-from pipesim.sim.metrics import summarize
-from pipesim.sim.strategies import ScheduleSpec
+from ._gc import gc_paused
+from .api import simulate
+from .cliargs import bench_main
+from .metrics import summarize, write_summary
+from .strategies import ScheduleSpec
+
+#: The issue's target: 1F1B, p = 64, m = 1024 (131,072 compute actions) in 2 s.
+TARGET = {"strategy": "1f1b", "stages": 64, "microbatches": 1024, "seconds": 2.0}
+CASES = (("1f1b", 8, 64, "uniform", "ideal"), ("pipedream", 8, 64, "uniform", "ideal"),
+         ("gpipe", 16, 128, "gpt-1.3b", "dgx-h100-x2"), ("spectrain", 4, 256, "vgg16", "pcie-4gpu"))
 
 
 def raw_simpy_rate(n: int = 300_000) -> float:
@@ -60,62 +67,66 @@ def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardwar
             "compute_actions": actions, "seconds": round(elapsed, 4), "actions_per_s": round(actions / elapsed)}
 
 
-def cli_seconds(args: list[str], repeat: int = 3) -> tuple[float, float]:
-    """(best, median) wall time of ``pipesim <args>`` over ``repeat`` fresh
-    interpreters (imports and exit included)."""
+def target_seconds(repeat: int = 3) -> list[float]:
+    """Wall times of what ``pipesim simulate`` does for the target, in this process."""
     times = []
+    spec = ScheduleSpec(TARGET["strategy"], TARGET["stages"], TARGET["microbatches"])
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "pipesim.experiments.cli", *args, "--out", out]
         for _ in range(repeat):
             start = time.perf_counter()
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+            with gc_paused():
+                write_summary(summarize(simulate(spec)), Path(out) / "summary.json")
             times.append(time.perf_counter() - start)
-    times.sort()
-    return times[0], times[len(times) // 2]
+    return sorted(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipesim.sim.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes only (skip the 131k-action target)")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> dict:
     raw = raw_simpy_rate()
-    cases = [("1f1b", 8, 64, "uniform", "ideal"), ("pipedream", 8, 64, "uniform", "ideal"),
-             ("gpipe", 16, 128, "gpt-1.3b", "dgx-h100-x2"), ("spectrain", 4, 256, "vgg16", "pcie-4gpu")]
+    cases = list(CASES)
     if not args.quick:
-        cases.append(("1f1b", 64, 1024, "uniform", "ideal"))
+        cases.append((TARGET["strategy"], TARGET["stages"], TARGET["microbatches"], "uniform", "ideal"))
     rows = []
     for i, (strategy, p, m, model, hw) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {strategy} p={p} m={m} on {hw} ...", file=sys.stderr, flush=True)
         row = simulate_rate(strategy, p, m, model, hw)
         row["ratio_to_raw_simpy"] = round(row["actions_per_s"] / raw, 4)
         rows.append(row)
-    target = {}
+    report = {"raw_simpy_timeouts_per_s": round(raw), "cases": rows, "target": {}}
     if not args.quick:
-        base = ["simulate", "--strategy", "1f1b", "--stages", "64", "--microbatches", "1024"]
-        print("[cli] pipesim simulate ... p=64 m=1024 (summary only, then all outputs)", file=sys.stderr, flush=True)
-        best, median = cli_seconds([*base, "--summary-only"])
-        all_best, all_median = cli_seconds(base, repeat=1)
-        target = {"cli_summary_only_best_s": round(best, 3), "cli_summary_only_median_s": round(median, 3),
-                  "cli_all_outputs_s": round(all_best, 3), "target_s": 2.0}
-    report = {"raw_simpy_timeouts_per_s": round(raw), "cases": rows, "target": target}
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
-    print(f"SimPy raw timeouts/s: {raw:,.0f}")
-    print(f"{'strategy':<10} {'p':>3} {'m':>5} {'model':<9} {'hardware':<12} {'actions':>8} {'s':>7} "
-          f"{'actions/s':>10} {'vs raw':>7}")
-    for r in rows:
-        print(f"{r['strategy']:<10} {r['stages']:>3} {r['microbatches']:>5} {r['model']:<9} {r['hardware']:<12} "
-              f"{r['compute_actions']:>8} {r['seconds']:>7.3f} {r['actions_per_s']:>10,} {r['ratio_to_raw_simpy']:>7.3f}")
+        print("[target] 1f1b p=64 m=1024, as pipesim simulate --summary-only does it, 3 times ...",
+              file=sys.stderr, flush=True)
+        times = target_seconds()
+        report["target"] = {**TARGET, "library_best_s": round(times[0], 3),
+                            "library_median_s": round(statistics.median(times), 3)}
+    return report
+
+
+def render(report: dict) -> str:
+    lines = [f"SimPy raw timeouts/s: {report['raw_simpy_timeouts_per_s']:,}",
+             f"{'strategy':<10} {'p':>3} {'m':>5} {'model':<9} {'hardware':<12} {'actions':>8} {'s':>7} "
+             f"{'actions/s':>10} {'vs raw':>7}"]
+    for r in report["cases"]:
+        lines.append(f"{r['strategy']:<10} {r['stages']:>3} {r['microbatches']:>5} {r['model']:<9} "
+                     f"{r['hardware']:<12} {r['compute_actions']:>8} {r['seconds']:>7.3f} {r['actions_per_s']:>10,} "
+                     f"{r['ratio_to_raw_simpy']:>7.3f}")
+    target = report["target"]
     if target:
-        print(f"CLI, 1f1b p=64 m=1024 (131,072 compute actions), --summary-only: best "
-              f"{target['cli_summary_only_best_s']:.2f} s, median {target['cli_summary_only_median_s']:.2f} s of 3 "
-              f"(target {target['target_s']:.1f} s); writing trace.json and timeline.html too: "
-              f"{target['cli_all_outputs_s']:.2f} s")
-    return 0
+        lines.append(f"target, 1f1b p=64 m=1024 (131,072 compute actions), library path of --summary-only: best "
+                     f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
+                     f"(target {target['seconds']:.1f} s end to end)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipesim.sim.bench") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
+                      run=run, render=render)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cliargs import run_command
+
+    sys.exit(run_command(main))

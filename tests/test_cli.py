@@ -135,3 +135,34 @@ def test_closed_pipe_is_not_an_error() -> None:
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0 and err == b""
+
+
+def test_bench_dispatches_to_each_layers_benchmark_with_json(capsys) -> None:
+    code, out, err = run(capsys, "bench", "sim", "--quick", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["raw_simpy_timeouts_per_s"] > 0 and report["target"] == {}
+    assert {r["strategy"] for r in report["cases"]} >= {"1f1b", "pipedream"}
+    assert all(r["compute_actions"] > 0 and r["actions_per_s"] > 0 for r in report["cases"])
+    code, out, err = run(capsys, "bench", "sim", "--quick")
+    assert code == 0 and out.startswith("SimPy raw timeouts/s:") and "actions/s" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "nope"], "invalid choice"),
+    (["bench", "comm", "--world-size", "1"], "must be >= 2"),
+    (["bench", "kernels", "--repeat", "0"], "must be >= 1"),
+])
+def test_bench_arguments_are_checked_in_one_line(argv, message, capsys) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_help_shows_choices_and_defaults(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # help wraps lines at the terminal width
+    assert "(choices: gpipe, 1f1b, interleaved-1f1b" in out
+    assert "--alpha ALPHA" in out and "(default: 0.25)" in out
+    assert "(default: 4)" in out  # --stages
+    assert "pcie-4gpu" in out and "vgg16" in out  # hardware presets and catalog models

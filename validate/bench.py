@@ -1,6 +1,6 @@
 """Benchmark: how well does the simulator predict real runs of every strategy?
 
-``python -m pipesim.validate.bench`` profiles a model once on this machine
+``pipesim bench validate`` (or ``python -m pipesim.validate.bench``) profiles a model once on this machine
 (per-layer costs, pass overhead, optimizer bandwidth, point-to-point links),
 then validates every strategy with 2 pipeline stages against that one
 profile: each strategy is simulated and run for real (gloo, one process per
@@ -23,21 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipesim.sim.cliargs import bench_main, list_choices, positive, run_command
+from pipesim.sim.strategies import strategy_names
 from pipesim.sim.workload import save_profile
-
-#: (strategy, extra ScheduleSpec options, replicas): every strategy on two devices
-STRATEGIES = (
-    ("gpipe", (), 1),
-    ("1f1b", (), 1),
-    ("interleaved-1f1b", (("chunks", 2),), 1),
-    ("zb-h1", (), 1),
-    ("pipedream", (), 1),
-    ("pipedream-2bw", (), 1),
-    ("spectrain", (), 1),
-    ("avgpipe", (), 2),
-    ("data-parallel", (), 1),
-)
-
+from pipesim.validate.models import model_names
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -58,14 +47,14 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     hw = hardware_for(base, device, 2, model=real)
     (tmp / "hardware.json").write_text(json.dumps(hw.to_json()))
     rows = []
-    chosen = [s for s in STRATEGIES if strategies is None or s[0] in strategies]
-    for i, (name, options, replicas) in enumerate(chosen, 1):
+    chosen = strategy_names() if strategies is None else list(strategies)
+    for i, name in enumerate(chosen, 1):
         errors, meas, pred = [], [], []
         for r in range(repeats):
             _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
             cfg = ValidateConfig(strategy=name, stages=2, microbatches=microbatches, model=model, backend=backend,
-                                 iterations=iterations, microbatch_size=microbatch_size, replicas=replicas,
-                                 model_width=model_width, model_depth=model_depth, strategy_options=options,
+                                 iterations=iterations, microbatch_size=microbatch_size,
+                                 model_width=model_width, model_depth=model_depth,
                                  profile_path=str(tmp / "profile.json"), hardware_path=str(tmp / "hardware.json"))
             rep = run_validation(cfg).report
             errors.append(rep["iteration_time_error"])
@@ -82,34 +71,43 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
             "update_bandwidth_Bps": hw.device.mem_bandwidth}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipesim.validate.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--microbatch-size", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"))
-    p.add_argument("--strategies", default=None, help="comma-separated subset")
-    p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
+def add_arguments(p) -> None:
+    list_choices(p.add_argument("--model", default="mlp", help="real model to validate"), model_names)
+    p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
+    p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
+    p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
+    p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"), help="how the devices run")
+    list_choices(p.add_argument("--strategies", default=None, help="comma-separated subset (default: all)"),
+                 strategy_names)
+
+
+def run_bench(args) -> dict:
     started = time.perf_counter()
     res = run(args.model, args.microbatch_size, args.microbatches, args.iterations, args.repeats, args.backend,
               args.strategies.split(",") if args.strategies else None)
-    print(f"{res['model']}, micro-batch {res['microbatch_size']}, m={res['microbatches']}, "
-          f"{res['iterations']} iterations, {res['backend']}; link {res['link_latency_s'] * 1e6:.0f} us + "
-          f"{res['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {res['update_bandwidth_Bps'] / 1e9:.1f} GB/s")
-    print(f"{'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  {'runs':18} {'bubble m/p':>12}")
+    res["seconds"] = round(time.perf_counter() - started, 1)
+    return res
+
+
+def render(res: dict) -> str:
+    lines = [f"{res['model']}, micro-batch {res['microbatch_size']}, m={res['microbatches']}, "
+             f"{res['iterations']} iterations, {res['backend']}; link {res['link_latency_s'] * 1e6:.0f} us + "
+             f"{res['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {res['update_bandwidth_Bps'] / 1e9:.1f} GB/s",
+             f"{'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  {'runs':18} {'bubble m/p':>12}"]
     for r in res["rows"]:
         runs = " ".join(f"{e:+.1%}" for e in r["errors"])
-        print(f"{r['strategy']:18} {r['measured_s'] * 1e3:12.2f} {r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  "
-              f"{runs:18} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}")
-    print(f"median |error| over {len(res['rows'])} strategies: {res['median_abs_error']:.1%} "
-          f"({time.perf_counter() - started:.0f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    return 0
+        lines.append(f"{r['strategy']:18} {r['measured_s'] * 1e3:12.2f} {r['predicted_s'] * 1e3:13.2f} "
+                     f"{r['error']:+8.1%}  {runs:18} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}")
+    lines.append(f"median |error| over {len(res['rows'])} strategies: {res['median_abs_error']:.1%} "
+                 f"({res['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def main(argv=None, prog: str = "python -m pipesim.validate.bench") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.splitlines()[0], add_arguments=add_arguments,
+                      run=run_bench, render=render)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

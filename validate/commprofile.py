@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from pipesim.sim.cliargs import bench_main, int_at_least, positive, run_command
 from pipesim.sim.hardware import Hardware
 from pipesim.validate.launch import LaunchContext, launch
 from pipesim.validate.numerics import intra_op_threads
@@ -452,15 +453,16 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+def add_arguments(ap) -> None:
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="what the ranks talk over")
+    ap.add_argument("--world-size", type=int_at_least(2), default=2, help="ranks for the all-reduce timing")
+    ap.add_argument("--repeats", type=positive, default=20, help="timed repetitions per size (median)")
+    ap.add_argument("--all-gather", action="store_true", help="time all-gather as well")
 
-    ap = argparse.ArgumentParser(prog="python -m pipesim.validate.commprofile", description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    ap.add_argument("--world-size", type=int, default=2, help="ranks for the all-reduce timing")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--all-gather", action="store_true")
-    opts = ap.parse_args(argv)
+
+def run_bench(opts) -> dict:
+    """Measure the links, the collectives and the memory bandwidth, and set
+    each against the model the simulator would price it with."""
     t0 = time.perf_counter()
     p2p = measure_p2p(opts.backend, repeats=opts.repeats)
     ar = measure_allreduce(opts.backend, opts.world_size, repeats=opts.repeats, all_gather=opts.all_gather)
@@ -469,10 +471,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with intra_op_threads():  # what each launched CPU rank uses
             mem = measure_memory_bandwidth("cpu")
-    print(json.dumps({"p2p": p2p.to_json(), "allreduce": ar.to_json(), "mem_bandwidth_Bps": mem,
-                      "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
-    return 0
+    hw = Hardware.from_json(hardware_json("measured", p2p.device, 1e12, mem, 1e12, p2p, opts.world_size))
+    ranks = list(range(opts.world_size))
+    return {"p2p": p2p.to_json(), "p2p_model_s": [p2p.predict(n) for n in p2p.sizes],
+            "allreduce": ar.to_json(), "allreduce_ring_model_s": [hw.ring_allreduce_time(ranks, n) for n in ar.sizes],
+            "mem_bandwidth_Bps": mem, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def render(report: dict) -> str:
+    p2p, ar = report["p2p"], report["allreduce"]
+    lines = [f"{p2p['backend']} point to point on {p2p['device']}: latency {p2p['latency_s'] * 1e6:.1f} us, "
+             f"bandwidth {p2p['bandwidth_Bps'] / 1e9:.3f} GB/s (fitted)",
+             f"{'size':>10} {'one-way ms':>11} {'fastest ms':>11} {'model ms':>9}"]
+    for n, t, fast, model in zip(p2p["sizes"], p2p["one_way_s"], p2p["min_one_way_s"], report["p2p_model_s"]):
+        lines.append(f"{_fmt_bytes(n):>10} {t * 1e3:11.3f} {fast * 1e3:11.3f} {model * 1e3:9.3f}")
+    lines += ["", f"all-reduce over {ar['world_size']} ranks:",
+              f"{'size':>10} {'measured ms':>12} {'ring model ms':>14} {'busbw GB/s':>11}"]
+    for n, t, model, bus in zip(ar["sizes"], ar["allreduce_s"], report["allreduce_ring_model_s"], ar["busbw_Bps"]):
+        lines.append(f"{_fmt_bytes(n):>10} {t * 1e3:12.3f} {model * 1e3:14.3f} {bus / 1e9:11.3f}")
+    lines += ["", f"memory bandwidth (c = a + alpha * b): {report['mem_bandwidth_Bps'] / 1e9:.2f} GB/s; "
+                  f"{report['seconds']:.1f} s in all"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.validate.commprofile") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
+                      run=run_bench, render=render)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

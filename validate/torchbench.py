@@ -85,6 +85,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command
 
 __all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
            "machine", "main", "pipesim_throughput", "torch_worker"]
@@ -478,34 +479,41 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipesim.validate.torchbench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--starts", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
+def _starts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected first layers like 0,3, got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="mlp", help="real model (mlp, gpt-small, vgg-small)")
+    p.add_argument("--stages", type=positive, default=2, help="pipeline stages, one rank each")
+    p.add_argument("--starts", type=_starts, default=None,
                    help="first layer of each stage, e.g. 0,3 (default: a balanced split)")
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--microbatch-size", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=6)
-    p.add_argument("--warmup-iterations", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated: gpipe,1f1b")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=positive, default=None, help="model width (default: the model's)")
+    p.add_argument("--depth", type=positive, default=None, help="model depth (default: the model's)")
+    p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
+    p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
+    p.add_argument("--iterations", type=positive, default=6, help="timed iterations")
+    p.add_argument("--warmup-iterations", type=nonnegative, default=2, help="untimed iterations first")
+    p.add_argument("--repeats", type=positive, default=3, help="launches per side, alternating")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
+    p.add_argument("--seed", type=nonnegative, default=0, help="seed of the weights and the data order")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
-    p.add_argument("--json", default=None, help="also write the result as JSON to this file")
-    a = p.parse_args(argv)
-    result = compare_with_torch(a.model, a.stages, a.microbatches, a.microbatch_size, a.iterations,
-                                a.warmup_iterations, tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
-                                a.width, a.depth, a.seed, a.timeout, starts=a.starts, repeats=a.repeats,
-                                progress=True)
-    print(format_report(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+
+
+def run_bench(a) -> dict:
+    return compare_with_torch(a.model, a.stages, a.microbatches, a.microbatch_size, a.iterations,
+                              a.warmup_iterations, tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
+                              a.width, a.depth, a.seed, a.timeout, starts=a.starts, repeats=a.repeats,
+                              progress=True)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.validate.torchbench") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
+                      run=run_bench, render=format_report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -1,0 +1,98 @@
+"""``pipesim bench {sim,kernels,validate,torch,comm}``: every benchmark behind one command.
+
+Each benchmark lives in the layer it measures and keeps its ``python -m``
+entry point as an alias; this module only dispatches to it (importing it, and
+torch with it, only when it is asked for). Every one prints tables, or its
+report as JSON with ``--json``; ``pipesim bench NAME --help`` lists its
+options with their defaults.
+
+``pipesim bench sim`` also times the simulator's target end to end through
+the installed console script (interpreter start and imports included), the
+one figure only this top layer can measure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipesim.sim.cliargs import bench_main
+
+
+def describe() -> str:
+    """The list of benchmarks, for ``pipesim bench --help``."""
+    width = max(map(len, BENCHES))
+    return "\n".join(f"  {name:<{width}}  {b.summary}" for name, b in BENCHES.items())
+
+
+def run(name: str, argv: list[str]) -> int:
+    """Run benchmark ``name`` with its own arguments ``argv``."""
+    bench = BENCHES[name]
+    if bench.main is not None:
+        return bench.main(argv)
+    return importlib.import_module(bench.module).main(argv, prog=f"pipesim bench {name}")
+
+
+def console_script_seconds(args: list[str], repeat: int = 3) -> list[float]:
+    """Sorted wall times of ``pipesim <args>`` in fresh interpreters."""
+    exe = shutil.which("pipesim")
+    cmd = [exe] if exe else [sys.executable, "-m", "pipesim.experiments.cli"]
+    times = []
+    with tempfile.TemporaryDirectory() as out:
+        for _ in range(repeat):
+            start = time.perf_counter()
+            subprocess.run([*cmd, *args, "--out", out], check=True, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONHASHSEED": "0"})
+            times.append(time.perf_counter() - start)
+    return sorted(times)
+
+
+def _sim_with_console_script(argv: list[str]) -> int:
+    from pipesim.sim import bench as sim_bench
+
+    def run_all(args) -> dict:
+        report = sim_bench.run(args)
+        if report["target"]:
+            t = report["target"]
+            print("[target] the same through the pipesim console script, 3 times ...", file=sys.stderr, flush=True)
+            times = console_script_seconds(["simulate", "--strategy", t["strategy"], "--stages", str(t["stages"]),
+                                            "--microbatches", str(t["microbatches"]), "--summary-only"])
+            t["console_script_best_s"] = round(times[0], 3)
+            t["console_script_median_s"] = round(statistics.median(times), 3)
+        return report
+
+    def render(report: dict) -> str:
+        text = sim_bench.render(report)
+        t = report["target"]
+        if "console_script_best_s" in t:
+            text += (f"\nend to end, `pipesim simulate ... --summary-only`: best {t['console_script_best_s']:.2f} s, "
+                     f"median {t['console_script_median_s']:.2f} s of 3 (target {t['seconds']:.1f} s)")
+        return text
+
+    return bench_main(argv, prog="pipesim bench sim", description=sim_bench.__doc__.split("\n")[0],
+                      add_arguments=sim_bench.add_arguments, run=run_all, render=render)
+
+
+@dataclass(frozen=True)
+class Bench:
+    module: str
+    summary: str
+    main: Callable[[list[str]], int] | None = None  # instead of the module's own main
+
+
+BENCHES: dict[str, Bench] = {
+    "sim": Bench("pipesim.sim.bench", "simulated actions/s, the ratio to raw SimPy, the 131k-action target",
+                 main=_sim_with_console_script),
+    "kernels": Bench("pipesim.kernels.bench", "kernel bandwidth against a plain copy and a Python loop"),
+    "validate": Bench("pipesim.validate.bench", "prediction error of every strategy on this machine"),
+    "torch": Bench("pipesim.validate.torchbench", "runtime throughput against torch.distributed.pipelining"),
+    "comm": Bench("pipesim.validate.commprofile", "point-to-point and all-reduce times against their models"),
+}
