@@ -116,100 +116,23 @@ def timeline_figure(
     ``show_comm``: draw the ``device N comm`` rows; ``None`` (default) draws
     them unless the result has more than ``max_spans`` spans in all.
     """
-    sched = result.schedule
     spans = result.spans
     bubbles = device_bubbles(result)
-    n_dev = len(bubbles)
-    t0 = min((s.start for s in spans), default=0.0)
-    makespan_ms = result.makespan * 1e3
-
     comm_spans = sum(1 for s in spans if s.stream != "compute")
-    comm_dropped = 0
     if show_comm is None:
         show_comm = len(spans) <= max_spans
-        if not show_comm:
-            comm_dropped = comm_spans
+    comm_dropped = 0 if show_comm else comm_spans
     has_comm = show_comm and comm_spans > 0
-
-    # Row positions: device d's compute row, then (optionally) its comm row.
     rows_per_dev = 2 if has_comm else 1
-    tickvals: list[int] = []
-    ticktext: list[str] = []
-    for d in range(n_dev):
-        tickvals.append(d * rows_per_dev)
-        ticktext.append(f"device {d} (bubble {100 * bubbles[d]:.1f}%)")
-        if has_comm:
-            tickvals.append(d * rows_per_dev + 1)
-            ticktext.append(f"device {d} comm")
-
-    groups: dict[Op, list] = defaultdict(list)
-    for s in spans:
-        is_comm = s.stream != "compute"
-        if is_comm and not has_comm:
-            continue
-        groups[s.action.op].append((s, is_comm))
+    t0 = min((s.start for s in spans), default=0.0)
 
     fig = go.Figure()
-    for op in OP_ORDER + tuple(sorted(set(groups) - set(OP_ORDER), key=lambda o: o.value)):
-        items = groups.get(op)
-        if not items:
-            continue
-        items.sort(key=lambda it: (it[0].device, it[0].start, it[0].end, str(it[0].action)))
-        comm = items[0][1]
-        n = len(items)
-        y = np.empty(n, dtype=np.int32)
-        base = np.empty(n, dtype=np.float64)
-        dur = np.empty(n, dtype=np.float64)
-        # compute traces: float32 is exact for ids below 2**24 and ample for
-        # hover durations, and halves the HTML; comm keeps float64 for bytes.
-        custom = np.empty((n, 6 if comm else 4), dtype=np.float64 if comm else np.float32)
-        text = []
-        all_versions = True
-        for k, (s, is_comm) in enumerate(items):
-            a = s.action
-            y[k] = s.device * rows_per_dev + (1 if is_comm else 0)
-            start_ms = (s.start - t0) * 1e3
-            dur_ms = (s.end - s.start) * 1e3
-            base[k] = start_ms
-            dur[k] = dur_ms
-            if a.version is None:
-                all_versions = False
-            row = (
-                a.stage,
-                -1 if a.microbatch is None else a.microbatch,
-                -1 if a.version is None else a.version,
-                dur_ms,
-            )
-            custom[k] = row + (-1 if s.peer is None else s.peer, s.nbytes) if comm else row
-            text.append(str(a))
-        fig.add_trace(
-            go.Bar(
-                name=op.value,
-                orientation="h",
-                y=y,
-                base=np.round(base, 9).tolist(),
-                x=np.round(dur, 9),
-                width=_COMM_WIDTH if comm else _COMPUTE_WIDTH,
-                marker={"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
-                opacity=0.85 if comm else 1.0,
-                text=text,
-                textposition="none",
-                customdata=np.round(custom, 9) if comm else custom,
-                hovertemplate=_hovertemplate(op, all_versions, comm),
-                legendrank=OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER),
-            )
-        )
-
-    if title is None:
-        overall = sum(bubbles) / len(bubbles) if bubbles else 0.0
-        title = (
-            f"{sched.strategy}: {sched.num_stages} stages, {sched.num_devices} devices, "
-            f"m = {sched.num_microbatches}"
-            + (f", {sched.num_iterations} iterations" if sched.num_iterations > 1 else "")
-            + (f", {sched.num_replicas} replicas" if sched.num_replicas > 1 else "")
-            + f" · makespan {makespan_ms:.4g} ms · bubble {100 * overall:.1f}%"
-        )
-    apply_timeline_layout(fig, title=title, tickvals=tickvals, ticktext=ticktext, x_max_ms=makespan_ms)
+    for op, items in _spans_by_op(spans, has_comm):
+        fig.add_trace(_op_trace(op, items, rows_per_dev, t0))
+    tickvals, ticktext = _rows(bubbles, has_comm)
+    makespan_ms = result.makespan * 1e3
+    apply_timeline_layout(fig, title=title if title is not None else _title(result, bubbles),
+                          tickvals=tickvals, ticktext=ticktext, x_max_ms=makespan_ms)
     if comm_dropped:
         fig.add_annotation(
             text=(f"communication rows omitted: {comm_dropped} transfer/collective spans "
@@ -218,6 +141,89 @@ def timeline_figure(
             showarrow=False, font={"size": 11, "color": "#555555"},
         )
     return fig
+
+
+def _rows(bubbles: list[float], has_comm: bool) -> tuple[list[int], list[str]]:
+    """Row positions and labels: device d's compute row, then (optionally) its comm row."""
+    rows_per_dev = 2 if has_comm else 1
+    tickvals: list[int] = []
+    ticktext: list[str] = []
+    for d, bubble in enumerate(bubbles):
+        tickvals.append(d * rows_per_dev)
+        ticktext.append(f"device {d} (bubble {100 * bubble:.1f}%)")
+        if has_comm:
+            tickvals.append(d * rows_per_dev + 1)
+            ticktext.append(f"device {d} comm")
+    return tickvals, ticktext
+
+
+def _spans_by_op(spans, has_comm: bool) -> list[tuple[Op, list]]:
+    """``(op, [(span, is_comm), ...])`` in trace order, each list sorted by
+    device and time; communication spans only when their rows are drawn."""
+    groups: dict[Op, list] = defaultdict(list)
+    for s in spans:
+        is_comm = s.stream != "compute"
+        if is_comm and not has_comm:
+            continue
+        groups[s.action.op].append((s, is_comm))
+    out = []
+    for op in OP_ORDER + tuple(sorted(set(groups) - set(OP_ORDER), key=lambda o: o.value)):
+        items = groups.get(op)
+        if items:
+            items.sort(key=lambda it: (it[0].device, it[0].start, it[0].end, str(it[0].action)))
+            out.append((op, items))
+    return out
+
+
+def _op_trace(op: Op, items: list, rows_per_dev: int, t0: float) -> go.Bar:
+    """One bar trace holding every span of one action type, as binary arrays."""
+    comm = items[0][1]
+    n = len(items)
+    y = np.empty(n, dtype=np.int32)
+    base = np.empty(n, dtype=np.float64)
+    dur = np.empty(n, dtype=np.float64)
+    # compute traces: float32 is exact for ids below 2**24 and ample for
+    # hover durations, and halves the HTML; comm keeps float64 for bytes.
+    custom = np.empty((n, 6 if comm else 4), dtype=np.float64 if comm else np.float32)
+    text = []
+    all_versions = True
+    for k, (s, is_comm) in enumerate(items):
+        a = s.action
+        y[k] = s.device * rows_per_dev + (1 if is_comm else 0)
+        base[k] = (s.start - t0) * 1e3
+        dur[k] = dur_ms = (s.end - s.start) * 1e3
+        if a.version is None:
+            all_versions = False
+        row = (a.stage, -1 if a.microbatch is None else a.microbatch, -1 if a.version is None else a.version, dur_ms)
+        custom[k] = row + (-1 if s.peer is None else s.peer, s.nbytes) if comm else row
+        text.append(str(a))
+    return go.Bar(
+        name=op.value,
+        orientation="h",
+        y=y,
+        base=np.round(base, 9).tolist(),
+        x=np.round(dur, 9),
+        width=_COMM_WIDTH if comm else _COMPUTE_WIDTH,
+        marker={"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
+        opacity=0.85 if comm else 1.0,
+        text=text,
+        textposition="none",
+        customdata=np.round(custom, 9) if comm else custom,
+        hovertemplate=_hovertemplate(op, all_versions, comm),
+        legendrank=OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER),
+    )
+
+
+def _title(result: SimResult, bubbles: list[float]) -> str:
+    sched = result.schedule
+    overall = sum(bubbles) / len(bubbles) if bubbles else 0.0
+    return (
+        f"{sched.strategy}: {sched.num_stages} stages, {sched.num_devices} devices, "
+        f"m = {sched.num_microbatches}"
+        + (f", {sched.num_iterations} iterations" if sched.num_iterations > 1 else "")
+        + (f", {sched.num_replicas} replicas" if sched.num_replicas > 1 else "")
+        + f" · makespan {result.makespan * 1e3:.4g} ms · bubble {100 * overall:.1f}%"
+    )
 
 
 def write_timeline_html(result: SimResult, path: str | Path, title: str | None = None, **kwargs) -> Path:

@@ -215,7 +215,33 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     if schedule.num_stages > model.num_layers:  # fail before any measuring
         raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
                             f"{model.num_layers} (raise --model-depth)")
+    prof, hw = _measurements(cfg, schedule, device, model, say)
+    costs = partition(prof, schedule.num_stages)
+    starts = tuple(c.first_layer for c in costs)
+    say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")
+    predicted = run_engine(schedule, costs, hw, microbatch_size=cfg.microbatch_size, optimizer=prof.optimizer,
+                           recv_lookahead=cfg.recv_lookahead,
+                           meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer})
+    job = Job(schedule=schedule, model=cfg.model, starts=starts, microbatch_size=cfg.microbatch_size,
+              optimizer=cfg.optimizer, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed,
+              synthetic=cfg.synthetic, recv_lookahead=cfg.recv_lookahead)
+    out = _execute(cfg, job, device, predicted, say)
+    measured = measured_result(schedule, out.records, microbatch_size=cfg.microbatch_size, stage_costs=costs,
+                               meta={"model": cfg.model, "backend": cfg.backend, "measured": True})
+    reference = serialized(predicted, measured) if cfg.backend == "single" else predicted
+    report = _run_facts(cfg, schedule, model, device, starts, prof, hw)
+    report.update(compare(reference, measured, losses=iteration_losses(out.losses, schedule.num_microbatches),
+                          versions_used=out.versions_used, peak_memory=out.peak_memory or None))
+    if cfg.backend == "single" and out.peak_memory:
+        report["peak_memory_note"] = "single-device mode holds every stage on one device: measured is their sum"
+    report["unscheduled_predictions"] = out.unscheduled_predictions
+    return Validation(report, reference, measured, prof, hw)
 
+
+def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device, model: RealModel,
+                  say) -> tuple[Profile, Hardware]:
+    """The profile and hardware to simulate with: given files, or measured
+    here; checked against the schedule and the model."""
     if cfg.profile_path:
         prof = load_profile(cfg.profile_path)
         if prof.microbatch_size != cfg.microbatch_size:
@@ -233,35 +259,34 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
                             f"{schedule.num_devices}")
     if model.num_layers != prof.num_layers:
         raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
-    costs = partition(prof, schedule.num_stages)
-    starts = tuple(c.first_layer for c in costs)
-    say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")
-    predicted = run_engine(schedule, costs, hw, microbatch_size=cfg.microbatch_size, optimizer=prof.optimizer,
-                           recv_lookahead=cfg.recv_lookahead,
-                           meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer})
+    return prof, hw
 
-    job = Job(schedule=schedule, model=cfg.model, starts=starts, microbatch_size=cfg.microbatch_size,
-              optimizer=cfg.optimizer, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed,
-              synthetic=cfg.synthetic, recv_lookahead=cfg.recv_lookahead)
-    if cfg.backend == "single":
-        say(f"running every stage in this process on {device} ...")
-        with intra_op_threads(_executor_threads(device)):
-            _, modules, stages, data = build_stages(job, schedule.placement(), device)
-            from pipesim.validate.runtime import boundary_specs, warm_up
 
-            warm_up(stages, data, boundary_specs(modules, data), device)
-            out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
-                          timed=True, threads=None)
-        if device.type == "cuda":
-            out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
-    else:
+def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: SimResult, say):
+    """Run ``job`` for real: every stage in this process (single-device mode),
+    or one worker process per device."""
+    schedule = job.schedule
+    if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
-        out = run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    measured = measured_result(schedule, out.records, microbatch_size=cfg.microbatch_size, stage_costs=costs,
-                               meta={"model": cfg.model, "backend": cfg.backend, "measured": True})
-    reference = serialized(predicted, measured) if cfg.backend == "single" else predicted
-    losses = iteration_losses(out.losses, schedule.num_microbatches)
-    report = {
+        return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
+    from pipesim.validate.runtime import boundary_specs, warm_up
+
+    say(f"running every stage in this process on {device} ...")
+    with intra_op_threads(_executor_threads(device)):
+        _, modules, stages, data = build_stages(job, schedule.placement(), device)
+        warm_up(stages, data, boundary_specs(modules, data), device)
+        out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
+                      timed=True, threads=None)
+    if device.type == "cuda":
+        out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
+    return out
+
+
+def _run_facts(cfg: ValidateConfig, schedule: Schedule, model: RealModel, device: torch.device, starts,
+               prof: Profile, hw: Hardware) -> dict:
+    """What ran, on what, with which measurements: the head of report.json."""
+    link_bw = hw.intra_node.bandwidth
+    return {
         "strategy": cfg.strategy,
         "stages": schedule.num_stages,
         "devices": schedule.num_devices,
@@ -276,15 +301,9 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         "partition_starts": list(starts),
         "optimizer": asdict(cfg.optimizer),
         "hardware": {"name": hw.name, "mem_bandwidth_Bps": round_sig(hw.device.mem_bandwidth),
-                     "link_bandwidth_Bps": round_sig(hw.intra_node.bandwidth) if hw.intra_node.bandwidth != float("inf") else None,
+                     "link_bandwidth_Bps": round_sig(link_bw) if link_bw != float("inf") else None,
                      "link_latency_s": round_sig(hw.intra_node.latency)},
         "profile": {"overhead_forward_s": round_sig(prof.overhead_forward_s),
                     "overhead_backward_s": round_sig(prof.overhead_backward_s),
                     "layers": prof.num_layers},
     }
-    report.update(compare(reference, measured, losses=losses, versions_used=out.versions_used,
-                          peak_memory=out.peak_memory or None))
-    if cfg.backend == "single" and out.peak_memory:
-        report["peak_memory_note"] = "single-device mode holds every stage on one device: measured is their sum"
-    report["unscheduled_predictions"] = out.unscheduled_predictions
-    return Validation(report, reference, measured, prof, hw)

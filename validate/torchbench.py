@@ -86,6 +86,7 @@ from dataclasses import dataclass
 
 import torch
 from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command
+from pipesim.sim.errors import InputError
 
 __all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
            "machine", "main", "pipesim_throughput", "torch_worker"]
@@ -109,7 +110,7 @@ def default_starts(model: str, stages: int, num_layers: int, *, default_size: bo
     if default_size and (model, stages) in DEFAULT_STARTS:
         return DEFAULT_STARTS[(model, stages)]
     if stages > num_layers:
-        raise ValueError(f"{stages} stages for a model of {num_layers} layers")
+        raise InputError(f"{stages} stages for a model of {num_layers} layers")
     return tuple(round(k * num_layers / stages) for k in range(stages))
 
 
@@ -343,36 +344,60 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     processes took meanwhile (:class:`CpuMeter`): figures from launches
     where it is well above 0 were measured on a contended machine.
     """
-    from pipesim.sim.strategies import ScheduleSpec, build_schedule
-    from pipesim.validate.launch import launch
     from pipesim.validate.models import build_model
-    from pipesim.validate.runtime import Job, run_many
-    from pipesim.validate.stage import OptimizerConfig
 
     schedules = tuple(schedules)
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    if unknown or not schedules:
-        raise ValueError(f"schedules must be among {', '.join(SCHEDULES)}, got {list(schedules)}")
-    for name, v in (("stages", stages), ("microbatches", microbatches), ("microbatch_size", microbatch_size),
-                    ("iterations", iterations), ("repeats", repeats)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if isinstance(warmup_iterations, bool) or not isinstance(warmup_iterations, int) or warmup_iterations < 0:
-        raise ValueError(f"warmup_iterations must be an integer >= 0, got {warmup_iterations!r}")
-    if stages < 2:
-        raise ValueError("a pipeline comparison needs at least 2 stages")
-    if "1f1b" in schedules and microbatches < stages:
-        raise ValueError(f"torch's Schedule1F1B needs microbatches >= stages ({microbatches} < {stages})")
+    _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats, warmup_iterations)
     real = build_model(model, width=width, depth=depth, seed=seed)
     if starts is None:
         starts = default_starts(model, stages, real.num_layers, default_size=width is None and depth is None)
     starts = tuple(int(s) for s in starts)
     if len(starts) != stages:
-        raise ValueError(f"{len(starts)} stage starts for {stages} stages")
+        raise InputError(f"{len(starts)} stage starts for {stages} stages")
+    pjobs, tjobs = _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations,
+                         width, depth, seed)
+    cpu_launch = {"backend": "gloo", "timeout_s": timeout_s, "threads": 1, "pin_cores": True,
+                  "keep_cores_awake": True}  # what run_many passes for gloo
+    pipesim_runs, torch_runs, foreign = _alternate(pjobs, tjobs, schedules, cpu_launch, repeats, progress)
+    return {
+        "config": {"model": model, "description": real.description, "stages": stages, "starts": list(starts),
+                   "microbatches": microbatches, "microbatch_size": microbatch_size, "iterations": iterations,
+                   "warmup_iterations": warmup_iterations, "repeats": repeats, "width": width, "depth": depth,
+                   "seed": seed, "optimizer": {"kind": "sgd", "lr": LR, "momentum": MOMENTUM},
+                   "launch": {k: v for k, v in cpu_launch.items() if k != "timeout_s"}},
+        "machine": {**machine(), "other_processes_cores": foreign},
+        "schedules": {s: _side_by_side([run[j] for run in pipesim_runs], [run[j] for run in torch_runs])
+                      for j, s in enumerate(schedules)},
+    }
+
+
+def _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats,
+                      warmup_iterations) -> None:
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise InputError(f"schedules must be among {', '.join(SCHEDULES)}, got {list(schedules)}")
+    for name, v in (("stages", stages), ("microbatches", microbatches), ("microbatch_size", microbatch_size),
+                    ("iterations", iterations), ("repeats", repeats)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
+    if isinstance(warmup_iterations, bool) or not isinstance(warmup_iterations, int) or warmup_iterations < 0:
+        raise InputError(f"warmup_iterations must be an integer >= 0, got {warmup_iterations!r}")
+    if stages < 2:
+        raise InputError("a pipeline comparison needs at least 2 stages")
+    if "1f1b" in schedules and microbatches < stages:
+        raise InputError(f"torch's Schedule1F1B needs microbatches >= stages ({microbatches} < {stages})")
+
+
+def _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations, width, depth,
+          seed) -> tuple[list, list]:
+    """The same work for both sides: pipesim's jobs and torch's."""
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+    from pipesim.validate.runtime import Job
+    from pipesim.validate.stage import OptimizerConfig
 
     total = warmup_iterations + iterations
     optim = OptimizerConfig(kind="sgd", lr=LR, momentum=MOMENTUM, scale_grads=True)
-    pjobs = [Job(schedule=build_schedule(ScheduleSpec(strategy=s, stages=stages, microbatches=microbatches,
+    pjobs = [Job(schedule=build_schedule(ScheduleSpec(strategy=s, stages=len(starts), microbatches=microbatches,
                                                       iterations=total)),
                  model=model, starts=starts, microbatch_size=microbatch_size, optimizer=optim,
                  width=width, depth=depth, seed=seed)
@@ -381,9 +406,17 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
                       microbatch_size=microbatch_size, iterations=iterations,
                       warmup_iterations=warmup_iterations, width=width, depth=depth, seed=seed)
              for s in schedules]
-    cpu_launch = {"backend": "gloo", "timeout_s": timeout_s, "threads": 1, "pin_cores": True,
-                  "keep_cores_awake": True}  # what run_many passes for gloo
+    return pjobs, tjobs
 
+
+def _alternate(pjobs, tjobs, schedules, cpu_launch: dict, repeats: int, progress: bool):
+    """``repeats`` rounds of one pipesim launch then one torch launch (so
+    drift on a shared machine hits both sides alike): per round, each
+    schedule's throughput record, and the CPU other processes took."""
+    from pipesim.validate.launch import launch
+    from pipesim.validate.runtime import run_many
+
+    first = tjobs[0]
     pipesim_runs: list[list[dict]] = []
     torch_runs: list[list[dict]] = []
     foreign: dict[str, list[float | None]] = {"pipesim": [], "torch": []}
@@ -391,17 +424,18 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
         if progress:
             _log(f"repeat {rep + 1}/{repeats}: pipesim ({', '.join(schedules)})")
         with CpuMeter() as meter:
-            outs = run_many(pjobs, backend="gloo", timeout_s=timeout_s, threads=1)
+            outs = run_many(pjobs, backend="gloo", timeout_s=cpu_launch["timeout_s"], threads=1)
         foreign["pipesim"].append(meter.cores)
-        pipesim_runs.append([pipesim_throughput(o, microbatches=microbatches, microbatch_size=microbatch_size,
-                                                iterations=iterations, warmup_iterations=warmup_iterations)
+        pipesim_runs.append([pipesim_throughput(o, microbatches=first.microbatches,
+                                                microbatch_size=first.microbatch_size, iterations=first.iterations,
+                                                warmup_iterations=first.warmup_iterations)
                              for o in outs])
         if progress:
             _log("  pipesim: " + ", ".join(f"{s} {r['samples_per_s']:,.0f} samples/s"
                                            for s, r in zip(schedules, pipesim_runs[-1])))
             _log(f"repeat {rep + 1}/{repeats}: torch ({', '.join(schedules)})")
         with CpuMeter() as meter:
-            per_rank = launch(torch_worker, stages, args=(tjobs,), **cpu_launch)
+            per_rank = launch(torch_worker, len(first.starts), args=(tjobs,), **cpu_launch)
         foreign["torch"].append(meter.cores)
         torch_runs.append([_torch_result([r[j] for r in per_rank], job) for j, job in enumerate(tjobs)])
         if progress:
@@ -410,36 +444,24 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
             busy = [c for c in (foreign["pipesim"][-1], foreign["torch"][-1]) if c is not None]
             if busy and max(busy) > 0.1:
                 _log(f"  other processes used {max(busy):.2f} cores during this repeat: expect noise")
+    return pipesim_runs, torch_runs, foreign
 
-    result = {
-        "config": {"model": model, "description": real.description, "stages": stages, "starts": list(starts),
-                   "microbatches": microbatches, "microbatch_size": microbatch_size, "iterations": iterations,
-                   "warmup_iterations": warmup_iterations, "repeats": repeats, "width": width, "depth": depth,
-                   "seed": seed, "optimizer": {"kind": "sgd", "lr": LR, "momentum": MOMENTUM},
-                   "launch": {k: v for k, v in cpu_launch.items() if k != "timeout_s"}},
-        "machine": {**machine(), "other_processes_cores": foreign},
-        "schedules": {},
+
+def _side_by_side(ps: list[dict], ts: list[dict]) -> dict:
+    """One schedule's pipesim and torch records over the repeats, and their ratios."""
+    p_thr = [r["samples_per_s"] for r in ps]
+    t_thr = [r["samples_per_s"] for r in ts]
+    p0, t0 = ps[0], ts[0]
+    diffs = [abs(a - b) for a, b in zip(p0["first_iteration_losses"], t0["first_iteration_losses"])]
+    keep = ("timed_samples", "trained_samples", "iteration_losses", "first_iteration_losses")
+    return {
+        "pipesim": {"samples_per_s": _summary(p_thr), **{k: p0[k] for k in keep}},
+        "torch": {"samples_per_s": _summary(t_thr), **{k: t0[k] for k in keep}},
+        "ratio_best": max(p_thr) / max(t_thr),
+        "ratio_median": statistics.median(a / b for a, b in zip(p_thr, t_thr)),
+        "first_loss": {"pipesim": p0["iteration_losses"][0], "torch": t0["iteration_losses"][0]},
+        "max_first_iteration_loss_diff": max(diffs) if diffs else math.nan,
     }
-    for j, s in enumerate(schedules):
-        ps = [run[j] for run in pipesim_runs]
-        ts = [run[j] for run in torch_runs]
-        p_thr = [r["samples_per_s"] for r in ps]
-        t_thr = [r["samples_per_s"] for r in ts]
-        p0, t0 = ps[0], ts[0]
-        diffs = [abs(a - b) for a, b in zip(p0["first_iteration_losses"], t0["first_iteration_losses"])]
-        result["schedules"][s] = {
-            "pipesim": {"samples_per_s": _summary(p_thr), "timed_samples": p0["timed_samples"],
-                        "trained_samples": p0["trained_samples"], "iteration_losses": p0["iteration_losses"],
-                        "first_iteration_losses": p0["first_iteration_losses"]},
-            "torch": {"samples_per_s": _summary(t_thr), "timed_samples": t0["timed_samples"],
-                      "trained_samples": t0["trained_samples"], "iteration_losses": t0["iteration_losses"],
-                      "first_iteration_losses": t0["first_iteration_losses"]},
-            "ratio_best": max(p_thr) / max(t_thr),
-            "ratio_median": statistics.median(a / b for a, b in zip(p_thr, t_thr)),
-            "first_loss": {"pipesim": p0["iteration_losses"][0], "torch": t0["iteration_losses"][0]},
-            "max_first_iteration_loss_diff": max(diffs) if diffs else math.nan,
-        }
-    return result
 
 
 # ------------------------------------------------------------------ report
