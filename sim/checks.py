@@ -4,8 +4,11 @@ Two kinds of check run here, in one walk over the programs:
 
 * **Structure and versions.** Ids in range; each (replica, stage,
   micro-batch) has exactly one forward and either one full backward or one
-  I and one W; forward before backward and I before W in program order; a
-  stage lives on one device; updates produce versions 1, 2, 3, ... and every
+  I and one W (a stage may choose per micro-batch, as DualPipeV does);
+  forward before backward and I before W in program order; a stage lives on
+  one device; an OVERLAP_F_B pairs a forward and a full backward whose own
+  forward ran before the pair; a stage with FSDP actions computes only
+  between an UNSHARD and the next RESHARD, on its own device; updates produce versions 1, 2, 3, ... and every
   gradient is consumed by a later update; every pass reads a version that
   exists (an update for it ran earlier on that device); a pass on predicted
   weights follows a PREDICT that materialised exactly that (version,
@@ -26,18 +29,22 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from pipesim.sim.dataflow import compile_plan, producer_of, split_stages, token_name
-from pipesim.sim.dataflow import transfer_key as send_key
-from pipesim.sim.ir import (
+from .dataflow import backward_op, compile_plan, producer_of, split_stages, token_name
+from .dataflow import transfer_key as send_key
+from .ir import (
     COLLECTIVE_OPS,
+    FSDP_OPS,
     MICROBATCH_OPS,
+    OVERLAP_F_B,
     P2P_OPS,
     PASS_OPS,
     PREDICT,
     RECV_B,
     RECV_F,
+    RESHARD,
     SEND_B,
     SEND_F,
+    UNSHARD,
     UPDATE,
     Action,
     B,
@@ -47,7 +54,9 @@ from pipesim.sim.ir import (
     ScheduleError,
     W,
     format_action,
+    program_cells,
 )
+
 
 def validate(schedule: Schedule, *, deadlock: bool = True) -> None:
     """Raise :class:`ScheduleError` naming the first problem found.
@@ -100,6 +109,7 @@ def _check_structure(s: Schedule) -> None:
     # so their device is left to ``placement`` and only the position kept.
     seen: dict[tuple, int] = {}
     comm_dev: dict[tuple, int] = {}
+    sharded = False  # any UNSHARD/RESHARD: checked in a walk of their own
     for dev, prog in enumerate(s.programs):
         current: dict[tuple[int, int], int] = defaultdict(int)  # version now
         pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
@@ -114,8 +124,12 @@ def _check_structure(s: Schedule) -> None:
                 seen[key] = pos
                 rs = (rep, stage)
                 if op is not F:
-                    if op is B and rs in split:
-                        raise ScheduleError(f"{a}: replica {rep} stage {stage} mixes full backward B with split I/W")
+                    if rs in split and op is not W:
+                        other = I if op is B else B
+                        if (other, rep, stage, mb) in seen:
+                            raise ScheduleError(
+                                f"{a} on device {dev}: micro-batch {mb} of stage {stage} already ran "
+                                f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W")
                     before = I if op is W else F
                     if (before, rep, stage, mb) not in seen:
                         raise ScheduleError(f"{a} on device {dev} runs before {_name(before, rep, stage, mb)}")
@@ -155,6 +169,10 @@ def _check_structure(s: Schedule) -> None:
                 if a.version is None or a.version > current[rs]:
                     raise ScheduleError(f"{a} predicts from a version stage {a.stage} does not hold")
                 predicted[rs] = (a.version, a.distance)
+            elif op is OVERLAP_F_B:
+                _check_overlap(prog, pos, dev, seen)
+            elif op is UNSHARD or op is RESHARD:
+                sharded = True
         if pending:
             a = min(pending.values())
             raise ScheduleError(
@@ -166,15 +184,20 @@ def _check_structure(s: Schedule) -> None:
         for stage in range(p):
             if (rep, stage) not in placement:
                 raise ScheduleError(f"replica {rep} stage {stage} has no actions on any device")
+    if sharded:
+        _check_shards(s, placement)
     # Completeness: every micro-batch runs every stage forward and backward.
-    # Pass keys are unique and in range, so a full count means none is
-    # missing; only a short count is searched for the missing pass.
-    expected = sum(total * (3 if rs in split else 2) for rs in placement)
+    # Pass keys are unique and in range, and no micro-batch has both B and I,
+    # so a full count means none is missing; only a short count is searched
+    # for the missing pass.
+    expected = 2 * total * len(placement)
+    for mbs in split.values():
+        expected += total if mbs is None else len(mbs)
     if len(seen) - len(comm_dev) != expected:
         for (rep, stage) in sorted(placement):
-            bwd = (I, W) if (rep, stage) in split else (B,)
-            for op in (F, *bwd):
-                for mb in range(total):
+            for mb in range(total):
+                split_here = backward_op(split, rep, stage, mb) is I
+                for op in (F, I, W) if split_here else (F, B):
                     if (op, rep, stage, mb) not in seen:
                         raise ScheduleError(
                             f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
@@ -200,7 +223,51 @@ def _check_structure(s: Schedule) -> None:
                 )
 
 
-def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, split: set) -> None:
+def _check_overlap(prog, pos: int, dev: int, seen: dict) -> None:
+    """An OVERLAP_F_B marker is followed by a forward and a full backward; the
+    two run as one unit, so the backward's own forward must have run before."""
+    pair = prog[pos + 1:pos + 3]
+    if len(pair) < 2 or pair[0].op is not F or pair[1].op is not B:
+        got = " ".join(map(str, pair)) or "nothing"
+        raise ScheduleError(f"OVERLAP_F_B on device {dev} must be followed by a forward and a full backward, "
+                            f"got {got}")
+    b = pair[1]
+    if (F, b.replica, b.stage, b.microbatch) not in seen:
+        cell = program_cells(prog[pos:pos + 3])[0]
+        raise ScheduleError(f"{cell} on device {dev}: {b}'s forward {_name(F, b.replica, b.stage, b.microbatch)} "
+                            f"must run before the pair, whose halves start together")
+
+
+def _check_shards(s: Schedule, placement: dict) -> None:
+    """FSDP actions: on their stage's device, UNSHARD and RESHARD alternating
+    per stage, and every pass of a stage that has them between an UNSHARD
+    and the next RESHARD (what torch's runtime asserts for FSDP stages)."""
+    sharded = {(a.replica, a.stage) for prog in s.programs for a in prog if a.op in FSDP_OPS}
+    for dev, prog in enumerate(s.programs):
+        gathered: set[tuple[int, int]] = set()
+        for a in prog:
+            rs = (a.replica, a.stage)
+            if rs not in sharded:
+                continue
+            op = a.op
+            if op is UNSHARD or op is RESHARD:
+                if placement.get(rs, dev) != dev:
+                    raise ScheduleError(f"{a} on device {dev}: replica {a.replica} stage {a.stage} "
+                                        f"runs on device {placement[rs]}")
+                if (op is UNSHARD) == (rs in gathered):
+                    state = "already unsharded (no RESHARD since its last UNSHARD)" if op is UNSHARD \
+                        else "not unsharded (no UNSHARD precedes it)"
+                    raise ScheduleError(f"{a} on device {dev}: stage {a.stage} is {state}")
+                if op is UNSHARD:
+                    gathered.add(rs)
+                else:
+                    gathered.discard(rs)
+            elif op in PASS_OPS and rs not in gathered:
+                raise ScheduleError(f"{a} on device {dev} computes on stage {a.stage}'s sharded parameters: "
+                                    f"no UNSHARD precedes it since the last RESHARD")
+
+
+def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, split: dict) -> None:
     """Sends and receives pair up; a send follows its producer and a receive
     precedes its consumer, each on the right device."""
     sends, recvs = {}, {}
@@ -212,7 +279,7 @@ def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, s
         side = "receive" if key in sends else "send"
         raise ScheduleError(f"{a} on device {dev} has no matching {side}")
     for send, sdev, spos in sends.values():
-        prod = (F if send.op is SEND_F else (I if (send.replica, send.stage) in split else B),
+        prod = (F if send.op is SEND_F else backward_op(split, send.replica, send.stage, send.microbatch),
                 send.replica, send.stage, send.microbatch)
         pdev = placement[(send.replica, send.stage)]
         if pdev != sdev or seen[prod] > spos:
@@ -260,8 +327,10 @@ def _check_deadlock(s: Schedule) -> None:
             posts, a, waits, token = prog[i]
             if dev not in blocked:  # posts go out before the compute waits, once
                 for x, tok in posts:  # transfers need both ends, collectives every replica
+                    if tok is None:  # a RESHARD: nothing waits for it
+                        continue
                     posted[tok] += 1
-                    if posted[tok] == (2 if x.op in P2P_OPS else s.num_replicas):
+                    if posted[tok] == (2 if x.op in P2P_OPS else 1 if x.op is UNSHARD else s.num_replicas):
                         finish(tok)
             blocked.pop(dev, None)
             need = next((t for t in waits if t not in done), None)
@@ -275,7 +344,7 @@ def _check_deadlock(s: Schedule) -> None:
         pc[dev] = i
     stuck = [d for d in range(s.num_devices) if pc[d] < len(programs[d])]
     if stuck:
-        raise ScheduleError("schedule deadlocks: " + describe_wait_cycle(stuck, blocked, where))
+        raise ScheduleError("schedule deadlocks: " + describe_wait_cycle(stuck, blocked, where, s))
 
 
 def providers(programs) -> dict:
@@ -286,12 +355,23 @@ def providers(programs) -> dict:
             if token is not None:
                 where[token] = dev
             for x, tok in posts:
-                if x.op is SEND_F or x.op is SEND_B:
+                if x.op is SEND_F or x.op is SEND_B or x.op is UNSHARD:
                     where[tok] = dev
     return where
 
 
-def describe_wait_cycle(stuck, blocked, where) -> str:
+def _waiting_name(schedule: Schedule | None, dev: int, action: Action) -> str:
+    """How a waiting action is named: the pair it starts if it is the forward
+    of an OVERLAP_F_B (which waits for its backward's inputs too)."""
+    if schedule is not None and action.op is F:
+        prog = schedule.programs[dev]
+        pos = prog.index(action)
+        if pos and prog[pos - 1].op is OVERLAP_F_B:
+            return program_cells(prog[pos - 1:pos + 2])[0]
+    return str(action)
+
+
+def describe_wait_cycle(stuck, blocked, where, schedule: Schedule | None = None) -> str:
     """Follow 'action on device waits for token provided by device' links
     from the first stuck device until a device repeats."""
     parts, seen_devs = [], []
@@ -299,6 +379,7 @@ def describe_wait_cycle(stuck, blocked, where) -> str:
     while dev is not None and dev not in seen_devs and dev in blocked:
         seen_devs.append(dev)
         action, token = blocked[dev]
+        action = _waiting_name(schedule, dev, action)
         nxt = where.get(token)
         if nxt is None:  # a collective: some other stuck replica has not posted it
             others = [d for d in stuck if d != dev and d in blocked]

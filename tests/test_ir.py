@@ -32,7 +32,8 @@ GOOD = ["0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1", "1F0@v0 1B0@v0 1F1@v0 1B1@v0 1
 
 actions = st.builds(
     Action,
-    op=st.sampled_from(list(Op)),
+    # an OVERLAP_F_B marker has no spelling of its own: see the compound tests
+    op=st.sampled_from([op for op in Op if op is not Op.OVERLAP_F_B]),
     stage=st.integers(0, 99),
     microbatch=st.integers(0, 999),
     version=st.none() | st.integers(0, 50),
@@ -86,11 +87,9 @@ def test_torch_csv_import_adds_flush_semantics() -> None:
     assert [str(a) for a in s.programs[1]] == ["1F0@v0", "1B0@v0", "1F1@v0", "1B1@v0", "1UPDATE@v1"]
 
 
-def test_empty_and_fsdp_csv_rejected() -> None:
+def test_empty_csv_rejected() -> None:
     with pytest.raises(ScheduleError, match="no actions"):
         parse_csv("\n\n")
-    with pytest.raises(ScheduleError, match="FSDP"):
-        parse_csv("0UNSHARD,0F0\n")
 
 
 # -- validator -------------------------------------------------------------
