@@ -105,10 +105,11 @@ def _check_structure(s: Schedule) -> None:
     _check_ranges(s)
     placement = s.placement()
     split = split_stages(s)
-    # pass or transfer -> (device, position). Passes are most of a schedule,
-    # so their device is left to ``placement`` and only the position kept.
+    # pass -> position (its device is left to ``placement``); transfer
+    # token -> (device, position) of its send and of its receive
     seen: dict[tuple, int] = {}
-    comm_dev: dict[tuple, int] = {}
+    sends: dict[tuple, tuple[int, int]] = {}
+    recvs: dict[tuple, tuple[int, int]] = {}
     sharded = False  # any UNSHARD/RESHARD: checked in a walk of their own
     for dev, prog in enumerate(s.programs):
         current: dict[tuple[int, int], int] = defaultdict(int)  # version now
@@ -148,12 +149,12 @@ def _check_structure(s: Schedule) -> None:
                         f"{a} reads weights predicted {a.distance} ahead of version {v} "
                         f"but no PREDICT@v{v}+p{a.distance} of stage {stage} precedes it"
                     )
-            elif op in P2P_OPS:
-                key = (op, a.replica, a.stage, a.microbatch)
-                if key in seen:
-                    raise ScheduleError(f"{a} appears twice (devices {comm_dev[key]} and {dev})")
-                seen[key] = pos
-                comm_dev[key] = dev
+            elif op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
+                ends = sends if op is SEND_F or op is SEND_B else recvs
+                key = send_key(a)
+                if key in ends:
+                    raise ScheduleError(f"{a} appears twice (devices {ends[key][0]} and {dev})")
+                ends[key] = (dev, pos)
             elif op is UPDATE:
                 rs = (a.replica, a.stage)
                 if a.version != current[rs] + 1:
@@ -193,7 +194,7 @@ def _check_structure(s: Schedule) -> None:
     expected = 2 * total * len(placement)
     for mbs in split.values():
         expected += total if mbs is None else len(mbs)
-    if len(seen) - len(comm_dev) != expected:
+    if len(seen) != expected:
         for (rep, stage) in sorted(placement):
             for mb in range(total):
                 split_here = backward_op(split, rep, stage, mb) is I
@@ -205,8 +206,8 @@ def _check_structure(s: Schedule) -> None:
                         )
 
     # Point-to-point pairs: send after its producer, receive before its consumer.
-    if comm_dev:
-        _check_transfers(s, seen, comm_dev, placement, split)
+    if sends or recvs:
+        _check_transfers(s, seen, sends, recvs, placement, split)
 
     # Collectives: every replica of a stage takes part the same number of times.
     counts: dict[tuple, int] = defaultdict(int)
@@ -267,38 +268,67 @@ def _check_shards(s: Schedule, placement: dict) -> None:
                                     f"no UNSHARD precedes it since the last RESHARD")
 
 
-def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, split: dict) -> None:
+def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placement: dict, split: dict) -> None:
     """Sends and receives pair up; a send follows its producer and a receive
-    precedes its consumer, each on the right device."""
-    sends, recvs = {}, {}
-    for (op, rep, stage, mb), dev in comm_dev.items():
-        a = Action(op, stage, mb, replica=rep)
-        (sends if op is SEND_F or op is SEND_B else recvs)[send_key(a)] = (a, dev, seen[(op, rep, stage, mb)])
-    for key in sorted(sends.keys() ^ recvs.keys(), key=str):
-        a, dev, _ = sends.get(key) or recvs[key]
-        side = "receive" if key in sends else "send"
-        raise ScheduleError(f"{a} on device {dev} has no matching {side}")
-    for send, sdev, spos in sends.values():
-        prod = (F if send.op is SEND_F else backward_op(split, send.replica, send.stage, send.microbatch),
-                send.replica, send.stage, send.microbatch)
-        pdev = placement[(send.replica, send.stage)]
-        if pdev != sdev or seen[prod] > spos:
-            raise ScheduleError(f"{send} is not after {_name(prod[0], *prod[1:])} on device {pdev}")
-    for (op, rep, stage, mb), pos in seen.items():
+    precedes its consumer, each on the right device; every pass whose input
+    comes from another device has a receive.
+
+    ``sends`` and ``recvs`` map each transfer's token to the (device,
+    position) of that end. Every imported torch schedule with communication
+    is checked here before it is simulated, so the pairs are matched by token
+    and counted rather than by looking every pass up."""
+    if sends.keys() != recvs.keys():
+        op, rep, stage, mb = key = min(sends.keys() ^ recvs.keys(), key=str)
+        if key in sends:
+            raise ScheduleError(f"{_name(op, rep, stage, mb)} on device {sends[key][0]} has no matching receive")
+        recv = (RECV_F, rep, stage + 1, mb) if op is SEND_F else (RECV_B, rep, stage - 1, mb)
+        raise ScheduleError(f"{_name(recv[0], rep, recv[2], mb)} on device {recvs[key][0]} has no matching send")
+    crossing = 0  # receives of data that really crosses devices
+    get, home = seen.get, placement.get
+    for key, (sdev, spos) in sends.items():
+        op, rep, stage, mb = key
+        if op is SEND_F:
+            prod = (F, rep, stage, mb)
+            cstage = stage + 1
+            consumer = (F, rep, cstage, mb)
+        else:
+            cstage = stage - 1
+            if split:
+                prod = (backward_op(split, rep, stage, mb), rep, stage, mb)
+                consumer = (backward_op(split, rep, cstage, mb), rep, cstage, mb)
+            else:
+                prod = (B, rep, stage, mb)
+                consumer = (B, rep, cstage, mb)
+        pdev = home((rep, stage))
+        ppos = get(prod)
+        if pdev != sdev or ppos is None or ppos > spos:
+            raise ScheduleError(f"{_name(op, rep, stage, mb)} is not after {_name(*prod)} "
+                                f"on device {pdev}")
+        rdev, rpos = recvs[key]
+        cdev = home((rep, cstage))
+        cpos = get(consumer)
+        if rdev != cdev or cpos is None or cpos < rpos:
+            raise ScheduleError(
+                f"{_name(*consumer)} on device {cdev} needs data from device {pdev} but no "
+                f"{_name(RECV_F if op is SEND_F else RECV_B, rep, cstage, mb)} precedes it")
+        crossing += cdev != pdev
+    last = s.num_stages - 1
+    needed = sum(2 * s.total_microbatches for (rep, stage), dev in placement.items()
+                 if stage < last and placement.get((rep, stage + 1), dev) != dev)
+    if crossing == needed:
+        return
+    for (op, rep, stage, mb), pos in seen.items():  # name a pass whose input never arrives
         if op is not F and op is not B and op is not I:
             continue
-        a = Action(op, stage, mb, replica=rep)
-        prod = producer_of(a, s.num_stages, split)
+        prod = producer_of(Action(op, stage, mb, replica=rep), s.num_stages, split)
         dev = placement[(rep, stage)]
-        if prod is None or placement[(prod[1], prod[2])] == dev:
-            continue
-        recv = Action(RECV_F if op is F else RECV_B, stage, mb, replica=rep)
-        got = recvs.get(send_key(recv))
-        if got is None or got[1] != dev or got[2] > pos:
-            raise ScheduleError(
-                f"{a} on device {dev} needs data from device {placement[(prod[1], prod[2])]} "
-                f"but no {recv} precedes it"
-            )
+        if prod is not None and placement[(prod[1], prod[2])] != dev:
+            key = (SEND_F, rep, stage - 1, mb) if op is F else (SEND_B, rep, stage + 1, mb)
+            if key not in recvs:
+                raise ScheduleError(
+                    f"{_name(op, rep, stage, mb)} on device {dev} needs data from device "
+                    f"{placement[(prod[1], prod[2])]} but no {_name(RECV_F if op is F else RECV_B, rep, stage, mb)} "
+                    f"precedes it")
 
 
 def _check_deadlock(s: Schedule) -> None:

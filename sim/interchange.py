@@ -78,7 +78,8 @@ def schedule_from_csv(
     if not has_versions:
         if num_replicas > 1:
             raise ScheduleError("a CSV with replicas must carry weight versions (pipesim spelling)")
-        programs = [_flush_program(prog, microbatches, dev) for dev, prog in enumerate(programs)]
+        one = max(mbs) < microbatches
+        programs = [_flush_program(prog, microbatches, dev, one) for dev, prog in enumerate(programs)]
     schedule = Schedule(
         strategy=strategy,
         num_stages=num_stages,
@@ -92,16 +93,19 @@ def schedule_from_csv(
     return schedule
 
 
-def _flush_program(prog: list[Action], m: int, dev: int) -> list[Action]:
+def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) -> list[Action]:
     """Flush semantics for one device of a torch schedule (one replica).
 
     The program is cut into iterations at its passes (an OVERLAP_F_B marker
     goes with the forward it precedes; communication and FSDP actions stay
-    where they are) and each piece gets
+    where they are; ``one_iteration`` says there is nothing to cut, as in
+    every CSV torch writes) and each piece gets
     :func:`~pipesim.sim.strategies._common.flush_iteration`. torch's
     REDUCE_GRAD is dropped: with one replica the update takes its place.
     """
     prog = [a for a in prog if a.op is not REDUCE_GRAD]
+    if one_iteration:
+        return flush_iteration(prog, 0, m, reduce=False)
     out: list[Action] = []
     start, t, first = 0, 0, None
     for pos, a in enumerate(prog):

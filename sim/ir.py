@@ -168,6 +168,16 @@ _ACTION_RE = re.compile(
 _COMPOUND_RE = re.compile(r"^\((?P<subs>[^()]*)\)(?P<op>[A-Z_]+)$")
 #: Op by spelling: a dict lookup is several times cheaper than ``Op(text)``.
 _OP_OF = {op.value: op for op in Op}
+#: Every well-formed plain cell of a CSV row, found by one ``findall`` per row
+#: (a large torch CSV has hundreds of thousands of cells). The alternatives
+#: encode which ops take a micro-batch id, so a cell that breaks that rule,
+#: like any other malformed cell, is not matched and the row is parsed again
+#: cell by cell to name it.
+_ROW_CELL_RE = re.compile(
+    r"(?:^|,)(?:r(\d+)\.)?(\d+)"
+    r"(?:(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)|(PREDICT)(\d*)|(REDUCE_GRAD|UPDATE|AVERAGE|UNSHARD|RESHARD))"
+    r"(?:@v(\d+))?(?:\+p(\d+))?(?=,|$)"
+)
 
 
 def format_action(a: Action, *, torch_only: bool = False) -> str:
@@ -400,20 +410,40 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
 def parse_csv(text: str) -> list[list[Action]]:
     """Per-device action lists from a CSV; empty cells (idle slots) are skipped."""
     programs: list[list[Action]] = []
-    for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
-        prog: list[Action] = []
-        append = prog.append
-        for cell in row:
-            try:
-                if cell and cell[0].isdigit():  # nearly every cell: one plain action
-                    append(parse_action(cell))
-                elif cell.strip():
+    lines = text.splitlines()
+    if '"' in text:  # quoted cells: only the csv module reads those right
+        lines = [",".join(row) for row in csv.reader(io.StringIO(text))]
+    for lineno, line in enumerate(lines, start=1):
+        prog = _parse_plain_row(line)
+        if prog is None:
+            prog = []
+            for cell in line.split(","):
+                if not cell.strip():
+                    continue
+                try:
                     prog.extend(parse_cell(cell))
-            except ScheduleError as e:
-                raise ScheduleError(f"row {lineno}: {e}") from None
+                except ScheduleError as e:
+                    raise ScheduleError(f"row {lineno}: {e}") from None
         programs.append(prog)
     while programs and not programs[-1]:
         programs.pop()
     if not programs:
         raise ScheduleError("the schedule CSV holds no actions")
     return programs
+
+
+def _parse_plain_row(line: str) -> list[Action] | None:
+    """The actions of a row whose cells are all plain, well-formed actions;
+    None if any is not (a compound, a blank, an error to report)."""
+    found = _ROW_CELL_RE.findall(line)
+    cells = line.split(",")
+    if len(found) != len(cells) - cells.count(""):
+        return None
+    op_of, new = _OP_OF, tuple.__new__
+    # tuple.__new__ is what Action(...) calls, without the Python-level frame
+    return [
+        new(Action, (op_of[op or op2 or op3], int(stage), int(mb or mb2) if mb or mb2 else None,
+                     int(version) if version else None, int(distance) if distance else 0,
+                     int(replica) if replica else 0))
+        for replica, stage, op, mb, op2, mb2, op3, version, distance in found
+    ]

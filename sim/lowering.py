@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dataflow import transfer_key
 from .ir import (
     COMPUTE_OPS,
     OVERLAP_F_B,
@@ -74,28 +73,33 @@ class Plan:
     overlaps: dict[int, list[int]] = field(default_factory=dict)
 
 
-def _post(x: Action) -> tuple:
-    return (x, transfer_key(x) if x.op in P2P_OPS else None)
-
-
 def group(schedule: Schedule) -> Plan:
-    """The plan form of a schedule as it stands (lowered or not)."""
+    """The plan form of a schedule as it stands (lowered or not).
+
+    Every imported torch schedule with communication comes through here, so
+    transfer tokens are spelled inline as
+    :func:`~pipesim.sim.dataflow.transfer_key` would."""
     out = Plan([])
+    received = out.received
     for dev, prog in enumerate(schedule.programs):
         slots, pending = [], []
         for a in prog:
-            if a.op in COMPUTE_OPS:
+            op = a.op
+            if op in COMPUTE_OPS:
                 slots.append((tuple(pending), a))
                 pending = []
-            elif a.op is OVERLAP_F_B:  # the next two slots form the pair
+            elif op is SEND_F or op is SEND_B:
+                pending.append((a, (op, a.replica, a.stage, a.microbatch)))
+            elif op is RECV_F or op is RECV_B:
+                tok = ((SEND_F, a.replica, a.stage - 1, a.microbatch) if op is RECV_F
+                       else (SEND_B, a.replica, a.stage + 1, a.microbatch))
+                pending.append((a, tok))
+                received.add(tok)
+            elif op is OVERLAP_F_B:  # the next two slots form the pair
                 out.overlaps.setdefault(dev, []).append(len(slots))
-            else:
-                post = _post(a)
-                pending.append(post)
-                if a.op is RECV_F or a.op is RECV_B:
-                    out.received.add(post[1])
-                elif post[1] is None:
-                    out.has_collectives = True
+            else:  # a collective or an FSDP action
+                pending.append((a, None))
+                out.has_collectives = True
         if pending:
             slots.append((tuple(pending), None))
         out.slots.append(slots)
