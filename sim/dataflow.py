@@ -27,7 +27,6 @@ from collections import defaultdict
 
 from .ir import (
     AVERAGE,
-    Op,
     PASS_OPS,
     RECV_F,
     REDUCE_GRAD,
@@ -40,6 +39,7 @@ from .ir import (
     B,
     F,
     I,
+    Op,
     W,
     Schedule,
     format_action,
@@ -158,7 +158,7 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
         entries = []
         append = entries.append
         for posts, a in slots:
-            if has_collectives and posts:
+            if has_collectives and posts and None in [tok for _, tok in posts]:
                 # number each replica's collectives of a stage: round r of
                 # every replica is one collective
                 posted = []

@@ -8,13 +8,13 @@ have, from the same definition
 (:func:`~pipesim.sim.strategies._common.flush_iteration`): micro-batch ``i``
 belongs to iteration ``t = i // m``, its passes read version ``t``, and each
 stage applies ``UPDATE@v(t+1)`` right after its last backward of the
-iteration on its device (after the communication posted with it, among
-which torch's ``REDUCE_GRAD`` sits, which it replaces when there is one
-replica).
-A CSV written by pipesim with versions and its own actions is taken as it is.
+iteration on its device (after the communication posted with that backward,
+among which torch's ``REDUCE_GRAD`` sits, which the update replaces: torch's
+CSV is one pipeline, with no replicas to reduce over). A CSV written by
+pipesim with versions and its own actions is taken as it is.
 
-The imported schedule is validated, deadlock check included, so a broken
-torch order is rejected with the action at fault. One torch order is known
+The imported schedule is validated (by the engine, when it is simulated right
+away), so a broken torch order is rejected with the action at fault. One torch order is known
 to be broken: torch 2.13's Schedule1F1B numbers the last rank's forwards
 1..m instead of 0..m-1, and that pattern gets a message of its own saying
 what to do.

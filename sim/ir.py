@@ -410,14 +410,13 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
 def parse_csv(text: str) -> list[list[Action]]:
     """Per-device action lists from a CSV; empty cells (idle slots) are skipped."""
     programs: list[list[Action]] = []
-    lines = text.splitlines()
-    if '"' in text:  # quoted cells: only the csv module reads those right
-        lines = [",".join(row) for row in csv.reader(io.StringIO(text))]
-    for lineno, line in enumerate(lines, start=1):
-        prog = _parse_plain_row(line)
+    quoted = '"' in text  # quoted cells: only the csv module reads those right
+    rows = csv.reader(io.StringIO(text)) if quoted else text.splitlines()
+    for lineno, row in enumerate(rows, start=1):
+        prog = None if quoted else _parse_plain_row(row)
         if prog is None:
             prog = []
-            for cell in line.split(","):
+            for cell in row if quoted else row.split(","):
                 if not cell.strip():
                     continue
                 try:

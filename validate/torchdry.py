@@ -119,11 +119,15 @@ def compare(sizes=DEFAULT_SIZES, schedule: str = "Interleaved1F1B", repeat: int 
             inproc_s = pipesim_inprocess_seconds(path, repeat)
             rows.append({
                 "schedule": schedule, "ranks": p, "stages_per_rank": v, "microbatches": m, "actions": actions,
-                "torch_dry_run_s": round(torch_s, 4), "pipesim_cli_s": round(cli_s, 4),
-                "pipesim_inprocess_s": round(inproc_s, 4),
-                "ratio_cli": round(torch_s / cli_s, 3), "ratio_inprocess": round(torch_s / inproc_s, 3),
+                "torch_dry_run_s": _sig(torch_s), "pipesim_cli_s": _sig(cli_s), "pipesim_inprocess_s": _sig(inproc_s),
+                "ratio_cli": _sig(torch_s / cli_s), "ratio_inprocess": _sig(torch_s / inproc_s),
             })
     return rows
+
+
+def _sig(x: float) -> float:
+    """Four significant digits: enough for timings on a noisy machine."""
+    return float(f"{x:.4g}")
 
 
 def _sizes(text: str) -> tuple[tuple[int, int, int], ...]:
