@@ -4,8 +4,11 @@ Two kinds of check run here, in one walk over the programs:
 
 * **Structure and versions.** Ids in range; each (replica, stage,
   micro-batch) has exactly one forward and either one full backward or one
-  I and one W; forward before backward and I before W in program order; a
-  stage lives on one device; updates produce versions 1, 2, 3, ... and every
+  I and one W (a stage may choose per micro-batch, as DualPipeV does);
+  forward before backward and I before W in program order; a stage lives on
+  one device; an OVERLAP_F_B pairs a forward and a full backward whose own
+  forward ran before the pair; a stage with FSDP actions computes only
+  between an UNSHARD and the next RESHARD, on its own device; updates produce versions 1, 2, 3, ... and every
   gradient is consumed by a later update; every pass reads a version that
   exists (an update for it ran earlier on that device); a pass on predicted
   weights follows a PREDICT that materialised exactly that (version,
@@ -26,18 +29,22 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from pipesim.sim.dataflow import compile_plan, producer_of, split_stages, token_name
-from pipesim.sim.dataflow import transfer_key as send_key
-from pipesim.sim.ir import (
+from .dataflow import backward_op, compile_plan, producer_of, split_stages, token_name
+from .dataflow import transfer_key as send_key
+from .ir import (
     COLLECTIVE_OPS,
+    FSDP_OPS,
     MICROBATCH_OPS,
+    OVERLAP_F_B,
     P2P_OPS,
     PASS_OPS,
     PREDICT,
     RECV_B,
     RECV_F,
+    RESHARD,
     SEND_B,
     SEND_F,
+    UNSHARD,
     UPDATE,
     Action,
     B,
@@ -47,7 +54,9 @@ from pipesim.sim.ir import (
     ScheduleError,
     W,
     format_action,
+    program_cells,
 )
+
 
 def validate(schedule: Schedule, *, deadlock: bool = True) -> None:
     """Raise :class:`ScheduleError` naming the first problem found.
@@ -96,10 +105,12 @@ def _check_structure(s: Schedule) -> None:
     _check_ranges(s)
     placement = s.placement()
     split = split_stages(s)
-    # pass or transfer -> (device, position). Passes are most of a schedule,
-    # so their device is left to ``placement`` and only the position kept.
+    # pass -> position (its device is left to ``placement``); transfer
+    # token -> (device, position) of its send and of its receive
     seen: dict[tuple, int] = {}
-    comm_dev: dict[tuple, int] = {}
+    sends: dict[tuple, tuple[int, int]] = {}
+    recvs: dict[tuple, tuple[int, int]] = {}
+    sharded = False  # any UNSHARD/RESHARD: checked in a walk of their own
     for dev, prog in enumerate(s.programs):
         current: dict[tuple[int, int], int] = defaultdict(int)  # version now
         pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
@@ -114,8 +125,12 @@ def _check_structure(s: Schedule) -> None:
                 seen[key] = pos
                 rs = (rep, stage)
                 if op is not F:
-                    if op is B and rs in split:
-                        raise ScheduleError(f"{a}: replica {rep} stage {stage} mixes full backward B with split I/W")
+                    if rs in split and op is not W:
+                        other = I if op is B else B
+                        if (other, rep, stage, mb) in seen:
+                            raise ScheduleError(
+                                f"{a} on device {dev}: micro-batch {mb} of stage {stage} already ran "
+                                f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W")
                     before = I if op is W else F
                     if (before, rep, stage, mb) not in seen:
                         raise ScheduleError(f"{a} on device {dev} runs before {_name(before, rep, stage, mb)}")
@@ -134,12 +149,12 @@ def _check_structure(s: Schedule) -> None:
                         f"{a} reads weights predicted {a.distance} ahead of version {v} "
                         f"but no PREDICT@v{v}+p{a.distance} of stage {stage} precedes it"
                     )
-            elif op in P2P_OPS:
-                key = (op, a.replica, a.stage, a.microbatch)
-                if key in seen:
-                    raise ScheduleError(f"{a} appears twice (devices {comm_dev[key]} and {dev})")
-                seen[key] = pos
-                comm_dev[key] = dev
+            elif op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
+                ends = sends if op is SEND_F or op is SEND_B else recvs
+                key = send_key(a)
+                if key in ends:
+                    raise ScheduleError(f"{a} appears twice (devices {ends[key][0]} and {dev})")
+                ends[key] = (dev, pos)
             elif op is UPDATE:
                 rs = (a.replica, a.stage)
                 if a.version != current[rs] + 1:
@@ -155,6 +170,10 @@ def _check_structure(s: Schedule) -> None:
                 if a.version is None or a.version > current[rs]:
                     raise ScheduleError(f"{a} predicts from a version stage {a.stage} does not hold")
                 predicted[rs] = (a.version, a.distance)
+            elif op is OVERLAP_F_B:
+                _check_overlap(prog, pos, dev, seen)
+            elif op is UNSHARD or op is RESHARD:
+                sharded = True
         if pending:
             a = min(pending.values())
             raise ScheduleError(
@@ -166,15 +185,20 @@ def _check_structure(s: Schedule) -> None:
         for stage in range(p):
             if (rep, stage) not in placement:
                 raise ScheduleError(f"replica {rep} stage {stage} has no actions on any device")
+    if sharded:
+        _check_shards(s, placement)
     # Completeness: every micro-batch runs every stage forward and backward.
-    # Pass keys are unique and in range, so a full count means none is
-    # missing; only a short count is searched for the missing pass.
-    expected = sum(total * (3 if rs in split else 2) for rs in placement)
-    if len(seen) - len(comm_dev) != expected:
+    # Pass keys are unique and in range, and no micro-batch has both B and I,
+    # so a full count means none is missing; only a short count is searched
+    # for the missing pass.
+    expected = 2 * total * len(placement)
+    for mbs in split.values():
+        expected += total if mbs is None else len(mbs)
+    if len(seen) != expected:
         for (rep, stage) in sorted(placement):
-            bwd = (I, W) if (rep, stage) in split else (B,)
-            for op in (F, *bwd):
-                for mb in range(total):
+            for mb in range(total):
+                split_here = backward_op(split, rep, stage, mb) is I
+                for op in (F, I, W) if split_here else (F, B):
                     if (op, rep, stage, mb) not in seen:
                         raise ScheduleError(
                             f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
@@ -182,8 +206,8 @@ def _check_structure(s: Schedule) -> None:
                         )
 
     # Point-to-point pairs: send after its producer, receive before its consumer.
-    if comm_dev:
-        _check_transfers(s, seen, comm_dev, placement, split)
+    if sends or recvs:
+        _check_transfers(s, seen, sends, recvs, placement, split)
 
     # Collectives: every replica of a stage takes part the same number of times.
     counts: dict[tuple, int] = defaultdict(int)
@@ -200,38 +224,111 @@ def _check_structure(s: Schedule) -> None:
                 )
 
 
-def _check_transfers(s: Schedule, seen: dict, comm_dev: dict, placement: dict, split: set) -> None:
+def _check_overlap(prog, pos: int, dev: int, seen: dict) -> None:
+    """An OVERLAP_F_B marker is followed by a forward and a full backward; the
+    two run as one unit, so the backward's own forward must have run before."""
+    pair = prog[pos + 1:pos + 3]
+    if len(pair) < 2 or pair[0].op is not F or pair[1].op is not B:
+        got = " ".join(map(str, pair)) or "nothing"
+        raise ScheduleError(f"OVERLAP_F_B on device {dev} must be followed by a forward and a full backward, "
+                            f"got {got}")
+    b = pair[1]
+    if (F, b.replica, b.stage, b.microbatch) not in seen:
+        cell = program_cells(prog[pos:pos + 3])[0]
+        raise ScheduleError(f"{cell} on device {dev}: {b}'s forward {_name(F, b.replica, b.stage, b.microbatch)} "
+                            f"must run before the pair, whose halves start together")
+
+
+def _check_shards(s: Schedule, placement: dict) -> None:
+    """FSDP actions: on their stage's device, UNSHARD and RESHARD alternating
+    per stage, and every pass of a stage that has them between an UNSHARD
+    and the next RESHARD (what torch's runtime asserts for FSDP stages)."""
+    sharded = {(a.replica, a.stage) for prog in s.programs for a in prog if a.op in FSDP_OPS}
+    for dev, prog in enumerate(s.programs):
+        gathered: set[tuple[int, int]] = set()
+        for a in prog:
+            rs = (a.replica, a.stage)
+            if rs not in sharded:
+                continue
+            op = a.op
+            if op is UNSHARD or op is RESHARD:
+                if placement.get(rs, dev) != dev:
+                    raise ScheduleError(f"{a} on device {dev}: replica {a.replica} stage {a.stage} "
+                                        f"runs on device {placement[rs]}")
+                if (op is UNSHARD) == (rs in gathered):
+                    state = "already unsharded (no RESHARD since its last UNSHARD)" if op is UNSHARD \
+                        else "not unsharded (no UNSHARD precedes it)"
+                    raise ScheduleError(f"{a} on device {dev}: stage {a.stage} is {state}")
+                if op is UNSHARD:
+                    gathered.add(rs)
+                else:
+                    gathered.discard(rs)
+            elif op in PASS_OPS and rs not in gathered:
+                raise ScheduleError(f"{a} on device {dev} computes on stage {a.stage}'s sharded parameters: "
+                                    f"no UNSHARD precedes it since the last RESHARD")
+
+
+def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placement: dict, split: dict) -> None:
     """Sends and receives pair up; a send follows its producer and a receive
-    precedes its consumer, each on the right device."""
-    sends, recvs = {}, {}
-    for (op, rep, stage, mb), dev in comm_dev.items():
-        a = Action(op, stage, mb, replica=rep)
-        (sends if op is SEND_F or op is SEND_B else recvs)[send_key(a)] = (a, dev, seen[(op, rep, stage, mb)])
-    for key in sorted(sends.keys() ^ recvs.keys(), key=str):
-        a, dev, _ = sends.get(key) or recvs[key]
-        side = "receive" if key in sends else "send"
-        raise ScheduleError(f"{a} on device {dev} has no matching {side}")
-    for send, sdev, spos in sends.values():
-        prod = (F if send.op is SEND_F else (I if (send.replica, send.stage) in split else B),
-                send.replica, send.stage, send.microbatch)
-        pdev = placement[(send.replica, send.stage)]
-        if pdev != sdev or seen[prod] > spos:
-            raise ScheduleError(f"{send} is not after {_name(prod[0], *prod[1:])} on device {pdev}")
-    for (op, rep, stage, mb), pos in seen.items():
+    precedes its consumer, each on the right device; every pass whose input
+    comes from another device has a receive.
+
+    ``sends`` and ``recvs`` map each transfer's token to the (device,
+    position) of that end. Every imported torch schedule with communication
+    is checked here before it is simulated, so the pairs are matched by token
+    and counted rather than by looking every pass up."""
+    if sends.keys() != recvs.keys():
+        op, rep, stage, mb = key = min(sends.keys() ^ recvs.keys(), key=str)
+        if key in sends:
+            raise ScheduleError(f"{_name(op, rep, stage, mb)} on device {sends[key][0]} has no matching receive")
+        recv = (RECV_F, rep, stage + 1, mb) if op is SEND_F else (RECV_B, rep, stage - 1, mb)
+        raise ScheduleError(f"{_name(recv[0], rep, recv[2], mb)} on device {recvs[key][0]} has no matching send")
+    crossing = 0  # receives of data that really crosses devices
+    get, home = seen.get, placement.get
+    for key, (sdev, spos) in sends.items():
+        op, rep, stage, mb = key
+        if op is SEND_F:
+            prod = (F, rep, stage, mb)
+            cstage = stage + 1
+            consumer = (F, rep, cstage, mb)
+        else:
+            cstage = stage - 1
+            if split:
+                prod = (backward_op(split, rep, stage, mb), rep, stage, mb)
+                consumer = (backward_op(split, rep, cstage, mb), rep, cstage, mb)
+            else:
+                prod = (B, rep, stage, mb)
+                consumer = (B, rep, cstage, mb)
+        pdev = home((rep, stage))
+        ppos = get(prod)
+        if pdev != sdev or ppos is None or ppos > spos:
+            raise ScheduleError(f"{_name(op, rep, stage, mb)} is not after {_name(*prod)} "
+                                f"on device {pdev}")
+        rdev, rpos = recvs[key]
+        cdev = home((rep, cstage))
+        cpos = get(consumer)
+        if rdev != cdev or cpos is None or cpos < rpos:
+            raise ScheduleError(
+                f"{_name(*consumer)} on device {cdev} needs data from device {pdev} but no "
+                f"{_name(RECV_F if op is SEND_F else RECV_B, rep, cstage, mb)} precedes it")
+        crossing += cdev != pdev
+    last = s.num_stages - 1
+    needed = sum(2 * s.total_microbatches for (rep, stage), dev in placement.items()
+                 if stage < last and placement.get((rep, stage + 1), dev) != dev)
+    if crossing == needed:
+        return
+    for (op, rep, stage, mb), pos in seen.items():  # name a pass whose input never arrives
         if op is not F and op is not B and op is not I:
             continue
-        a = Action(op, stage, mb, replica=rep)
-        prod = producer_of(a, s.num_stages, split)
+        prod = producer_of(Action(op, stage, mb, replica=rep), s.num_stages, split)
         dev = placement[(rep, stage)]
-        if prod is None or placement[(prod[1], prod[2])] == dev:
-            continue
-        recv = Action(RECV_F if op is F else RECV_B, stage, mb, replica=rep)
-        got = recvs.get(send_key(recv))
-        if got is None or got[1] != dev or got[2] > pos:
-            raise ScheduleError(
-                f"{a} on device {dev} needs data from device {placement[(prod[1], prod[2])]} "
-                f"but no {recv} precedes it"
-            )
+        if prod is not None and placement[(prod[1], prod[2])] != dev:
+            key = (SEND_F, rep, stage - 1, mb) if op is F else (SEND_B, rep, stage + 1, mb)
+            if key not in recvs:
+                raise ScheduleError(
+                    f"{_name(op, rep, stage, mb)} on device {dev} needs data from device "
+                    f"{placement[(prod[1], prod[2])]} but no {_name(RECV_F if op is F else RECV_B, rep, stage, mb)} "
+                    f"precedes it")
 
 
 def _check_deadlock(s: Schedule) -> None:
@@ -260,8 +357,10 @@ def _check_deadlock(s: Schedule) -> None:
             posts, a, waits, token = prog[i]
             if dev not in blocked:  # posts go out before the compute waits, once
                 for x, tok in posts:  # transfers need both ends, collectives every replica
+                    if tok is None:  # a RESHARD: nothing waits for it
+                        continue
                     posted[tok] += 1
-                    if posted[tok] == (2 if x.op in P2P_OPS else s.num_replicas):
+                    if posted[tok] == (2 if x.op in P2P_OPS else 1 if x.op is UNSHARD else s.num_replicas):
                         finish(tok)
             blocked.pop(dev, None)
             need = next((t for t in waits if t not in done), None)
@@ -275,7 +374,7 @@ def _check_deadlock(s: Schedule) -> None:
         pc[dev] = i
     stuck = [d for d in range(s.num_devices) if pc[d] < len(programs[d])]
     if stuck:
-        raise ScheduleError("schedule deadlocks: " + describe_wait_cycle(stuck, blocked, where))
+        raise ScheduleError("schedule deadlocks: " + describe_wait_cycle(stuck, blocked, where, s))
 
 
 def providers(programs) -> dict:
@@ -286,12 +385,23 @@ def providers(programs) -> dict:
             if token is not None:
                 where[token] = dev
             for x, tok in posts:
-                if x.op is SEND_F or x.op is SEND_B:
+                if x.op is SEND_F or x.op is SEND_B or x.op is UNSHARD:
                     where[tok] = dev
     return where
 
 
-def describe_wait_cycle(stuck, blocked, where) -> str:
+def _waiting_name(schedule: Schedule | None, dev: int, action: Action) -> str:
+    """How a waiting action is named: the pair it starts if it is the forward
+    of an OVERLAP_F_B (which waits for its backward's inputs too)."""
+    if schedule is not None and action.op is F:
+        prog = schedule.programs[dev]
+        pos = prog.index(action)
+        if pos and prog[pos - 1].op is OVERLAP_F_B:
+            return program_cells(prog[pos - 1:pos + 2])[0]
+    return str(action)
+
+
+def describe_wait_cycle(stuck, blocked, where, schedule: Schedule | None = None) -> str:
     """Follow 'action on device waits for token provided by device' links
     from the first stuck device until a device repeats."""
     parts, seen_devs = [], []
@@ -299,6 +409,7 @@ def describe_wait_cycle(stuck, blocked, where) -> str:
     while dev is not None and dev not in seen_devs and dev in blocked:
         seen_devs.append(dev)
         action, token = blocked[dev]
+        action = _waiting_name(schedule, dev, action)
         nxt = where.get(token)
         if nxt is None:  # a collective: some other stuck replica has not posted it
             others = [d for d in stuck if d != dev and d in blocked]

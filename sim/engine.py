@@ -35,8 +35,10 @@ from pipesim.sim.ir import (
     P2P_OPS,
     PREDICT,
     RECV_F,
+    RESHARD,
     SEND_B,
     SEND_F,
+    UNSHARD,
     UPDATE,
     Action,
     B,
@@ -217,7 +219,8 @@ class _Run:
         if not all(self.finished):
             stuck = [d for d, ok in enumerate(self.finished) if not ok]
             where = providers(self.programs)
-            raise ScheduleError("simulation deadlocked: " + describe_wait_cycle(stuck, self.blocked, where))
+            raise ScheduleError("simulation deadlocked: "
+                                + describe_wait_cycle(stuck, self.blocked, where, self.schedule))
 
     def walk(self, dev: int):
         env = self.env
@@ -320,11 +323,25 @@ class _Run:
 
     # -- collectives ------------------------------------------------------
     def post_collective(self, dev: int, a: Action, token) -> None:
+        """Post a collective; it runs once every replica has posted it. FSDP
+        actions come here too (every post that is not a transfer does)."""
+        if a.op is UNSHARD or a.op is RESHARD:
+            self.post_shard(dev, a, token)
+            return
         posted = self.collectives[token]
         posted.append((dev, a))
         if len(posted) == self.schedule.num_replicas:
             del self.collectives[token]
             self.env.process(self.collective(posted, token))
+
+    def post_shard(self, dev: int, a: Action, token) -> None:
+        """UNSHARD gathers the stage's parameters and RESHARD frees them. No
+        parameter is sharded in pipesim's model, so both are instant; they
+        are recorded on the collective stream so traces show them."""
+        now = self.env.now
+        self.spans.append(Span(dev, "collective", a, now, now))
+        if token is not None:
+            self.fire(token)
 
     def collective(self, posted: list, token):
         """Ring all-reduce of the stage's gradients (REDUCE_GRAD) or of its

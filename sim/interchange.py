@@ -1,34 +1,43 @@
 """Bring schedules in from torch.distributed.pipelining and send them back.
 
-torch's CSV holds compute order (and optionally communication) only: no weight
-versions and no optimizer step, because every torch schedule is a flush
-schedule with one step after the iteration. Importing therefore adds exactly
-those semantics: every pass reads version 0 and each stage applies one
-``UPDATE@v1`` right after its last backward on its device (where torch's
-``REDUCE_GRAD`` sits, which it replaces when there is one replica). A CSV
-written by pipesim with versions and its own actions is taken as it is.
+torch's CSV holds compute order (and optionally communication and FSDP's
+UNSHARD/RESHARD) only: no weight versions and no optimizer step, because every
+torch schedule is a flush schedule with one step after the iteration.
+Importing therefore adds exactly the semantics pipesim's own flush strategies
+have, from the same definition
+(:func:`~pipesim.sim.strategies._common.flush_iteration`): micro-batch ``i``
+belongs to iteration ``t = i // m``, its passes read version ``t``, and each
+stage applies ``UPDATE@v(t+1)`` right after its last backward of the
+iteration on its device (after the communication posted with that backward,
+among which torch's ``REDUCE_GRAD`` sits, which the update replaces: torch's
+CSV is one pipeline, with no replicas to reduce over). A CSV written by
+pipesim with versions and its own actions is taken as it is.
 
-The imported schedule is validated, deadlock check included, so a broken
-torch order (torch 2.13's Schedule1F1B numbers the last rank's forwards
-1..m instead of 0..m-1) is rejected with the action at fault.
+The imported schedule is validated (by the engine, when it is simulated right
+away), so a broken torch order is rejected with the action at fault. One torch order is known
+to be broken: torch 2.13's Schedule1F1B numbers the last rank's forwards
+1..m instead of 0..m-1, and that pattern gets a message of its own saying
+what to do.
 """
 
 from __future__ import annotations
 
-from pipesim.sim.checks import validate
-from pipesim.sim.ir import (
+from .checks import validate
+from .ir import (
     MICROBATCH_OPS,
+    OVERLAP_F_B,
     PASS_OPS,
     REDUCE_GRAD,
-    UPDATE,
     Action,
     B,
+    F,
+    I,
     Schedule,
     ScheduleError,
-    W,
     parse_csv,
     to_csv,
 )
+from .strategies._common import flush_iteration
 
 __all__ = ["schedule_from_csv", "to_csv", "load_schedule_csv"]
 
@@ -41,12 +50,14 @@ def schedule_from_csv(
     strategy: str = "imported",
     check: bool = True,
 ) -> Schedule:
-    """A validated :class:`Schedule` from a torch or pipesim schedule CSV.
+    """A :class:`Schedule` from a torch or pipesim schedule CSV.
 
     ``microbatches`` is m; by default it is inferred as one more than the
     largest micro-batch id found (over ``iterations``), which is what
     torch's own loader assumes. The CSV carries neither, so a round trip
-    passes them back in.
+    passes them back in. With ``check`` the result is validated, deadlock
+    dry run included; a caller that simulates it right away can leave that
+    to the engine (see :func:`pipesim.sim.engine.simulate`).
     """
     programs = parse_csv(text)
     actions = [a for prog in programs for a in prog]
@@ -56,16 +67,19 @@ def schedule_from_csv(
         raise ScheduleError("the schedule CSV has no forward or backward passes")
     if iterations < 1:
         raise ScheduleError(f"iterations must be >= 1, got {iterations}")
+    has_versions = any(a.version is not None for a in actions if a.op in PASS_OPS)
+    if not has_versions:
+        _check_torch_1f1b_numbering(actions, num_stages)
     if microbatches is None:
         microbatches = -(-(max(mbs) + 1) // iterations)
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be >= 1, got {microbatches}")
     num_replicas = max(a.replica for a in actions) + 1
-    has_versions = any(a.version is not None for a in actions if a.op in PASS_OPS)
     if not has_versions:
         if num_replicas > 1:
             raise ScheduleError("a CSV with replicas must carry weight versions (pipesim spelling)")
-        programs = [_add_flush_semantics(prog) for prog in programs]
+        one = max(mbs) < microbatches
+        programs = [_flush_program(prog, microbatches, dev, one) for dev, prog in enumerate(programs)]
     schedule = Schedule(
         strategy=strategy,
         num_stages=num_stages,
@@ -79,21 +93,68 @@ def schedule_from_csv(
     return schedule
 
 
-def _add_flush_semantics(prog: list[Action]) -> list[Action]:
-    """Version 0 for every pass and one UPDATE per stage after its last backward."""
-    last_bwd: dict[int, int] = {}
+def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) -> list[Action]:
+    """Flush semantics for one device of a torch schedule (one replica).
+
+    The program is cut into iterations at its passes (an OVERLAP_F_B marker
+    goes with the forward it precedes; communication and FSDP actions stay
+    where they are; ``one_iteration`` says there is nothing to cut, as in
+    every CSV torch writes) and each piece gets
+    :func:`~pipesim.sim.strategies._common.flush_iteration`. torch's
+    REDUCE_GRAD is dropped: with one replica the update takes its place.
+    """
+    prog = [a for a in prog if a.op is not REDUCE_GRAD]
+    if one_iteration:
+        return flush_iteration(prog, 0, m, reduce=False)
+    out: list[Action] = []
+    start, t, first = 0, 0, None
     for pos, a in enumerate(prog):
-        if a.op is B or a.op is W:
-            last_bwd[a.stage] = pos
-    out = []
-    for pos, a in enumerate(prog):
-        if a.op is REDUCE_GRAD:
-            continue  # one replica: the update takes its place
-        out.append(a._replace(version=0) if a.op in PASS_OPS else a)
-        for stage, last in last_bwd.items():
-            if last == pos:
-                out.append(Action(UPDATE, stage, version=1))
+        if a.op not in PASS_OPS:
+            continue
+        it = a.microbatch // m
+        if first is None:
+            first = a
+            t = it
+        elif it < t:
+            raise ScheduleError(
+                f"{a} (iteration {it}) runs after {first} (iteration {t}) on device {dev}: a torch schedule "
+                f"imports as a flush schedule, whose iterations do not overlap; give the right --microbatches "
+                f"(micro-batch i belongs to iteration i // m, here m = {m})")
+        elif it > t:
+            cut = pos - 1 if pos and prog[pos - 1].op is OVERLAP_F_B else pos
+            out += flush_iteration(prog[start:cut], t, m, reduce=False, global_ids=True)
+            start, t, first = cut, it, a
+    out += flush_iteration(prog[start:], t, m, reduce=False, global_ids=True)
     return out
+
+
+def _check_torch_1f1b_numbering(actions: list[Action], num_stages: int) -> None:
+    """Name the one known broken torch order: torch 2.13's Schedule1F1B numbers
+    the last rank's forwards 1..n (its ``forward_mb`` is incremented before
+    the first steady-state forward when the rank has no warm-up), while its
+    backwards and every other stage run 0..n-1."""
+    last = num_stages - 1
+    if 0 in [a.microbatch for a in actions if a.op is F and a.stage == last]:
+        return  # every sound schedule leaves here
+    fwd: dict[int, list[int]] = {}
+    bwd: list[int] = []
+    for a in actions:
+        if a.op is F:
+            fwd.setdefault(a.stage, []).append(a.microbatch)
+        elif (a.op is B or a.op is I) and a.stage == last:
+            bwd.append(a.microbatch)
+    n = len(bwd)
+    if not n or sorted(fwd.get(last, ())) != list(range(1, n + 1)) or sorted(bwd) != list(range(n)):
+        return
+    if any(sorted(ids) != list(range(n)) for stage, ids in fwd.items() if stage != last):
+        return
+    raise ScheduleError(
+        f"forward of micro-batch 0 missing on stage {last}: its forwards are {last}F1..{last}F{n} but its "
+        f"backwards run micro-batches 0..{n - 1}. torch 2.13's Schedule1F1B numbers the last rank's forwards "
+        f"from 1 (an off-by-one in the order it exports; its runtime runs 0..{n - 1}), so its CSV "
+        f"is not a valid schedule: subtract 1 from every forward id in the last rank's row, or write the same "
+        f"order with `pipesim schedule --strategy 1f1b --stages {num_stages} --microbatches {n} --format "
+        f"torch-csv`, and import that")
 
 
 def load_schedule_csv(path, **kwargs) -> Schedule:

@@ -31,6 +31,23 @@ that (replica, stage) waits for its ``REDUCE_GRAD``; the next compute action
 of that (replica, stage) waits for its ``AVERAGE``. A compute action waits
 for the data it consumes (a receive, or a producer on the same device).
 
+A micro-batch's backward on a stage is either one full ``B`` or an ``I``
+followed later by a ``W``; a stage may choose per micro-batch (DualPipeV
+does). Whichever pass it is produces the input gradient the previous stage
+consumes.
+
+``UNSHARD`` / ``RESHARD`` (torch's FSDP actions) are posted like a receive:
+``UNSHARD`` gathers a stage's sharded parameters (an all-gather; instant when
+nothing is sharded) and the stage's next pass waits for it; ``RESHARD``
+frees them. A stage that has them computes only between an ``UNSHARD`` and
+the next ``RESHARD``.
+
+``OVERLAP_F_B`` (torch's DualPipeV) runs a forward and a full backward as one
+unit: it starts once both have their inputs, runs the two back to back, and
+sends both results after it. In a program it is a marker action followed by
+its two passes, so everything that reads passes sees ordinary F and B; CSVs
+spell the three as one cell, ``(0F7;7B3)OVERLAP_F_B``, as torch does.
+
 Spelling
 --------
 Actions that torch.distributed.pipelining has are spelled as torch spells
@@ -78,6 +95,9 @@ class Op(str, Enum):
     UPDATE = "UPDATE"  # optimizer step; pipesim only
     PREDICT = "PREDICT"  # weight prediction (SpecTrain); pipesim only
     AVERAGE = "AVERAGE"  # elastic averaging of replicas (AvgPipe); pipesim only
+    UNSHARD = "UNSHARD"  # FSDP: gather a stage's sharded parameters
+    RESHARD = "RESHARD"  # FSDP: free the gathered parameters
+    OVERLAP_F_B = "OVERLAP_F_B"  # marker: the next F and B run as one overlapped unit
 
     def __str__(self) -> str:
         return self.value
@@ -94,6 +114,7 @@ I = Op.BACKWARD_INPUT  # noqa: E741 - the name torch and the papers use
 W = Op.BACKWARD_WEIGHT
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 REDUCE_GRAD, UPDATE, PREDICT, AVERAGE = Op.REDUCE_GRAD, Op.UPDATE, Op.PREDICT, Op.AVERAGE
+UNSHARD, RESHARD, OVERLAP_F_B = Op.UNSHARD, Op.RESHARD, Op.OVERLAP_F_B
 
 #: Passes over a micro-batch. These read a weight version.
 PASS_OPS = frozenset({F, B, I, W})
@@ -104,8 +125,10 @@ COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT})
 COLLECTIVE_OPS = frozenset({REDUCE_GRAD, AVERAGE})
 #: Point-to-point communication, added by :func:`pipesim.sim.lowering.lower`.
 P2P_OPS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
+#: FSDP's parameter gathering and freeing, posted without blocking.
+FSDP_OPS = frozenset({UNSHARD, RESHARD})
 #: Types torch.distributed.pipelining knows; the rest are pipesim's own.
-TORCH_OPS = frozenset({F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD})
+TORCH_OPS = frozenset({F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, UNSHARD, RESHARD, OVERLAP_F_B})
 #: Ops that carry a micro-batch id.
 MICROBATCH_OPS = PASS_OPS | P2P_OPS
 
@@ -138,8 +161,22 @@ class Action(NamedTuple):
 
 _ACTION_RE = re.compile(
     r"^(?:r(?P<replica>\d+)\.)?(?P<stage>\d+)"
-    r"(?P<op>SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UPDATE|PREDICT|AVERAGE|F|B|I|W)"
+    r"(?P<op>SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UPDATE|PREDICT|AVERAGE|UNSHARD|RESHARD|F|B|I|W)"
     r"(?P<mb>\d+)?(?:@v(?P<version>\d+))?(?:\+p(?P<distance>\d+))?$"
+)
+#: A compound cell as torch writes it: ``(0F7;7B3)OVERLAP_F_B``.
+_COMPOUND_RE = re.compile(r"^\((?P<subs>[^()]*)\)(?P<op>[A-Z_]+)$")
+#: Op by spelling: a dict lookup is several times cheaper than ``Op(text)``.
+_OP_OF = {op.value: op for op in Op}
+#: Every well-formed plain cell of a CSV row, found by one ``findall`` per row
+#: (a large torch CSV has hundreds of thousands of cells). The alternatives
+#: encode which ops take a micro-batch id, so a cell that breaks that rule,
+#: like any other malformed cell, is not matched and the row is parsed again
+#: cell by cell to name it.
+_ROW_CELL_RE = re.compile(
+    r"(?:^|,)(?:r(\d+)\.)?(\d+)"
+    r"(?:(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)|(PREDICT)(\d*)|(REDUCE_GRAD|UPDATE|AVERAGE|UNSHARD|RESHARD))"
+    r"(?:@v(\d+))?(?:\+p(\d+))?(?=,|$)"
 )
 
 
@@ -160,26 +197,76 @@ def format_action(a: Action, *, torch_only: bool = False) -> str:
 
 
 def parse_action(text: str) -> Action:
-    """Parse one action string (pipesim or torch spelling)."""
-    m = _ACTION_RE.match(text.strip())
+    """Parse one action string (pipesim or torch spelling).
+
+    Importing a large torch CSV parses every cell, so the match is unpacked
+    once and the op looked up in a dict rather than through ``Op(...)``.
+    """
+    text = text.strip()
+    m = _ACTION_RE.match(text)
     if not m:
+        if "OVERLAP_F_B" in text:
+            raise ScheduleError(f"cannot parse action {text!r}: an overlapped pair is one cell, "
+                                "e.g. (0F7;7B3)OVERLAP_F_B")
         raise ScheduleError(
-            f"cannot parse action {text.strip()!r}: expected e.g. 0F1, 2B0, 1SEND_F3, 0UPDATE@v1"
+            f"cannot parse action {text!r}: expected e.g. 0F1, 2B0, 1SEND_F3, 0UPDATE@v1"
         )
-    op = Op(m["op"])
-    mb = int(m["mb"]) if m["mb"] is not None else None
-    if op in MICROBATCH_OPS and mb is None:
-        raise ScheduleError(f"action {text.strip()!r} needs a micro-batch id")
-    if op not in MICROBATCH_OPS and op is not PREDICT and mb is not None:
-        raise ScheduleError(f"action {text.strip()!r} takes no micro-batch id")
+    replica, stage, op, mb, version, distance = m.groups()
+    op = _OP_OF[op]
+    if mb is not None:
+        if op not in MICROBATCH_OPS and op is not PREDICT:
+            raise ScheduleError(f"action {text!r} takes no micro-batch id")
+        mb = int(mb)
+    elif op in MICROBATCH_OPS:
+        raise ScheduleError(f"action {text!r} needs a micro-batch id")
     return Action(
-        op=op,
-        stage=int(m["stage"]),
-        microbatch=mb,
-        version=int(m["version"]) if m["version"] is not None else None,
-        distance=int(m["distance"]) if m["distance"] is not None else 0,
-        replica=int(m["replica"]) if m["replica"] is not None else 0,
+        op,
+        int(stage),
+        mb,
+        None if version is None else int(version),
+        0 if distance is None else int(distance),
+        0 if replica is None else int(replica),
     )
+
+
+def overlapped(forward: Action, backward: Action) -> tuple[Action, Action, Action]:
+    """The program entries of an OVERLAP_F_B of ``forward`` and ``backward``:
+    the marker (carrying the forward's stage and replica), then the two passes."""
+    return (Action(OVERLAP_F_B, forward.stage, replica=forward.replica), forward, backward)
+
+
+def parse_cell(text: str) -> tuple[Action, ...]:
+    """The actions of one CSV cell: one action, or the three program entries
+    of a compound ``(F;B)OVERLAP_F_B`` (see :func:`overlapped`)."""
+    text = text.strip()
+    if not text.startswith("("):
+        return (parse_action(text),)
+    m = _COMPOUND_RE.match(text)
+    subs = m["subs"].split(";") if m else []
+    if not m or m["op"] != OVERLAP_F_B.value or len(subs) != 2:
+        raise ScheduleError(f"cannot parse {text!r}: a compound action is written (F;B)OVERLAP_F_B, "
+                            "e.g. (0F7;7B3)OVERLAP_F_B")
+    return overlapped(parse_action(subs[0]), parse_action(subs[1]))
+
+
+def program_cells(prog: Iterable[Action], *, torch_only: bool = False) -> list[str]:
+    """One program as CSV cells: one per action, an OVERLAP_F_B marker and its
+    two passes as the one cell ``(F;B)OVERLAP_F_B`` torch writes."""
+    prog = tuple(prog)
+    cells = []
+    pos, n = 0, len(prog)
+    while pos < n:
+        a = prog[pos]
+        if a.op is OVERLAP_F_B:
+            if pos + 2 >= n:
+                raise ScheduleError(f"OVERLAP_F_B at position {pos} is not followed by its forward and backward")
+            pair = ";".join(format_action(x, torch_only=torch_only) for x in prog[pos + 1:pos + 3])
+            cells.append(f"({pair}){OVERLAP_F_B.value}")
+            pos += 3
+            continue
+        cells.append(format_action(a, torch_only=torch_only))
+        pos += 1
+    return cells
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,42 +396,53 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for prog in schedule.programs:
-        row = []
-        for a in prog:
-            if torch_only:
-                if a.op not in TORCH_OPS:
-                    continue
+        if torch_only:
+            for a in prog:
                 if a.replica:
                     raise ScheduleError(
                         f"{format_action(a)}: torch's CSV has no replicas; export replica 0 only"
                     )
-            row.append(format_action(a, torch_only=torch_only))
-        writer.writerow(row)
+            prog = [a for a in prog if a.op in TORCH_OPS]
+        writer.writerow(program_cells(prog, torch_only=torch_only))
     return buf.getvalue()
 
 
 def parse_csv(text: str) -> list[list[Action]]:
-    """Per-device action lists from a CSV; empty cells (idle slots) are skipped.
-
-    torch's UNSHARD/RESHARD (FSDP) are rejected with a clear message: pipesim
-    does not model sharded weights.
-    """
+    """Per-device action lists from a CSV; empty cells (idle slots) are skipped."""
     programs: list[list[Action]] = []
-    for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
-        prog = []
-        for cell in row:
-            cell = cell.strip()
-            if not cell:
-                continue
-            if "UNSHARD" in cell or "RESHARD" in cell:
-                raise ScheduleError(f"row {lineno}: {cell!r}: FSDP (un)shard actions are not modelled")
-            try:
-                prog.append(parse_action(cell))
-            except ScheduleError as e:
-                raise ScheduleError(f"row {lineno}: {e}") from None
+    quoted = '"' in text  # quoted cells: only the csv module reads those right
+    rows = csv.reader(io.StringIO(text)) if quoted else text.splitlines()
+    for lineno, row in enumerate(rows, start=1):
+        prog = None if quoted else _parse_plain_row(row)
+        if prog is None:
+            prog = []
+            for cell in row if quoted else row.split(","):
+                if not cell.strip():
+                    continue
+                try:
+                    prog.extend(parse_cell(cell))
+                except ScheduleError as e:
+                    raise ScheduleError(f"row {lineno}: {e}") from None
         programs.append(prog)
     while programs and not programs[-1]:
         programs.pop()
     if not programs:
         raise ScheduleError("the schedule CSV holds no actions")
     return programs
+
+
+def _parse_plain_row(line: str) -> list[Action] | None:
+    """The actions of a row whose cells are all plain, well-formed actions;
+    None if any is not (a compound, a blank, an error to report)."""
+    found = _ROW_CELL_RE.findall(line)
+    cells = line.split(",")
+    if len(found) != len(cells) - cells.count(""):
+        return None
+    op_of, new = _OP_OF, tuple.__new__
+    # tuple.__new__ is what Action(...) calls, without the Python-level frame
+    return [
+        new(Action, (op_of[op or op2 or op3], int(stage), int(mb or mb2) if mb or mb2 else None,
+                     int(version) if version else None, int(distance) if distance else 0,
+                     int(replica) if replica else 0))
+        for replica, stage, op, mb, op2, mb2, op3, version, distance in found
+    ]

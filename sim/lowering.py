@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipesim.sim.dataflow import split_stages, transfer_key
-from pipesim.sim.ir import (
+from .ir import (
     COMPUTE_OPS,
+    OVERLAP_F_B,
     P2P_OPS,
     RECV_B,
     RECV_F,
@@ -50,7 +50,8 @@ from pipesim.sim.ir import (
 #: right before compute ``action`` (``None`` for what trails the last one).
 #: Each post is ``(action, token)``: a transfer's token
 #: (:func:`~pipesim.sim.dataflow.transfer_key`), or ``None`` for a
-#: collective, whose token :func:`~pipesim.sim.dataflow.compile_plan` numbers.
+#: collective or an FSDP action, whose token
+#: :func:`~pipesim.sim.dataflow.compile_plan` numbers.
 Slot = tuple
 
 
@@ -60,34 +61,45 @@ class Plan:
 
     ``slots[d]`` is device d's list of :data:`Slot`. The lowering also notes
     what the compiler would otherwise rescan every action for: the tokens of
-    transfers that have a receive, and whether any collective is posted.
+    transfers that have a receive, whether any collective or FSDP action is
+    posted, and ``overlaps[d]``, the indices j of device d's slots whose
+    action is the forward of an OVERLAP_F_B (slot j+1 holds its backward,
+    with nothing posted before it).
     """
 
     slots: list[list[Slot]]
     received: set = field(default_factory=set)
     has_collectives: bool = False
-
-
-def _post(x: Action) -> tuple:
-    return (x, transfer_key(x) if x.op in P2P_OPS else None)
+    overlaps: dict[int, list[int]] = field(default_factory=dict)
 
 
 def group(schedule: Schedule) -> Plan:
-    """The plan form of a schedule as it stands (lowered or not)."""
+    """The plan form of a schedule as it stands (lowered or not).
+
+    Every imported torch schedule with communication comes through here, so
+    transfer tokens are spelled inline as
+    :func:`~pipesim.sim.dataflow.transfer_key` would."""
     out = Plan([])
-    for prog in schedule.programs:
+    received = out.received
+    for dev, prog in enumerate(schedule.programs):
         slots, pending = [], []
         for a in prog:
-            if a.op in COMPUTE_OPS:
+            op = a.op
+            if op in COMPUTE_OPS:
                 slots.append((tuple(pending), a))
                 pending = []
-            else:
-                post = _post(a)
-                pending.append(post)
-                if a.op is RECV_F or a.op is RECV_B:
-                    out.received.add(post[1])
-                elif post[1] is None:
-                    out.has_collectives = True
+            elif op is SEND_F or op is SEND_B:
+                pending.append((a, (op, a.replica, a.stage, a.microbatch)))
+            elif op is RECV_F or op is RECV_B:
+                tok = ((SEND_F, a.replica, a.stage - 1, a.microbatch) if op is RECV_F
+                       else (SEND_B, a.replica, a.stage + 1, a.microbatch))
+                pending.append((a, tok))
+                received.add(tok)
+            elif op is OVERLAP_F_B:  # the next two slots form the pair
+                out.overlaps.setdefault(dev, []).append(len(slots))
+            else:  # a collective or an FSDP action
+                pending.append((a, None))
+                out.has_collectives = True
         if pending:
             slots.append((tuple(pending), None))
         out.slots.append(slots)
@@ -99,6 +111,10 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
     compute actions ahead of their consumers. A schedule that already has
     communication is grouped as it is.
 
+    Nothing is posted inside an OVERLAP_F_B pair: receives due between its
+    forward and backward are posted before the pair, sends after it (torch
+    sends a pair's results once both ran).
+
     This visits every action of every simulation, so it is written flat.
     """
     if recv_lookahead < 0:
@@ -106,7 +122,6 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
     if any(a.op in P2P_OPS for prog in schedule.programs for a in prog):
         return group(schedule)
     home = schedule.placement().get
-    split = split_stages(schedule)
     last = schedule.num_stages - 1
     out = Plan([])
     received = out.received
@@ -115,9 +130,13 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
         remote: dict[tuple[int, int], tuple[bool, bool]] = {}
         computes: list[Action] = []
         posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
+        overlaps: list[int] = []
         for a in prog:
             op = a.op
-            if op not in COMPUTE_OPS:  # a collective already in the program
+            if op not in COMPUTE_OPS:  # a collective or FSDP action already in the program
+                if op is OVERLAP_F_B:
+                    overlaps.append(len(computes))
+                    continue
                 posts[-1].append((a, None))
                 out.has_collectives = True
                 continue
@@ -140,14 +159,23 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
                         (Action(RECV_F, stage, mb, None, 0, rep), tok))
                 if flags[1]:
                     after.append((Action(SEND_F, stage, mb, None, 0, rep), (SEND_F, rep, stage, mb)))
-            elif op is B or op is I:
+            elif op is B or op is I:  # either makes the micro-batch's input gradient
                 if flags[1]:
                     tok = (SEND_B, rep, stage + 1, mb)
                     received.add(tok)
                     posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                         (Action(RECV_B, stage, mb, None, 0, rep), tok))
-                if flags[0] and not (op is B and key in split):
+                if flags[0]:
                     after.append((Action(SEND_B, stage, mb, None, 0, rep), (SEND_B, rep, stage, mb)))
+        for j in overlaps:  # empty what would be posted inside each pair
+            if j + 1 >= len(computes):
+                raise ScheduleError(f"OVERLAP_F_B on device {dev} is not followed by its forward and backward")
+            inside = posts[j + 1]
+            posts[j].extend(x for x in inside if x[0].op is RECV_F or x[0].op is RECV_B)
+            posts[j + 2][:0] = [x for x in inside if x[0].op is not RECV_F and x[0].op is not RECV_B]
+            posts[j + 1] = []
+        if overlaps:
+            out.overlaps[dev] = overlaps
         slots = list(zip(map(tuple, posts), computes))
         if posts[-1]:
             slots.append((tuple(posts[-1]), None))
@@ -156,12 +184,16 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
 
 
 def flatten(plan_: Plan) -> list[tuple[Action, ...]]:
-    """The flat per-device programs of a plan."""
+    """The flat per-device programs of a plan (an OVERLAP_F_B's marker right
+    before its forward)."""
     out = []
-    for slots in plan_.slots:
+    for dev, slots in enumerate(plan_.slots):
+        pairs = set(plan_.overlaps.get(dev, ()))
         prog = []
-        for posts, a in slots:
+        for j, (posts, a) in enumerate(slots):
             prog.extend(x for x, _ in posts)
+            if j in pairs:
+                prog.append(Action(OVERLAP_F_B, a.stage, replica=a.replica))
             if a is not None:
                 prog.append(a)
         out.append(tuple(prog))

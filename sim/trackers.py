@@ -16,7 +16,7 @@ Memory of a device, per category (see :data:`~pipesim.sim.results.MEMORY_CATEGOR
 * gradients |W| and optimizer state (1x for SGD momentum, 2x for Adam), held
   throughout;
 * activations: a micro-batch's stash from the start of its forward to the
-  end of its backward (of W when the backward is split);
+  end of its backward (of W when that micro-batch's backward is split);
 * comm_buffers: a send buffer for the duration of the transfer, a receive
   buffer from the start of the transfer until its consumer starts;
 * prediction: one |W| buffer for the predicted weights of a stage that
@@ -32,7 +32,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from pipesim.sim.dataflow import split_stages
+from pipesim.sim.dataflow import backward_op, split_stages
 from pipesim.sim.ir import (
     Action,
     AVERAGE,
@@ -65,7 +65,6 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     upd: dict = {}
     held_max: dict[tuple[int, int], int] = {}
     changes: dict[int, list] = defaultdict(list)
-    split = split_stages(schedule)
     reads = PASS_OPS | {PREDICT}
     for dev, prog in enumerate(schedule.programs):
         last_read = {(a.replica, a.stage, a.version): pos for pos, a in enumerate(prog) if a.op in reads}
@@ -88,10 +87,9 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
                 continue
             if op is F:
                 fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-            elif op is B:
+            elif op is B:  # a full backward makes the weight gradient too
                 bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-                if not split or (a.replica, a.stage) not in split:
-                    awaiting[(a.replica, a.stage)].append(a.microbatch)
+                awaiting[(a.replica, a.stage)].append(a.microbatch)
             elif op is I:
                 bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
             elif op is W:
@@ -175,8 +173,7 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
                    [d * param[rs[1]] for _, d, rs in rows], "weights")
     fwd = [s for s in compute if s.action.op is F]
     extend([s.device for s in fwd], [s.start for s in fwd], [stash[s.action.stage] for s in fwd], "activations")
-    freed = [s for s in compute if s.action.op is W
-             or (s.action.op is B and (s.action.replica, s.action.stage) not in split)]
+    freed = [s for s in compute if s.action.op is W or s.action.op is B]
     extend([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed], "activations")
 
     sends = [s for s in by_stream["send"] if s.nbytes]
@@ -190,7 +187,7 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
         def consumer(a: Action) -> tuple:
             if a.op is RECV_F:
                 return (F, a.replica, a.stage, a.microbatch)
-            return (I if (a.replica, a.stage) in split else B, a.replica, a.stage, a.microbatch)
+            return (backward_op(split, a.replica, a.stage, a.microbatch), a.replica, a.stage, a.microbatch)
 
         extend([s.device for s in recvs], [s.start for s in recvs], [s.nbytes for s in recvs], "comm_buffers")
         extend([s.device for s in recvs], [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],

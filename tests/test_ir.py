@@ -32,7 +32,8 @@ GOOD = ["0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1", "1F0@v0 1B0@v0 1F1@v0 1B1@v0 1
 
 actions = st.builds(
     Action,
-    op=st.sampled_from(list(Op)),
+    # an OVERLAP_F_B marker has no spelling of its own: see the compound tests
+    op=st.sampled_from([op for op in Op if op is not Op.OVERLAP_F_B]),
     stage=st.integers(0, 99),
     microbatch=st.integers(0, 999),
     version=st.none() | st.integers(0, 50),
@@ -86,11 +87,9 @@ def test_torch_csv_import_adds_flush_semantics() -> None:
     assert [str(a) for a in s.programs[1]] == ["1F0@v0", "1B0@v0", "1F1@v0", "1B1@v0", "1UPDATE@v1"]
 
 
-def test_empty_and_fsdp_csv_rejected() -> None:
+def test_empty_csv_rejected() -> None:
     with pytest.raises(ScheduleError, match="no actions"):
         parse_csv("\n\n")
-    with pytest.raises(ScheduleError, match="FSDP"):
-        parse_csv("0UNSHARD,0F0\n")
 
 
 # -- validator -------------------------------------------------------------
@@ -129,10 +128,33 @@ def test_validator_rejects_broken_schedules(rows, p, m, message) -> None:
 def test_torch_1f1b_last_rank_numbering_is_rejected() -> None:
     # torch 2.13's Schedule1F1B numbers the last rank's forwards from 1.
     text = "0F0,0F1,0B0,0F2,0B1,0B2\n1F1,1B0,1F2,1B1,1F3,1B2\n"
-    with pytest.raises(ScheduleError):
-        schedule_from_csv(text, microbatches=3)
-    with pytest.raises(ScheduleError):
-        schedule_from_csv(text)
+    for kwargs in ({"microbatches": 3}, {}):
+        with pytest.raises(ScheduleError, match="forward of micro-batch 0 missing on stage 1.*Schedule1F1B"):
+            schedule_from_csv(text, **kwargs)
+
+
+LOWERED = ["0F0@v0 0SEND_F0 0RECV_B0 0B0@v0 0UPDATE@v1", "1RECV_F0 1F0@v0 1B0@v0 1SEND_B0 1UPDATE@v1"]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ((0, "0SEND_F0", ""), "1RECV_F0 on device 1 has no matching send"),
+        ((1, "1SEND_B0", ""), "0RECV_B0 on device 0 has no matching send"),
+        ((1, "1RECV_F0", ""), "0SEND_F0 on device 0 has no matching receive"),
+        ((0, "0F0@v0 0SEND_F0", "0SEND_F0 0F0@v0"), "0SEND_F0 is not after 0F0 on device 0"),
+        ((1, "1RECV_F0 1F0@v0", "1F0@v0 1RECV_F0"), "1F0 on device 1 needs data from device 0 but no 1RECV_F0"),
+        ((0, "0RECV_B0 0B0@v0", "0B0@v0 0RECV_B0"), "0B0 on device 0 needs data from device 1 but no 0RECV_B0"),
+        (((0, "0SEND_F0", ""), (1, "1RECV_F0", "")), "1F0 on device 1 needs data from device 0 but no 1RECV_F0"),
+    ],
+)
+def test_transfer_errors_are_named(edit, message) -> None:
+    validate(mk(LOWERED, 2, 1))
+    rows = list(LOWERED)
+    for dev, old, new in edit if isinstance(edit[0], tuple) else [edit]:
+        rows[dev] = rows[dev].replace(old, new)
+    with pytest.raises(ScheduleError, match=message):
+        validate(mk(rows, 2, 1))
 
 
 def test_deadlock_is_named() -> None:

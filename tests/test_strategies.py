@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.dataflow import bare, producer_of
+from pipesim.sim.dataflow import bare, producer_of, split_stages
 from pipesim.sim.ir import (
     AVERAGE,
     P2P_OPS,
@@ -112,7 +112,7 @@ def staleness(s):
 def makespan(s, T):
     """Zero-communication list scheduling: each action starts when its device is
     free and the passes it consumes are done. ``T`` maps op -> duration."""
-    split = {(a.replica, a.stage) for prog in s.programs for a in prog if a.op is I}
+    split = split_stages(s)
     end, pc, free = {}, [0] * s.num_devices, [0.0] * s.num_devices
     progress = True
     while progress:

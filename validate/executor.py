@@ -34,6 +34,8 @@ from pipesim.kernels import elastic_average
 from pipesim.sim.dataflow import compile_plan
 from pipesim.sim.ir import (
     AVERAGE,
+    FSDP_OPS,
+    OVERLAP_F_B,
     P2P_OPS,
     PREDICT,
     RECV_B,
@@ -47,6 +49,7 @@ from pipesim.sim.ir import (
     F,
     I,
     Schedule,
+    ScheduleError,
     W,
 )
 from pipesim.sim.lowering import plan
@@ -424,7 +427,19 @@ def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
     return out
 
 
+#: Actions the simulator executes but these executors do not (yet): an
+#: OVERLAP_F_B's forward waits for its backward's inputs too, which
+#: :meth:`DeviceExecutor.compute` would take as the forward's own input, and
+#: FSDP's actions need sharded stages.
+UNSUPPORTED_OPS = FSDP_OPS | {OVERLAP_F_B}
+
+
 def compiled(schedule: Schedule, recv_lookahead: int = 1) -> list[list]:
+    for dev, prog in enumerate(schedule.programs):
+        for a in prog:
+            if a.op in UNSUPPORTED_OPS:
+                raise ScheduleError(f"{a.op.value} (device {dev}) is not run by the real-tensor executors; "
+                                    f"pipesim simulate runs this schedule")
     return compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
 
 

@@ -11,7 +11,8 @@ ones several strategies need:
   semantics: every pass of iteration ``t`` reads version ``t``, each
   (replica, stage) gets one ``UPDATE@v(t+1)`` right after its last backward of
   the iteration on its device (torch places its REDUCE_GRAD there too),
-  preceded by a ``REDUCE_GRAD`` when replicas must agree on the gradient;
+  preceded by a ``REDUCE_GRAD`` when replicas must agree on the gradient.
+  Imported torch schedules get their meaning from the same function;
 * the replica/device layout: replica ``r`` of a ``p``-device pipeline occupies
   devices ``r*p .. r*p+p-1``.
 
@@ -24,7 +25,20 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from ..errors import InputError
-from ..ir import AVERAGE, REDUCE_GRAD, UPDATE, Action, B, F, Op, Schedule, W
+from ..ir import (
+    AVERAGE,
+    COMPUTE_OPS,
+    OVERLAP_F_B,
+    PASS_OPS,
+    REDUCE_GRAD,
+    UPDATE,
+    Action,
+    B,
+    F,
+    Op,
+    Schedule,
+    W,
+)
 
 
 class StrategyError(InputError):
@@ -191,30 +205,54 @@ def flush_iteration(
     *,
     reduce: bool,
     average: bool = False,
+    global_ids: bool = False,
 ) -> list[Action]:
     """One flushed iteration ``t`` of one device, with versions and updates.
 
-    ``order`` is the device's compute order for one iteration with local
-    micro-batch ids ``0..m-1`` (replica and stage already set, no version).
-    Every pass reads version ``t``; right after the last backward (B or W) of
-    each (replica, stage) comes ``[REDUCE_GRAD] UPDATE@v(t+1) [AVERAGE]``.
+    This is the one definition of flush semantics: the flush strategies build
+    their schedules with it and :mod:`pipesim.sim.interchange` gives imported
+    torch schedules their meaning with it.
+
+    ``order`` is the device's order for iteration ``t`` (replica and stage
+    set, no version), with local micro-batch ids ``0..m-1``, or global ids
+    ``t*m ..`` with ``global_ids``. Every pass reads version ``t``; right after
+    the last backward (B or W) of each (replica, stage) comes ``[REDUCE_GRAD]
+    UPDATE@v(t+1) [AVERAGE]``. In an order that carries communication (an
+    imported schedule) the update is the next compute action: it goes after
+    the sends, receives and FSDP actions posted right after that backward
+    (torch's REDUCE_GRAD is among them), which are posted the moment the
+    backward ends, as the lowering pass places them. Other actions keep their
+    place; those with a micro-batch id get the same offset as the passes.
     """
     last: dict[tuple[int, int], int] = {}
     for pos, a in enumerate(order):
-        if a.op in (B, W):
+        if a.op is B or a.op is W:
             last[(a.replica, a.stage)] = pos
+    n = len(order)
+    ends: dict[int, tuple[int, int]] = {}
+    for rs, pos in last.items():
+        while pos + 1 < n and order[pos + 1].op not in COMPUTE_OPS and order[pos + 1].op is not OVERLAP_F_B:
+            pos += 1
+        ends[pos] = rs
     out: list[Action] = []
-    ends = set(last.values())
-    offset = t * m
+    offset = 0 if global_ids else t * m
     for pos, a in enumerate(order):
+        op = a.op
         # positional construction: NamedTuple._replace costs ten times more
-        out.append(Action(a.op, a.stage, a.microbatch + offset, t, a.distance, a.replica))
-        if pos in ends:
+        if op in PASS_OPS:
+            out.append(Action(op, a.stage, a.microbatch + offset, t, a.distance, a.replica))
+        elif a.microbatch is None or not offset:
+            out.append(a)
+        else:
+            out.append(Action(op, a.stage, a.microbatch + offset, a.version, a.distance, a.replica))
+        rs = ends.get(pos)
+        if rs is not None:
+            rep, stage = rs
             if reduce:
-                out.append(Action(REDUCE_GRAD, a.stage, replica=a.replica))
-            out.append(Action(UPDATE, a.stage, version=t + 1, replica=a.replica))
+                out.append(Action(REDUCE_GRAD, stage, replica=rep))
+            out.append(Action(UPDATE, stage, version=t + 1, replica=rep))
             if average:
-                out.append(Action(AVERAGE, a.stage, replica=a.replica))
+                out.append(Action(AVERAGE, stage, replica=rep))
     return out
 
 
