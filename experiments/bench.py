@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,kernels,validate,torch,comm}``: every benchmark behind one command.
+"""``pipesim bench {sim,kernels,validate,torch,torch-dry-run,comm}``: every benchmark behind one command.
 
 Each benchmark lives in the layer it measures and keeps its ``python -m``
 entry point as an alias; this module only dispatches to it (importing it, and
@@ -94,5 +94,7 @@ BENCHES: dict[str, Bench] = {
     "kernels": Bench("pipesim.kernels.bench", "kernel bandwidth against a plain copy and a Python loop"),
     "validate": Bench("pipesim.validate.bench", "prediction error of every strategy on this machine"),
     "torch": Bench("pipesim.validate.torchbench", "runtime throughput against torch.distributed.pipelining"),
+    "torch-dry-run": Bench("pipesim.validate.torchdry",
+                           "simulating a torch schedule: pipesim against torch's own dry run"),
     "comm": Bench("pipesim.validate.commprofile", "point-to-point and all-reduce times against their models"),
 }

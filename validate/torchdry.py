@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from pipesim.sim.cliargs import bench_main, positive, run_command
+
 #: (ranks p, stages per rank v, micro-batches m) timed by default.
 DEFAULT_SIZES = ((4, 2, 16), (8, 2, 64), (16, 2, 128), (16, 2, 256), (32, 2, 512))
 #: Schedule classes whose comm order torch's dry run can simulate.
@@ -67,6 +69,19 @@ def torch_dry_run_seconds(schedule, repeat: int = 1) -> float:
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # it prints the schedule when stuck
             S._simulate_comms_compute(order, lambda s: home[s], schedule._num_stages)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def torch_end_to_end_seconds(name: str, p: int, v: int, m: int, repeat: int = 3) -> float:
+    """Best wall time of what a user pays for torch's dry run from a fresh
+    interpreter: start-up, ``import torch``, building the order, the dry run."""
+    script = ("import sys; from pipesim.validate.torchdry import torch_schedule, torch_dry_run_seconds; "
+              f"torch_dry_run_seconds(torch_schedule({name!r}, {p}, {v}, {m}))")
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", script], check=True, stdout=subprocess.DEVNULL)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -115,12 +130,15 @@ def compare(sizes=DEFAULT_SIZES, schedule: str = "Interleaved1F1B", repeat: int 
             sched._dump_csv(str(path))  # torch's own file, communication included
             actions = sum(len(acts) for acts in sched.pipeline_order_with_comms.values())
             torch_s = torch_dry_run_seconds(sched, repeat)
+            torch_e2e_s = torch_end_to_end_seconds(schedule, p, v, m, repeat)
             cli_s = pipesim_cli_seconds(path, repeat)
             inproc_s = pipesim_inprocess_seconds(path, repeat)
             rows.append({
                 "schedule": schedule, "ranks": p, "stages_per_rank": v, "microbatches": m, "actions": actions,
-                "torch_dry_run_s": _sig(torch_s), "pipesim_cli_s": _sig(cli_s), "pipesim_inprocess_s": _sig(inproc_s),
+                "torch_dry_run_s": _sig(torch_s), "torch_end_to_end_s": _sig(torch_e2e_s),
+                "pipesim_cli_s": _sig(cli_s), "pipesim_inprocess_s": _sig(inproc_s),
                 "ratio_cli": _sig(torch_s / cli_s), "ratio_inprocess": _sig(torch_s / inproc_s),
+                "ratio_end_to_end": _sig(torch_e2e_s / cli_s),
             })
     return rows
 
@@ -140,30 +158,40 @@ def _sizes(text: str) -> tuple[tuple[int, int, int], ...]:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipesim.validate.torchdry",
-                                     description=__doc__.split("\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="Interleaved1F1B", help="torch schedule class")
     parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
                         help="space-separated p,v,m triples (ranks, stages per rank, micro-batches)")
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs of each side")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeat", type=positive, default=3, help="best of this many runs of each side")
+
+
+def run_bench(args) -> dict:
     rows = compare(args.sizes, args.schedule, args.repeat,
                    progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(rows, indent=2, sort_keys=True))
-        return 0
-    print(f"torch {args.schedule}: torch's _simulate_comms_compute against `pipesim simulate --schedule X.csv "
-          f"--summary-only` (best of {args.repeat}; ratio = torch s / pipesim s, above 1 pipesim is faster)")
-    print(f"{'p':>3} {'v':>2} {'m':>5} {'actions':>8} {'torch s':>8} {'pipesim s':>10} {'ratio':>6} "
-          f"{'in-process s':>13} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['ranks']:>3} {r['stages_per_rank']:>2} {r['microbatches']:>5} {r['actions']:>8} "
-              f"{r['torch_dry_run_s']:>8.3f} {r['pipesim_cli_s']:>10.3f} {r['ratio_cli']:>6.2f} "
-              f"{r['pipesim_inprocess_s']:>13.3f} {r['ratio_inprocess']:>6.2f}")
-    return 0
+    return {"schedule": args.schedule, "repeat": args.repeat, "rows": rows}
+
+
+def render(report: dict) -> str:
+    lines = [f"torch {report['schedule']}: torch's _simulate_comms_compute against `pipesim simulate --schedule "
+             f"X.csv --summary-only` (best of {report['repeat']}; ratios = torch s / pipesim s, above 1 pipesim "
+             "answers sooner)",
+             "  torch fn: the dry-run function alone (torch imported, order built); torch e2e: a fresh interpreter "
+             "that imports torch, builds the order and runs it",
+             "  pipesim e2e: the console command in a fresh interpreter; in-proc: the same through the CLI's main",
+             f"{'p':>3} {'v':>2} {'m':>5} {'actions':>8} {'torch fn':>9} {'torch e2e':>10} {'pipesim e2e':>12} "
+             f"{'e2e ratio':>10} {'fn/e2e':>7} {'in-proc':>8} {'fn/in-proc':>10}"]
+    for r in report["rows"]:
+        lines.append(f"{r['ranks']:>3} {r['stages_per_rank']:>2} {r['microbatches']:>5} {r['actions']:>8} "
+                     f"{r['torch_dry_run_s']:>9.3f} {r['torch_end_to_end_s']:>10.3f} {r['pipesim_cli_s']:>12.3f} "
+                     f"{r['ratio_end_to_end']:>10.2f} {r['ratio_cli']:>7.2f} {r['pipesim_inprocess_s']:>8.3f} "
+                     f"{r['ratio_inprocess']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipesim.validate.torchdry") -> int:
+    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
+                      run=run_bench, render=render)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))
