@@ -24,14 +24,28 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+from pipesim.sim.errors import InputError
 
 EXIT_USAGE = 2
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
 COMPARE_ITERATIONS = 4
 PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
+#: Stage passes above which a simulation shows its progress bar even when
+#: stderr is not a terminal (a log): about 200k compute actions, several seconds.
+PROGRESS_PASSES = 100_000
+#: Relative time of each phase of a simulation, per action (1f1b, p = 64,
+#: m = 1024: building 0.15 s; simulating 1.5 s, of which validation 0.1,
+#: lowering 0.3, engine 0.7, memory and version tracking 0.3; summary 0.1 s;
+#: trace.json 1.2 s; timeline.html 1.3 s).
+PHASE_WEIGHTS = {"building the schedule": 1, "simulating": 10, "summarizing": 1,
+                 "writing trace.json": 8, "writing timeline.html": 8}
 DEFAULT_COMPARE = (
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw",
     "spectrain", "avgpipe", "data-parallel",
@@ -46,6 +60,77 @@ _KEEP_UNTIL_EXIT: list = []
 
 class UsageError(Exception):
     """Bad command-line input: reported in one line with exit code 2."""
+
+
+class OutputError(InputError):
+    """An output folder that cannot be created or written to."""
+
+
+def _output_dir(path: str) -> Path:
+    """``path`` created and proven writable, so that a bad ``--out`` (under a
+    regular file, read-only) fails in one line before any work, not after a
+    long run."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OutputError(f"cannot write to output folder {path}: {e.strerror or e}") from None
+    return out
+
+
+def _no_progress(phase: str) -> None:
+    """The step function of a run that shows no progress bar."""
+
+
+@contextmanager
+def _phase_bar(phases: list[str], passes: int):
+    """A progress bar on stderr over the phases of one simulation; yields
+    ``step(phase)``, called as each phase begins.
+
+    On a terminal the bar appears once the run has taken a second, and a
+    ticker keeps its clock moving through the long simulating phase (the
+    engine reports nothing until it is done); elsewhere (a log, a pipe) it is
+    shown only for long runs (``passes`` >= PROGRESS_PASSES), one update per
+    phase. stdout, where ``--json`` goes, is never touched.
+    """
+    tty = sys.stderr.isatty()
+    if not tty and passes < PROGRESS_PASSES:
+        yield _no_progress
+        return
+    from tqdm import tqdm
+
+    # a terminal's bar is redrawn in place and cleared at the end; a log gets
+    # one line per phase and keeps the last
+    bar = tqdm(total=sum(PHASE_WEIGHTS[p] for p in phases), desc=phases[0], file=sys.stderr,
+               delay=1.0 if tty else 0.0, mininterval=0.1 if tty else 0.0, miniters=0, leave=not tty,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+    underway: list[int] = []  # the weight of the phase in progress
+    stop = threading.Event()
+
+    def step(phase: str) -> None:
+        bar.set_description_str(phase, refresh=False)  # update() draws, once the delay has passed
+        bar.update(underway.pop() if underway else 0)
+        underway.append(PHASE_WEIGHTS[phase])
+
+    def tick() -> None:
+        if not stop.wait(1.0):
+            while not stop.wait(0.5):
+                bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="pipesim-progress", daemon=True) if tty else None
+    if ticker:
+        ticker.start()
+    try:
+        yield step
+        bar.set_description_str("done", refresh=False)
+        bar.update(bar.total - bar.n)
+    finally:
+        stop.set()
+        if ticker:
+            ticker.join()
+        bar.close()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,39 +225,59 @@ def _profile(args, hardware, schedule):
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
                   keep: bool = False) -> dict:
-    from pipesim.sim.api import resolve_hardware, simulate_schedule
+    from pipesim.sim.api import check_size, estimate_passes, resolve_hardware, simulate_schedule
     from pipesim.sim.metrics import summarize, write_summary
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
+    phases = ["simulating", "summarizing"]
+    if out is not None and outputs:
+        phases += ["writing trace.json", "writing timeline.html"]
     if getattr(args, "schedule", None):
         from pipesim.sim.interchange import load_schedule_csv
 
-        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches)
+        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches, iterations=args.iterations)
+        spec, passes = None, sum(map(len, schedule.programs)) // 2
     else:
-        schedule = build_schedule(_spec(args, strategy))
-    profile = _profile(args, hw, schedule)
-    result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
-    if keep:
-        _KEEP_UNTIL_EXIT.append(result)  # see console_main
-    summary = summarize(result)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_summary(summary, out / "summary.json")
-        if outputs:
-            from pipesim.experiments.export import png_supported, write_png
-            from pipesim.experiments.timeline import timeline_figure, write_timeline_html
-            from pipesim.sim.trace import write_trace
-
-            big = len(result.spans) > PROGRESS_SPANS
-            if big:
-                print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
-                      file=sys.stderr, flush=True)
-            write_trace(result, out / "trace.json")
-            write_timeline_html(result, out / "timeline.html")
-            if not big and png_supported():  # a browser renders it; skip for huge timelines
-                write_png(timeline_figure(result), out / "timeline.png")
+        spec = _spec(args, strategy)
+        check_size(spec)
+        phases.insert(0, "building the schedule")
+        passes = estimate_passes(spec) or 0
+    with _phase_bar(phases, passes) as step:
+        if spec is not None:
+            step("building the schedule")
+            schedule = build_schedule(spec)
+        profile = _profile(args, hw, schedule)
+        step("simulating")
+        result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
+        if keep:
+            _KEEP_UNTIL_EXIT.append(result)  # see console_main
+        step("summarizing")
+        summary = summarize(result)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            write_summary(summary, out / "summary.json")
+            if outputs:
+                _write_outputs(result, out, step)
     return summary
+
+
+def _write_outputs(result, out: Path, step) -> None:
+    """trace.json, timeline.html and, for small runs with a browser at hand, timeline.png."""
+    from pipesim.experiments.export import png_supported, write_png
+    from pipesim.experiments.timeline import timeline_figure, write_timeline_html
+    from pipesim.sim.trace import write_trace
+
+    big = len(result.spans) > PROGRESS_SPANS
+    if big and step is _no_progress:  # a progress bar names the phase itself
+        print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
+              file=sys.stderr, flush=True)
+    step("writing trace.json")
+    write_trace(result, out / "trace.json")
+    step("writing timeline.html")
+    write_timeline_html(result, out / "timeline.html")
+    if not big and png_supported():  # a browser renders it; skip for huge timelines
+        write_png(timeline_figure(result), out / "timeline.png")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -232,7 +337,7 @@ def _print_summary(s: dict) -> None:
 def cmd_simulate(args) -> int:
     if not args.strategy and not args.schedule:
         raise UsageError("pipesim simulate: give --strategy NAME or --schedule FILE.csv")
-    out = Path(args.out)
+    out = _output_dir(args.out)
     started = time.perf_counter()
     summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True)
     if args.json:
@@ -250,7 +355,7 @@ def cmd_compare(args) -> int:
     from pipesim.sim.metrics import dumps
 
     strategies = args.strategies.split(",") if args.strategies else list(DEFAULT_COMPARE)
-    out = Path(args.out)
+    out = _output_dir(args.out)
     rows, summaries = [], {}
     base = None
     for i, strategy in enumerate(strategies, 1):
@@ -281,6 +386,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_schedule(args) -> int:
+    from pipesim.sim.api import check_size
     from pipesim.sim.ir import to_csv
     from pipesim.sim.strategies import build_schedule, strategy_names
 
@@ -297,7 +403,9 @@ def cmd_schedule(args) -> int:
         elif args.devices != args.stages * (args.width or 1) and args.strategy != "avgpipe":
             raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
                              f"{args.stages * (args.width or 1)} devices, not {args.devices}")
-    schedule = build_schedule(_spec(args))
+    spec = _spec(args)
+    check_size(spec)
+    schedule = build_schedule(spec)
     if args.lowered:
         from pipesim.sim.lowering import lower
 
@@ -315,7 +423,7 @@ def cmd_schedule(args) -> int:
 def cmd_figure(args) -> int:
     from pipesim.experiments.figures import bubble_figure
 
-    path = bubble_figure(Path(args.out))
+    path = bubble_figure(_output_dir(args.out))
     print(f"wrote {path}")
     return 0
 
@@ -338,13 +446,12 @@ def cmd_profile(args) -> int:
     from pipesim.sim.workload import save_profile
     from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, torch_device
 
+    out = _output_dir(args.out)
     cfg = ValidateConfig(strategy="gpipe", model=args.model, backend=args.backend,
                          microbatch_size=args.microbatch_size, model_width=args.model_width,
                          model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
     device = torch_device(args.backend)
     model = model_of(cfg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
     prof = profile(cfg, device, model=model)
     save_profile(prof, out / "profile.json")
@@ -385,6 +492,7 @@ def cmd_validate(args) -> int:
     from pipesim.validate.launch import WorkerError
     from pipesim.validate.stage import OptimizerConfig
 
+    out = _output_dir(args.out)
     options = _strategy_options(args)
     options.pop("width", None)  # replicas, below
     cfg = ValidateConfig(
@@ -396,7 +504,6 @@ def cmd_validate(args) -> int:
         profile_path=args.profile, hardware_path=args.hardware, oversubscribe=args.oversubscribe,
         strategy_options=tuple(sorted(options.items())),
     )
-    out = Path(args.out)
     try:
         v = run_validation(cfg, progress=_progress)
     except WorkerError as e:
@@ -404,7 +511,6 @@ def cmd_validate(args) -> int:
         if getattr(e, "traceback", None):
             print(e.traceback, file=sys.stderr)
         return 1
-    out.mkdir(parents=True, exist_ok=True)
     r = v.report
     (out / "report.json").write_text(dumps(r))
     save_profile(v.profile, out / "profile.json")
