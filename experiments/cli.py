@@ -32,10 +32,13 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from pipesim.experiments.progress import no_progress, phase_bar
 from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command
+from pipesim.sim.errors import InputError
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
 COMPARE_ITERATIONS = 4
@@ -45,6 +48,24 @@ PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PN
 #: :func:`console_main` can end the process without CPython first freeing it
 #: object by object (``compare`` lets each result go, to bound memory).
 _KEEP_UNTIL_EXIT: list = []
+
+
+class OutputError(InputError):
+    """An output folder that cannot be created or written to."""
+
+
+def _output_dir(path: str) -> Path:
+    """``path`` created and proven writable, so that a bad ``--out`` (under a
+    regular file, read-only) fails in one line before any work, not after a
+    long run."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OutputError(f"cannot write to output folder {path}: {e.strerror or e}") from None
+    return out
 
 
 def _strategy_names() -> list[str]:
@@ -155,41 +176,59 @@ def _profile(args, hardware, schedule):
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
                   keep: bool = False) -> dict:
-    from pipesim.sim.api import resolve_hardware, simulate_schedule
+    from pipesim.sim.api import check_size, estimate_passes, resolve_hardware, simulate_schedule
     from pipesim.sim.metrics import summarize, write_summary
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
+    phases = ["simulating", "summarizing"]
+    if out is not None and outputs:
+        phases += ["writing trace.json", "writing timeline.html"]
     if getattr(args, "schedule", None):
         from pipesim.sim.interchange import load_schedule_csv
 
-        # the engine validates the structure and names a deadlock itself, so
-        # the import's own checks would only run everything twice
-        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches, check=False)
+        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches, iterations=args.iterations)
+        spec, passes = None, sum(map(len, schedule.programs)) // 2
     else:
-        schedule = build_schedule(_spec(args, strategy))
-    profile = _profile(args, hw, schedule)
-    result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
-    if keep:
-        _KEEP_UNTIL_EXIT.append(result)  # see console_main
-    summary = summarize(result)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_summary(summary, out / "summary.json")
-        if outputs:
-            from pipesim.experiments.export import png_supported, write_png
-            from pipesim.experiments.timeline import timeline_figure, write_timeline_html
-            from pipesim.sim.trace import write_trace
-
-            big = len(result.spans) > PROGRESS_SPANS
-            if big:
-                print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
-                      file=sys.stderr, flush=True)
-            write_trace(result, out / "trace.json")
-            write_timeline_html(result, out / "timeline.html")
-            if not big and png_supported():  # a browser renders it; skip for huge timelines
-                write_png(timeline_figure(result), out / "timeline.png")
+        spec = _spec(args, strategy)
+        check_size(spec)
+        phases.insert(0, "building the schedule")
+        passes = estimate_passes(spec) or 0
+    with phase_bar(phases, passes) as step:
+        if spec is not None:
+            step("building the schedule")
+            schedule = build_schedule(spec)
+        profile = _profile(args, hw, schedule)
+        step("simulating")
+        result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
+        if keep:
+            _KEEP_UNTIL_EXIT.append(result)  # see console_main
+        step("summarizing")
+        summary = summarize(result)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            write_summary(summary, out / "summary.json")
+            if outputs:
+                _write_outputs(result, out, step)
     return summary
+
+
+def _write_outputs(result, out: Path, step) -> None:
+    """trace.json, timeline.html and, for small runs with a browser at hand, timeline.png."""
+    from pipesim.experiments.export import png_supported, write_png
+    from pipesim.experiments.timeline import timeline_figure, write_timeline_html
+    from pipesim.sim.trace import write_trace
+
+    big = len(result.spans) > PROGRESS_SPANS
+    if big and step is no_progress:  # a progress bar names the phase itself
+        print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
+              file=sys.stderr, flush=True)
+    step("writing trace.json")
+    write_trace(result, out / "trace.json")
+    step("writing timeline.html")
+    write_timeline_html(result, out / "timeline.html")
+    if not big and png_supported():  # a browser renders it; skip for huge timelines
+        write_png(timeline_figure(result), out / "timeline.png")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -249,7 +288,7 @@ def _print_summary(s: dict) -> None:
 def cmd_simulate(args) -> int:
     if not args.strategy and not args.schedule:
         raise UsageError("pipesim simulate: give --strategy NAME or --schedule FILE.csv")
-    out = Path(args.out)
+    out = _output_dir(args.out)
     started = time.perf_counter()
     summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True)
     if args.json:
@@ -267,7 +306,7 @@ def cmd_compare(args) -> int:
     from pipesim.sim.metrics import dumps
 
     strategies = args.strategies.split(",") if args.strategies else _strategy_names()
-    out = Path(args.out)
+    out = _output_dir(args.out)
     rows, summaries = [], {}
     base = None
     for i, strategy in enumerate(strategies, 1):
@@ -298,6 +337,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_schedule(args) -> int:
+    from pipesim.sim.api import check_size
     from pipesim.sim.ir import program_cells, to_csv
     from pipesim.sim.strategies import build_schedule, get_strategy, strategies
 
@@ -314,7 +354,9 @@ def cmd_schedule(args) -> int:
         args.chunks, args.stages = args.stages // args.devices, args.devices
     if args.recv_lookahead is not None and not args.lowered:
         raise UsageError("pipesim schedule: --recv-lookahead applies to --lowered schedules")
-    schedule = build_schedule(_spec(args))
+    spec = _spec(args)
+    check_size(spec)
+    schedule = build_schedule(spec)
     if args.devices is not None and schedule.num_devices != args.devices:
         raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
                          f"{schedule.num_devices} devices, not {args.devices}")
@@ -346,7 +388,7 @@ def cmd_bench(args) -> int:
 def cmd_figure(args) -> int:
     from pipesim.experiments.figures import bubble_figure
 
-    path = bubble_figure(Path(args.out))
+    path = bubble_figure(_output_dir(args.out))
     print(f"wrote {path}")
     return 0
 
@@ -369,13 +411,12 @@ def cmd_profile(args) -> int:
     from pipesim.sim.workload import save_profile
     from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, torch_device
 
+    out = _output_dir(args.out)
     cfg = ValidateConfig(strategy="gpipe", model=args.model, backend=args.backend,
                          microbatch_size=args.microbatch_size, model_width=args.model_width,
                          model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
     device = torch_device(args.backend)
     model = model_of(cfg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
     prof = profile(cfg, device, model=model)
     save_profile(prof, out / "profile.json")
@@ -415,6 +456,7 @@ def cmd_validate(args) -> int:
     from pipesim.validate.harness import ValidateConfig, run_validation
     from pipesim.validate.stage import OptimizerConfig
 
+    out = _output_dir(args.out)
     options = _strategy_options(args)
     options.pop("width", None)  # replicas, below
     cfg = ValidateConfig(
@@ -426,9 +468,7 @@ def cmd_validate(args) -> int:
         profile_path=args.profile, hardware_path=args.hardware, oversubscribe=args.oversubscribe,
         strategy_options=tuple(sorted(options.items())),
     )
-    out = Path(args.out)
     v = run_validation(cfg, progress=_progress)
-    out.mkdir(parents=True, exist_ok=True)
     r = v.report
     (out / "report.json").write_text(dumps(r))
     save_profile(v.profile, out / "profile.json")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,9 @@ from pipesim.sim.ir import (
     W,
 )
 from pipesim.sim.lowering import plan
+from pipesim.sim.partition import StageCost
 from pipesim.sim.results import SimResult, Span
+from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
 
 if TYPE_CHECKING:
     from pipesim.sim.hardware import Hardware
@@ -135,10 +138,39 @@ def simulate(
     ``check`` is false; a schedule that deadlocks raises
     :class:`~pipesim.sim.ir.ScheduleError` naming the wait cycle once the
     event queue runs dry (SimPy stops by itself, so it never hangs).
+    Arguments of the wrong type or out of range raise an
+    :class:`~pipesim.sim.errors.InputError` here, before any work.
     """
+    _check_arguments(schedule, stage_costs, hardware, check)
+    check_run_options(microbatch_size=microbatch_size, optimizer=optimizer, recv_lookahead=recv_lookahead)
     with gc_paused():
         return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
                          recv_lookahead=recv_lookahead, check=check, meta=meta)
+
+
+def check_run_options(*, microbatch_size: int = 1, optimizer: str = "sgd", recv_lookahead: int = 1) -> None:
+    """Check the scalar options every simulation entry point passes down, so a
+    bad value is named up front, not met as a TypeError deep in the lowering."""
+    check_microbatch_size(microbatch_size)
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+        raise WorkloadError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
+    if isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 0:
+        raise ScheduleError(f"recv_lookahead must be an integer >= 0 (compute actions), got {recv_lookahead!r}")
+
+
+def _check_arguments(schedule, stage_costs, hardware, check) -> None:
+    from pipesim.sim.hardware import Hardware, HardwareError
+
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"schedule must be a pipesim.sim.ir.Schedule, got {type(schedule).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise HardwareError(f"hardware must be a pipesim.sim.hardware.Hardware, got {type(hardware).__name__}")
+    if isinstance(stage_costs, (str, bytes)) or not isinstance(stage_costs, Sequence) or not all(
+        isinstance(c, StageCost) for c in stage_costs
+    ):
+        raise WorkloadError("stage_costs must be a sequence of pipesim.sim.partition.StageCost, one per stage")
+    if not isinstance(check, bool):
+        raise ScheduleError(f"check (validate the schedule first) must be True or False, got {check!r}")
 
 
 def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta):

@@ -33,6 +33,14 @@ sum of latencies on the route + bytes / narrowest bandwidth.
 
 Devices are numbered node-major: devices ``0 .. d-1`` on node 0, ``d .. 2d-1``
 on node 1, and so on.
+
+Numbers are checked where they enter: FLOP/s finite and at least 1;
+bandwidths (bytes/s) at least 1 or unbounded (``"inf"``); memory positive or
+unbounded; latencies finite seconds within
+:data:`~pipesim.sim.workload.MAX_SECONDS`; counts integers, never booleans.
+With those floors every derived time (bytes / bandwidth, FLOPs / FLOP/s) is
+finite, so no run can end with an infinite or, from infinitely fast
+devices, a zero makespan.
 """
 
 from __future__ import annotations
@@ -42,11 +50,13 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError
+from .workload import MAX_SECONDS, shown
 
 
 class HardwareError(InputError):
@@ -72,11 +82,22 @@ class DeviceSpec:
     dtype_bytes: int = 4
 
     def __post_init__(self) -> None:
-        for attr in ("flops", "mem_bandwidth", "memory_bytes"):
-            v = getattr(self, attr)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v <= 0:
-                raise HardwareError(f"device {self.name!r}: {attr} must be a positive number, got {v!r}")
-        if self.dtype_bytes not in (1, 2, 4, 8):
+        # a device of infinite FLOP/s would make every layer free (a zero makespan)
+        if not _is_rate(self.flops) or math.isinf(self.flops):
+            raise HardwareError(
+                f"device {self.name!r}: flops must be a positive finite number >= 1 (FLOP/s), got {shown(self.flops)}"
+            )
+        if not _is_rate(self.mem_bandwidth):
+            raise HardwareError(
+                f"device {self.name!r}: mem_bandwidth must be a positive number >= 1 (bytes/s) or \"inf\", "
+                f"got {shown(self.mem_bandwidth)}"
+            )
+        v = self.memory_bytes
+        if not _is_number(v) or not v > 0 or (isinstance(v, int) and v > sys.float_info.max):
+            raise HardwareError(
+                f"device {self.name!r}: memory_bytes must be a positive number or \"inf\", got {shown(v)}"
+            )
+        if isinstance(self.dtype_bytes, bool) or self.dtype_bytes not in (1, 2, 4, 8):
             raise HardwareError(f"device {self.name!r}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
 
 
@@ -134,16 +155,34 @@ class NicSpec:
     label: str = "nic"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or self.count < 1:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
             raise HardwareError(f"inter_node.count must be a positive integer, got {self.count!r}")
         _check_link_numbers("inter_node", self.bandwidth, self.latency)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_rate(v: Any) -> bool:
+    """A per-second rate: at least 1, possibly infinite (so any amount / rate is finite or zero)."""
+    return _is_number(v) and v >= 1 and (isinstance(v, float) or v <= sys.float_info.max)
+
+
 def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
-    if not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool) or not bandwidth > 0:
-        raise HardwareError(f"{where}: bandwidth must be a positive number or \"inf\", got {bandwidth!r}")
-    if not isinstance(latency, (int, float)) or isinstance(latency, bool) or not (0 <= latency < math.inf):
-        raise HardwareError(f"{where}: latency must be a finite number >= 0, got {latency!r}")
+    if not _is_rate(bandwidth):
+        raise HardwareError(
+            f"{where}: bandwidth must be a positive number >= 1 (bytes/s) or \"inf\", got {shown(bandwidth)}"
+        )
+    if not _is_number(latency) or not (0 <= latency <= MAX_SECONDS):
+        raise HardwareError(
+            f"{where}: latency must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(latency)}"
+        )
+
+
+#: NVLink lanes of one mesh pair: far above any machine's (DGX-1: 1 or 2),
+#: and a bound keeps lanes x bandwidth a float.
+_MAX_LANES = 1024
 
 
 @dataclass(frozen=True)
@@ -184,10 +223,10 @@ class Hardware:
         ic = self.intra_node
         if ic.kind == "mesh":
             for a, b, lanes in ic.mesh:
-                if not (0 <= a < per_node and 0 <= b < per_node) or a == b or lanes < 1:
+                if not (0 <= a < per_node and 0 <= b < per_node) or a == b or not 1 <= lanes <= _MAX_LANES:
                     raise HardwareError(
                         f"{self.name}: mesh entry {[a, b, lanes]} needs two distinct local devices "
-                        f"below {per_node} and lanes >= 1"
+                        f"below {per_node} and lanes between 1 and {_MAX_LANES}"
                     )
         if self.inter_node is not None and self.inter_node.count > per_node:
             raise HardwareError(f"{self.name}: {self.inter_node.count} NICs for {per_node} devices per node")
@@ -407,7 +446,9 @@ def _num(d: dict, key: str, where: str, default: Any = None) -> float:
     v = d[key]
     if v == "inf":
         return math.inf
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max:
+        raise HardwareError(f"{where}.{key} must be a number or \"inf\", got an integer of {v.bit_length()} bits")
+    if not _is_number(v) or math.isnan(v):
         raise HardwareError(f"{where}.{key} must be a number or \"inf\", got {v!r}")
     return float(v)
 
@@ -538,4 +579,6 @@ def _parse_text(text: str, source: str) -> Hardware:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise HardwareError(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except ValueError as e:  # an integer literal beyond Python's digit limit
+        raise HardwareError(f"{source}: unreadable JSON: {e}") from None
     return Hardware.from_json(data, source=source)

@@ -83,14 +83,15 @@ def summarize(result: SimResult) -> dict:
         dist_f[pv.stage].add(pv.forward_distance)
         dist_b[pv.stage].add(pv.backward_distance)
     predicting = any(a.distance for p in s.programs for a in p if a.op in PASS_OPS)
+    held: dict[int, int] = {}  # most versions of each stage held by any replica (one pass, not one per stage)
+    for (_, st), n in result.max_versions_held.items():
+        held[st] = max(held[st], n) if st in held else n
     stages_info = []
     for stage in range(s.num_stages):
         vals = stale.get(stage, [])
         info = {
             "stage": stage,
-            "weight_versions": max(
-                (n for (rep, st), n in result.max_versions_held.items() if st == stage), default=1
-            ),
+            "weight_versions": held.get(stage, 1),
             "staleness_max": max(vals) if vals else 0,
             "staleness_mean": _r(sum(vals) / len(vals)) if vals else 0.0,
         }

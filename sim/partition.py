@@ -21,6 +21,14 @@ more than an exception here would.
 Times are compared with a relative tolerance of 1e-9, so splits whose
 bottlenecks differ only by floating-point rounding count as ties and the
 tie-break above, not rounding, decides.
+
+Size: the dynamic program works on (layers + 1)² tables, one per stage for
+the memory test, so its memory and time grow with layers² × stages. One
+stage, or one layer per stage (the ``uniform`` model on any depth), has a
+single contiguous split and needs no tables at all. Otherwise
+:data:`MAX_DP_LAYERS` and :data:`MAX_DP_CELLS` bound it (see there) and a
+larger request is a :class:`~pipesim.sim.workload.WorkloadError` before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ from pipesim.sim.models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
 from pipesim.sim.workload import Profile, WorkloadError
 
 _REL_TOL = 1e-9
+
+#: At most this many layers for the dynamic program: it keeps about ten
+#: (layers + 1)² float64 tables alive at once, 32 MiB each at 2048 layers,
+#: so the split stays far below a machine's memory (~350 MB at the limit).
+MAX_DP_LAYERS = 2048
+#: At most stages × (layers + 1)² table cells: the work (about 10 ns a cell,
+#: a second or two at the limit) and, with a memory limit, the per-stage
+#: boolean tables (128 MiB at the limit).
+MAX_DP_CELLS = 2**27
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,9 @@ def partition(
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
         raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
     limit = _check_limit(memory_limit_bytes)
+    if num_stages in (1, n):  # a single contiguous split: nothing to choose
+        return split_at(profile, range(0, n, n // num_stages))
+    _check_dp_size(n, num_stages)
     times = np.array([la.forward_s + la.backward_s for la in profile.layers], dtype=float)
     prefix = np.concatenate(([0.0], np.cumsum(times)))
     cost = prefix[None, :] - prefix[:, None]  # cost[i, j]: layers i .. j-1
@@ -150,6 +170,17 @@ def partition(
         starts = _balanced(cost, valid, num_stages, None)
     assert starts is not None
     return split_at(profile, starts)
+
+
+def _check_dp_size(layers: int, stages: int) -> None:
+    """Refuse a split whose tables would not fit (see MAX_DP_LAYERS, MAX_DP_CELLS)."""
+    cells = stages * (layers + 1) ** 2
+    if layers > MAX_DP_LAYERS or cells > MAX_DP_CELLS:
+        raise WorkloadError(
+            f"cannot split {layers} layers into {stages} stages exactly: the partitioner's tables grow with "
+            f"stages x (layers+1)^2 = {cells:,} cells; the limits are {MAX_DP_LAYERS} layers and "
+            f"{MAX_DP_CELLS:,} cells (memory and time); merge layers in the profile or use fewer stages"
+        )
 
 
 def _check_limit(limit: float | None) -> float | None:

@@ -49,6 +49,8 @@ from pipesim.sim.ir import (
 )
 from pipesim.sim.results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
 
+from .workload import WorkloadError
+
 _CAT = {name: i for i, name in enumerate(MEMORY_CATEGORIES)}
 
 
@@ -117,6 +119,24 @@ def track(result: SimResult, stage_costs, hardware, *, optimizer: str = "sgd") -
     result.versions = versions
     result.max_versions_held = dict(sorted(held_max.items()))
     result.memory = memory_tracks(result, stage_costs, hardware.device.memory_bytes, changes, optimizer)
+
+
+def _may_overflow(deltas: np.ndarray) -> bool:
+    """Whether some memory level could pass int64's range: every level is a
+    partial sum of the deltas, so their absolute sum bounds them all (a cheap
+    test that real sizes never fail; profiles keep single sizes below 2**53)."""
+    return float(np.abs(deltas).sum(dtype=np.float64)) >= 2.0**62
+
+
+def _check_levels(deltas: np.ndarray, device: int) -> None:
+    """Refuse a device whose memory int64 cannot count, before cumsum wraps it
+    to a negative peak (GPipe with m = 1024 and a 2**53-byte stash)."""
+    levels = np.abs(np.cumsum(deltas, axis=0, dtype=np.float64)).sum(axis=1)
+    if levels.max(initial=0.0) >= 2.0**62:
+        raise WorkloadError(
+            f"memory accounting overflows on device {device}: it would hold {levels.max():.3g} bytes, beyond "
+            "2**62; param_bytes, stash_bytes or activation_bytes are too large for this schedule"
+        )
 
 
 def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, optimizer: str) -> list[MemoryTrack]:
@@ -195,8 +215,9 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
 
     dev_a = np.asarray(ev_dev, dtype=np.int64)
     t_a = np.asarray(ev_t, dtype=float)
-    d_a = np.asarray(ev_d, dtype=np.int64)
+    d_a = np.asarray(ev_d, dtype=np.int64)  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
     c_a = np.asarray(ev_c, dtype=np.int64)
+    risky = _may_overflow(d_a)
     # By device, then time; frees before allocations at equal times; then
     # recording order (lexsort is stable).
     order = np.lexsort((d_a > 0, t_a, dev_a))
@@ -209,6 +230,8 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
         if hi > lo:
             deltas = np.zeros((hi - lo, len(MEMORY_CATEGORIES)), dtype=np.int64)
             deltas[np.arange(hi - lo), c_a[lo:hi]] = d_a[lo:hi]
+            if risky:
+                _check_levels(deltas, dev)
             levels = np.cumsum(deltas, axis=0)
             totals = levels.sum(axis=1)
             times = t_a[lo:hi]

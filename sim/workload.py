@@ -26,6 +26,13 @@ JSON form (times in seconds, sizes in bytes, per micro-batch)::
     }
 
 ``backward_input_s`` is optional (see :attr:`LayerCost.backward_input`).
+Numbers are checked where they enter (a file, or building a
+:class:`LayerCost` / :class:`Profile`): times are finite seconds in
+``[0, MAX_SECONDS]``, sizes whole bytes in ``[0, MAX_BYTES]`` (a profile's
+total weights and total stash too), ``microbatch_size`` an integer in
+``[1, MAX_MICROBATCH_SIZE]``; booleans and strings are not numbers. The
+bounds are far beyond any real model and are what keeps every sum the
+simulator forms finite and inside int64 (see each constant).
 An optional ``"overhead": {"forward_s": ..., "backward_s": ...}`` is a fixed
 cost per *stage* pass (a runtime's dispatch and autograd bookkeeping, kernel
 launches) that per-layer timings cannot carry: timing each layer alone would
@@ -46,6 +53,23 @@ from .errors import InputError
 #: Optimizer state kept per weight byte: SGD with momentum keeps one
 #: momentum buffer, Adam two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"sgd": 1, "adam": 2}
+
+#: Largest byte count of one field, and of a profile's total param_bytes or
+#: stash_bytes: 2**53 (8 PiB). Whole numbers up to 2**53 are exact in
+#: float64, which JSON sizes such as 1.6e7 arrive as and the partitioner sums
+#: in; and a device holds a stage's weights, gradients and optimizer state
+#: (at most 4x a total each) plus a few versions and buffers, so its memory
+#: stays below the memory tracker's int64 limit of 2**63 unless a schedule
+#: keeps about a thousand such totals alive at once, which the tracker
+#: refuses by name.
+MAX_BYTES = 2**53
+#: Longest time of one layer pass or per-pass overhead: 1e9 s (32 years).
+#: Sums over the 10**12 actions no simulation reaches stay below 1e21 s,
+#: finite and far from float64's range.
+MAX_SECONDS = 1e9
+#: Most samples per micro-batch: 2**31. Catalog costs scale with it, and a
+#: bounded product keeps FLOP and byte counts convertible to float.
+MAX_MICROBATCH_SIZE = 2**31
 
 
 class WorkloadError(InputError):
@@ -109,17 +133,46 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def shown(v: Any) -> str:
+    """``repr(v)`` for a message; a huge integer by its size (its digits may
+    not even be printable: Python refuses str() beyond 4300 digits)."""
+    if isinstance(v, int) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    return repr(v)
+
+
+def seconds_problem(name: str, v: Any) -> str | None:
+    """Why ``v`` is not a valid duration (see MAX_SECONDS), or None."""
+    if not _is_num(v) or not (0 <= v <= MAX_SECONDS):
+        return f"{name} must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(v)}"
+    return None
+
+
+def bytes_problem(name: str, v: Any) -> str | None:
+    """Why ``v`` is not a valid byte count (see MAX_BYTES), or None."""
+    if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v <= MAX_BYTES):
+        return f"{name} must be an integer >= 0 and <= 2**53 (bytes), got {shown(v)}"
+    return None
+
+
+def check_microbatch_size(v: Any, where: str = "") -> int:
+    """``v`` as samples per micro-batch; :class:`WorkloadError` unless an integer in [1, MAX_MICROBATCH_SIZE]."""
+    if isinstance(v, bool) or not isinstance(v, int) or not (1 <= v <= MAX_MICROBATCH_SIZE):
+        raise WorkloadError(f"{where}microbatch_size must be an integer >= 1 and <= 2**31, got {shown(v)}")
+    return v
+
+
 def _layer_problem(layer: LayerCost) -> str | None:
     if not isinstance(layer.name, str) or not layer.name:
         return "name must be a non-empty string"
     for attr in ("forward_s", "backward_s"):
-        v = getattr(layer, attr)
-        if not _is_num(v) or not (0 <= v < math.inf):
-            return f"{attr} must be a finite number >= 0, got {v!r}"
+        problem = seconds_problem(attr, getattr(layer, attr))
+        if problem:
+            return problem
     for attr in ("param_bytes", "activation_bytes", "stash_bytes"):
-        v = getattr(layer, attr)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            return f"{attr} must be an integer >= 0, got {v!r}"
+        problem = bytes_problem(attr, getattr(layer, attr))
+        if problem:
+            return problem
     bi = layer.backward_input_s
     if bi is not None and (not _is_num(bi) or not (0 <= bi <= layer.backward_s)):
         return f"backward_input_s must be between 0 and backward_s ({layer.backward_s}), got {bi!r}"
@@ -147,9 +200,9 @@ class Profile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         for name in ("overhead_forward_s", "overhead_backward_s"):
-            v = getattr(self, name)
-            if not _is_num(v) or not (0 <= v < math.inf):
-                raise WorkloadError(f"profile {self.name!r}: {name} must be a finite number >= 0, got {v!r}")
+            problem = seconds_problem(name, getattr(self, name))
+            if problem:
+                raise WorkloadError(f"profile {self.name!r}: {problem}")
         if not isinstance(self.name, str) or not self.name:
             raise WorkloadError("a profile needs a non-empty name")
         if not self.layers:
@@ -157,13 +210,18 @@ class Profile:
         for layer in self.layers:
             if not isinstance(layer, LayerCost):
                 raise WorkloadError(f"profile {self.name!r}: layers must be LayerCost, got {type(layer).__name__}")
-        if not isinstance(self.microbatch_size, int) or isinstance(self.microbatch_size, bool) or self.microbatch_size < 1:
-            raise WorkloadError(f"profile {self.name!r}: microbatch_size must be an integer >= 1, got {self.microbatch_size!r}")
-        if self.optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+        check_microbatch_size(self.microbatch_size, f"profile {self.name!r}: ")
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_STATE_MULTIPLIER:
             raise WorkloadError(
                 f"profile {self.name!r}: optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, "
                 f"got {self.optimizer!r}"
             )
+        for attr in ("param_bytes", "stash_bytes"):  # a stage may hold every layer
+            total = sum(getattr(layer, attr) for layer in self.layers)
+            if total > MAX_BYTES:
+                raise WorkloadError(
+                    f"profile {self.name!r}: the layers' {attr} add up to {total}, more than 2**53 bytes"
+                )
 
     @property
     def optimizer_state_multiplier(self) -> int:
@@ -242,8 +300,9 @@ class Profile:
         if not isinstance(overhead, dict) or set(overhead) - {"forward_s", "backward_s"}:
             raise WorkloadError("'overhead' must be an object with forward_s and/or backward_s")
         for k, v in overhead.items():
-            if not _is_num(v) or not (0 <= v < math.inf):
-                raise WorkloadError(f"overhead.{k} must be a finite number >= 0, got {v!r}")
+            problem = seconds_problem(f"overhead.{k}", v)
+            if problem:
+                raise WorkloadError(problem)
         return cls(
             name=d["name"],
             layers=tuple(layers),
@@ -273,6 +332,8 @@ def load_profile(path) -> Profile:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise WorkloadError(f"profile file {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except ValueError as e:  # an integer literal beyond Python's digit limit
+        raise WorkloadError(f"profile file {path}: unreadable JSON: {e}") from None
     try:
         return Profile.from_json(data)
     except WorkloadError as e:

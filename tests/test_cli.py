@@ -166,3 +166,125 @@ def test_help_shows_choices_and_defaults(capsys) -> None:
     assert "--alpha ALPHA" in out and "(default: 0.25)" in out
     assert "(default: 4)" in out  # --stages
     assert "pcie-4gpu" in out and "vgg16" in out  # hardware presets and catalog models
+
+
+# --- hostile input: sizes, progress, imported iterations, output folders -----
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_too_large_a_run_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch) -> None:
+    from pipesim.sim import api, strategies
+
+    monkeypatch.setattr(api, "available_memory_bytes", lambda: 64 * api.BYTES_PER_PASS)
+    with monkeypatch.context() as m:
+        def no_build(spec):
+            raise AssertionError("built a schedule the size check should have refused")
+
+        m.setattr(strategies, "build_schedule", no_build)
+        for command in ("simulate", "schedule"):
+            argv = [command, "--strategy", "1f1b", "--stages", "4", "--microbatches", "17"]  # 68 passes > 64
+            code, out, err = run(capsys, *argv, *(["--out", str(tmp_path)] if command == "simulate" else []))
+            line = _one_error_line(err)
+            assert code == 2 and out == ""
+            assert "68 stage passes" in line and "at most 64 passes" in line, line
+    code, _, err = run(capsys, "simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "16",
+                       "--summary-only", "--out", str(tmp_path))
+    assert code == 0, err  # exactly at the limit
+
+
+def test_huge_sizes_fail_in_one_line_without_allocating(tmp_path, capsys) -> None:
+    # 10**12 micro-batches would need petabytes of memory
+    code, _, err = run(capsys, "simulate", "--strategy", "1f1b", "--microbatches", str(10**12),
+                       "--out", str(tmp_path))
+    assert code == 2 and "stage passes" in _one_error_line(err)
+    # 3000 layers: the exact partitioner's (layers+1)^2 tables are refused, not allocated
+    layer = {"forward_s": 1e-3, "backward_s": 2e-3, "param_bytes": 4, "activation_bytes": 4, "stash_bytes": 4}
+    prof = tmp_path / "deep.json"
+    prof.write_text(json.dumps({"name": "deep", "layers": [{"name": f"l{i}", **layer} for i in range(3000)]}))
+    code, _, err = run(capsys, "simulate", "--strategy", "1f1b", "--stages", "2", "--profile", str(prof),
+                       "--out", str(tmp_path))
+    line = _one_error_line(err)
+    assert code == 2 and "cannot split 3000 layers into 2 stages exactly" in line and "2048 layers" in line
+
+
+def test_progress_bar_goes_to_stderr_only_for_long_runs(tmp_path, capsys, monkeypatch) -> None:
+    import pipesim.experiments.progress as progress
+
+    args = ["simulate", "--strategy", "zb-h1", "--stages", "4", "--microbatches", "8", "--json",
+            "--out", str(tmp_path)]
+    code, quiet, err = run(capsys, *args)
+    assert code == 0 and err == ""  # stderr is not a terminal and the run is short
+    monkeypatch.setattr(progress, "PROGRESS_PASSES", 1)  # every run counts as long now
+    code, out, err = run(capsys, *args)
+    assert code == 0
+    assert out == quiet  # the JSON on stdout is untouched
+    for phase in ("building the schedule", "simulating", "summarizing", "writing trace.json",
+                  "writing timeline.html"):
+        assert phase in err, err
+    assert "%|" in err
+
+
+def test_progress_bar_on_a_terminal_waits_a_second(tmp_path, capsys, monkeypatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = Terminal()
+    monkeypatch.setattr(sys, "stderr", fake)
+    code = main(["simulate", "--strategy", "1f1b", "--stages", "2", "--microbatches", "4", "--summary-only",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    assert fake.getvalue() == ""  # a run shorter than the bar's one-second delay draws nothing
+
+
+def test_imported_csv_takes_iterations(tmp_path, capsys) -> None:
+    spec = ["--stages", "2", "--microbatches", "2", "--iterations", "2"]
+    code, csv_text, _ = run(capsys, "schedule", "--strategy", "1f1b", *spec, "--format", "csv")
+    assert code == 0
+    path = tmp_path / "two.csv"
+    path.write_text(csv_text)
+    code, imported, err = run(capsys, "simulate", "--schedule", str(path), *spec[2:], "--json",
+                              "--out", str(tmp_path / "a"))
+    assert code == 0, err  # was: "micro-batch 2 out of range 0..1"
+    code, built, _ = run(capsys, "simulate", "--strategy", "1f1b", *spec, "--json", "--out", str(tmp_path / "b"))
+    a, b = json.loads(imported), json.loads(built)
+    assert a["iterations"] == 2 and a["microbatches"] == 2
+    for key in ("strategy", "options"):
+        a.pop(key), b.pop(key)
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--strategy", "1f1b"],
+        ["compare", "--strategies", "1f1b"],
+        ["figure", "bubbles"],
+        ["profile", "--model", "mlp"],
+        ["validate", "--strategy", "1f1b"],
+    ],
+)
+def test_unwritable_output_folder_fails_before_any_work(argv, tmp_path, capsys, monkeypatch) -> None:
+    from pipesim.experiments import figures
+    from pipesim.validate import harness
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("started work with an output folder that cannot be written")
+
+    for module, name in ((harness, "run_validation"), (harness, "profile"), (harness, "model_of"),
+                         (figures, "bubble_figure")):
+        monkeypatch.setattr(module, name, no_work)
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file")
+    code, out, err = run(capsys, *argv, "--out", str(blocker / "out"))
+    assert code == 2 and out == ""
+    line = _one_error_line(err)
+    assert f"cannot write to output folder {blocker / 'out'}" in line, line
+

@@ -282,3 +282,58 @@ def test_bad_device_index():
         hw.route(0, 8)
     with pytest.raises(HardwareError, match="no device -1"):
         hw.route(-1, 0)
+
+
+# --- hostile numbers ------------------------------------------------------------
+
+_DEV = {"flops": 1e12, "mem_bandwidth": 1e11, "memory_bytes": 1e9}
+
+
+def _with(section: str, key: str, value) -> dict:
+    d = {"name": "x", "num_devices": 4, "device": dict(_DEV), "intra_node": {"kind": "bus", "bandwidth": 1e9}}
+    d[section][key] = value
+    return d
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        # infinitely fast devices made every layer free: a makespan of 0
+        (json.dumps(_with("device", "flops", "inf")), "flops must be a positive finite number >= 1"),
+        ('{"name": "x", "device": {"flops": Infinity, "mem_bandwidth": 1, "memory_bytes": 1}}',
+         "flops must be a positive finite number >= 1"),
+        (json.dumps(_with("device", "flops", 1e-300)), "flops must be a positive finite number >= 1"),
+        (json.dumps(_with("device", "mem_bandwidth", 0.5)), "mem_bandwidth must be a positive number >= 1"),
+        (json.dumps(_with("device", "memory_bytes", -1)), "memory_bytes must be a positive number"),
+        (json.dumps(_with("device", "flops", True)), "device.flops must be a number"),
+        (json.dumps(_with("device", "dtype_bytes", 2.0)), "dtype_bytes must be an integer"),
+        (json.dumps(_with("intra_node", "bandwidth", 1e-300)), "bandwidth must be a positive number >= 1"),
+        (json.dumps(_with("intra_node", "latency", 1e300)), "latency must be a finite number >= 0 and <= 1e+09"),
+        (json.dumps(_with("intra_node", "latency", "inf")), "latency must be a finite number"),
+        (json.dumps(_with("device", "flops", 10**400)), "got an integer of 1329 bits"),
+        ('{"name": "x", "device": {"flops": ' + "9" * 5000 + ', "mem_bandwidth": 1, "memory_bytes": 1}}',
+         "unreadable JSON"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_at_load(tmp_path, text, fragment):
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    with pytest.raises(HardwareError) as e:
+        load_hardware(str(path))
+    msg = str(e.value)
+    assert fragment in msg and str(path) in msg and "\n" not in msg, msg
+
+
+def test_direct_construction_rejects_booleans_and_unbounded_counts():
+    with pytest.raises(HardwareError, match="dtype_bytes"):
+        DeviceSpec("d", 1e12, 1e11, 1e9, dtype_bytes=True)
+    with pytest.raises(HardwareError, match="count must be a positive integer"):
+        NicSpec(count=True)
+    with pytest.raises(HardwareError, match="flops must be a positive finite"):
+        DeviceSpec("d", 10**400, 1e11, 1e9)  # was an OverflowError in math.isinf
+    dev = DeviceSpec("d", 1e12, 1e11, 1e9)
+    with pytest.raises(HardwareError, match="lanes between 1 and 1024"):
+        Hardware("m", dev, 2, intra_node=Interconnect("mesh", bandwidth=1e9, mesh=((0, 1, 10**400),)))
+    # unbounded bandwidth, memory and memory bandwidth stay valid (the ideal preset)
+    ideal = load_hardware("ideal")
+    assert math.isinf(ideal.device.mem_bandwidth) and math.isinf(ideal.device.memory_bytes)

@@ -221,3 +221,44 @@ def test_large_profiles_are_fast():
     stages = partition(prof, 32, memory_limit_bytes=dev.memory_bytes)
     assert time.perf_counter() - t < 2.0
     check_shape(prof, stages, 32)
+
+
+# --- sizes --------------------------------------------------------------------
+
+
+def test_one_layer_per_stage_needs_no_tables():
+    # the uniform model on 100000 stages: the only split, without the dynamic
+    # program's 100001 x 100001 tables (80 GB)
+    n = 100_000
+    prof = model_profile("uniform", load_hardware("ideal").device, layers=n)
+    stages = partition(prof, n, memory_limit_bytes=1.0)  # nothing fits: still the only split
+    assert starts_of(stages) == list(range(n))
+    assert partition(prof, 1)[0].num_layers == n
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_trivial_splits_equal_the_dynamic_program(n):
+    times = [1.0 + i % 3 for i in range(n)]
+    prof = make_profile(times, params=[10] * n, stash=[5] * n)
+    for k in {1, n}:
+        got = starts_of(partition(prof, k, memory_limit_bytes=1e9))
+        best = min(all_splits(n, k), key=lambda s: max(stage_times(prof, s)))
+        assert got == best
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages"),
+    [(2049, 2), (1024, 200)],  # over MAX_DP_LAYERS; over MAX_DP_CELLS (200 x 1025^2)
+)
+def test_dynamic_program_size_is_bounded(layers, stages):
+    from pipesim.sim.partition import MAX_DP_CELLS, MAX_DP_LAYERS
+
+    assert layers > MAX_DP_LAYERS or stages * (layers + 1) ** 2 > MAX_DP_CELLS
+    prof = make_profile([1.0] * layers)
+    with pytest.raises(WorkloadError) as e:
+        partition(prof, stages)
+    msg = str(e.value)
+    assert f"cannot split {layers} layers into {stages} stages exactly" in msg and "\n" not in msg
+    assert "2048 layers" in msg and "134,217,728 cells" in msg
+    # just inside both limits it splits
+    assert len(partition(make_profile([1.0] * 512), 64)) == 64

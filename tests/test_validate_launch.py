@@ -11,6 +11,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 
 import pytest
@@ -80,11 +81,36 @@ def _exit_on_one(ctx, piddir):
     dist.recv(torch.empty(1), src=1)  # would wait for rank 1 until the pg timeout
 
 
+def _sleep(ctx, *args):
+    time.sleep(300)
+
+
 def _hang_on_one(ctx, piddir):
     _record_pid(piddir, ctx.rank)
     if ctx.rank == 1:
         time.sleep(300)
     return ctx.rank
+
+
+def _die_at_start_up(piddir, rank):
+    """Unpickled in every worker while it loads its args: records the worker's
+    pid and, in rank ``rank``, kills it with SIGKILL, i.e. a worker killed
+    during start-up, before ``fn`` runs. prepare() has named the process
+    ``pipesim-rank<r>`` by then, with the old launcher (args in spawn's pipe)
+    and the new one (args in a file) alike."""
+    me = int(multiprocessing.current_process().name.rsplit("rank", 1)[1])
+    _record_pid(piddir, me)
+    if me == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return me
+
+
+class _KillsRankWhenLoaded:
+    def __init__(self, piddir, rank):
+        self.piddir, self.rank = piddir, rank
+
+    def __reduce__(self):
+        return (_die_at_start_up, (self.piddir, self.rank))
 
 
 # --- helpers ------------------------------------------------------------------
@@ -156,6 +182,25 @@ def test_rank_dying_without_raising_is_reported(tmp_path):
     assert err.rank == 1 and err.exitcode == 3
     assert str(err).startswith("rank 1 failed:") and "exit code 3" in str(err).splitlines()[0]
     assert time.monotonic() - t0 < 20
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_killed_during_start_up_fails_the_launch(tmp_path):
+    # args far beyond a pipe buffer (64 KiB), with the killing object first:
+    # when args went through spawn's start-up pipe, the parent blocked in
+    # Process.start() forever writing them to the dead rank, past any deadline
+    big = b"x" * (4 << 20)
+    with pytest.raises(WorkerError) as info:
+        launch(_sleep, 2, args=(_KillsRankWhenLoaded(str(tmp_path), 1), big), timeout_s=100)
+    err = info.value
+    # a WorkerError, not a LaunchTimeout: rank 0, asleep for 300 s, was killed, not waited for
+    assert err.rank == 1 and err.exitcode == -signal.SIGKILL
+    assert str(err).splitlines()[0] == (
+        "rank 1 failed: worker died without raising (killed by signal SIGKILL); its stderr, if any, is above"
+    )
+    assert sorted(int(n[3:]) for n in os.listdir(tmp_path) if n.startswith("pid")) == [0, 1]
     _assert_no_workers_left(_pids(tmp_path))
 
 

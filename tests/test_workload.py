@@ -315,3 +315,67 @@ def test_profile_pass_overhead_is_charged_once_per_stage_pass():
         Profile.from_json({**prof.to_json(), "overhead": {"forward_s": -1}})
     with pytest.raises(WorkloadError, match="overhead"):
         Profile.from_json({**prof.to_json(), "overhead": {"launch_s": 1}})
+
+
+# ---------------------------------------------------------------------------
+# Hostile numbers
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("param_bytes", 2**70, "param_bytes must be an integer >= 0 and <= 2**53"),  # was an OverflowError
+        ("param_bytes", 1e300, "param_bytes must be an integer >= 0 and <= 2**53"),  # was an overflow warning
+        ("stash_bytes", 2**53 + 1, "stash_bytes must be an integer >= 0 and <= 2**53"),
+        ("activation_bytes", True, "activation_bytes must be an integer"),
+        ("activation_bytes", "8", "activation_bytes must be an integer"),
+        ("forward_s", 1e300, "forward_s must be a finite number >= 0 and <= 1e+09"),
+        ("backward_s", 10**30, "backward_s must be a finite number >= 0 and <= 1e+09"),
+        ("forward_s", False, "forward_s must be a finite number"),
+        ("forward_s", "0.1", "forward_s must be a finite number"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_at_load(tmp_path, field, value, fragment):
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({"name": "m", "layers": [{**GOOD_LAYER, field: value}]}))
+    with pytest.raises(WorkloadError) as e:
+        load_profile(path)
+    msg = str(e.value)
+    assert fragment in msg and str(path) in msg and "\n" not in msg, msg
+
+
+def test_profile_level_numbers_are_checked():
+    big = layer(p=2**52, s=2**52)
+    Profile("ok", (big, big))  # 2**53 in all: the limit
+    with pytest.raises(WorkloadError, match=r"param_bytes add up to \d+, more than 2\*\*53"):
+        Profile("m", (big, big, layer(p=1, s=0)))
+    with pytest.raises(WorkloadError, match="microbatch_size must be an integer >= 1 and <= 2"):
+        Profile("m", (layer(),), microbatch_size=2**31 + 1)
+    with pytest.raises(WorkloadError, match="optimizer must be one of"):
+        Profile("m", (layer(),), optimizer=["sgd"])  # unhashable: was a TypeError
+    with pytest.raises(WorkloadError, match="overhead_forward_s must be a finite number"):
+        Profile("m", (layer(),), overhead_forward_s=math.inf)
+    with pytest.raises(WorkloadError, match="an integer of 3322 bits"):
+        layer(p=10**1000)  # too long even to print
+
+
+def test_integer_beyond_pythons_digit_limit_is_a_workload_error(tmp_path):
+    path = tmp_path / "prof.json"
+    path.write_text('{"name": "m", "layers": [{"name": "l", "forward_s": ' + "9" * 5000 + "}]}")
+    with pytest.raises(WorkloadError, match="unreadable JSON"):
+        load_profile(path)
+
+
+def test_memory_the_tracker_cannot_count_is_refused_by_name():
+    from pipesim.sim.api import simulate
+    from pipesim.sim.strategies import ScheduleSpec
+
+    half = layer(p=2**40, a=0, s=2**52)
+    prof = Profile("huge-stash", (half, half))  # 2**52 of stash per stage: legal
+    # 1F1B keeps at most p micro-batches in flight: counted exactly
+    ok = simulate(ScheduleSpec("1f1b", 2, 2048), profile=prof)
+    assert max(t.peak_bytes for t in ok.memory) == 2 * 2**52 + 3 * 2**40
+    # GPipe keeps all 2048 of them: 2**63 bytes would wrap int64 to a negative peak
+    with pytest.raises(WorkloadError, match="memory accounting overflows on device 0"):
+        simulate(ScheduleSpec("gpipe", 2, 2048), profile=prof)

@@ -20,6 +20,18 @@ Design
   a rank that finishes early does not pull the store from under the others.
   The directory, which also holds the result files, is removed afterwards.
 
+* **Start-up data travels through a file too.** ``fn``'s ``args`` (a whole
+  schedule, data sets) are pickled once into ``args.pkl`` in that directory,
+  and each child is spawned with only its small :class:`_WorkerSpec` and a
+  reference to ``fn`` (a few hundred bytes with CPython's own preparation
+  data). The reason is in CPython's ``popen_spawn_posix.Popen._launch``: the
+  parent writes the pickled process object into a pipe *while still holding
+  the child's read end itself*, so when that payload exceeds the pipe buffer
+  (64 KiB) and the child dies before reading it all (killed during its torch
+  import, say), ``Process.start()`` blocks forever and no deadline can fire.
+  A payload that fits the buffer is written at once whatever the child does;
+  a child that dies while loading its args is a dead rank like any other.
+
 * **Results and failures travel through files** in that directory. A worker
   ``torch.save``s its return value (atomically: temp name, then rename) or,
   if ``fn`` raises, a small pickle with the exception type, message,
@@ -40,7 +52,8 @@ Design
   round), and among raising ranks the earliest failure wins.
 
 * **Timeouts.** The whole launch has a deadline, ``timeout_s`` from the start
-  of spawning (so it includes the workers' torch import); when it passes,
+  of spawning (so it includes start-up: the workers' torch import and loading
+  their args; starting a process never blocks, see above); when it passes,
   every rank gets SIGTERM, then SIGKILL after a short grace, and
   :class:`LaunchTimeout` names the ranks that had not returned. Every process
   group is also created with a timeout (``pg_timeout_s``, default
@@ -216,6 +229,7 @@ class _WorkerSpec:
     threads: int
     cuda_index: int | None
     parent_pid: int
+    args_path: str
     core: int | None = None
 
 
@@ -269,6 +283,8 @@ def launch(
     procs: list = []
     heaters: list = []
     try:
+        args_path = os.path.join(tmpdir, "args.pkl")
+        _write_args(args_path, args)
         if pin_cores and keep_cores_awake:
             heaters = _start_heaters([_core_for(r, world_size) for r in range(world_size)])
         mp = torch_mp.get_context("spawn")
@@ -286,16 +302,17 @@ def launch(
                 threads=threads,
                 cuda_index=cuda_index[r],
                 parent_pid=os.getpid(),
+                args_path=args_path,
                 core=_core_for(r, world_size) if pin_cores else None,
             )
             for r in range(world_size)
         ]
         for spec in specs:
-            p = mp.Process(target=_worker, args=(spec, fn, tuple(args)), name=f"pipesim-rank{spec.rank}")
-            try:
-                p.start()
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                raise TypeError(f"launch: args must be picklable to reach spawned workers: {e}") from e
+            if time.monotonic() >= deadline:
+                raise LaunchTimeout(range(world_size), timeout_s)
+            # only the spec and fn's reference go through spawn's pipe (see "Start-up data")
+            p = mp.Process(target=_worker, args=(spec, fn), name=f"pipesim-rank{spec.rank}")
+            p.start()
             procs.append(p)
         _wait_for_results(procs, specs, deadline, timeout_s)
         _wait_for_exit(procs, deadline)
@@ -304,6 +321,21 @@ def launch(
         _stop_all(procs)
         _stop_heaters(heaters)
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _write_args(path: str, args: Sequence[Any]) -> None:
+    """Pickle ``args`` once for every rank to load (see "Start-up data" above)."""
+    try:
+        payload = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise TypeError(f"launch: args must be picklable to reach spawned workers: {e}") from e
+    with open(path, "wb") as f:
+        f.write(payload)
+
+
+def _load_args(path: str) -> tuple:
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _check_args(fn, world_size, args, backend, timeout_s, threads, devices, pg_timeout_s) -> None:
@@ -510,13 +542,14 @@ def _core_for(rank: int, world_size: int) -> int | None:
     return cores[rank] if world_size <= len(cores) else None
 
 
-def _worker(spec: _WorkerSpec, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(spec: _WorkerSpec, fn: Callable[..., Any]) -> None:
     _die_with_parent(spec.parent_pid)
     failed = False
     try:
         if spec.core is not None:  # before any thread exists: they inherit it
             os.sched_setaffinity(0, {spec.core})
         torch.set_num_threads(spec.threads)
+        args = _load_args(spec.args_path)
         if spec.backend == "nccl":
             device = torch.device("cuda", spec.cuda_index)
             torch.cuda.set_device(device)
