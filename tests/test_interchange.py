@@ -447,8 +447,10 @@ def test_torch_dry_run_benchmark_reports_both_sides(capsys):
     from pipesim.validate.torchdry import main as bench
 
     assert bench(["--sizes", "2,2,4", "--repeat", "1", "--json"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert (row["ranks"], row["stages_per_rank"], row["microbatches"]) == (2, 2, 4)
-    for key in ("torch_dry_run_s", "pipesim_cli_s", "pipesim_inprocess_s"):
+    for key in ("torch_dry_run_s", "torch_end_to_end_s", "pipesim_cli_s", "pipesim_inprocess_s"):
         assert row[key] > 0
+    assert row["torch_end_to_end_s"] > row["torch_dry_run_s"]  # a fresh interpreter imports torch first
     assert row["ratio_cli"] == pytest.approx(row["torch_dry_run_s"] / row["pipesim_cli_s"], rel=0.01)
+    assert row["ratio_end_to_end"] == pytest.approx(row["torch_end_to_end_s"] / row["pipesim_cli_s"], rel=0.01)
