@@ -29,23 +29,35 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .dataflow import backward_op, compile_plan, producer_of, split_stages, token_name
+from .dataflow import (
+    Arrival,
+    CollectiveDone,
+    Gathered,
+    backward_op,
+    compile_plan,
+    producer_of,
+    split_stages,
+    token_name,
+)
 from .dataflow import transfer_key as send_key
 from .ir import (
     COLLECTIVE_OPS,
+    FLOW,
     FSDP_OPS,
     MICROBATCH_OPS,
     OVERLAP_F_B,
-    P2P_OPS,
     PASS_OPS,
     PREDICT,
     RECV_B,
     RECV_F,
+    RECV_OF,
     RESHARD,
     SEND_B,
     SEND_F,
+    SEND_OPS,
     UNSHARD,
     UPDATE,
+    WEIGHT_GRADIENT_OPS,
     Action,
     B,
     F,
@@ -101,122 +113,160 @@ def _check_ranges(s: Schedule) -> None:
 
 
 def _check_structure(s: Schedule) -> None:
-    p, r_count, total = s.num_stages, s.num_replicas, s.total_microbatches
     _check_ranges(s)
     placement = s.placement()
     split = split_stages(s)
-    # pass -> position (its device is left to ``placement``); transfer
-    # token -> (device, position) of its send and of its receive
-    seen: dict[tuple, int] = {}
-    sends: dict[tuple, tuple[int, int]] = {}
-    recvs: dict[tuple, tuple[int, int]] = {}
-    sharded = False  # any UNSHARD/RESHARD: checked in a walk of their own
+    walk = _ProgramWalk(split)
     for dev, prog in enumerate(s.programs):
-        current: dict[tuple[int, int], int] = defaultdict(int)  # version now
-        pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
-        predicted: dict[tuple[int, int], tuple[int, int]] = {}
-        for pos, a in enumerate(prog):
-            op = a.op
-            if op in PASS_OPS:
-                stage, rep, mb = a.stage, a.replica, a.microbatch
-                key = (op, rep, stage, mb)
-                if key in seen:
-                    raise ScheduleError(f"{a} appears twice on device {dev}")
-                seen[key] = pos
-                rs = (rep, stage)
-                if op is not F:
-                    if rs in split and op is not W:
-                        other = I if op is B else B
-                        if (other, rep, stage, mb) in seen:
-                            raise ScheduleError(
-                                f"{a} on device {dev}: micro-batch {mb} of stage {stage} already ran "
-                                f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W")
-                    before = I if op is W else F
-                    if (before, rep, stage, mb) not in seen:
-                        raise ScheduleError(f"{a} on device {dev} runs before {_name(before, rep, stage, mb)}")
-                    if op is not I and rs not in pending:
-                        pending[rs] = a
-                v = a.version
-                if v is None:
-                    raise ScheduleError(f"{a} names no weight version")
-                if v and v > current[rs]:
-                    raise ScheduleError(
-                        f"{a} reads version {v} but stage {stage} holds version "
-                        f"{current[rs]} at that point on device {dev}"
-                    )
-                if a.distance and predicted.get(rs) != (v, a.distance):
-                    raise ScheduleError(
-                        f"{a} reads weights predicted {a.distance} ahead of version {v} "
-                        f"but no PREDICT@v{v}+p{a.distance} of stage {stage} precedes it"
-                    )
-            elif op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
-                ends = sends if op is SEND_F or op is SEND_B else recvs
-                key = send_key(a)
-                if key in ends:
-                    raise ScheduleError(f"{a} appears twice (devices {ends[key][0]} and {dev})")
-                ends[key] = (dev, pos)
-            elif op is UPDATE:
-                rs = (a.replica, a.stage)
-                if a.version != current[rs] + 1:
-                    raise ScheduleError(
-                        f"{a} on device {dev}: stage {a.stage} is at version {current[rs]}, "
-                        f"so its next update produces version {current[rs] + 1}"
-                    )
-                current[rs] = a.version
-                pending.pop(rs, None)
-                predicted.pop(rs, None)
-            elif op is PREDICT:
-                rs = (a.replica, a.stage)
-                if a.version is None or a.version > current[rs]:
-                    raise ScheduleError(f"{a} predicts from a version stage {a.stage} does not hold")
-                predicted[rs] = (a.version, a.distance)
-            elif op is OVERLAP_F_B:
-                _check_overlap(prog, pos, dev, seen)
-            elif op is UNSHARD or op is RESHARD:
-                sharded = True
-        if pending:
-            a = min(pending.values())
-            raise ScheduleError(
-                f"the gradient of {a} is never applied: no UPDATE of "
-                f"stage {a.stage} follows it on device {dev}"
-            )
-
-    for rep in range(r_count):
-        for stage in range(p):
+        walk.check(dev, prog)
+    for rep in range(s.num_replicas):
+        for stage in range(s.num_stages):
             if (rep, stage) not in placement:
                 raise ScheduleError(f"replica {rep} stage {stage} has no actions on any device")
-    if sharded:
+    if walk.sharded:
         _check_shards(s, placement)
-    # Completeness: every micro-batch runs every stage forward and backward.
-    # Pass keys are unique and in range, and no micro-batch has both B and I,
-    # so a full count means none is missing; only a short count is searched
-    # for the missing pass.
+    _check_complete(s, walk.seen, placement, split)
+    if walk.sends or walk.recvs:
+        _check_transfers(s, walk.seen, walk.sends, walk.recvs, placement, split)
+    _check_collectives(s)
+
+
+class _ProgramWalk:
+    """Checks each action of a device's program against what the program did
+    before it, with one check per kind of action (dispatched on the op).
+
+    Across devices it collects ``seen`` (each pass's position; its device is
+    ``placement``'s) and the two ends of every transfer (token -> (device,
+    position)) for the checks that need every device.
+    """
+
+    def __init__(self, split: dict) -> None:
+        self.split = split
+        self.seen: dict[tuple, int] = {}
+        self.sends: dict[tuple, tuple[int, int]] = {}
+        self.recvs: dict[tuple, tuple[int, int]] = {}
+        self.sharded = False  # any UNSHARD/RESHARD: checked in a walk of their own
+
+    def check(self, dev: int, prog) -> None:
+        self.dev, self.prog = dev, prog
+        self.current: dict[tuple[int, int], int] = defaultdict(int)  # version now
+        self.pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
+        self.predicted: dict[tuple[int, int], tuple[int, int]] = {}
+        checks = _CHECKS
+        for pos, a in enumerate(prog):
+            check = checks.get(a.op)
+            if check is not None:  # collectives are checked across replicas afterwards
+                check(self, a, pos)
+        if self.pending:
+            a = min(self.pending.values())
+            raise ScheduleError(f"the gradient of {a} is never applied: no UPDATE of "
+                                f"stage {a.stage} follows it on device {dev}")
+
+    def forward(self, a: Action, pos: int) -> None:
+        self._pass(a, pos)
+
+    def backward(self, a: Action, pos: int) -> None:
+        """B, I or W: after what it needs (F, or I for a W), once per
+        micro-batch (a backward is B, or I then W), its gradient pending."""
+        op, rep, stage, mb = a.op, a.replica, a.stage, a.microbatch
+        seen, rs = self.seen, (rep, stage)
+        if rs in self.split and op is not W:
+            other = I if op is B else B
+            if (other, rep, stage, mb) in seen:
+                raise ScheduleError(
+                    f"{a} on device {self.dev}: micro-batch {mb} of stage {stage} already ran "
+                    f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W")
+        before = I if op is W else F
+        if (before, rep, stage, mb) not in seen:
+            raise ScheduleError(f"{a} on device {self.dev} runs before {_name(before, rep, stage, mb)}")
+        if op in WEIGHT_GRADIENT_OPS and rs not in self.pending:
+            self.pending[rs] = a
+        self._pass(a, pos)
+
+    def _pass(self, a: Action, pos: int) -> None:
+        """Every pass: once only, on a version that exists, on predicted
+        weights only after the PREDICT that made them."""
+        rs = (a.replica, a.stage)
+        key = (a.op, a.replica, a.stage, a.microbatch)
+        if key in self.seen:
+            raise ScheduleError(f"{a} appears twice on device {self.dev}")
+        self.seen[key] = pos
+        v = a.version
+        if v is None:
+            raise ScheduleError(f"{a} names no weight version")
+        if v and v > self.current[rs]:
+            raise ScheduleError(f"{a} reads version {v} but stage {a.stage} holds version "
+                                f"{self.current[rs]} at that point on device {self.dev}")
+        if a.distance and self.predicted.get(rs) != (v, a.distance):
+            raise ScheduleError(f"{a} reads weights predicted {a.distance} ahead of version {v} "
+                                f"but no PREDICT@v{v}+p{a.distance} of stage {a.stage} precedes it")
+
+    def transfer_end(self, a: Action, pos: int) -> None:
+        ends = self.sends if a.op in SEND_OPS else self.recvs
+        key = send_key(a)
+        if key in ends:
+            raise ScheduleError(f"{a} appears twice (devices {ends[key][0]} and {self.dev})")
+        ends[key] = (self.dev, pos)
+
+    def update(self, a: Action, pos: int) -> None:
+        rs = (a.replica, a.stage)
+        if a.version != self.current[rs] + 1:
+            raise ScheduleError(f"{a} on device {self.dev}: stage {a.stage} is at version {self.current[rs]}, "
+                                f"so its next update produces version {self.current[rs] + 1}")
+        self.current[rs] = a.version
+        self.pending.pop(rs, None)
+        self.predicted.pop(rs, None)
+
+    def predict(self, a: Action, pos: int) -> None:
+        rs = (a.replica, a.stage)
+        if a.version is None or a.version > self.current[rs]:
+            raise ScheduleError(f"{a} predicts from a version stage {a.stage} does not hold")
+        self.predicted[rs] = (a.version, a.distance)
+
+    def overlap(self, a: Action, pos: int) -> None:
+        _check_overlap(self.prog, pos, self.dev, self.seen)
+
+    def shard(self, a: Action, pos: int) -> None:
+        self.sharded = True
+
+
+#: The check of each kind of action (a table on the class rather than of
+#: bound methods, which would keep the walk alive in a reference cycle).
+_CHECKS = {F: _ProgramWalk.forward, B: _ProgramWalk.backward, I: _ProgramWalk.backward, W: _ProgramWalk.backward,
+           SEND_F: _ProgramWalk.transfer_end, SEND_B: _ProgramWalk.transfer_end,
+           RECV_F: _ProgramWalk.transfer_end, RECV_B: _ProgramWalk.transfer_end,
+           UPDATE: _ProgramWalk.update, PREDICT: _ProgramWalk.predict, OVERLAP_F_B: _ProgramWalk.overlap,
+           UNSHARD: _ProgramWalk.shard, RESHARD: _ProgramWalk.shard}
+
+
+def _check_complete(s: Schedule, seen: dict, placement: dict, split: dict) -> None:
+    """Every micro-batch runs every stage forward and backward. Pass keys are
+    unique and in range, and no micro-batch has both B and I, so a full count
+    means none is missing; only a short count is searched for the missing pass."""
+    total = s.total_microbatches
     expected = 2 * total * len(placement)
     for mbs in split.values():
         expected += total if mbs is None else len(mbs)
-    if len(seen) != expected:
-        for (rep, stage) in sorted(placement):
-            for mb in range(total):
-                split_here = backward_op(split, rep, stage, mb) is I
-                for op in (F, I, W) if split_here else (F, B):
-                    if (op, rep, stage, mb) not in seen:
-                        raise ScheduleError(
-                            f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
-                            f"one forward and one backward per stage"
-                        )
+    if len(seen) == expected:
+        return
+    for (rep, stage) in sorted(placement):
+        for mb in range(total):
+            split_here = backward_op(split, rep, stage, mb) is I
+            for op in (F, I, W) if split_here else (F, B):
+                if (op, rep, stage, mb) not in seen:
+                    raise ScheduleError(f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
+                                        f"one forward and one backward per stage")
 
-    # Point-to-point pairs: send after its producer, receive before its consumer.
-    if sends or recvs:
-        _check_transfers(s, seen, sends, recvs, placement, split)
 
-    # Collectives: every replica of a stage takes part the same number of times.
+def _check_collectives(s: Schedule) -> None:
+    """Every replica of a stage takes part in its collectives the same number of times."""
     counts: dict[tuple, int] = defaultdict(int)
     for prog in s.programs:
         for a in prog:
             if a.op in COLLECTIVE_OPS:
                 counts[(a.op, a.stage, a.replica)] += 1
     for (op, stage, rep), n in sorted(counts.items(), key=str):
-        for other in range(r_count):
+        for other in range(s.num_replicas):
             if counts.get((op, stage, other), 0) != n:
                 raise ScheduleError(
                     f"stage {stage}: replica {rep} runs {op.value} {n} times but replica {other} "
@@ -278,39 +328,32 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
     is checked here before it is simulated, so the pairs are matched by token
     and counted rather than by looking every pass up."""
     if sends.keys() != recvs.keys():
-        op, rep, stage, mb = key = min(sends.keys() ^ recvs.keys(), key=str)
+        key = min(sends.keys() ^ recvs.keys(), key=str)
         if key in sends:
-            raise ScheduleError(f"{_name(op, rep, stage, mb)} on device {sends[key][0]} has no matching receive")
-        recv = (RECV_F, rep, stage + 1, mb) if op is SEND_F else (RECV_B, rep, stage - 1, mb)
-        raise ScheduleError(f"{_name(recv[0], rep, recv[2], mb)} on device {recvs[key][0]} has no matching send")
+            raise ScheduleError(f"{key.describe()} on device {sends[key][0]} has no matching receive")
+        recv = _name(RECV_OF[key.send], key.replica, key.stage + FLOW[key.send], key.microbatch)
+        raise ScheduleError(f"{recv} on device {recvs[key][0]} has no matching send")
     crossing = 0  # receives of data that really crosses devices
     get, home = seen.get, placement.get
     for key, (sdev, spos) in sends.items():
         op, rep, stage, mb = key
+        cstage = stage + FLOW[op]
         if op is SEND_F:
-            prod = (F, rep, stage, mb)
-            cstage = stage + 1
-            consumer = (F, rep, cstage, mb)
+            prod, consumer = (F, rep, stage, mb), (F, rep, cstage, mb)
         else:
-            cstage = stage - 1
-            if split:
-                prod = (backward_op(split, rep, stage, mb), rep, stage, mb)
-                consumer = (backward_op(split, rep, cstage, mb), rep, cstage, mb)
-            else:
-                prod = (B, rep, stage, mb)
-                consumer = (B, rep, cstage, mb)
+            prod = (backward_op(split, rep, stage, mb), rep, stage, mb)
+            consumer = (backward_op(split, rep, cstage, mb), rep, cstage, mb)
         pdev = home((rep, stage))
         ppos = get(prod)
         if pdev != sdev or ppos is None or ppos > spos:
-            raise ScheduleError(f"{_name(op, rep, stage, mb)} is not after {_name(*prod)} "
-                                f"on device {pdev}")
+            raise ScheduleError(f"{key.describe()} is not after {_name(*prod)} on device {pdev}")
         rdev, rpos = recvs[key]
         cdev = home((rep, cstage))
         cpos = get(consumer)
         if rdev != cdev or cpos is None or cpos < rpos:
             raise ScheduleError(
                 f"{_name(*consumer)} on device {cdev} needs data from device {pdev} but no "
-                f"{_name(RECV_F if op is SEND_F else RECV_B, rep, cstage, mb)} precedes it")
+                f"{_name(RECV_OF[op], rep, cstage, mb)} precedes it")
         crossing += cdev != pdev
     last = s.num_stages - 1
     needed = sum(2 * s.total_microbatches for (rep, stage), dev in placement.items()
@@ -318,17 +361,16 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
     if crossing == needed:
         return
     for (op, rep, stage, mb), pos in seen.items():  # name a pass whose input never arrives
-        if op is not F and op is not B and op is not I:
+        if op is W:
             continue
-        prod = producer_of(Action(op, stage, mb, replica=rep), s.num_stages, split)
+        a = Action(op, stage, mb, replica=rep)
+        prod = producer_of(a, s.num_stages, split)
         dev = placement[(rep, stage)]
-        if prod is not None and placement[(prod[1], prod[2])] != dev:
-            key = (SEND_F, rep, stage - 1, mb) if op is F else (SEND_B, rep, stage + 1, mb)
-            if key not in recvs:
-                raise ScheduleError(
-                    f"{_name(op, rep, stage, mb)} on device {dev} needs data from device "
-                    f"{placement[(prod[1], prod[2])]} but no {_name(RECV_F if op is F else RECV_B, rep, stage, mb)} "
-                    f"precedes it")
+        if prod is not None and placement[(prod.replica, prod.stage)] != dev and send_key(
+                Action(RECV_OF[op], stage, mb, replica=rep)) not in recvs:
+            raise ScheduleError(
+                f"{a} on device {dev} needs data from device {placement[(prod.replica, prod.stage)]} "
+                f"but no {_name(RECV_OF[op], rep, stage, mb)} precedes it")
 
 
 def _check_deadlock(s: Schedule) -> None:
@@ -337,6 +379,9 @@ def _check_deadlock(s: Schedule) -> None:
 
     programs = compile_plan(s, group(s))
     where = providers(programs)
+    # posts of a token before it is done: both ends of a transfer, the one
+    # UNSHARD of its stage, or every replica of a collective
+    participants = {Arrival: 2, Gathered: 1, CollectiveDone: s.num_replicas}
     done: set = set()
     posted: dict[object, int] = defaultdict(int)  # transfer/collective -> participants posted
     pc = [0] * s.num_devices
@@ -360,7 +405,7 @@ def _check_deadlock(s: Schedule) -> None:
                     if tok is None:  # a RESHARD: nothing waits for it
                         continue
                     posted[tok] += 1
-                    if posted[tok] == (2 if x.op in P2P_OPS else 1 if x.op is UNSHARD else s.num_replicas):
+                    if posted[tok] == participants[type(tok)]:
                         finish(tok)
             blocked.pop(dev, None)
             need = next((t for t in waits if t not in done), None)
@@ -385,7 +430,7 @@ def providers(programs) -> dict:
             if token is not None:
                 where[token] = dev
             for x, tok in posts:
-                if x.op is SEND_F or x.op is SEND_B or x.op is UNSHARD:
+                if x.op in SEND_OPS or x.op is UNSHARD:
                     where[tok] = dev
     return where
 

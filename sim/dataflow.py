@@ -1,19 +1,25 @@
 """What each action waits for and what it makes available: the dataflow of a schedule.
 
-Both the validator's zero-time dry run and the SimPy engine need the same
-answer to "when may this action run?", so it is computed once, here, as
-*tokens*: hashable names for things that become available during execution.
+Both the validator's zero-time dry run and the SimPy engine (and the
+real-tensor executors in ``pipesim.validate``) need the same answer to "when
+may this action run?", so it is computed once, here, as *tokens*: small typed
+names for things that become available during execution.
 
-* a pass's completion: ``(op, replica, stage, micro-batch)`` (:func:`bare`);
-* a transfer's arrival: ``(SEND_F|SEND_B, replica, source stage, micro-batch)``,
-  shared by the SEND and the RECV that carry it. The tag is the send's op, never
-  a plain ``"F"``: ``Op`` is a ``str`` enum, so ``(Op.F, ...)`` would equal
-  ``("F", ...)`` and a forward's completion would pass for its output's arrival;
-* a collective's completion: ``(op, stage, round)`` where round counts that
-  stage's collectives of that op on each replica;
-* an ``UNSHARD``'s completion: ``(UNSHARD, replica, stage, round)``, round
-  counting that (replica, stage)'s unshards: the all-gather is within the
-  stage's own shard group, not across replicas.
+* :class:`PassDone`: a pass has finished, so its output exists on its device;
+* :class:`Arrival`: a transfer's data has reached the receiving device. The
+  send and the receive carrying it share the token, named by the send's op
+  and the sending stage (:func:`transfer_key`);
+* :class:`Gathered`: an ``UNSHARD`` has gathered its stage's parameters
+  (round r of that replica's stage: the all-gather is within the stage's own
+  shard group, not across replicas);
+* :class:`CollectiveDone`: round r of a collective (``REDUCE_GRAD``,
+  ``AVERAGE``) of a stage, which every replica takes part in.
+
+Tokens are NamedTuples: hashable and as cheap as tuples in the hot loops, and
+told apart by their type, never by their length. Two tokens of different
+kinds can never be equal, because their first fields differ (a pass's op, a
+send's op, a replica number, a collective's op). Each knows how to name
+itself in an error message (``describe``).
 
 A compute action waits for the tokens in its ``waits``; communication and
 collectives never block the device's walk. The forward of an ``OVERLAP_F_B``
@@ -24,15 +30,16 @@ module encodes the execution model documented in :mod:`pipesim.sim.ir`.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple, Union
 
 from .ir import (
     AVERAGE,
+    FLOW,
     PASS_OPS,
-    RECV_F,
     REDUCE_GRAD,
     RESHARD,
-    SEND_B,
-    SEND_F,
+    SEND_OF,
+    SEND_OPS,
     UNSHARD,
     UPDATE,
     Action,
@@ -40,24 +47,92 @@ from .ir import (
     F,
     I,
     Op,
-    W,
     Schedule,
+    W,
     format_action,
 )
 
-#: One compute action of a device program with its dataflow:
-#: ``(posts, action, waits, token)``. ``posts`` are ``(action, token)`` pairs
-#: of the communication and collectives posted right before it (see
-#: :func:`pipesim.sim.lowering.plan`); ``waits`` are the tokens the compute
-#: action needs before it may start; ``token`` is what it makes available.
-#: ``action`` is ``None`` for the posts that trail a program. Plain tuples,
-#: because the engine builds one per action and reads them in its hot loop.
-Entry = tuple
+
+class PassDone(NamedTuple):
+    """Pass ``op`` of (replica, stage, micro-batch) has finished on its device."""
+
+    op: Op
+    replica: int
+    stage: int
+    microbatch: int
+
+    def describe(self) -> str:
+        return format_action(Action(self.op, self.stage, self.microbatch, replica=self.replica))
 
 
-def bare(a: Action) -> tuple:
+class Arrival(NamedTuple):
+    """The data that ``send`` (SEND_F or SEND_B) of ``stage`` sends has arrived."""
+
+    send: Op
+    replica: int
+    stage: int
+    microbatch: int
+
+    def describe(self) -> str:
+        return format_action(Action(self.send, self.stage, self.microbatch, replica=self.replica))
+
+
+class Gathered(NamedTuple):
+    """Round ``round`` of a stage's UNSHARD has gathered its parameters."""
+
+    replica: int
+    stage: int
+    round: int
+
+    def describe(self) -> str:
+        return f"{format_action(Action(UNSHARD, self.stage, replica=self.replica))} (its all-gather)"
+
+
+class CollectiveDone(NamedTuple):
+    """Round ``round`` of collective ``op`` of ``stage`` has run on every replica."""
+
+    op: Op
+    stage: int
+    round: int
+
+    def describe(self) -> str:
+        return f"{self.op.value} of stage {self.stage} (round {self.round}) on every replica"
+
+
+Token = Union[PassDone, Arrival, Gathered, CollectiveDone]
+
+
+class Post(NamedTuple):
+    """Communication or a collective posted without blocking, and its token
+    (``None`` for a RESHARD, which nothing waits for)."""
+
+    action: Action
+    token: Token | None
+
+
+class Entry(NamedTuple):
+    """One compute action of a device program with its dataflow.
+
+    ``posts`` go out right before it (see :func:`pipesim.sim.lowering.plan`);
+    ``waits`` are the tokens it needs before it may start; ``token`` is what
+    it makes available (``None`` for an UPDATE or PREDICT). ``action`` is
+    ``None`` for the posts that trail a program.
+    """
+
+    posts: tuple[Post, ...]
+    action: Action | None
+    waits: tuple[Token, ...]
+    token: Token | None
+
+
+#: ``tuple.__new__``: building a NamedTuple through it skips the Python-level
+#: ``__new__`` the class call runs, which the hot loops below would pay per action.
+_new = tuple.__new__
+
+
+def bare(a: Action) -> PassDone:
     """Token of pass ``a``'s completion (version and distance dropped)."""
-    return (a.op, a.replica, a.stage, a.microbatch)
+    return PassDone(a.op, a.replica, a.stage, a.microbatch)
 
 
 def split_stages(schedule: Schedule) -> dict[tuple[int, int], frozenset[int] | None]:
@@ -98,43 +173,27 @@ def backward_op(split: dict, replica: int, stage: int, mb: int) -> Op:
     return I if mbs is None or mb in mbs else B
 
 
-def producer_of(a: Action, num_stages: int, split: dict) -> tuple | None:
+def producer_of(a: Action, num_stages: int, split: dict) -> PassDone | None:
     """Token of the pass on a neighbouring stage whose output pass ``a`` consumes.
 
     ``split`` is :func:`split_stages` of the schedule."""
-    if a.op is F:
-        if a.stage == 0:
-            return None
-        return (F, a.replica, a.stage - 1, a.microbatch)
-    if a.op is B or a.op is I:
-        if a.stage == num_stages - 1:
-            return None
-        return (backward_op(split, a.replica, a.stage + 1, a.microbatch), a.replica, a.stage + 1, a.microbatch)
-    return None
+    step = FLOW.get(a.op) if a.op in PASS_OPS else None
+    src = a.stage - step if step else -1
+    if not 0 <= src < num_stages:  # the first forward, the last backward, W
+        return None
+    op = F if a.op is F else backward_op(split, a.replica, src, a.microbatch)
+    return PassDone(op, a.replica, src, a.microbatch)
 
 
-def token_name(token) -> str:
-    """Readable name of a token for error messages: the pass, or the send
-    that carries a transfer, or the unshard, or the collective."""
-    if len(token) == 4:
-        op, rep, stage, mb = token
-        if op is UNSHARD:
-            return f"{format_action(Action(op, stage, replica=rep))} (its all-gather)"
-        return format_action(Action(op, stage, mb, replica=rep))
-    op, stage, rnd = token
-    return f"{op} of stage {stage} (round {rnd}) on every replica"
+def token_name(token: Token) -> str:
+    """Readable name of a token for error messages."""
+    return token.describe()
 
 
-def transfer_key(a: Action) -> tuple:
+def transfer_key(a: Action) -> Arrival:
     """Identity of a transfer, shared by the send and its receive."""
     op = a.op
-    if op is SEND_F:
-        return (SEND_F, a.replica, a.stage, a.microbatch)
-    if op is RECV_F:
-        return (SEND_F, a.replica, a.stage - 1, a.microbatch)
-    if op is SEND_B:
-        return (SEND_B, a.replica, a.stage, a.microbatch)
-    return (SEND_B, a.replica, a.stage + 1, a.microbatch)
+    return Arrival(SEND_OF[op], a.replica, a.stage if op in SEND_OPS else a.stage - FLOW[op], a.microbatch)
 
 
 def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
@@ -142,9 +201,11 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
 
     ``plan`` is a :class:`pipesim.sim.lowering.Plan` (from
     :func:`~pipesim.sim.lowering.plan` or :func:`~pipesim.sim.lowering.group`),
-    whose posts already carry their transfer tokens. Written for speed: it visits every action the engine
-    runs, so producer keys are built inline; the rare OVERLAP_F_B pairs are
-    joined afterwards (``plan.overlaps``), outside the loop.
+    whose posts already carry their transfer tokens. Written for speed: it
+    visits every action the engine runs, so tokens are built inline (as
+    :func:`producer_of` and :func:`transfer_key` would); the rare
+    OVERLAP_F_B pairs are joined afterwards (``plan.overlaps``), outside the
+    loop.
     """
     last = schedule.num_stages - 1
     split = split_stages(schedule)
@@ -152,63 +213,75 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
     has_collectives = plan.has_collectives
     overlaps = plan.overlaps
     rounds: dict[tuple, int] = defaultdict(int)
+    flow, send_of = FLOW.get, SEND_OF.get
     out = []
     for slots in plan.slots:
-        last_coll: dict[tuple, tuple] = {}
-        entries = []
+        last_coll: dict[tuple, Token] = {}
+        entries: list[Entry] = []
         append = entries.append
         for posts, a in slots:
             if has_collectives and posts and None in [tok for _, tok in posts]:
-                # number each replica's collectives of a stage: round r of
-                # every replica is one collective
-                posted = []
-                for x, tok in posts:
-                    if tok is None and x.op is not RESHARD:  # a RESHARD is waited for by nobody
-                        k = (x.op, x.stage, x.replica)
-                        if x.op is UNSHARD:
-                            tok = (UNSHARD, x.replica, x.stage, rounds[k])
-                        else:
-                            tok = (x.op.value, x.stage, rounds[k])
-                        rounds[k] += 1
-                        last_coll[(x.op, x.replica, x.stage)] = tok
-                    posted.append((x, tok))
-                posts = tuple(posted)
+                posts = _number_collectives(posts, rounds, last_coll)
             if a is None:
-                append((posts, None, (), None))
+                append(_new(Entry, (posts, None, (), None)))
                 continue
             op, stage, rep, mb = a.op, a.stage, a.replica, a.microbatch
             waits: tuple = ()
-            token = (op, rep, stage, mb)
-            if op is F:
-                if stage:
-                    key = (SEND_F, rep, stage - 1, mb)  # through a receive if lowered
-                    waits = (key,) if key in received else ((F, rep, stage - 1, mb),)
-            elif op is B or op is I:
-                if stage < last:
-                    key = (SEND_B, rep, stage + 1, mb)
-                    waits = (key,) if key in received else (
-                        (backward_op(split, rep, stage + 1, mb), rep, stage + 1, mb),)
-            elif op is not W:  # UPDATE, PREDICT
-                token = None
+            token = _new(PassDone, (op, rep, stage, mb)) if op in PASS_OPS else None
+            step = flow(op) if op is not W else None
+            if step is not None:
+                src = stage - step  # the stage whose output this pass consumes
+                if 0 <= src <= last:
+                    key = _new(Arrival, (send_of(op), rep, src, mb))  # through a receive if lowered
+                    if key not in received:
+                        key = _new(PassDone, (F if op is F else backward_op(split, rep, src, mb), rep, src, mb))
+                    waits = (key,)
             if has_collectives:
-                avg = last_coll.pop((AVERAGE, rep, stage), None)
-                if avg is not None:
-                    waits += (avg,)
-                if op is UPDATE:
-                    red = last_coll.pop((REDUCE_GRAD, rep, stage), None)
-                    if red is not None:
-                        waits += (red,)
-                elif op in PASS_OPS:  # passes compute on gathered parameters
-                    gathered = last_coll.pop((UNSHARD, rep, stage), None)
-                    if gathered is not None:
-                        waits += (gathered,)
-            append((posts, a, waits, token))
+                waits += _collective_waits(op, rep, stage, last_coll)
+            append(_new(Entry, (posts, a, waits, token)))
         for j in overlaps.get(len(out), ()):
             # the pair starts as one unit: the forward waits for the
             # backward's inputs too (plan/group post nothing between them)
-            fposts, f, fwaits, ftoken = entries[j]
-            bposts, b, bwaits, btoken = entries[j + 1]
-            entries[j] = (fposts, f, fwaits + bwaits, ftoken)
-            entries[j + 1] = (bposts, b, (), btoken)
+            f, b = entries[j], entries[j + 1]
+            entries[j] = f._replace(waits=f.waits + b.waits)
+            entries[j + 1] = b._replace(waits=())
         out.append(entries)
     return out
+
+
+def _number_collectives(posts: tuple, rounds: dict, last_coll: dict) -> tuple:
+    """Give each posted collective and UNSHARD its token: round r of every
+    replica's collective of a stage is one collective; each (replica,
+    stage)'s UNSHARDs are numbered on their own. ``last_coll`` keeps the
+    latest token of each, for the compute action that must wait for it."""
+    posted = []
+    for x, tok in posts:
+        if tok is None and x.op is not RESHARD:  # a RESHARD is waited for by nobody
+            k = (x.op, x.stage, x.replica)
+            if x.op is UNSHARD:
+                tok = Gathered(x.replica, x.stage, rounds[k])
+            else:
+                tok = CollectiveDone(x.op, x.stage, rounds[k])
+            rounds[k] += 1
+            last_coll[(x.op, x.replica, x.stage)] = tok
+        posted.append(Post(x, tok))
+    return tuple(posted)
+
+
+def _collective_waits(op: Op, rep: int, stage: int, last_coll: dict) -> tuple:
+    """What a compute action of (replica, stage) waits for besides its data:
+    any compute action waits for the stage's last AVERAGE, an UPDATE for its
+    REDUCE_GRAD, a pass for its UNSHARD (passes compute on gathered weights)."""
+    waits: tuple = ()
+    avg = last_coll.pop((AVERAGE, rep, stage), None)
+    if avg is not None:
+        waits += (avg,)
+    if op is UPDATE:
+        red = last_coll.pop((REDUCE_GRAD, rep, stage), None)
+        if red is not None:
+            waits += (red,)
+    elif op in PASS_OPS:
+        gathered = last_coll.pop((UNSHARD, rep, stage), None)
+        if gathered is not None:
+            waits += (gathered,)
+    return waits

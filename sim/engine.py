@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from operator import attrgetter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import simpy
 
-from pipesim.sim._gc import gc_paused
-from pipesim.sim.checks import describe_wait_cycle, providers, validate
-from pipesim.sim.dataflow import compile_plan
-from pipesim.sim.ir import (
+from ._gc import gc_paused
+from .checks import describe_wait_cycle, providers, validate
+from .dataflow import Arrival, compile_plan
+from .ir import (
     AVERAGE,
-    P2P_OPS,
     PREDICT,
-    RECV_F,
+    REDUCE_GRAD,
     RESHARD,
-    SEND_B,
-    SEND_F,
+    SEND_OPS,
     UNSHARD,
     UPDATE,
     Action,
@@ -48,11 +47,12 @@ from pipesim.sim.ir import (
     Schedule,
     ScheduleError,
     W,
+    boundary_stage,
 )
-from pipesim.sim.lowering import plan
-from pipesim.sim.partition import StageCost
-from pipesim.sim.results import SimResult, Span
-from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
+from .lowering import plan
+from .partition import StageCost
+from .results import SimResult, Span
+from .workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
 
 if TYPE_CHECKING:
     from pipesim.sim.hardware import Hardware
@@ -83,16 +83,10 @@ class CostModel:
 
     def compute(self, a: Action) -> float:
         c = self.stage_costs[a.stage]
-        op = a.op
-        if op is F:
-            return c.forward_s
-        if op is B:
-            return c.backward_s
-        if op is I:
-            return c.backward_input_s
-        if op is W:
-            return c.backward_weight_s
-        return self._membound(self.traffic(op) * c.param_bytes)
+        pass_time = _PASS_TIME.get(a.op)
+        if pass_time is not None:
+            return pass_time(c)
+        return self._membound(self.traffic(a.op) * c.param_bytes)
 
     def traffic(self, op) -> int:
         """Weight-sized passes over memory of an UPDATE or PREDICT."""
@@ -108,12 +102,14 @@ class CostModel:
         return nbytes / self.mem_bandwidth
 
     def transfer_bytes(self, a: Action) -> int:
-        """Bytes a SEND/RECV carries: the forward output or the input gradient."""
-        if a.op in (SEND_F, RECV_F):
-            src = a.stage if a.op is SEND_F else a.stage - 1
-            return self.stage_costs[src].activation_bytes
-        dst = a.stage - 1 if a.op is SEND_B else a.stage
-        return self.stage_costs[dst].activation_bytes
+        """Bytes a SEND/RECV carries: the activation crossing the stage
+        boundary, or its gradient (the same size)."""
+        return self.stage_costs[boundary_stage(a)].activation_bytes
+
+
+#: How long each pass takes, read off its stage's costs.
+_PASS_TIME = {F: attrgetter("forward_s"), B: attrgetter("backward_s"), I: attrgetter("backward_input_s"),
+              W: attrgetter("backward_weight_s")}
 
 
 def simulate(
@@ -260,18 +256,18 @@ class _Run:
         events = self.events
         compute_cost = self.costs.compute
         awaited, done, fire = self.awaited, self.done, self.fire
-        transfers, start_transfer, post_collective = self.transfers, self.start_transfer, self.post_collective
+        transfers, start_transfer, post = self.transfers, self.start_transfer, _POST
         cache: dict[tuple, float] = {}
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
-                if x.op in P2P_OPS:
+                if type(tok) is Arrival:  # the common case, inlined: runs per send and receive
                     first = transfers.pop(tok, None)
-                    if first is None:  # the other end starts it (inlined: runs per send and receive)
+                    if first is None:  # the other end starts it
                         transfers[tok] = (dev, x)
                     else:
                         start_transfer(dev, x, tok, first)
                 else:
-                    post_collective(dev, x, tok)
+                    post[x.op](self, dev, x, tok)
             if a is None:
                 continue
             for need in waits:
@@ -300,11 +296,11 @@ class _Run:
 
         ``first`` is the (device, action) of the end posted earlier. Runs
         for every transfer, so it keeps to plain tuples."""
-        if a.op is SEND_F or a.op is SEND_B:
+        if a.op in SEND_OPS:
             (dst, recv), src, send = first, dev, a
         else:
             (src, send), dst, recv = first, dev, a
-        key = (src, dst, token[0], send.stage)
+        key = (src, dst, token.send, send.stage)
         cost = self.transfer_cost.get(key)
         if cost is None:
             nbytes = self.costs.transfer_bytes(send)
@@ -355,11 +351,7 @@ class _Run:
 
     # -- collectives ------------------------------------------------------
     def post_collective(self, dev: int, a: Action, token) -> None:
-        """Post a collective; it runs once every replica has posted it. FSDP
-        actions come here too (every post that is not a transfer does)."""
-        if a.op is UNSHARD or a.op is RESHARD:
-            self.post_shard(dev, a, token)
-            return
+        """Post a collective; it runs once every replica has posted it."""
         posted = self.collectives[token]
         posted.append((dev, a))
         if len(posted) == self.schedule.num_replicas:
@@ -415,3 +407,10 @@ class _Run:
             if moves:
                 yield self.env.all_of(moves)
 
+
+
+#: How each kind of post that is not a transfer is posted. A table on the
+#: class, not of bound methods on the run: those would form a reference cycle
+#: that keeps a finished simulation's million objects for the cyclic collector.
+_POST = {REDUCE_GRAD: _Run.post_collective, AVERAGE: _Run.post_collective,
+         UNSHARD: _Run.post_shard, RESHARD: _Run.post_shard}

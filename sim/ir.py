@@ -131,6 +131,39 @@ FSDP_OPS = frozenset({UNSHARD, RESHARD})
 TORCH_OPS = frozenset({F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, UNSHARD, RESHARD, OVERLAP_F_B})
 #: Ops that carry a micro-batch id.
 MICROBATCH_OPS = PASS_OPS | P2P_OPS
+#: Passes that make a micro-batch's input gradient (what goes upstream): B, or I when split.
+INPUT_GRADIENT_OPS = frozenset({B, I})
+#: Passes that make a micro-batch's weight gradient (what an UPDATE consumes): B, or W when split.
+WEIGHT_GRADIENT_OPS = frozenset({B, W})
+#: The sending end of a point-to-point transfer (the rest are receives).
+SEND_OPS = frozenset({SEND_F, SEND_B})
+
+# Which way data moves between stages: the one definition every pass,
+# executor and check uses. A forward's output (an activation) goes down the
+# pipeline to stage + 1, carried by a SEND_F and a RECV_F; a backward's
+# output (the input gradient, made by B, or by I when the backward is split)
+# goes up to stage - 1, carried by a SEND_B and a RECV_B. W makes nothing
+# another stage needs.
+
+#: Stage offset from an action's data source to its destination.
+FLOW: dict[Op, int] = {F: 1, SEND_F: 1, RECV_F: 1, B: -1, I: -1, SEND_B: -1, RECV_B: -1}
+#: The send of the transfer that carries a pass's output, or that an end belongs to.
+SEND_OF: dict[Op, Op] = {F: SEND_F, SEND_F: SEND_F, RECV_F: SEND_F, B: SEND_B, I: SEND_B, SEND_B: SEND_B,
+                         RECV_B: SEND_B}
+#: The receive that takes a pass's output on the neighbouring stage.
+RECV_OF: dict[Op, Op] = {F: RECV_F, B: RECV_B, I: RECV_B, SEND_F: RECV_F, SEND_B: RECV_B}
+
+
+def transfer_stages(a: Action) -> tuple[int, int]:
+    """(sending stage, receiving stage) of the transfer a SEND or RECV is one end of."""
+    step = FLOW[a.op]
+    return (a.stage, a.stage + step) if a.op in SEND_OPS else (a.stage - step, a.stage)
+
+
+def boundary_stage(a: Action) -> int:
+    """The stage whose output a SEND or RECV carries across a stage boundary:
+    the upstream side, whose activation (or its gradient) is what moves."""
+    return min(transfer_stages(a))
 
 
 class Action(NamedTuple):

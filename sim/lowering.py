@@ -30,29 +30,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import NamedTuple
+
+from .dataflow import Arrival, Post, transfer_key
 from .ir import (
     COMPUTE_OPS,
+    FLOW,
     OVERLAP_F_B,
     P2P_OPS,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
+    RECV_OF,
+    SEND_OF,
+    SEND_OPS,
     Action,
-    B,
     F,
-    I,
     Schedule,
     ScheduleError,
 )
 
-#: ``(posts, action)``: communication and collectives posted, in order,
-#: right before compute ``action`` (``None`` for what trails the last one).
-#: Each post is ``(action, token)``: a transfer's token
-#: (:func:`~pipesim.sim.dataflow.transfer_key`), or ``None`` for a
-#: collective or an FSDP action, whose token
-#: :func:`~pipesim.sim.dataflow.compile_plan` numbers.
-Slot = tuple
+
+class Slot(NamedTuple):
+    """Communication and collectives posted, in order, right before compute
+    ``action`` (``None`` for what trails a program's last one). Each post's
+    token is its transfer's :class:`~pipesim.sim.dataflow.Arrival`, or
+    ``None`` for a collective or an FSDP action, whose token
+    :func:`~pipesim.sim.dataflow.compile_plan` numbers."""
+
+    posts: tuple[Post, ...]
+    action: Action | None
+
+
+_new = tuple.__new__  # NamedTuples without their Python-level __new__ (see dataflow)
 
 
 @dataclass
@@ -74,11 +81,7 @@ class Plan:
 
 
 def group(schedule: Schedule) -> Plan:
-    """The plan form of a schedule as it stands (lowered or not).
-
-    Every imported torch schedule with communication comes through here, so
-    transfer tokens are spelled inline as
-    :func:`~pipesim.sim.dataflow.transfer_key` would."""
+    """The plan form of a schedule as it stands (lowered or not)."""
     out = Plan([])
     received = out.received
     for dev, prog in enumerate(schedule.programs):
@@ -86,22 +89,20 @@ def group(schedule: Schedule) -> Plan:
         for a in prog:
             op = a.op
             if op in COMPUTE_OPS:
-                slots.append((tuple(pending), a))
+                slots.append(_new(Slot, (tuple(pending), a)))
                 pending = []
-            elif op is SEND_F or op is SEND_B:
-                pending.append((a, (op, a.replica, a.stage, a.microbatch)))
-            elif op is RECV_F or op is RECV_B:
-                tok = ((SEND_F, a.replica, a.stage - 1, a.microbatch) if op is RECV_F
-                       else (SEND_B, a.replica, a.stage + 1, a.microbatch))
-                pending.append((a, tok))
-                received.add(tok)
+            elif op in P2P_OPS:
+                tok = transfer_key(a)
+                pending.append(_new(Post, (a, tok)))
+                if op not in SEND_OPS:
+                    received.add(tok)
             elif op is OVERLAP_F_B:  # the next two slots form the pair
                 out.overlaps.setdefault(dev, []).append(len(slots))
             else:  # a collective or an FSDP action
-                pending.append((a, None))
+                pending.append(_new(Post, (a, None)))
                 out.has_collectives = True
         if pending:
-            slots.append((tuple(pending), None))
+            slots.append(_new(Slot, (tuple(pending), None)))
         out.slots.append(slots)
     return out
 
@@ -125,9 +126,11 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
     last = schedule.num_stages - 1
     out = Plan([])
     received = out.received
+    flow = FLOW.get
     for dev, prog in enumerate(schedule.programs):
-        # Per (replica, stage) on this device: which neighbours live elsewhere.
-        remote: dict[tuple[int, int], tuple[bool, bool]] = {}
+        # Per (replica, stage) on this device: whether its upstream neighbour
+        # (stage - 1) and its downstream one (stage + 1) live elsewhere.
+        remote: dict[tuple[int, int], dict[int, bool]] = {}
         computes: list[Action] = []
         posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
         overlaps: list[int] = []
@@ -137,48 +140,46 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
                 if op is OVERLAP_F_B:
                     overlaps.append(len(computes))
                     continue
-                posts[-1].append((a, None))
+                posts[-1].append(_new(Post, (a, None)))
                 out.has_collectives = True
                 continue
             j = len(computes)
             computes.append(a)
             after: list = []
             posts.append(after)
+            step = flow(op)
+            if step is None:  # W, UPDATE, PREDICT: no data crosses stages
+                continue
             stage, rep, mb = a.stage, a.replica, a.microbatch
-            key = (rep, stage)
-            flags = remote.get(key)
-            if flags is None:
-                flags = remote[key] = (stage > 0 and home((rep, stage - 1)) != dev,
-                                       stage < last and home((rep, stage + 1)) != dev)
-            # tokens spelled inline as transfer_key() would: this loop is hot
-            if op is F:
-                if flags[0]:
-                    tok = (SEND_F, rep, stage - 1, mb)
-                    received.add(tok)
-                    posts[j - recv_lookahead if j > recv_lookahead else 0].append(
-                        (Action(RECV_F, stage, mb, None, 0, rep), tok))
-                if flags[1]:
-                    after.append((Action(SEND_F, stage, mb, None, 0, rep), (SEND_F, rep, stage, mb)))
-            elif op is B or op is I:  # either makes the micro-batch's input gradient
-                if flags[1]:
-                    tok = (SEND_B, rep, stage + 1, mb)
-                    received.add(tok)
-                    posts[j - recv_lookahead if j > recv_lookahead else 0].append(
-                        (Action(RECV_B, stage, mb, None, 0, rep), tok))
-                if flags[0]:
-                    after.append((Action(SEND_B, stage, mb, None, 0, rep), (SEND_B, rep, stage, mb)))
+            elsewhere = remote.get((rep, stage))
+            if elsewhere is None:
+                elsewhere = remote[(rep, stage)] = {
+                    -1: stage > 0 and home((rep, stage - 1)) != dev,
+                    1: stage < last and home((rep, stage + 1)) != dev,
+                }
+            # the input comes from stage - step: receive it ahead of this pass
+            if elsewhere[-step]:
+                tok = _new(Arrival, (SEND_OF[op], rep, stage - step, mb))
+                received.add(tok)
+                posts[j - recv_lookahead if j > recv_lookahead else 0].append(
+                    _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), tok)))
+            # the output goes to stage + step: send it right after
+            if elsewhere[step]:
+                send = SEND_OF[op]
+                after.append(_new(Post, (_new(Action, (send, stage, mb, None, 0, rep)),
+                                         _new(Arrival, (send, rep, stage, mb)))))
         for j in overlaps:  # empty what would be posted inside each pair
             if j + 1 >= len(computes):
                 raise ScheduleError(f"OVERLAP_F_B on device {dev} is not followed by its forward and backward")
             inside = posts[j + 1]
-            posts[j].extend(x for x in inside if x[0].op is RECV_F or x[0].op is RECV_B)
-            posts[j + 2][:0] = [x for x in inside if x[0].op is not RECV_F and x[0].op is not RECV_B]
+            posts[j].extend(x for x in inside if x.action.op not in SEND_OPS)
+            posts[j + 2][:0] = [x for x in inside if x.action.op in SEND_OPS]
             posts[j + 1] = []
         if overlaps:
             out.overlaps[dev] = overlaps
-        slots = list(zip(map(tuple, posts), computes))
+        slots = [_new(Slot, pair) for pair in zip(map(tuple, posts), computes)]
         if posts[-1]:
-            slots.append((tuple(posts[-1]), None))
+            slots.append(_new(Slot, (tuple(posts[-1]), None)))
         out.slots.append(slots)
     return out
 

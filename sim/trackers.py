@@ -32,12 +32,14 @@ from operator import attrgetter
 
 import numpy as np
 
-from pipesim.sim.dataflow import backward_op, split_stages
-from pipesim.sim.ir import (
-    Action,
+from .dataflow import backward_op, split_stages
+from .ir import (
     AVERAGE,
     COMPUTE_OPS,
+    INPUT_GRADIENT_OPS,
     PASS_OPS,
+    WEIGHT_GRADIENT_OPS,
+    Action,
     PREDICT,
     RECV_F,
     UPDATE,
@@ -47,7 +49,7 @@ from pipesim.sim.ir import (
     Schedule,
     W,
 )
-from pipesim.sim.results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
+from .results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
 
 from .workload import WorkloadError
 
@@ -89,12 +91,9 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
                 continue
             if op is F:
                 fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-            elif op is B:  # a full backward makes the weight gradient too
+            elif op in INPUT_GRADIENT_OPS:  # the backward's read: B, or I when split
                 bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-                awaiting[(a.replica, a.stage)].append(a.microbatch)
-            elif op is I:
-                bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
-            elif op is W:
+            if op in WEIGHT_GRADIENT_OPS:  # the gradient the next UPDATE consumes: B, or W when split
                 awaiting[(a.replica, a.stage)].append(a.microbatch)
             if pos in last_positions:
                 rs = (a.replica, a.stage)
@@ -140,48 +139,59 @@ def _check_levels(deltas: np.ndarray, device: int) -> None:
 
 
 def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, optimizer: str) -> list[MemoryTrack]:
-    """Per-device memory over time, built as one event array per device.
+    """Per-device memory over time: every allocation and free as an event,
+    accumulated per device and category (:func:`_tracks`)."""
+    events = _Events()
+    t0 = min(map(attrgetter("start"), result.spans), default=0.0)
+    _resident_state(events, result.schedule, stage_costs, optimizer, t0)
+    _extra_versions(events, result, stage_costs, changes)
+    _activations(events, result, stage_costs)
+    _comm_buffers(events, result)
+    return _tracks(events, result.schedule.num_devices, capacity)
 
-    Events are gathered with list comprehensions and ordered with numpy,
-    because a large simulation has a few hundred thousand of them.
-    """
-    schedule = result.schedule
-    placement = schedule.placement()
+
+class _Events:
+    """Memory changes (device, time, bytes, category), gathered in bulk with
+    list comprehensions: a large simulation has a few hundred thousand."""
+
+    def __init__(self) -> None:
+        self.dev: list[int] = []
+        self.t: list[float] = []
+        self.d: list[int] = []
+        self.c: list[int] = []
+
+    def add(self, devs, times, deltas, cat: str) -> None:
+        self.dev.extend(devs)
+        self.t.extend(times)
+        self.d.extend(deltas)
+        self.c.extend([_CAT[cat]] * (len(self.dev) - len(self.c)))
+
+
+def _resident_state(events: _Events, schedule: Schedule, stage_costs, optimizer: str, t0: float) -> None:
+    """What every (replica, stage) holds from the start: one version of its
+    weights, their gradients and optimizer state, a prediction buffer if it
+    predicts, and the averaging centre on replica 0's device."""
     opt_mult = 2 if optimizer == "adam" else 1
-    spans = result.spans
-    t0 = min(map(attrgetter("start"), spans), default=0.0)
-    param = [c.param_bytes for c in stage_costs]
-    stash = [c.stash_bytes for c in stage_costs]
-    ev_dev: list[int] = []
-    ev_t: list[float] = []
-    ev_d: list[int] = []
-    ev_c: list[int] = []
-
-    def extend(devs, times, deltas, cat: str) -> None:
-        ev_dev.extend(devs)
-        ev_t.extend(times)
-        ev_d.extend(deltas)
-        ev_c.extend([_CAT[cat]] * (len(ev_dev) - len(ev_c)))
-
     predicting = {(a.replica, a.stage) for p in schedule.programs for a in p if a.op is PREDICT}
     averaging = {a.stage for p in schedule.programs for a in p if a.op is AVERAGE}
-    for (rep, stage), dev in sorted(placement.items()):
-        w = param[stage]
-        extend([dev], [t0], [w], "weights")
-        extend([dev], [t0], [w], "gradients")
-        extend([dev], [t0], [opt_mult * w], "optimizer")
+    for (rep, stage), dev in sorted(schedule.placement().items()):
+        w = stage_costs[stage].param_bytes
+        events.add([dev], [t0], [w], "weights")
+        events.add([dev], [t0], [w], "gradients")
+        events.add([dev], [t0], [opt_mult * w], "optimizer")
         if (rep, stage) in predicting:
-            extend([dev], [t0], [w], "prediction")
+            events.add([dev], [t0], [w], "prediction")
         if rep == 0 and stage in averaging:
-            extend([dev], [t0], [w], "averaging")
+            events.add([dev], [t0], [w], "averaging")
 
-    split = split_stages(schedule)
-    by_stream = result.by_stream()
-    compute = by_stream["compute"]
+
+def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: dict) -> None:
+    """Older weight versions kept for a later read (``version_plan``'s
+    changes), timed by the end of the compute action at that position."""
     by_dev: dict[int, list] = defaultdict(list)
-    for s in compute:
+    for s in result.by_stream()["compute"]:
         by_dev[s.device].append(s)
-    for dev, prog in enumerate(schedule.programs):
+    for dev, prog in enumerate(result.schedule.programs):
         positions = [pos for pos, a in enumerate(prog) if a.op in COMPUTE_OPS]
         dev_spans = by_dev.get(dev, [])
         if len(dev_spans) != len(positions):
@@ -189,42 +199,60 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
         if dev in changes:
             at = dict(zip(positions, dev_spans, strict=True))
             rows = changes[dev]
-            extend([dev] * len(rows), [at[pos].end for pos, _, _ in rows],
-                   [d * param[rs[1]] for _, d, rs in rows], "weights")
+            events.add([dev] * len(rows), [at[pos].end for pos, _, _ in rows],
+                       [d * stage_costs[rs[1]].param_bytes for _, d, rs in rows], "weights")
+
+
+def _activations(events: _Events, result: SimResult, stage_costs) -> None:
+    """A micro-batch's stash, from the start of its forward to the end of the
+    backward that makes its weight gradient (B, or W when split)."""
+    compute = result.by_stream()["compute"]
+    stash = [c.stash_bytes for c in stage_costs]
     fwd = [s for s in compute if s.action.op is F]
-    extend([s.device for s in fwd], [s.start for s in fwd], [stash[s.action.stage] for s in fwd], "activations")
-    freed = [s for s in compute if s.action.op is W or s.action.op is B]
-    extend([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed], "activations")
+    events.add([s.device for s in fwd], [s.start for s in fwd], [stash[s.action.stage] for s in fwd], "activations")
+    freed = [s for s in compute if s.action.op in WEIGHT_GRADIENT_OPS]
+    events.add([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed],
+               "activations")
 
+
+def _comm_buffers(events: _Events, result: SimResult) -> None:
+    """A send buffer for the transfer's duration; a receive buffer from the
+    start of the transfer until the pass that consumes it starts."""
+    by_stream = result.by_stream()
     sends = [s for s in by_stream["send"] if s.nbytes]
-    extend([s.device for s in sends], [s.start for s in sends], [s.nbytes for s in sends], "comm_buffers")
-    extend([s.device for s in sends], [s.end for s in sends], [-s.nbytes for s in sends], "comm_buffers")
+    events.add([s.device for s in sends], [s.start for s in sends], [s.nbytes for s in sends], "comm_buffers")
+    events.add([s.device for s in sends], [s.end for s in sends], [-s.nbytes for s in sends], "comm_buffers")
     recvs = [s for s in by_stream["recv"] if s.nbytes]
-    if recvs:
-        started = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
-                   for s in compute if s.action.op in PASS_OPS}
+    if not recvs:
+        return
+    split = split_stages(result.schedule)
+    started = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
+               for s in by_stream["compute"] if s.action.op in PASS_OPS}
 
-        def consumer(a: Action) -> tuple:
-            if a.op is RECV_F:
-                return (F, a.replica, a.stage, a.microbatch)
-            return (backward_op(split, a.replica, a.stage, a.microbatch), a.replica, a.stage, a.microbatch)
+    def consumer(a: Action) -> tuple:
+        op = F if a.op is RECV_F else backward_op(split, a.replica, a.stage, a.microbatch)
+        return (op, a.replica, a.stage, a.microbatch)
 
-        extend([s.device for s in recvs], [s.start for s in recvs], [s.nbytes for s in recvs], "comm_buffers")
-        extend([s.device for s in recvs], [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],
+    events.add([s.device for s in recvs], [s.start for s in recvs], [s.nbytes for s in recvs], "comm_buffers")
+    events.add([s.device for s in recvs], [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],
                [-s.nbytes for s in recvs], "comm_buffers")
 
-    dev_a = np.asarray(ev_dev, dtype=np.int64)
-    t_a = np.asarray(ev_t, dtype=float)
-    d_a = np.asarray(ev_d, dtype=np.int64)  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
-    c_a = np.asarray(ev_c, dtype=np.int64)
+
+def _tracks(events: _Events, num_devices: int, capacity: float) -> list[MemoryTrack]:
+    """Accumulate the events per device and category, in time order (frees
+    before allocations at equal times, as a stream does), with numpy."""
+    dev_a = np.asarray(events.dev, dtype=np.int64)
+    t_a = np.asarray(events.t, dtype=float)
+    d_a = np.asarray(events.d, dtype=np.int64)  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
+    c_a = np.asarray(events.c, dtype=np.int64)
     risky = _may_overflow(d_a)
     # By device, then time; frees before allocations at equal times; then
     # recording order (lexsort is stable).
     order = np.lexsort((d_a > 0, t_a, dev_a))
     dev_a, t_a, d_a, c_a = dev_a[order], t_a[order], d_a[order], c_a[order]
-    bounds = np.searchsorted(dev_a, np.arange(schedule.num_devices + 1))
+    bounds = np.searchsorted(dev_a, np.arange(num_devices + 1))
     tracks = []
-    for dev in range(schedule.num_devices):
+    for dev in range(num_devices):
         track_ = MemoryTrack(device=dev, capacity_bytes=capacity)
         lo, hi = bounds[dev], bounds[dev + 1]
         if hi > lo:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pipesim.experiments.cli import main
 from pipesim.sim.api import model_for, simulate_schedule
 from pipesim.sim.checks import validate
-from pipesim.sim.dataflow import compile_plan, split_stages
+from pipesim.sim.dataflow import Gathered, compile_plan, split_stages
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
 from pipesim.sim.ir import (
@@ -143,8 +143,8 @@ def test_unshard_is_waited_for_by_the_next_pass_of_its_stage_only():
     s = mk(["0UNSHARD 0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1 0RESHARD 0UNSHARD 0F2@v1 0B2@v1 0UPDATE@v2"], 1, 3)
     validate(s)
     entries = compile_plan(s, group(s))[0]
-    gated = {str(a): [t for t in waits if t[0] is UNSHARD] for _, a, waits, _ in entries if a is not None}
-    assert gated["0F0@v0"] == [(UNSHARD, 0, 0, 0)] and gated["0F2@v1"] == [(UNSHARD, 0, 0, 1)]
+    gated = {str(a): [t for t in waits if isinstance(t, Gathered)] for _, a, waits, _ in entries if a is not None}
+    assert gated["0F0@v0"] == [Gathered(0, 0, 0)] and gated["0F2@v1"] == [Gathered(0, 0, 1)]
     assert not any(gated[k] for k in gated if k not in ("0F0@v0", "0F2@v1"))
 
 

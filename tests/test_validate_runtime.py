@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pipesim.sim.checks import validate
+from pipesim.sim.dataflow import Arrival
 from pipesim.sim.engine import simulate
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.ir import Op, ScheduleError
@@ -111,7 +112,7 @@ def test_transfer_tags_are_unique_and_symmetric():
     for strategy, kw in TWO_DEVICES:
         sched = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=3, **kw))
         entries = compiled(sched)
-        tokens = {tok for prog in entries for posts, *_ in prog for _, tok in posts if tok and len(tok) == 4}
+        tokens = {tok for prog in entries for posts, *_ in prog for _, tok in posts if isinstance(tok, Arrival)}
         tags = {transfer_tag(t, sched.num_replicas, sched.num_stages) for t in tokens}
         assert len(tags) == len(tokens)
 

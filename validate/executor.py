@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 from pipesim.kernels import elastic_average
-from pipesim.sim.dataflow import compile_plan
+from pipesim.sim.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir import (
     AVERAGE,
     FSDP_OPS,
@@ -311,83 +311,77 @@ class DeviceExecutor:
     def post(self, posts) -> None:
         clock = self.clock
         for x, tok in posts:
-            op = x.op
-            t0 = clock.now() if clock else None
-            if op is SEND_F or op is SEND_B:
-                src = (F, x.replica, x.stage, x.microbatch) if op is SEND_F else None
-                if src is None:
-                    tensor = self.local.pop((B, x.replica, x.stage, x.microbatch), None)
-                    if tensor is None:
-                        tensor = self.local.pop((I, x.replica, x.stage, x.microbatch))
-                else:
-                    tensor = self.local.pop(src)
-                rec = Record(self.device, "send", x, t0, None, self.peers.get(tok),
-                             tensor.numel() * tensor.element_size()) if clock else None
-                self.comm.send(tok, x, tensor, rec)
-            elif op is RECV_F or op is RECV_B:
-                rec = Record(self.device, "recv", x, t0, None, self.peers.get(tok)) if clock else None
-                self.comm.recv(tok, x, rec)
-            else:
-                rec = Record(self.device, "collective", x, t0) if clock else None
-                self.comm.collective(tok, x, self.stages[(x.replica, x.stage)], rec)
-            if rec is not None:
-                self.records.append(rec)
+            record = _POST[x.op](self, x, tok, clock.now() if clock else None)
+            if record is not None:
+                self.records.append(record)
+
+    def _post_send(self, x: Action, tok: Arrival, t0) -> Record | None:
+        """Send the output of the pass that made it on this device: the
+        forward, or the backward (B, or I where the backward is split)."""
+        tensor = None
+        for op in _MADE_BY[x.op]:
+            tensor = self.local.pop(PassDone(op, x.replica, x.stage, x.microbatch), None)
+            if tensor is not None:
+                break
+        rec = Record(self.device, "send", x, t0, None, self.peers.get(tok),
+                     tensor.numel() * tensor.element_size()) if self.clock else None
+        self.comm.send(tok, x, tensor, rec)
+        return rec
+
+    def _post_recv(self, x: Action, tok: Arrival, t0) -> Record | None:
+        rec = Record(self.device, "recv", x, t0, None, self.peers.get(tok)) if self.clock else None
+        self.comm.recv(tok, x, rec)
+        return rec
+
+    def _post_collective(self, x: Action, tok: CollectiveDone, t0) -> Record | None:
+        rec = Record(self.device, "collective", x, t0) if self.clock else None
+        self.comm.collective(tok, x, self.stages[(x.replica, x.stage)], rec)
+        return rec
 
     # -- compute -----------------------------------------------------------
     def _input(self, tok) -> Tensor:
-        if tok[0] is SEND_F or tok[0] is SEND_B:
+        """The data a pass waits for: arrived from another device, or made here."""
+        if type(tok) is Arrival:
             return self.comm.take(tok)
         return self.local.pop(tok)
 
     def compute(self, a: Action, waits: tuple, token) -> None:
         stage = self.stages[(a.replica, a.stage)]
-        op = a.op
-        data_wait = None
+        data = None
         for w in waits:
-            if len(w) == 3:
+            if type(w) is CollectiveDone:
                 self.comm.finish(w)
-            else:
-                data_wait = w
-        # inputs are taken before the clock starts: waiting is not compute
-        if op is F:
-            x = target = None
-            if stage.is_first or stage.is_last:
-                x0, target = self._batch(a.replica, a.microbatch)
-                x = x0 if stage.is_first else None
-            if data_wait is not None:
-                x = self._input(data_wait)
-        elif op is B or op is I:
-            g = self._input(data_wait) if data_wait is not None else None
+            else:  # inputs are taken before the clock starts: waiting is not compute
+                data = self._input(w)
+        run = _COMPUTE[a.op]
+        inputs = self._forward_inputs(a, stage, data) if a.op is F else data
         clock = self.clock
         t0 = clock.now() if clock else None
-        if op is F:
-            out = stage.forward(a, x, target)
-            if not stage.is_last:
-                self.local[token] = out
-        elif op is B or op is I:
-            dx = stage.backward(a, g)
-            if dx is not None:
-                self.local[token] = dx
-        elif op is W:
-            stage.backward(a, None)
-        elif op is UPDATE:
-            stage.update(a)
-        elif op is PREDICT:
-            stage.predict(a)
-        else:  # pragma: no cover - the plan holds only compute actions here
-            raise RuntimeSemanticsError(f"{a} is not a compute action")
+        out = run(stage, a, inputs)
+        if out is not None:
+            self.local[token] = out  # for a consumer on this device, or the send
         if clock:
             self.records.append(Record(self.device, "compute", a, t0, clock.now()))
         self.comm.poll()
 
+    def _forward_inputs(self, a: Action, stage: PipelineStage, received: Tensor | None):
+        """(input, target) of a forward: the micro-batch's data on the first
+        stage, the activation received on the others; the target on the last."""
+        x = target = None
+        if stage.is_first or stage.is_last:
+            x0, target = self._batch(a.replica, a.microbatch)
+            x = x0 if stage.is_first else None
+        return (received if received is not None else x), target
+
     def ready(self, j: int) -> bool:
         """Whether entry j's compute action has everything it waits for (emulator)."""
         comm = self.comm
-        for w in self.entries[j][2]:
-            if len(w) == 3:
+        for w in self.entries[j].waits:
+            kind = type(w)
+            if kind is CollectiveDone:
                 if w not in comm.done:
                     return False
-            elif w[0] is SEND_F or w[0] is SEND_B:
+            elif kind is Arrival:
                 if w not in comm.mail:
                     return False
             elif w not in self.local:
@@ -416,6 +410,39 @@ class DeviceExecutor:
             for mb, loss in s.losses.items():
                 out.losses[(s.replica, mb)] = float(loss)
         return out
+
+
+def _forward(stage: PipelineStage, a: Action, inputs) -> Tensor | None:
+    x, target = inputs
+    out = stage.forward(a, x, target)
+    return None if stage.is_last else out  # the last stage's output is its loss
+
+
+def _backward(stage: PipelineStage, a: Action, grad: Tensor | None) -> Tensor | None:
+    return stage.backward(a, grad)  # the input gradient, None on the first stage
+
+
+def _weight_gradient(stage: PipelineStage, a: Action, _) -> None:
+    stage.backward(a, None)
+
+
+def _update(stage: PipelineStage, a: Action, _) -> None:
+    stage.update(a)
+
+
+def _predict(stage: PipelineStage, a: Action, _) -> None:
+    stage.predict(a)
+
+
+#: The tensor work of each compute action: ``(stage, action, inputs) -> output or None``.
+_COMPUTE = {F: _forward, B: _backward, I: _backward, W: _weight_gradient, UPDATE: _update, PREDICT: _predict}
+#: How each posted action is posted (a table on the class: bound methods in an
+#: instance dict would keep every executor alive in a reference cycle).
+_POST = {SEND_F: DeviceExecutor._post_send, SEND_B: DeviceExecutor._post_send,
+         RECV_F: DeviceExecutor._post_recv, RECV_B: DeviceExecutor._post_recv,
+         REDUCE_GRAD: DeviceExecutor._post_collective, AVERAGE: DeviceExecutor._post_collective}
+#: The passes whose output a send carries.
+_MADE_BY = {SEND_F: (F,), SEND_B: (B, I)}
 
 
 def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:

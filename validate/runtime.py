@@ -47,7 +47,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from pipesim.sim.ir import COLLECTIVE_OPS, SEND_B, SEND_F, Schedule, ScheduleError
+from pipesim.sim.dataflow import Arrival, CollectiveDone
+from pipesim.sim.ir import (
+    AVERAGE,
+    COLLECTIVE_OPS,
+    SEND_B,
+    SEND_F,
+    SEND_OPS,
+    Schedule,
+    ScheduleError,
+    boundary_stage,
+    transfer_stages,
+)
 from pipesim.sim.strategies.avgpipe import elastic_rate
 from pipesim.validate.executor import (
     Clock,
@@ -72,10 +83,10 @@ from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemant
 COLLECTIVE_TAG_BASE = 1 << 30
 
 
-def transfer_tag(token: tuple, num_replicas: int, num_stages: int) -> int:
+def transfer_tag(token: Arrival, num_replicas: int, num_stages: int) -> int:
     """A tag unique to one transfer of one run, the same at both ends."""
-    kind, rep, stage, mb = token
-    return ((mb * num_replicas + rep) * num_stages + stage) * 2 + (0 if kind is SEND_F else 1)
+    send, rep, stage, mb = token
+    return ((mb * num_replicas + rep) * num_stages + stage) * 2 + (0 if send is SEND_F else 1)
 
 
 def transfer_peers(schedule: Schedule, entries: list[list]) -> dict[int, dict[tuple, int]]:
@@ -85,12 +96,9 @@ def transfer_peers(schedule: Schedule, entries: list[list]) -> dict[int, dict[tu
     for dev, prog in enumerate(entries):
         for posts, *_ in prog:
             for x, tok in posts:
-                if tok is None or len(tok) != 4:
-                    continue
-                kind, rep, stage, _ = tok
-                src = where[(rep, stage)]
-                dst = where[(rep, stage + 1 if kind is SEND_F else stage - 1)]
-                out[dev][tok] = dst if dev == src else src
+                if type(tok) is Arrival:
+                    src, dst = (where[(x.replica, s)] for s in transfer_stages(x))
+                    out[dev][tok] = dst if dev == src else src
     return out
 
 
@@ -102,10 +110,10 @@ def check_pair_order(entries: list[list], peers: dict[int, dict[tuple, int]]) ->
     for dev, prog in enumerate(entries):
         for posts, *_ in prog:
             for x, tok in posts:
-                if tok is None or len(tok) != 4:
+                if type(tok) is not Arrival:
                     continue
                 peer = peers[dev][tok]
-                if x.op.name.startswith("SEND"):
+                if x.op in SEND_OPS:
                     sends[(dev, peer)].append((tok, x))
                 else:
                     recvs[(peer, dev)].append((tok, x))
@@ -161,10 +169,10 @@ class DistComm:
     def _tag(self, token):
         return transfer_tag(token, self.schedule.num_replicas, self.schedule.num_stages)
 
-    def _collective_tag(self, token) -> int:
+    def _collective_tag(self, token: CollectiveDone) -> int:
         """Tags above every transfer's: (op, stage, round) of a collective."""
         op, stage, rnd = token
-        return COLLECTIVE_TAG_BASE + (rnd * self.schedule.num_stages + stage) * 2 + (op == "AVERAGE")
+        return COLLECTIVE_TAG_BASE + (rnd * self.schedule.num_stages + stage) * 2 + (op is AVERAGE)
 
     @staticmethod
     def _wait(work) -> None:
@@ -179,17 +187,16 @@ class DistComm:
 
     def send(self, token, action, tensor, record=None):
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self.peers[token], tag=self._tag(token), group=self.p2p[token[0]])
+        work = dist.isend(tensor, dst=self.peers[token], tag=self._tag(token), group=self.p2p[token.send])
         if self.reaper is not None:
             self.reap.put((work, tensor, record))
         else:
             self.sends.append((work, tensor, record))
 
     def recv(self, token, action, record=None):
-        kind, rep, stage, mb = token
-        shape, dtype = self.specs[stage if kind is SEND_F else stage - 1]
+        shape, dtype = self.specs[boundary_stage(action)]
         buf = torch.empty(shape, dtype=dtype, device=self.torch_device)
-        work = dist.irecv(buf, src=self.peers[token], tag=self._tag(token), group=self.p2p[token[0]])
+        work = dist.irecv(buf, src=self.peers[token], tag=self._tag(token), group=self.p2p[token.send])
         self.recvs[token] = (work, buf, record)
 
     def _reaper_loop(self):

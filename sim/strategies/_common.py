@@ -32,6 +32,7 @@ from ..ir import (
     PASS_OPS,
     REDUCE_GRAD,
     UPDATE,
+    WEIGHT_GRADIENT_OPS,
     Action,
     B,
     F,
@@ -39,6 +40,9 @@ from ..ir import (
     Schedule,
     W,
 )
+
+
+_new = tuple.__new__  # see flush_iteration
 
 
 class StrategyError(InputError):
@@ -226,7 +230,7 @@ def flush_iteration(
     """
     last: dict[tuple[int, int], int] = {}
     for pos, a in enumerate(order):
-        if a.op is B or a.op is W:
+        if a.op in WEIGHT_GRADIENT_OPS:
             last[(a.replica, a.stage)] = pos
     n = len(order)
     ends: dict[int, tuple[int, int]] = {}
@@ -238,9 +242,9 @@ def flush_iteration(
     offset = 0 if global_ids else t * m
     for pos, a in enumerate(order):
         op = a.op
-        # positional construction: NamedTuple._replace costs ten times more
+        # built through tuple.__new__: the class call (and _replace) cost far more per action
         if op in PASS_OPS:
-            out.append(Action(op, a.stage, a.microbatch + offset, t, a.distance, a.replica))
+            out.append(_new(Action, (op, a.stage, a.microbatch + offset, t, a.distance, a.replica)))
         elif a.microbatch is None or not offset:
             out.append(a)
         else:
