@@ -248,13 +248,28 @@ class _Layout:
     __slots__ = ("counters", "flows", "lines", "slices", "spans", "tails", "threads")
 
     def __init__(self, result: SimResult, *, text: bool = False):
-        spans = result.spans
-        self.spans = spans
-        op_value, cat_dur_of, flow_end = _OP_VALUE, _CAT_DUR, _FLOW_END
+        self.spans = result.spans
+        tracks, unusual, ends = self._scan(text)
+        lanes_of, lane_of_span = _lanes(tracks, unusual, self.spans)
+        tid_of, self.threads = _threads(result, tracks, lanes_of)
+        #: (device, tid, stream, span indices in event order) per thread with
+        #: spans, by (device, tid)
+        self.slices: list[tuple[int, int, str, list[int]]] = sorted(
+            ((dev, tid_of[(dev, stream, lane)], stream, items)
+             for (dev, stream), per_lane in lanes_of.items()
+             for lane, items in enumerate(per_lane)),
+            key=lambda t: (t[0], t[1]),
+        )
+        self.flows = _pair_flows(ends, tracks, tid_of, lane_of_span)
+        self.counters = _counters(result.memory)
 
-        # One pass over the spans: times as integer nanoseconds before
-        # anything else, the event text, the track, the flow ends.
-        tracks: dict[tuple[int, str], list[int]] = {}  # span indices, input order
+    def _scan(self, text: bool):
+        """One pass over the spans: times as integer nanoseconds before
+        anything else, the event text (with ``text``), the tracks, the flow
+        ends. Returns the tracks (span indices in input order per (device,
+        stream)), the tracks that are not simply in order, and the flow ends."""
+        spans = self.spans
+        tracks: dict[tuple[int, str], list[int]] = {}
         #: per track, [its span indices, its tail, start and end of its last span]
         entries: dict[tuple[int, str], list] = {}
         #: tracks whose spans do not each start after the end and the start
@@ -265,11 +280,8 @@ class _Layout:
         self.tails: dict[tuple[int, str], str | None] = {}
         self.lines: list[str] = []
         line = self.lines.append
-        send_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
-        recv_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
-        not_pairs: set[int] = set()  # flow ids with several sends or receives
+        ends = _FlowEnds()
         for i, s in enumerate(spans):
-            a = s.action
             start = round(s.start * 1e9)
             end = round(s.end * 1e9)
             key = (s.device, s.stream)
@@ -285,130 +297,145 @@ class _Layout:
                 entry[2] = start
                 entry[3] = end
                 tail = entry[1]
-            flow = s.flow
             if text:
-                if type(a) is not Action or (v := op_value.get(a[0])) is None:
-                    raise _Fallback
-                op, stage, mb, ver, dist, rep = a
-                if not type(stage) is type(dist) is type(rep) is int:
-                    raise _Fallback
-                nb = s.nbytes
-                if type(nb) is not int:
-                    nb = int(nb)
-                # _us of duration and start; f"{x}" of a float is its repr
-                dur = end - start
-                us = dur // 1000 if dur % 1000 == 0 else dur / 1000
-                ts = start // 1000 if start % 1000 == 0 else start / 1000
-                peer = s.peer
-                cat_dur = cat_dur_of[op]
-                # The two shapes of nearly every span first, a pass and a
-                # transfer, with each number turned into text once.
-                if rep == 0 == dist and type(mb) is int:
-                    if flow is None and peer is None and type(ver) is int:
-                        mb, stage, ver = str(mb), str(stage), str(ver)
-                        line(f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
-                             f'"stage":{stage},"version":{ver}{cat_dur}{us},'
-                             f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
-                        continue  # no flow
-                    if type(flow) is type(peer) is int and ver is None:
-                        mb, stage = str(mb), str(stage)
-                        line(f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
-                             f'"peer":{peer},"replica":0,"stage":{stage}{cat_dur}{us},'
-                             f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
-                    else:
-                        line(_x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us,
-                                     _action_name(a), tail, ts))
-                else:
-                    line(_x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us,
-                                 _action_name(a), tail, ts))
-            if flow is not None:
-                op = a.op
-                is_send = flow_end.get(op)
-                if is_send is None:
-                    if key[1] == "send":
-                        is_send = True
-                    elif key[1] == "recv":
-                        is_send = False
-                    else:
-                        continue
-                side = send_at if is_send else recv_at
-                if flow in side:
-                    not_pairs.add(flow)
-                else:
-                    side[flow] = (i, key, start + (end - start) // 2, op)
+                line(_span_text(s, start, end, tail))
+            if s.flow is not None:
+                ends.add(i, s, key, start + (end - start) // 2)
+        return tracks, unusual, ends
 
-        # Order each track and spread overlapping spans over extra lanes
-        # (tids). A track whose every span starts after the end and the start
-        # of the one before is in order already, on one lane.
-        lanes_of: dict[tuple[int, str], list[list[int]]] = {}
-        lane_of_span: dict[int, int] = {}  # only spans of tracks with lanes
-        for key, track in tracks.items():
-            if key not in unusual:
-                lanes_of[key] = [track]
-                continue
-            order, lanes = _order_track(track, spans)
-            if lanes is None:
-                lanes_of[key] = [order]
-                continue
-            lane_of_span.update(zip(track, lanes, strict=True))
-            per_lane: list[list[int]] = [[] for _ in range(max(lanes) + 1)]
-            for i in order:  # in order, so each lane stays in order
-                per_lane[lane_of_span[i]].append(i)
-            lanes_of[key] = per_lane
 
-        # tids per device: every known stream always gets lane 0, in STREAMS
-        # order; a stream's extra lanes follow its first.
-        devices = set(range(result.schedule.num_devices))
-        devices.update(m.device for m in result.memory)
-        devices.update(d for d, _ in tracks)
-        tid_of: dict[tuple[int, str, int], int] = {}
-        #: (device, [(tid, thread name), ...]) per device, by device
-        self.threads: list[tuple[int, list[tuple[int, str]]]] = []
-        for dev in sorted(devices):
-            streams = set(STREAMS) | {st for (d, st) in tracks if d == dev}
-            tid = 0
-            named: list[tuple[int, str]] = []
-            for stream in sorted(streams, key=_stream_key):
-                for lane in range(len(lanes_of.get((dev, stream), ((),)))):
-                    tid += 1
-                    tid_of[(dev, stream, lane)] = tid
-                    named.append((tid, _lane_name(stream, lane)))
-            self.threads.append((dev, named))
+class _FlowEnds:
+    """The send and receive ends of each flow id, as the spans are scanned."""
 
-        #: (device, tid, stream, span indices in event order) per thread with
-        #: spans, by (device, tid)
-        self.slices: list[tuple[int, int, str, list[int]]] = sorted(
-            ((dev, tid_of[(dev, stream, lane)], stream, items)
-             for (dev, stream), per_lane in lanes_of.items()
-             for lane, items in enumerate(per_lane)),
-            key=lambda t: (t[0], t[1]),
-        )
+    __slots__ = ("not_pairs", "recv_at", "send_at")
 
-        #: (flow id, name, pid, tid, ts ns of the start, pid, tid, ts ns of the
-        #: finish) per send/receive pair (one send span and one recv span
-        #: sharing a flow id), by flow id; both ends at the middle of their
-        #: slice, the name is the send's op type
-        self.flows: list[tuple[int, str, int, int, int, int, int, int]] = []
-        add = self.flows.append
-        first_tid = {key: tid_of[(key[0], key[1], 0)] for key in tracks}
-        for flow_id, (si, skey, sts, sop) in sorted(send_at.items()):
-            got = recv_at.get(flow_id)
-            if got is None or (not_pairs and flow_id in not_pairs):
-                continue
-            ri, rkey, rts, _ = got
-            stid, rtid = first_tid[skey], first_tid[rkey]
-            if lane_of_span:
-                stid += lane_of_span.get(si, 0)
-                rtid += lane_of_span.get(ri, 0)
-            add((flow_id, _op_value(sop), skey[0], stid, sts, rkey[0], rtid, rts))
+    def __init__(self) -> None:
+        self.send_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
+        self.recv_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
+        self.not_pairs: set[int] = set()  # flow ids with several sends or receives
 
-        #: (device, times in ns, totals) per memory track, by device
-        self.counters: list[tuple[int, list[int], list[int]]] = []
-        for track in sorted(result.memory, key=lambda m: m.device):
-            times, totals = track.times, track.totals
-            self.counters.append((track.device,
-                                  [round(t * 1e9) for t, _ in zip(times, totals, strict=False)],  # _ns
-                                  [int(b) for _, b in zip(times, totals, strict=False)]))
+    def add(self, i: int, s: Span, key: tuple[int, str], middle: int) -> None:
+        op = s.action.op
+        is_send = _FLOW_END.get(op)
+        if is_send is None:  # an action of no transfer type: its stream says which end
+            if key[1] not in ("send", "recv"):
+                return
+            is_send = key[1] == "send"
+        side = self.send_at if is_send else self.recv_at
+        if s.flow in side:
+            self.not_pairs.add(s.flow)
+        else:
+            side[s.flow] = (i, key, middle, op)
+
+
+def _span_text(s: Span, start: int, end: int, tail: str) -> str:
+    """The text of span ``s``'s complete event (see :class:`_Layout`)."""
+    a = s.action
+    if type(a) is not Action or (v := _OP_VALUE.get(a[0])) is None:
+        raise _Fallback
+    op, stage, mb, ver, dist, rep = a
+    if not type(stage) is type(dist) is type(rep) is int:
+        raise _Fallback
+    nb = s.nbytes
+    if type(nb) is not int:
+        nb = int(nb)
+    # _us of duration and start; f"{x}" of a float is its repr
+    dur = end - start
+    us = dur // 1000 if dur % 1000 == 0 else dur / 1000
+    ts = start // 1000 if start % 1000 == 0 else start / 1000
+    flow, peer = s.flow, s.peer
+    cat_dur = _CAT_DUR[op]
+    # The two shapes of nearly every span first, a pass and a transfer,
+    # with each number turned into text once.
+    if rep == 0 == dist and type(mb) is int:
+        if flow is None and peer is None and type(ver) is int:
+            mb, stage, ver = str(mb), str(stage), str(ver)
+            return (f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
+                    f'"stage":{stage},"version":{ver}{cat_dur}{us},'
+                    f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
+        if type(flow) is type(peer) is int and ver is None:
+            mb, stage = str(mb), str(stage)
+            return (f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
+                    f'"peer":{peer},"replica":0,"stage":{stage}{cat_dur}{us},'
+                    f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
+    return _x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us, _action_name(a), tail, ts)
+
+
+def _lanes(tracks: dict, unusual: set, spans: list[Span]) -> tuple[dict, dict[int, int]]:
+    """Order each track and spread overlapping spans over extra lanes
+    (tids). A track whose every span starts after the end and the start of
+    the one before is in order already, on one lane. Returns the lanes of
+    each track (span indices in event order) and the lane of every span of a
+    track with several."""
+    lanes_of: dict[tuple[int, str], list[list[int]]] = {}
+    lane_of_span: dict[int, int] = {}  # only spans of tracks with lanes
+    for key, track in tracks.items():
+        if key not in unusual:
+            lanes_of[key] = [track]
+            continue
+        order, lanes = _order_track(track, spans)
+        if lanes is None:
+            lanes_of[key] = [order]
+            continue
+        lane_of_span.update(zip(track, lanes, strict=True))
+        per_lane: list[list[int]] = [[] for _ in range(max(lanes) + 1)]
+        for i in order:  # in order, so each lane stays in order
+            per_lane[lane_of_span[i]].append(i)
+        lanes_of[key] = per_lane
+    return lanes_of, lane_of_span
+
+
+def _threads(result: SimResult, tracks: dict, lanes_of: dict):
+    """tids per device: every known stream always gets lane 0, in STREAMS
+    order; a stream's extra lanes follow its first. Returns the tid of each
+    (device, stream, lane) and, per device, its (tid, thread name) list."""
+    devices = set(range(result.schedule.num_devices))
+    devices.update(m.device for m in result.memory)
+    devices.update(d for d, _ in tracks)
+    tid_of: dict[tuple[int, str, int], int] = {}
+    threads: list[tuple[int, list[tuple[int, str]]]] = []
+    for dev in sorted(devices):
+        streams = set(STREAMS) | {st for (d, st) in tracks if d == dev}
+        tid = 0
+        named: list[tuple[int, str]] = []
+        for stream in sorted(streams, key=_stream_key):
+            for lane in range(len(lanes_of.get((dev, stream), ((),)))):
+                tid += 1
+                tid_of[(dev, stream, lane)] = tid
+                named.append((tid, _lane_name(stream, lane)))
+        threads.append((dev, named))
+    return tid_of, threads
+
+
+def _pair_flows(ends: _FlowEnds, tracks: dict, tid_of: dict, lane_of_span: dict) -> list[tuple]:
+    """(flow id, name, pid, tid, ts ns of the start, pid, tid, ts ns of the
+    finish) per send/receive pair (one send span and one recv span sharing a
+    flow id), by flow id; both ends at the middle of their slice, the name is
+    the send's op type."""
+    flows = []
+    first_tid = {key: tid_of[(key[0], key[1], 0)] for key in tracks}
+    for flow_id, (si, skey, sts, sop) in sorted(ends.send_at.items()):
+        got = ends.recv_at.get(flow_id)
+        if got is None or (ends.not_pairs and flow_id in ends.not_pairs):
+            continue
+        ri, rkey, rts, _ = got
+        stid, rtid = first_tid[skey], first_tid[rkey]
+        if lane_of_span:
+            stid += lane_of_span.get(si, 0)
+            rtid += lane_of_span.get(ri, 0)
+        flows.append((flow_id, _op_value(sop), skey[0], stid, sts, rkey[0], rtid, rts))
+    return flows
+
+
+def _counters(memory) -> list[tuple[int, list[int], list[int]]]:
+    """(device, times in ns, totals) per memory track, by device."""
+    out = []
+    for track in sorted(memory, key=lambda m: m.device):
+        times, totals = track.times, track.totals
+        out.append((track.device,
+                    [round(t * 1e9) for t, _ in zip(times, totals, strict=False)],  # _ns
+                    [int(b) for _, b in zip(times, totals, strict=False)]))
+    return out
 
 
 def _x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us, name, tail, ts) -> str:
