@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipesim.experiments.progress import no_progress, phase_bar
+from .progress import no_progress, phase_bar
 from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command
 from pipesim.sim.errors import InputError
 
@@ -215,8 +215,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
 
 def _write_outputs(result, out: Path, step) -> None:
     """trace.json, timeline.html and, for small runs with a browser at hand, timeline.png."""
-    from pipesim.experiments.export import png_supported, write_png
-    from pipesim.experiments.timeline import timeline_figure, write_timeline_html
+    from .export import png_supported, write_png
+    from .timeline import timeline_figure, write_timeline_html
     from pipesim.sim.trace import write_trace
 
     big = len(result.spans) > PROGRESS_SPANS
@@ -329,7 +329,7 @@ def cmd_compare(args) -> int:
                         "bubble", "peak mem", "staleness", "OOM"]))
     # sorted keys keep the JSON byte-stable; "order" keeps the table's order
     (out / "comparison.json").write_text(dumps({"order": strategies, "strategies": summaries}))
-    from pipesim.experiments.figures import write_comparison
+    from .figures import write_comparison
 
     write_comparison(strategies, summaries, out)
     print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
@@ -380,13 +380,13 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from pipesim.experiments.bench import run
+    from .bench import run
 
     return run(args.name, args.args)
 
 
 def cmd_figure(args) -> int:
-    from pipesim.experiments.figures import bubble_figure
+    from .figures import bubble_figure
 
     path = bubble_figure(_output_dir(args.out))
     print(f"wrote {path}")
@@ -450,7 +450,7 @@ def cmd_profile(args) -> int:
 def cmd_validate(args) -> int:
     import json
 
-    from pipesim.experiments.overlay import write_merged_trace, write_overlay_html
+    from .overlay import write_merged_trace, write_overlay_html
     from pipesim.sim.metrics import dumps
     from pipesim.sim.workload import save_profile
     from pipesim.validate.harness import ValidateConfig, run_validation
@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/validate", help="output folder")
     p.set_defaults(func=cmd_validate)
 
-    from pipesim.experiments.bench import BENCHES, describe
+    from .bench import BENCHES, describe
 
     p = sub.add_parser("bench", help="benchmarks: print their figures (tables, or --json)",
                        description="Run one benchmark; `pipesim bench NAME --help` lists its options.",

@@ -46,7 +46,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from pipesim.experiments.export import write_png
+from .export import write_png
 from pipesim.sim.errors import InputError
 from pipesim.sim.metrics import round_sig
 

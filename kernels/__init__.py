@@ -13,24 +13,24 @@ launch over all parameters) chosen automatically for CUDA tensors when
 Triton imports; :func:`set_backend` or ``backend=`` forces either.
 """
 
-from pipesim.kernels.averaging import elastic_average
-from pipesim.kernels.backend import (
+from .averaging import elastic_average
+from .backend import (
     BACKENDS,
     get_backend,
     set_backend,
     triton_available,
     use_backend,
 )
-from pipesim.kernels.buffers import DoubleBuffer, StashFullError, VersionPool, WeightStash
-from pipesim.kernels.cost import KERNELS, bytes_moved
-from pipesim.kernels.module import (
+from .buffers import DoubleBuffer, StashFullError, VersionPool, WeightStash
+from .cost import KERNELS, bytes_moved
+from .module import (
     PredictionGroup,
     Predictor,
     elastic_average_modules,
     optimizer_kind,
     predict_module,
 )
-from pipesim.kernels.prediction import (
+from .prediction import (
     InplacePrediction,
     adam_coefficients,
     predict_adam,

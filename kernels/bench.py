@@ -25,7 +25,7 @@ import time
 
 import torch
 from pipesim.sim.cliargs import bench_main, positive, run_command
-from pipesim.kernels import (
+from . import (
     DoubleBuffer,
     WeightStash,
     bytes_moved,
@@ -35,7 +35,7 @@ from pipesim.kernels import (
     predict_sgd_,
     triton_available,
 )
-from pipesim.kernels.prediction import empty_like_all
+from .prediction import empty_like_all
 
 TARGET_PCT_COPY = 80.0
 TARGET_LOOP_CPU = 3.0

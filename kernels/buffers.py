@@ -24,9 +24,9 @@ copy only what the semantics require:
 from __future__ import annotations
 
 import torch
-from pipesim.kernels import foreach
-from pipesim.kernels._checks import as_tensor_list, check_aligned, group_indices, take
-from pipesim.kernels.prediction import empty_like_all, impl_for
+from . import foreach
+from ._checks import as_tensor_list, check_aligned, group_indices, take
+from .prediction import empty_like_all, impl_for
 from torch import Tensor
 
 

@@ -35,7 +35,7 @@ import threading
 from functools import lru_cache
 
 import torch
-from pipesim.kernels._checks import opmath_dtype
+from ._checks import opmath_dtype
 from torch import Tensor
 
 TILE_NUMEL = 1 << 18

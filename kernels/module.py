@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pipesim.kernels import foreach
-from pipesim.kernels.averaging import elastic_average
-from pipesim.kernels.prediction import (
+from . import foreach
+from .averaging import elastic_average
+from .prediction import (
     InplacePrediction,
     empty_like_all,
     predict_adam,

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 
 import torch
-from pipesim.kernels import foreach
-from pipesim.kernels._checks import (
+from . import foreach
+from ._checks import (
     as_tensor_list,
     check_aligned,
     check_distance,
@@ -40,14 +40,14 @@ from pipesim.kernels._checks import (
     group_indices,
     take,
 )
-from pipesim.kernels.backend import resolve
+from .backend import resolve
 from torch import Tensor
 
 
 def impl_for(lists: list[list[Tensor]], backend: str | None):
     """The module that runs one group: Triton where chosen and able, else foreach."""
     if resolve(backend, lists[0][0].device) == "triton":
-        from pipesim.kernels import triton_kernels
+        from . import triton_kernels
         if triton_kernels.supports(lists):
             return triton_kernels
     return foreach

@@ -34,7 +34,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
-from pipesim.kernels.foreach import flat_view
+from .foreach import flat_view
 from torch import Tensor
 
 BLOCK = 4096

@@ -17,16 +17,16 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from pipesim.sim._gc import gc_paused
-from pipesim.sim.engine import check_run_options
-from pipesim.sim.engine import simulate as run_engine
-from pipesim.sim.hardware import Hardware, load_hardware
-from pipesim.sim.ir import Schedule
-from pipesim.sim.models import model_profile
-from pipesim.sim.partition import partition
-from pipesim.sim.results import SimResult
-from pipesim.sim.strategies import ScheduleSpec, build_schedule
-from pipesim.sim.workload import Profile, check_microbatch_size
+from ._gc import gc_paused
+from .engine import check_run_options
+from .engine import simulate as run_engine
+from .hardware import Hardware, load_hardware
+from .ir import Schedule
+from .models import model_profile
+from .partition import partition
+from .results import SimResult
+from .strategies import ScheduleSpec, build_schedule
+from .workload import Profile, check_microbatch_size
 
 from .errors import InputError
 
@@ -167,8 +167,8 @@ def simulate(
 
 
 def _check_simulate_arguments(spec, model, profile) -> None:
-    from pipesim.sim.strategies import StrategyError
-    from pipesim.sim.workload import WorkloadError
+    from .strategies import StrategyError
+    from .workload import WorkloadError
 
     if not isinstance(spec, ScheduleSpec):
         raise StrategyError(f"spec must be a ScheduleSpec, got {type(spec).__name__}")

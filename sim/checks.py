@@ -375,7 +375,7 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
 
 def _check_deadlock(s: Schedule) -> None:
     """Abstract execution with zero durations; raise naming a waiting cycle."""
-    from pipesim.sim.lowering import group  # lowering builds on this module
+    from .lowering import group  # lowering builds on this module
 
     programs = compile_plan(s, group(s))
     where = providers(programs)

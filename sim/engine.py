@@ -55,7 +55,7 @@ from .results import SimResult, Span
 from .workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
 
 if TYPE_CHECKING:
-    from pipesim.sim.hardware import Hardware
+    from .hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def check_run_options(*, microbatch_size: int = 1, optimizer: str = "sgd", recv_
 
 
 def _check_arguments(schedule, stage_costs, hardware, check) -> None:
-    from pipesim.sim.hardware import Hardware, HardwareError
+    from .hardware import Hardware, HardwareError
 
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a pipesim.sim.ir.Schedule, got {type(schedule).__name__}")
@@ -170,7 +170,7 @@ def _check_arguments(schedule, stage_costs, hardware, check) -> None:
 
 
 def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta):
-    from pipesim.sim.trackers import track  # after the engine: derived accounting
+    from .trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
         raise ScheduleError(

@@ -83,8 +83,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipesim.sim.hardware import DeviceSpec
-from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
+from .hardware import DeviceSpec
+from .workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
 
 #: Bytes per parameter in every catalog profile (fp32 master weights).
 PARAM_BYTES = 4

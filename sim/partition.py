@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pipesim.sim.models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
-from pipesim.sim.workload import Profile, WorkloadError
+from .models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
+from .workload import Profile, WorkloadError
 
 _REL_TOL = 1e-9
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from pipesim.sim.ir import Action, Schedule
+from .ir import Action, Schedule
 
 #: Streams of a device. Compute actions run on "compute"; sends and receives
 #: on their own streams so they overlap with compute as on a GPU; all-reduce

@@ -26,7 +26,7 @@ from pathlib import Path
 from pipesim.sim.cliargs import bench_main, list_choices, positive, run_command
 from pipesim.sim.strategies import strategy_names
 from pipesim.sim.workload import save_profile
-from pipesim.validate.models import model_names
+from .models import model_names
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -34,7 +34,7 @@ def _say(msg: str) -> None:
 
 def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
         repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None) -> dict:
-    from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
+    from .harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
 
     base = ValidateConfig(strategy="1f1b", stages=2, microbatches=microbatches, model=model, backend=backend,
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,

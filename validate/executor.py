@@ -54,8 +54,8 @@ from pipesim.sim.ir import (
 )
 from pipesim.sim.lowering import plan
 from pipesim.sim.strategies.avgpipe import elastic_rate
-from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
-from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
+from .numerics import EXECUTOR_THREADS, intra_op_threads
+from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import Tensor
 
 # ---------------------------------------------------------------- collectives

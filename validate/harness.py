@@ -38,13 +38,13 @@ from pipesim.sim.partition import partition
 from pipesim.sim.results import SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workload import Profile, load_profile
-from pipesim.validate.executor import emulate, iteration_losses
-from pipesim.validate.models import RealModel, build_model
-from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
-from pipesim.validate.profiler import ProfileSettings, profile_model, update_bandwidth
-from pipesim.validate.reconcile import compare, measured_result
-from pipesim.validate.runtime import Job, build_stages, run_distributed
-from pipesim.validate.stage import OptimizerConfig
+from .executor import emulate, iteration_losses
+from .models import RealModel, build_model
+from .numerics import EXECUTOR_THREADS, intra_op_threads
+from .profiler import ProfileSettings, profile_model, update_bandwidth
+from .reconcile import compare, measured_result
+from .runtime import Job, build_stages, run_distributed
+from .stage import OptimizerConfig
 
 BACKENDS = ("gloo", "nccl", "single")
 
@@ -138,7 +138,7 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
     with intra_op_threads(_executor_threads(device)):
         prof = profile_model(model, device=device, settings=settings, progress=progress)
     if cfg.backend in ("gloo", "nccl"):
-        from pipesim.validate.profiler import measure_dispatch
+        from .profiler import measure_dispatch
 
         boundary = int(statistics.median(la.activation_bytes for la in prof.layers[:-1] or prof.layers))
         o_f, o_b = measure_dispatch(cfg.backend, boundary, timeout_s=min(cfg.timeout_s, 120.0))
@@ -152,7 +152,7 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
 def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
                  model: RealModel | None = None) -> Hardware:
     """This machine as the simulator sees it: measured links and update bandwidth."""
-    from pipesim.validate.commprofile import hardware_json, measure_p2p
+    from .commprofile import hardware_json, measure_p2p
 
     model = model or model_of(cfg)
     with intra_op_threads(_executor_threads(device)):
@@ -269,7 +269,7 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    from pipesim.validate.runtime import boundary_specs, warm_up
+    from .runtime import boundary_specs, warm_up
 
     say(f"running every stage in this process on {device} ...")
     with intra_op_threads(_executor_threads(device)):

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from pipesim.sim.errors import InputError
-from pipesim.validate import data as _data
+from . import data as _data
 from torch import nn
 
 __all__ = [

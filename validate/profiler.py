@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from pipesim.sim.ir import Action, B, F, I, UPDATE
 from pipesim.sim.workload import LayerCost, Profile
-from pipesim.validate.models import RealModel, layer_stats
-from pipesim.validate.stage import OptimizerConfig, PipelineStage
+from .models import RealModel, layer_stats
+from .stage import OptimizerConfig, PipelineStage
 from torch import nn
 
 
@@ -261,7 +261,7 @@ def _relay_loss(out, target):
 
 def _dispatch_worker(ctx, numel: int, microbatches: int, iterations: int):
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
-    from pipesim.validate.runtime import execute
+    from .runtime import execute
 
     sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches,
                                         iterations=iterations))
@@ -288,8 +288,8 @@ def measure_dispatch(backend: str = "gloo", nbytes: int = 1 << 17, *, microbatch
     """
     import statistics
 
-    from pipesim.validate.runtime import launch_settings
-    from pipesim.validate.launch import launch
+    from .runtime import launch_settings
+    from .launch import launch
 
     numel = max(1, nbytes // 4)
     out = launch(_dispatch_worker, 2, args=(numel, microbatches, iterations), backend=backend,

@@ -60,7 +60,7 @@ from pipesim.sim.ir import (
     transfer_stages,
 )
 from pipesim.sim.strategies.avgpipe import elastic_rate
-from pipesim.validate.executor import (
+from .executor import (
     Clock,
     DeviceExecutor,
     LocalComm,
@@ -75,8 +75,8 @@ from pipesim.validate.executor import (
     stage_replicas,
     write_back,
 )
-from pipesim.validate.numerics import EXECUTOR_THREADS
-from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
+from .numerics import EXECUTOR_THREADS
+from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
 
 #: collectives exchanged point to point use tags from here up
@@ -347,7 +347,7 @@ class Job:
 
 def build_stages(job: Job, keys, device: torch.device):
     """The model's stage modules and a PipelineStage for every (replica, stage) in ``keys``."""
-    from pipesim.validate.models import build_model, split
+    from .models import build_model, split
 
     model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
     modules = split(model, list(job.starts))
@@ -499,7 +499,7 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
     """Run jobs of the same device count one after another in one set of worker
     processes (start-up is the expensive part of a short run)."""
     from pipesim.sim.checks import validate
-    from pipesim.validate.launch import launch
+    from .launch import launch
 
     if not jobs:
         return []

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from pipesim.sim.ir import UPDATE, Schedule, shift_versions
-from pipesim.validate.executor import RunOutput, emulate, initial_centres, iteration_losses
-from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
-from pipesim.validate.stage import OptimizerConfig
+from .executor import RunOutput, emulate, initial_centres, iteration_losses
+from .numerics import EXECUTOR_THREADS, intra_op_threads
+from .stage import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class PipelineSchedule:
                        timed=self.timed, centres=self._centres, threads=None)  # set by step()
 
     def _step_distributed(self, sched: Schedule, data) -> RunOutput | None:
-        from pipesim.validate.runtime import execute
+        from .runtime import execute
 
         world = dist.get_world_size()
         if world != sched.num_devices:

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from pipesim.kernels import VersionPool, adam_coefficients, predict_adam, predict_sgd
 from pipesim.kernels import foreach
-from pipesim.sim.ir import B, F, I, PREDICT, UPDATE, W, Action
+from pipesim.sim.ir import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
 from torch import Tensor, nn
 
 OPTIMIZERS = ("sgd", "adam")
@@ -163,9 +163,9 @@ class PipelineStage:
         """Read this stage's actions once: who reads which version, and the optimizer."""
         self.optim = optim
         for a in actions:
-            if a.op in (F, B, I, W) and a.distance == 0:
-                self.reads[a.version] += 1
-            elif a.op is PREDICT:
+            # a pass reads its version unless it computes on predicted weights,
+            # which the PREDICT that made them read instead
+            if (a.op in PASS_OPS and not a.distance) or a.op is PREDICT:
                 self.reads[a.version] += 1
         self._announce(self.pool.version)
 

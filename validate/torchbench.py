@@ -137,7 +137,7 @@ class TorchJob:
 
 def _torch_run(ctx, job: TorchJob) -> dict:
     import torch.distributed as dist
-    from pipesim.validate.models import build_model, split
+    from .models import build_model, split
     from pipesim.sim.strategies import get_strategy
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
@@ -344,7 +344,7 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     processes took meanwhile (:class:`CpuMeter`): figures from launches
     where it is well above 0 were measured on a contended machine.
     """
-    from pipesim.validate.models import build_model
+    from .models import build_model
 
     schedules = tuple(schedules)
     _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats, warmup_iterations)
@@ -392,8 +392,8 @@ def _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, w
           seed) -> tuple[list, list]:
     """The same work for both sides: pipesim's jobs and torch's."""
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
-    from pipesim.validate.runtime import Job
-    from pipesim.validate.stage import OptimizerConfig
+    from .runtime import Job
+    from .stage import OptimizerConfig
 
     total = warmup_iterations + iterations
     optim = OptimizerConfig(kind="sgd", lr=LR, momentum=MOMENTUM, scale_grads=True)
@@ -413,8 +413,8 @@ def _alternate(pjobs, tjobs, schedules, cpu_launch: dict, repeats: int, progress
     """``repeats`` rounds of one pipesim launch then one torch launch (so
     drift on a shared machine hits both sides alike): per round, each
     schedule's throughput record, and the CPU other processes took."""
-    from pipesim.validate.launch import launch
-    from pipesim.validate.runtime import run_many
+    from .launch import launch
+    from .runtime import run_many
 
     first = tjobs[0]
     pipesim_runs: list[list[dict]] = []
