@@ -172,6 +172,8 @@ def _check_simulate_arguments(spec, model, profile) -> None:
 
     if not isinstance(spec, ScheduleSpec):
         raise StrategyError(f"spec must be a ScheduleSpec, got {type(spec).__name__}")
+    if not isinstance(spec.strategy, str):  # build_schedule would look an unhashable one up as a key
+        raise StrategyError(f"strategy must be a strategy name, got {type(spec.strategy).__name__}")
     if not isinstance(model, str):
         raise WorkloadError(f"model must be a catalog model name, got {type(model).__name__}")
     if profile is not None and not isinstance(profile, Profile):

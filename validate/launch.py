@@ -23,8 +23,9 @@ Design
 * **Start-up data travels through a file too.** ``fn``'s ``args`` (a whole
   schedule, data sets) are pickled once into ``args.pkl`` in that directory,
   and each child is spawned with only its small :class:`_WorkerSpec` and a
-  reference to ``fn`` (a few hundred bytes with CPython's own preparation
-  data). The reason is in CPython's ``popen_spawn_posix.Popen._launch``: the
+  reference to ``fn`` (about 1.5 KB with CPython's own preparation data,
+  within even the smallest pipe buffer Linux hands out, one 4 KiB page).
+  The reason is in CPython's ``popen_spawn_posix.Popen._launch``: the
   parent writes the pickled process object into a pipe *while still holding
   the child's read end itself*, so when that payload exceeds the pipe buffer
   (64 KiB) and the child dies before reading it all (killed during its torch
