@@ -288,6 +288,11 @@ def _print_summary(s: dict) -> None:
 def cmd_simulate(args) -> int:
     if not args.strategy and not args.schedule:
         raise UsageError("pipesim simulate: give --strategy NAME or --schedule FILE.csv")
+    if args.schedule and (args.strategy or _strategy_options(args)):
+        given = ["--strategy"] * bool(args.strategy) + [
+            "--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+        raise UsageError(f"pipesim simulate: {', '.join(given)} configure a strategy to build, but --schedule "
+                         "imports one whose order is given; leave them out")
     out = _output_dir(args.out)
     started = time.perf_counter()
     summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True)

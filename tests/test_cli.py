@@ -58,6 +58,8 @@ def test_same_inputs_give_byte_identical_outputs(tmp_path, capsys) -> None:
         (["simulate", "--strategy", "1f1b", "--stages", "8", "--hardware", "pcie-4gpu"], "has 4 devices"),
         (["simulate", "--strategy", "pipedream", "--width", "2"], "width"),
         (["simulate"], "--strategy"),
+        (["simulate", "--schedule", "x.csv", "--no-stashing", "--tau", "2"], "--no-stashing, --tau configure a strategy"),
+        (["simulate", "--schedule", "x.csv", "--strategy", "1f1b"], "--strategy configure a strategy"),
         (["frobnicate"], "invalid choice"),
     ],
 )

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipesim.experiments import cli
 from pipesim.sim import api
+from pipesim.sim.cliargs import EXIT_USAGE
 from pipesim.sim.checks import validate
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.errors import InputError
@@ -213,25 +214,9 @@ def _command_line(draw, input_files):
     return argv
 
 
-def test_random_command_lines(fuzz_examples, input_files, tmp_path, capsys, monkeypatch):
-    escaped: list[BaseException] = []
-
-    def watch(command):
-        """The command as main() calls it, noting any exception that is not a clean
-        rejection (main() turns every ValueError and OSError into exit code 2, so
-        the code alone would hide them)."""
-        def watched(args):
-            try:
-                return command(args)
-            except (InputError, cli.UsageError):
-                raise
-            except BaseException as e:
-                escaped.append(e)
-                raise
-        return watched
-
-    for name in ("cmd_simulate", "cmd_schedule"):
-        monkeypatch.setattr(cli, name, watch(getattr(cli, name)))
+def test_random_command_lines(fuzz_examples, input_files, tmp_path, capsys):
+    # main() answers bad input with exit code 2 and lets every other
+    # exception through with its traceback, so a crash fails the test here
     out = tmp_path / "out"
 
     def invoke(argv):
@@ -244,11 +229,9 @@ def test_random_command_lines(fuzz_examples, input_files, tmp_path, capsys, monk
     def run(argv):
         if argv[0] == "simulate":
             argv = [*argv, "--out", str(out)]
-        escaped.clear()
         code, stdout, stderr = invoke(argv)
-        assert not escaped, f"{argv}: {escaped[0]!r}"
         assert "Traceback" not in stderr, stderr
-        if code == cli.EXIT_USAGE:
+        if code == EXIT_USAGE:
             lines = stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: "), (argv, stderr)
             return

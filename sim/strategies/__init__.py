@@ -52,12 +52,12 @@ def strategy_names() -> list[str]:
 
 def find_strategy(name: str) -> Strategy | None:
     """The strategy called ``name``, or None (an imported schedule has none)."""
-    return _REGISTRY.get(name)
+    return _REGISTRY.get(name) if isinstance(name, str) else None
 
 
 def get_strategy(name: str) -> Strategy:
     """The strategy called ``name``; a one-line StrategyError naming the choices if there is none."""
-    found = _REGISTRY.get(name)
+    found = find_strategy(name)
     if found is None:
         raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
     return found
