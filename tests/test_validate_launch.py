@@ -200,7 +200,9 @@ def test_rank_killed_during_start_up_fails_the_launch(tmp_path):
     assert str(err).splitlines()[0] == (
         "rank 1 failed: worker died without raising (killed by signal SIGKILL); its stderr, if any, is above"
     )
-    assert sorted(int(n[3:]) for n in os.listdir(tmp_path) if n.startswith("pid")) == [0, 1]
+    # rank 1 recorded its pid as it died; rank 0 may have been stopped before it
+    # got that far (its start-up races rank 1's death), so only its absence counts
+    assert 1 in [int(n[3:]) for n in os.listdir(tmp_path) if n.startswith("pid")]
     _assert_no_workers_left(_pids(tmp_path))
 
 
