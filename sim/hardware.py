@@ -46,7 +46,6 @@ devices, a zero makespan.
 from __future__ import annotations
 
 import importlib.resources
-import json
 import math
 import os
 import re
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError
+from .files import parse_json, read_text
 from .workload import MAX_SECONDS, shown
 
 
@@ -561,12 +561,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     if m and m["base"] in names and int(m["nodes"]) >= 1:
         return load_hardware(m["base"]).with_nodes(int(m["nodes"]))
     if os.path.isfile(key):
-        try:
-            with open(key, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise HardwareError(f"cannot read hardware file {key}: {e.strerror}") from None
-        return _parse_text(text, f"hardware file {key}")
+        return _parse_text(read_text(key, "hardware", HardwareError), f"hardware file {key}")
     if os.sep in key or "/" in key or key.endswith(".json"):
         raise HardwareError(f"hardware file {key} not found")
     raise HardwareError(
@@ -575,10 +570,4 @@ def load_hardware(name_or_path: str) -> Hardware:
 
 
 def _parse_text(text: str, source: str) -> Hardware:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HardwareError(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except ValueError as e:  # an integer literal beyond Python's digit limit
-        raise HardwareError(f"{source}: unreadable JSON: {e}") from None
-    return Hardware.from_json(data, source=source)
+    return Hardware.from_json(parse_json(text, source, HardwareError), source=source)

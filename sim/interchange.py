@@ -23,6 +23,7 @@ what to do.
 from __future__ import annotations
 
 from .checks import validate
+from .files import read_text
 from .ir import (
     MICROBATCH_OPS,
     OVERLAP_F_B,
@@ -159,9 +160,4 @@ def _check_torch_1f1b_numbering(actions: list[Action], num_stages: int) -> None:
 
 def load_schedule_csv(path, **kwargs) -> Schedule:
     """Read a schedule CSV file; a missing or unreadable file is a ScheduleError."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise ScheduleError(f"cannot read schedule file {path}: {e.strerror}") from None
-    return schedule_from_csv(text, **kwargs)
+    return schedule_from_csv(read_text(path, "schedule", ScheduleError), **kwargs)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
+from .files import parse_json, read_text
 
 #: Optimizer state kept per weight byte: SGD with momentum keeps one
 #: momentum buffer, Adam two moments.
@@ -321,19 +322,7 @@ _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s"}
 
 def load_profile(path) -> Profile:
     """Read a profile JSON file; :class:`WorkloadError` naming the file and the problem."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise WorkloadError(f"profile file {path} not found") from None
-    except OSError as e:
-        raise WorkloadError(f"cannot read profile file {path}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise WorkloadError(f"profile file {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except ValueError as e:  # an integer literal beyond Python's digit limit
-        raise WorkloadError(f"profile file {path}: unreadable JSON: {e}") from None
+    data = parse_json(read_text(path, "profile", WorkloadError), f"profile file {path}", WorkloadError)
     try:
         return Profile.from_json(data)
     except WorkloadError as e:

@@ -54,7 +54,7 @@ def test_same_inputs_give_byte_identical_outputs(tmp_path, capsys) -> None:
         (["simulate", "--strategy", "1f1b", "--stages", "40", "--model", "vgg16"], "cannot split"),
         (["simulate", "--strategy", "pipedream-2bw", "--stages", "4", "--microbatches", "2"], "m=2 < p=4"),
         (["simulate", "--strategy", "1f1b", "--profile", "/nonexistent/profile.json"], "not found"),
-        (["simulate", "--schedule", "/nonexistent/schedule.csv"], "cannot read schedule file"),
+        (["simulate", "--schedule", "/nonexistent/schedule.csv"], "schedule file /nonexistent/schedule.csv not found"),
         (["simulate", "--strategy", "1f1b", "--stages", "8", "--hardware", "pcie-4gpu"], "has 4 devices"),
         (["simulate", "--strategy", "pipedream", "--width", "2"], "width"),
         (["simulate"], "--strategy"),

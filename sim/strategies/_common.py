@@ -288,13 +288,22 @@ def flush_schedule(
             for t in range(spec.iterations):
                 prog.extend(flush_iteration(order_r, t, m, reduce=w > 1))
             programs.append(tuple(prog))
+    return schedule_of(spec, programs, num_stages=num_stages, num_microbatches=m, num_replicas=w, options=options)
+
+
+def schedule_of(spec: ScheduleSpec, programs, *, num_stages: int | None = None, num_microbatches: int | None = None,
+                num_replicas: int = 1, options: dict | None = None) -> Schedule:
+    """The :class:`Schedule` a strategy built for ``spec`` from per-device
+    ``programs`` (by default ``spec.stages`` stages and ``spec.microbatches``
+    micro-batches), recording the options every schedule records and the
+    strategy's own ``options``."""
     return Schedule(
         strategy=spec.strategy,
-        num_stages=num_stages,
-        num_microbatches=m,
+        num_stages=spec.stages if num_stages is None else num_stages,
+        num_microbatches=spec.microbatches if num_microbatches is None else num_microbatches,
         programs=tuple(programs),
         num_iterations=spec.iterations,
-        num_replicas=w,
+        num_replicas=num_replicas,
         options=base_options(spec) | (options or {}),
     )
 
@@ -311,11 +320,4 @@ def asynchronous_schedule(spec: ScheduleSpec, stage_program, options: dict | Non
     micro-batches on a ``p``-stage pipeline, one stage per device.
     """
     p, n = spec.stages, spec.microbatches * spec.iterations
-    return Schedule(
-        strategy=spec.strategy,
-        num_stages=p,
-        num_microbatches=spec.microbatches,
-        num_iterations=spec.iterations,
-        programs=tuple(tuple(stage_program(k, p, n)) for k in range(p)),
-        options=base_options(spec) | (options or {}),
-    )
+    return schedule_of(spec, (tuple(stage_program(k, p, n)) for k in range(p)), options=options)

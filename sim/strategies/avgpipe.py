@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..ir import Action, Schedule
-from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, base_options, check_spec, flush_iteration, one_f_one_b
+from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, check_spec, flush_iteration, one_f_one_b, schedule_of
 
 NAME = "avgpipe"
 
@@ -61,23 +61,14 @@ def build(spec: ScheduleSpec) -> Schedule:
         for t in range(spec.iterations):
             prog.extend(flush_iteration(order, t, m, reduce=False, average=(t + 1) % spec.tau == 0))
         programs.append(tuple(prog))
-    return Schedule(
-        strategy=NAME,
-        num_stages=p,
-        num_microbatches=m,
-        num_iterations=spec.iterations,
-        num_replicas=n_p,
-        programs=tuple(programs),
-        options=base_options(spec)
-        | {
-            "pipelines": n_p,
-            "alpha": spec.alpha,
-            "tau": spec.tau,
-            "advance": spec.advance,
-            "placement": spec.placement,
-            "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
-        },
-    )
+    return schedule_of(spec, programs, num_replicas=n_p, options={
+        "pipelines": n_p,
+        "alpha": spec.alpha,
+        "tau": spec.tau,
+        "advance": spec.advance,
+        "placement": spec.placement,
+        "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
+    })
 
 
 def elastic_rate(options: Mapping[str, object]) -> float:

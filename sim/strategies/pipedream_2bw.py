@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..ir import REDUCE_GRAD, UPDATE, Action, B, Schedule
-from ._common import ScheduleSpec, Strategy, StrategyError, base_options, check_spec, one_f_one_b
+from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, one_f_one_b, schedule_of
 
 NAME = "pipedream-2bw"
 
@@ -54,15 +54,7 @@ def build(spec: ScheduleSpec) -> Schedule:
     programs = [
         tuple(stage_program(k, p, m, n, r, reduce=w > 1)) for r in range(w) for k in range(p)
     ]
-    return Schedule(
-        strategy=NAME,
-        num_stages=p,
-        num_microbatches=m,
-        num_iterations=spec.iterations,
-        num_replicas=w,
-        programs=tuple(programs),
-        options=base_options(spec),
-    )
+    return schedule_of(spec, programs, num_replicas=w)
 
 
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:

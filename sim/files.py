@@ -1,0 +1,32 @@
+"""Reading the files users hand pipesim: one way to turn I/O and JSON
+failures into a one-line :class:`~pipesim.sim.errors.InputError` that names
+the file and the problem (a profile, a hardware description, a schedule CSV
+each raise their own subclass)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import InputError
+
+
+def read_text(path, what: str, error: type[InputError]) -> str:
+    """The text of ``path``; ``error`` saying "<what> file <path> not found" or why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise error(f"{what} file {path} not found") from None
+    except OSError as e:
+        raise error(f"cannot read {what} file {path}: {e.strerror or e}") from None
+
+
+def parse_json(text: str, source: str, error: type[InputError]) -> Any:
+    """``text`` parsed as JSON; ``error`` naming ``source`` and where it is malformed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except ValueError as e:  # an integer literal beyond Python's digit limit
+        raise error(f"{source}: unreadable JSON: {e}") from None
