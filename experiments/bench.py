@@ -94,7 +94,7 @@ BENCHES: dict[str, Bench] = {
     "kernels": Bench("pipesim.kernels.bench", "kernel bandwidth against a plain copy and a Python loop"),
     "validate": Bench("pipesim.validate.bench", "prediction error of every strategy on this machine"),
     "torch": Bench("pipesim.validate.torchbench", "runtime throughput against torch.distributed.pipelining"),
-    "torch-dry-run": Bench("pipesim.validate.torchdry",
+    "torch-dry-run": Bench("pipesim.experiments.torchdry",
                            "simulating a torch schedule: pipesim against torch's own dry run"),
     "comm": Bench("pipesim.validate.commprofile", "point-to-point and all-reduce times against their models"),
 }

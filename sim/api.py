@@ -25,7 +25,7 @@ from .ir import Schedule
 from .models import model_profile
 from .partition import partition
 from .results import SimResult
-from .strategies import ScheduleSpec, build_schedule
+from .strategies import ScheduleSpec, build_schedule, find_strategy
 from .workload import Profile, check_microbatch_size
 
 from .errors import InputError
@@ -47,13 +47,10 @@ def estimate_passes(spec: ScheduleSpec) -> int | None:
     micro-batch). None when the spec's sizes are not positive integers
     (building it will say why)."""
     sizes = (spec.stages, spec.microbatches, spec.iterations, spec.width, spec.chunks)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+    strategy = find_strategy(spec.strategy)
+    if strategy is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
         return None
-    runs = spec.microbatches * spec.iterations
-    if spec.strategy == "data-parallel":
-        return runs
-    stages = spec.stages * (spec.chunks if spec.strategy == "interleaved-1f1b" else 1)
-    return stages * runs * spec.width
+    return strategy.stage_passes(spec)
 
 
 def available_memory_bytes() -> int | None:

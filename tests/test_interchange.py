@@ -444,7 +444,7 @@ def test_simulating_a_schedule_csv_imports_neither_torch_nor_plotly(tmp_path):
 
 
 def test_torch_dry_run_benchmark_reports_both_sides(capsys):
-    from pipesim.validate.torchdry import main as bench
+    from pipesim.experiments.torchdry import main as bench
 
     assert bench(["--sizes", "2,2,4", "--repeat", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]

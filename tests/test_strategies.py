@@ -345,6 +345,8 @@ def test_every_strategy_structure_and_versions(spec):
             validate(lower(s))
     assert s.strategy == spec.strategy
     assert s.num_iterations == spec.iterations
+    # the size the strategy announces before building is the size it builds
+    assert get_strategy(spec.strategy).stage_passes(spec) == sum(1 for p in s.programs for a in p if a.op is F)
     check_structure(s)
     check_versions(s, spec)
     # UPDATE versions run 1, 2, 3, ... per (replica, stage); REDUCE_GRAD right before each

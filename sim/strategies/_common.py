@@ -104,6 +104,12 @@ def one_version(options: Mapping[str, object], stage: int, stages: int) -> int:
     return 1
 
 
+def pipeline_passes(spec: ScheduleSpec) -> int:
+    """Stage passes of ``width`` pipelines of ``stages`` stages over every
+    micro-batch of every iteration (forwards; as many backwards)."""
+    return spec.stages * spec.microbatches * spec.iterations * spec.width
+
+
 @dataclass(frozen=True)
 class Strategy:
     """What callers may ask a strategy: each module declares one as ``STRATEGY``.
@@ -127,6 +133,9 @@ class Strategy:
       schedule's ``options``; the trackers measure the same from the IR.
     * ``torch_equivalent``: the torch.distributed.pipelining schedule class
       with the same per-rank compute order, if there is one.
+    * ``stage_passes(spec)``: how many forward passes of a model stage the
+      schedule runs (as many backwards), known before building it: the size
+      of a simulation, for limits and progress.
     """
 
     name: str
@@ -138,6 +147,7 @@ class Strategy:
     needs_m_ge_p: bool = False
     weight_versions: Callable[[Mapping[str, object], int, int], int] = field(default=one_version)
     torch_equivalent: str | None = None
+    stage_passes: Callable[[ScheduleSpec], int] = field(default=pipeline_passes)
 
     def option_defaults(self) -> dict[str, object]:
         """The default of every option this strategy reads."""

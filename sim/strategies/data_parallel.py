@@ -34,7 +34,12 @@ def build(spec: ScheduleSpec) -> Schedule:
     )
 
 
+def stage_passes(spec: ScheduleSpec) -> int:
+    """Whole-model passes, one per micro-batch, split over the devices."""
+    return spec.microbatches * spec.iterations
+
+
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",),
+    name=NAME, build=build, options=("width",), stage_passes=stage_passes,
     summary="whole model per device, stages x width devices, all-reduce, update",
 )

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..ir import Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule
+from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule, pipeline_passes
 
 NAME = "interleaved-1f1b"
 
@@ -77,8 +77,13 @@ def build(spec: ScheduleSpec) -> Schedule:
     )
 
 
+def stage_passes(spec: ScheduleSpec) -> int:
+    """Every device runs ``chunks`` model stages."""
+    return pipeline_passes(spec) * spec.chunks
+
+
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "chunks"), needs_m_ge_p=True,
+    name=NAME, build=build, options=("width", "chunks"), needs_m_ge_p=True, stage_passes=stage_passes,
     torch_equivalent="ScheduleInterleaved1F1B",
     summary="Megatron interleaving: v model chunks per device, stage c*p+r on rank r (torch's order)",
 )

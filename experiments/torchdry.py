@@ -1,4 +1,4 @@
-"""pipesim against torch's own dry run of a torch schedule: ``python -m pipesim.validate.torchdry``.
+"""pipesim against torch's own dry run of a torch schedule: ``python -m pipesim.experiments.torchdry``.
 
 A user who only wants to know whether a torch schedule runs, and how, can ask
 torch (``_simulate_comms_compute``, the dry run behind
@@ -76,7 +76,7 @@ def torch_dry_run_seconds(schedule, repeat: int = 1) -> float:
 def torch_end_to_end_seconds(name: str, p: int, v: int, m: int, repeat: int = 3) -> float:
     """Best wall time of what a user pays for torch's dry run from a fresh
     interpreter: start-up, ``import torch``, building the order, the dry run."""
-    script = ("import sys; from pipesim.validate.torchdry import torch_schedule, torch_dry_run_seconds; "
+    script = ("import sys; from pipesim.experiments.torchdry import torch_schedule, torch_dry_run_seconds; "
               f"torch_dry_run_seconds(torch_schedule({name!r}, {p}, {v}, {m}))")
     best = float("inf")
     for _ in range(repeat):
@@ -188,7 +188,7 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipesim.validate.torchdry") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipesim.experiments.torchdry") -> int:
     return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
                       run=run_bench, render=render)
 
