@@ -44,7 +44,8 @@ def run(name: str, argv: list[str]) -> int:
 def console_script_seconds(args: list[str], repeat: int = 3) -> list[float]:
     """Sorted wall times of ``pipesim <args>`` in fresh interpreters."""
     exe = shutil.which("pipesim")
-    cmd = [exe] if exe else [sys.executable, "-m", "pipesim.experiments.cli"]
+    same_install = exe is not None and os.path.dirname(exe) == os.path.dirname(sys.executable)
+    cmd = [exe] if same_install else [sys.executable, "-m", "pipesim.experiments.cli"]
     times = []
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeat):

@@ -11,7 +11,8 @@ Sub-commands:
 * ``profile``: measure a real model and this machine's links, writing the
   profile and hardware JSON that ``simulate`` takes;
 * ``validate``: profile, simulate, run for real (gloo, NCCL or one device)
-  and reconcile: report.json, overlay.html, trace.json.
+  and reconcile: report.json, overlay.html, trace.json;
+* ``bench``: every benchmark, by the layer it measures (:mod:`pipesim.experiments.bench`).
 
 Exit codes tell the truth (:mod:`pipesim.sim.errors`):
 
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 from .progress import no_progress, phase_bar
-from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command
+from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command, seconds
 from pipesim.sim.errors import InputError
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
@@ -46,8 +47,10 @@ PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PN
 
 #: The result of ``pipesim simulate``, kept referenced so that
 #: :func:`console_main` can end the process without CPython first freeing it
-#: object by object (``compare`` lets each result go, to bound memory).
-_KEEP_UNTIL_EXIT: list = []
+#: object by object (``compare`` lets each result go, to bound memory). Only
+#: the one-shot console script keeps it (it sets a list here); :func:`main`
+#: called in a longer-lived process keeps nothing.
+_KEEP_UNTIL_EXIT: list | None = None
 
 
 class OutputError(InputError):
@@ -109,8 +112,11 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -
     list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), _strategy_names)
     p.add_argument("--stages", type=positive, default=4, help="pipeline depth in devices per replica (data-parallel: devices)")
     p.add_argument("--microbatches", type=positive, default=None,
-                   help="micro-batches per iteration per replica, m (default: 8; imported CSV: inferred)")
-    p.add_argument("--iterations", type=positive, default=1, help="iterations K (asynchronous schedules run K*m micro-batches)")
+                   help="micro-batches per iteration per replica, m (default: 8; an imported CSV: the one a "
+                        "pipesim CSV records, else inferred)")
+    p.add_argument("--iterations", type=positive, default=None,
+                   help="iterations K (asynchronous schedules run K*m micro-batches) "
+                        "(default: 1; an imported pipesim CSV: the one it records)")
     p.add_argument("--width", type=positive, default=None,
                    help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
@@ -141,9 +147,9 @@ def _spec(args, strategy: str | None = None):
     """
     from pipesim.sim.strategies import ScheduleSpec
 
-    name = strategy or args.strategy
+    name = strategy if strategy is not None else args.strategy
     return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
-                        iterations=args.iterations, **_strategy_options(args, strategy))
+                        iterations=args.iterations or 1, **_strategy_options(args, strategy))
 
 
 def _strategy_options(args, strategy: str | None = None) -> dict:
@@ -176,7 +182,8 @@ def _profile(args, hardware, schedule):
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
                   keep: bool = False) -> dict:
-    from pipesim.sim.api import check_size, estimate_passes, resolve_hardware, simulate_schedule
+    from pipesim.sim.api import resolve_hardware, simulate_schedule
+    from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.metrics import summarize, write_summary
     from pipesim.sim.strategies import build_schedule
 
@@ -193,7 +200,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         spec = _spec(args, strategy)
         check_size(spec)
         phases.insert(0, "building the schedule")
-        passes = estimate_passes(spec) or 0
+        passes = estimate_work(spec) or 0
     with phase_bar(phases, passes) as step:
         if spec is not None:
             step("building the schedule")
@@ -201,7 +208,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         profile = _profile(args, hw, schedule)
         step("simulating")
         result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
-        if keep:
+        if keep and _KEEP_UNTIL_EXIT is not None:
             _KEEP_UNTIL_EXIT.append(result)  # see console_main
         step("summarizing")
         summary = summarize(result)
@@ -229,6 +236,15 @@ def _write_outputs(result, out: Path, step) -> None:
     write_timeline_html(result, out / "timeline.html")
     if not big and png_supported():  # a browser renders it; skip for huge timelines
         write_png(timeline_figure(result), out / "timeline.png")
+
+
+def _rate(samples_per_s: float | None) -> str:
+    """A throughput; n/a when the run took no time (a profile of zero costs)."""
+    return "n/a" if samples_per_s is None else f"{samples_per_s:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}x"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -267,7 +283,7 @@ def _print_summary(s: dict) -> None:
           f"{s['microbatches']} micro-batches x {s['iterations']} iterations "
           f"({s['meta'].get('model')} on {s['meta'].get('hardware')})")
     print(f"iteration time {s['iteration_time_s'] * 1e3:.3f} ms, throughput "
-          f"{s['throughput_samples_per_s']:.1f} samples/s, bubble {s['bubble_fraction']:.3f}")
+          f"{_rate(s['throughput_samples_per_s'])} samples/s, bubble {s['bubble_fraction']:.3f}")
     rows = []
     for d in s["devices"]:
         rows.append([str(d["id"]), f"{d['bubble_fraction']:.3f}", _fmt_bytes(d["peak_memory_bytes"]),
@@ -307,10 +323,23 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _compared(names: str | None) -> list[str]:
+    """The strategies ``--strategies`` names (default: all), each once, all
+    checked before the first is simulated."""
+    from pipesim.sim.strategies import get_strategy
+
+    if names is None:
+        return _strategy_names()
+    chosen = list(dict.fromkeys(n.strip() for n in names.split(",")))
+    for name in chosen:
+        get_strategy(name)  # a one-line StrategyError naming the choices
+    return chosen
+
+
 def cmd_compare(args) -> int:
     from pipesim.sim.metrics import dumps
 
-    strategies = args.strategies.split(",") if args.strategies else _strategy_names()
+    strategies = _compared(args.strategies)
     out = _output_dir(args.out)
     rows, summaries = [], {}
     base = None
@@ -322,7 +351,7 @@ def cmd_compare(args) -> int:
             base = s["throughput_samples_per_s"]
         rows.append([
             strategy, str(s["devices_count"]), f"{s['iteration_time_s'] * 1e3:.2f}",
-            f"{s['throughput_samples_per_s']:.1f}", f"{s['throughput_samples_per_s'] / base:.2f}x",
+            _rate(s["throughput_samples_per_s"]), _ratio(s["throughput_samples_per_s"], base),
             f"{s['bubble_fraction']:.3f}", _fmt_bytes(s["peak_memory_bytes_max"]),
             str(max(st["staleness_max"] for st in s["stages_info"])),
             "yes" if s["out_of_memory"] else "",
@@ -342,8 +371,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    from pipesim.sim.api import check_size
     from pipesim.sim.ir import program_cells, to_csv
+    from pipesim.sim.size import check_size
     from pipesim.sim.strategies import build_schedule, get_strategy, strategies
 
     if args.list:
@@ -557,12 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="use this profile JSON instead of profiling")
     p.add_argument("--hardware", default=None, help="use this hardware JSON instead of measuring links")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--synthetic", action="store_true", help="random inputs of the right shapes (timing only)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the workers are stopped")
+    p.add_argument("--timeout", type=seconds, default=600.0, help="seconds before the workers are stopped")
     p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")
     p.add_argument("--out", default="out/validate", help="output folder")
     p.set_defaults(func=cmd_validate)
@@ -591,7 +620,8 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=f"{parser.prog} {_version()}\n")
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
@@ -631,6 +661,8 @@ def console_main() -> None:
     flushed the process exits without tearing down its heap. Every output
     file is closed by then.
     """
+    global _KEEP_UNTIL_EXIT
+    _KEEP_UNTIL_EXIT = []
     gc.disable()
     code = main()
     sys.stdout.flush()

@@ -19,7 +19,6 @@ foreach and Triton paths are both measured, and Triton rows report
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -42,6 +41,10 @@ TARGET_LOOP_CPU = 3.0
 TARGET_TRITON = 1.2
 # Kernels with a fused Triton implementation; the stash snapshot is a plain copy everywhere.
 TRITON_KERNELS = ("predict_sgd", "predict_adam", "elastic_average", "double_buffer", "predict_sgd_")
+#: Every kernel the benchmark times (the names of :func:`_cases`).
+KERNELS = ("predict_sgd", "predict_adam", "elastic_average", "weight_stash", "double_buffer", "predict_sgd_")
+#: Weight dtypes it times them in.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def model_shapes(numel: int, n_tensors: int = 100) -> list[tuple[int, ...]]:
@@ -261,20 +264,44 @@ def check_targets(rows: list[dict]) -> list[str]:
     return miss
 
 
+def _names(allowed: tuple[str, ...], what: str):
+    """An argparse type: a comma-separated subset of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(text)}; "
+                                             f"choose from {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def _device(text: str) -> str:
+    """An argparse type: cpu, or cuda when this machine has a GPU torch can use."""
+    if text == "cpu" or (text == "cuda" and torch.cuda.is_available()):
+        return text
+    if text == "cuda":
+        raise argparse.ArgumentTypeError("cuda: torch sees no GPU on this machine")
+    raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+
+
 def add_arguments(ap) -> None:
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="device to time on")
+    ap.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="device to time on (cpu or cuda)")
     ap.add_argument("--numel", type=positive, default=None, help="parameters (default: 10M CPU, 100M GPU)")
     ap.add_argument("--tensors", type=positive, default=100, help="tensors the parameters are split into")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    ap.add_argument("--dtypes", type=_names(DTYPES, "dtype"), default=("float32", "bfloat16"),
+                    help=f"comma-separated weight dtypes, of {', '.join(DTYPES)}")
     ap.add_argument("--repeat", type=positive, default=15, help="timed runs per kernel (the best is kept)")
-    ap.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
+    ap.add_argument("--kernels", type=_names(KERNELS, "kernel"), default=None,
+                    help=f"comma-separated subset of {', '.join(KERNELS)} (default: all)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of warm-up before measuring")
 
 
 def run_bench(args) -> dict:
-    rows = run(args.device, args.numel, args.tensors, tuple(args.dtypes.split(",")), args.repeat,
-               tuple(args.kernels.split(",")) if args.kernels else None, args.warmup)
+    rows = run(args.device, args.numel, args.tensors, args.dtypes, args.repeat, args.kernels, args.warmup)
     return {"threads": torch.get_num_threads(), "repeat": args.repeat, "rows": rows, "misses": check_targets(rows)}
 
 

@@ -4,17 +4,12 @@ This is the seam every front end uses (the CLI, the figures, the validation
 harness): build the schedule, cost the model on the machine's device, split
 it into balanced stages, run the engine.
 
-Size. A simulation keeps every action, span and memory event until it ends,
-so its memory grows with the stage passes it computes (one micro-batch
-through one model stage: a forward, a backward, their transfers and their
-share of updates). :func:`check_size` estimates that count from the spec
-alone and refuses, before anything is built, a run whose memory would exceed
-what this machine has available (:class:`SizeError`).
+Before building a spec, front ends ask :mod:`pipesim.sim.size` whether it
+fits in this machine's memory.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from ._gc import gc_paused
@@ -25,66 +20,9 @@ from .ir import Schedule
 from .models import model_profile
 from .partition import partition
 from .results import SimResult
-from .strategies import ScheduleSpec, build_schedule, find_strategy
+from .size import check_size
+from .strategies import ScheduleSpec, build_schedule
 from .workload import Profile, check_microbatch_size
-
-from .errors import InputError
-
-#: Memory one stage pass costs a simulation, upper bound. Measured (peak RSS
-#: over m = 256 -> 1024 on 16 stages): 3.3-4.6 KiB for every strategy on the
-#: ideal machine, about 6 KiB on a real interconnect with trace.json and
-#: timeline.html written; rounded up.
-BYTES_PER_PASS = 8 * 1024
-
-
-class SizeError(InputError):
-    """A run too large to simulate in this machine's memory."""
-
-
-def estimate_passes(spec: ScheduleSpec) -> int | None:
-    """Stage passes ``spec`` computes: model stages x micro-batches x
-    iterations x replicas (data parallelism: whole-model passes, one per
-    micro-batch). None when the spec's sizes are not positive integers
-    (building it will say why)."""
-    sizes = (spec.stages, spec.microbatches, spec.iterations, spec.width, spec.chunks)
-    strategy = find_strategy(spec.strategy)
-    if strategy is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
-        return None
-    return strategy.stage_passes(spec)
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this process may still fill: Linux's MemAvailable, else the
-    physical memory, else None (unknown: no limit)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_size(spec: ScheduleSpec) -> None:
-    """Refuse a spec whose simulation would not fit in memory, before building it."""
-    passes = estimate_passes(spec)
-    available = available_memory_bytes()
-    if passes is None or available is None or passes * BYTES_PER_PASS <= available:
-        return
-    raise SizeError(
-        f"{spec.strategy} with {spec.stages} stages, {spec.microbatches} micro-batches and {spec.iterations} "
-        f"iteration(s) computes {passes:,} stage passes; at {BYTES_PER_PASS // 1024} KiB each that needs "
-        f"{_gib(passes * BYTES_PER_PASS)} and this machine has {_gib(available)} available (at most "
-        f"{available // BYTES_PER_PASS:,} passes): use fewer micro-batches, iterations or stages"
-    )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:

@@ -36,7 +36,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             choices = listed()
         if choices is not None and not isinstance(action, argparse._SubParsersAction):
             text += f" (choices: {', '.join(map(str, choices))})"
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or "default:" in text:
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "%(default)" in text \
+                or "default:" in text:
             return text
         return text + " (default: %(default)s)"
 
@@ -78,6 +80,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 
 positive, nonnegative = int_at_least(1), int_at_least(0)
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a timeout in seconds, finite and in (0, 1e6]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 1e6:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, 1e6], got {text}")
+    return value
 
 
 def bench_main(argv: list[str] | None, *, prog: str, description: str,

@@ -130,11 +130,6 @@ class Entry(NamedTuple):
 _new = tuple.__new__
 
 
-def bare(a: Action) -> PassDone:
-    """Token of pass ``a``'s completion (version and distance dropped)."""
-    return PassDone(a.op, a.replica, a.stage, a.microbatch)
-
-
 def split_stages(schedule: Schedule) -> dict[tuple[int, int], frozenset[int] | None]:
     """(replica, stage) pairs that split some backward into I and W.
 

@@ -373,20 +373,24 @@ class _Run:
         distinct devices holding the replicas."""
         op = posted[0][1].op
         stage = posted[0][1].stage
-        devices = sorted({d for d, _ in posted})
+        first: dict[int, Action] = {}  # each device's first replica's action
+        local: dict[int, int] = defaultdict(int)  # replicas per device
+        for d, act in posted:
+            first.setdefault(d, act)
+            local[d] += 1
+        devices = sorted(first)
         nbytes = self.costs.stage_costs[stage].param_bytes
         start = self.env.now
         if len(devices) > 1:
             yield from self.ring_allreduce(devices, nbytes)
         if op is AVERAGE:
-            local = max(sum(1 for d, _ in posted if d == dev) for dev in devices)
-            dur = self.costs.averaging(stage, local)
+            dur = self.costs.averaging(stage, max(local.values()))
             if dur:
                 yield self.env.timeout(dur)
         end = self.env.now
         for dev in devices:
-            a = next(act for d, act in posted if d == dev)
-            self.spans.append(Span(dev, "collective", a, start, end, nbytes=nbytes if len(devices) > 1 else 0))
+            self.spans.append(Span(dev, "collective", first[dev], start, end,
+                                   nbytes=nbytes if len(devices) > 1 else 0))
         self.fire(token)
 
     def ring_allreduce(self, devices: list[int], nbytes: int):
@@ -394,18 +398,21 @@ class _Run:
         ring neighbour, and the step lasts until the slowest transfer is done."""
         n = len(devices)
         chunk = math.ceil(nbytes / n)
-        for _ in range(2 * (n - 1)):
-            moves = []
-            for i, src in enumerate(devices):
-                dst = devices[(i + 1) % n]
-                route = self.hw.route(src, dst)
-                for link in route:
-                    self.link_bytes[link.name] += chunk
-                dur = self.hw.transfer_time(src, dst, chunk)
-                if dur:
-                    moves.append(self.env.process(self.occupy(route, dur)))
-            if moves:
-                yield self.env.all_of(moves)
+        steps = 2 * (n - 1)
+        # every step moves a chunk over the same ring edges: look them up once
+        edges = []
+        for i, src in enumerate(devices):
+            dst = devices[(i + 1) % n]
+            route = self.hw.route(src, dst)
+            for link in route:
+                self.link_bytes[link.name] += chunk * steps
+            dur = self.hw.transfer_time(src, dst, chunk)
+            if dur:
+                edges.append((route, dur))
+        if not edges:  # free links: the all-reduce takes no time
+            return
+        for _ in range(steps):
+            yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
 
 
 

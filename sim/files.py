@@ -20,6 +20,8 @@ def read_text(path, what: str, error: type[InputError]) -> str:
         raise error(f"{what} file {path} not found") from None
     except OSError as e:
         raise error(f"cannot read {what} file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{what} file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def parse_json(text: str, source: str, error: type[InputError]) -> Any:

@@ -35,6 +35,7 @@ from .ir import (
     I,
     Schedule,
     ScheduleError,
+    csv_header,
     parse_csv,
     to_csv,
 )
@@ -47,19 +48,28 @@ def schedule_from_csv(
     text: str,
     *,
     microbatches: int | None = None,
-    iterations: int = 1,
-    strategy: str = "imported",
+    iterations: int | None = None,
+    strategy: str | None = None,
     check: bool = True,
 ) -> Schedule:
     """A :class:`Schedule` from a torch or pipesim schedule CSV.
 
-    ``microbatches`` is m; by default it is inferred as one more than the
+    A pipesim CSV's header gives the strategy name, m, the iterations and
+    the strategy's options; arguments given here take precedence. A torch
+    CSV carries none of them: ``iterations`` defaults to 1, the strategy to
+    "imported", and ``microbatches`` (m) is inferred as one more than the
     largest micro-batch id found (over ``iterations``), which is what
-    torch's own loader assumes. The CSV carries neither, so a round trip
-    passes them back in. With ``check`` the result is validated, deadlock
-    dry run included; a caller that simulates it right away can leave that
-    to the engine (see :func:`pipesim.sim.engine.simulate`).
+    torch's own loader assumes. With ``check`` the result is validated,
+    deadlock dry run included; a caller that simulates it right away can
+    leave that to the engine (see :func:`pipesim.sim.engine.simulate`).
     """
+    header, text = csv_header(text)
+    microbatches = header.get("microbatches") if microbatches is None else microbatches
+    iterations = header.get("iterations", 1) if iterations is None else iterations
+    strategy = header.get("strategy", "imported") if strategy is None else strategy
+    if not isinstance(iterations, int) or (microbatches is not None and not isinstance(microbatches, int)):
+        raise ScheduleError(f"microbatches and iterations must be whole numbers, got {microbatches!r} "
+                            f"and {iterations!r}")
     programs = parse_csv(text)
     actions = [a for prog in programs for a in prog]
     num_stages = max(a.stage for a in actions) + 1
@@ -82,12 +92,13 @@ def schedule_from_csv(
         one = max(mbs) < microbatches
         programs = [_flush_program(prog, microbatches, dev, one) for dev, prog in enumerate(programs)]
     schedule = Schedule(
-        strategy=strategy,
+        strategy=str(strategy),
         num_stages=num_stages,
         num_microbatches=microbatches,
         programs=programs,
         num_replicas=num_replicas,
         num_iterations=iterations,
+        options=header.get("options", {}),
     )
     if check:
         validate(schedule)

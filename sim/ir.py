@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -150,6 +151,9 @@ FLOW: dict[Op, int] = {F: 1, SEND_F: 1, RECV_F: 1, B: -1, I: -1, SEND_B: -1, REC
 #: The send of the transfer that carries a pass's output, or that an end belongs to.
 SEND_OF: dict[Op, Op] = {F: SEND_F, SEND_F: SEND_F, RECV_F: SEND_F, B: SEND_B, I: SEND_B, SEND_B: SEND_B,
                          RECV_B: SEND_B}
+#: The passes whose output each send carries (a stage's backward is B, or I when split).
+PRODUCERS_OF: dict[Op, tuple[Op, ...]] = {
+    send: tuple(op for op in (F, B, I) if SEND_OF[op] is send) for send in (SEND_F, SEND_B)}
 #: The receive that takes a pass's output on the neighbouring stage.
 RECV_OF: dict[Op, Op] = {F: RECV_F, B: RECV_B, I: RECV_B, SEND_F: RECV_F, SEND_B: RECV_B}
 
@@ -424,9 +428,14 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
 
     With ``torch_only`` the pipesim-only actions (UPDATE, PREDICT, AVERAGE)
     are dropped and versions are not written, so torch's ``_load_csv`` reads
-    the result; replicas other than 0 cannot be expressed there.
+    the result; replicas other than 0 cannot be expressed there. Otherwise a
+    first line ``# pipesim {...}`` records what the rows cannot (the
+    strategy, m, the iterations and the strategy's options, AvgPipe's
+    averaging rate among them), so the schedule round-trips exactly.
     """
     buf = io.StringIO()
+    if not torch_only:
+        buf.write(_HEADER + json.dumps(_header_of(schedule), sort_keys=True, separators=(",", ":")) + "\n")
     writer = csv.writer(buf, lineterminator="\n")
     for prog in schedule.programs:
         if torch_only:
@@ -440,8 +449,33 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
     return buf.getvalue()
 
 
+#: The first line of a pipesim CSV, followed by :func:`_header_of` as JSON.
+_HEADER = "# pipesim "
+
+
+def _header_of(schedule: Schedule) -> dict:
+    return {"strategy": schedule.strategy, "microbatches": schedule.num_microbatches,
+            "iterations": schedule.num_iterations, "options": dict(schedule.options)}
+
+
+def csv_header(text: str) -> tuple[dict, str]:
+    """The ``# pipesim {...}`` header of a schedule CSV (``{}`` when it has
+    none, as torch's do) and the text of its rows."""
+    if not text.startswith(_HEADER):
+        return {}, text
+    line, _, rows = text.partition("\n")
+    try:
+        header = json.loads(line[len(_HEADER):])
+    except ValueError as e:
+        raise ScheduleError(f"row 1: malformed pipesim header: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("options", {}), dict):
+        raise ScheduleError("row 1: the pipesim header must be a JSON object with an options object")
+    return header, rows
+
+
 def parse_csv(text: str) -> list[list[Action]]:
-    """Per-device action lists from a CSV; empty cells (idle slots) are skipped."""
+    """Per-device action lists from a CSV (after :func:`csv_header`); empty
+    cells (idle slots) are skipped."""
     programs: list[list[Action]] = []
     quoted = '"' in text  # quoted cells: only the csv module reads those right
     rows = csv.reader(io.StringIO(text)) if quoted else text.splitlines()

@@ -42,7 +42,6 @@ from .ir import (
     SEND_OF,
     SEND_OPS,
     Action,
-    F,
     Schedule,
     ScheduleError,
 )

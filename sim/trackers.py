@@ -43,11 +43,8 @@ from .ir import (
     PREDICT,
     RECV_F,
     UPDATE,
-    B,
     F,
-    I,
     Schedule,
-    W,
 )
 from .results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
 

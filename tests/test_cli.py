@@ -58,13 +58,15 @@ def test_same_inputs_give_byte_identical_outputs(tmp_path, capsys) -> None:
         (["simulate", "--strategy", "1f1b", "--stages", "8", "--hardware", "pcie-4gpu"], "has 4 devices"),
         (["simulate", "--strategy", "pipedream", "--width", "2"], "width"),
         (["simulate"], "--strategy"),
+        (["compare", "--strategies", "gpipe,,1f1b"], "unknown strategy ''"),
+        (["compare", "--strategies", "1f1b,nope"], "unknown strategy 'nope'"),
         (["simulate", "--schedule", "x.csv", "--no-stashing", "--tau", "2"], "--no-stashing, --tau configure a strategy"),
         (["simulate", "--schedule", "x.csv", "--strategy", "1f1b"], "--strategy configure a strategy"),
         (["frobnicate"], "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> None:
-    code, out, err = run(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "simulate" else []))
+    code, out, err = run(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] in ("simulate", "compare") else []))
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), err
@@ -180,9 +182,9 @@ def _one_error_line(err: str) -> str:
 
 
 def test_too_large_a_run_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch) -> None:
-    from pipesim.sim import api, strategies
+    from pipesim.sim import size, strategies
 
-    monkeypatch.setattr(api, "available_memory_bytes", lambda: 64 * api.BYTES_PER_PASS)
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 64 * size.BYTES_PER_PASS)
     with monkeypatch.context() as m:
         def no_build(spec):
             raise AssertionError("built a schedule the size check should have refused")
@@ -252,12 +254,20 @@ def test_imported_csv_takes_iterations(tmp_path, capsys) -> None:
     assert code == 0
     path = tmp_path / "two.csv"
     path.write_text(csv_text)
-    code, imported, err = run(capsys, "simulate", "--schedule", str(path), *spec[2:], "--json",
-                              "--out", str(tmp_path / "a"))
-    assert code == 0, err  # was: "micro-batch 2 out of range 0..1"
     code, built, _ = run(capsys, "simulate", "--strategy", "1f1b", *spec, "--json", "--out", str(tmp_path / "b"))
+    # given on the command line, or read off the pipesim CSV's header: the same run as the strategy's
+    for flags in (spec[2:], []):
+        code, imported, err = run(capsys, "simulate", "--schedule", str(path), *flags, "--json",
+                                  "--out", str(tmp_path / "a"))
+        assert code == 0, err  # was: "micro-batch 2 out of range 0..1"
+        assert imported == built
+    # a torch CSV records nothing: --iterations says how many the rows hold
+    code, torch_csv, _ = run(capsys, "schedule", "--strategy", "1f1b", *spec, "--format", "torch-csv")
+    path.write_text(torch_csv)
+    code, imported, err = run(capsys, "simulate", "--schedule", str(path), *spec[2:], "--json",
+                              "--out", str(tmp_path / "c"))
     a, b = json.loads(imported), json.loads(built)
-    assert a["iterations"] == 2 and a["microbatches"] == 2
+    assert code == 0 and a["iterations"] == 2 and a["microbatches"] == 2 and a["strategy"] == "imported"
     for key in ("strategy", "options"):
         a.pop(key), b.pop(key)
     assert a == b

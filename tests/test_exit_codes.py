@@ -1,4 +1,6 @@
-"""Exit codes tell the truth, checked through the installed ``pipesim`` console script.
+"""Exit codes tell the truth, checked through the console script's entry point
+(``console_main``, run as ``python -m pipesim.experiments.cli`` by this very
+interpreter, so the install under test is the one the tests import).
 
 * bad input: one line on stderr, exit 2;
 * a run that fails (a launch timeout, a worker killed): exit 1 with what
@@ -14,7 +16,6 @@ preset, so no profiling happens: only the workers start.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +26,13 @@ import pytest
 from pipesim.sim.workload import LayerCost, Profile, save_profile
 from pipesim.validate.models import build_model
 
-PIPESIM = shutil.which("pipesim") or pytest.skip("the pipesim console script is not installed", allow_module_level=True)
+#: The console script's entry point (console_main) in this interpreter: the
+#: same install the tests import, whatever else is on PATH.
+PIPESIM = [sys.executable, "-m", "pipesim.experiments.cli"]
 
 
 def pipesim(*argv: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([PIPESIM, *argv], capture_output=True, text=True, timeout=120, **kw)
+    return subprocess.run([*PIPESIM, *argv], capture_output=True, text=True, timeout=120, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def _assert_gone(pids: list[int], seconds: float = 10.0) -> None:
 
 def _start(argv: list[str]) -> subprocess.Popen:
     """The console script in a session of its own (a process group to signal)."""
-    return subprocess.Popen([PIPESIM, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen([*PIPESIM, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

@@ -26,12 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipesim.experiments import cli
-from pipesim.sim import api
+from pipesim.sim import api, size
 from pipesim.sim.cliargs import EXIT_USAGE
 from pipesim.sim.checks import validate
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import load_hardware, preset_names
+from pipesim.sim.hardware import load_hardware
 from pipesim.sim.ir import to_csv
 from pipesim.sim.lowering import lower
 from pipesim.sim.metrics import dumps, summarize
@@ -460,14 +460,14 @@ def test_library_arguments_are_checked_up_front(call, fragment):
 
 def test_size_limit_comes_from_available_memory(monkeypatch):
     if os.path.exists("/proc/meminfo"):
-        assert 2**20 < api.available_memory_bytes() < 2**60  # MemAvailable, in bytes
+        assert 2**20 < size.available_memory_bytes() < 2**60  # MemAvailable, in bytes
     spec = ScheduleSpec("interleaved-1f1b", 2, 4, iterations=3, width=2, chunks=3)
-    assert api.estimate_passes(spec) == 2 * 3 * 4 * 3 * 2  # stages x chunks x m x iterations x replicas
-    assert api.estimate_passes(ScheduleSpec("data-parallel", 4, 8, iterations=2)) == 16
-    assert api.estimate_passes(ScheduleSpec("1f1b", "2", 4)) is None
-    monkeypatch.setattr(api, "available_memory_bytes", lambda: 143 * api.BYTES_PER_PASS)
-    with pytest.raises(api.SizeError, match="144 stage passes") as e:
+    assert size.estimate_passes(spec) == 2 * 3 * 4 * 3 * 2  # stages x chunks x m x iterations x replicas
+    assert size.estimate_passes(ScheduleSpec("data-parallel", 4, 8, iterations=2)) == 16
+    assert size.estimate_passes(ScheduleSpec("1f1b", "2", 4)) is None
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 143 * size.BYTES_PER_PASS)
+    with pytest.raises(size.SizeError, match="144 stage passes") as e:
         api.simulate(spec)
     assert "at most 143 passes" in str(e.value) and "\n" not in str(e.value)
-    monkeypatch.setattr(api, "available_memory_bytes", lambda: 144 * api.BYTES_PER_PASS)
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 144 * size.BYTES_PER_PASS)
     assert api.simulate(spec).schedule.num_devices == 4

@@ -39,7 +39,6 @@ from pipesim.sim.ir import (
     Schedule,
     ScheduleError,
     W,
-    parse_action,
     parse_cell,
     program_cells,
     to_csv,
@@ -454,3 +453,18 @@ def test_torch_dry_run_benchmark_reports_both_sides(capsys):
     assert row["torch_end_to_end_s"] > row["torch_dry_run_s"]  # a fresh interpreter imports torch first
     assert row["ratio_cli"] == pytest.approx(row["torch_dry_run_s"] / row["pipesim_cli_s"], rel=0.01)
     assert row["ratio_end_to_end"] == pytest.approx(row["torch_end_to_end_s"] / row["pipesim_cli_s"], rel=0.01)
+
+
+def test_pipesim_csv_keeps_what_its_rows_cannot_say():
+    """The header carries the strategy, m, the iterations and the options, so
+    AvgPipe's averaging rate survives a round trip (the executors average
+    with it) and an imported schedule is the strategy's own."""
+    s = build_schedule(ScheduleSpec("avgpipe", 2, 3, iterations=2, alpha=0.5, tau=2))
+    back = schedule_from_csv(to_csv(s))
+    assert back == s and back.strategy == "avgpipe" and back.options == s.options
+    assert (back.num_microbatches, back.num_iterations) == (3, 2)
+    assert back.options["alpha"] == 0.5
+    # arguments still take precedence over the header
+    assert schedule_from_csv(to_csv(s), strategy="mine").strategy == "mine"
+    with pytest.raises(ScheduleError, match="malformed pipesim header"):
+        schedule_from_csv("# pipesim {not json\n" + to_csv(s).split("\n", 1)[1])

@@ -35,7 +35,7 @@ from pipesim.kernels import foreach
 from pipesim.kernels.bench import model_shapes
 from pipesim.kernels.bench import run as bench_run
 
-#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+#: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
 
 SETTINGS = settings(max_examples=80, deadline=None,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 from pipesim.kernels import DoubleBuffer, StashFullError, VersionPool, WeightStash
 
-#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+#: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
 
 SHAPES = [(3, 2), (5,), ()]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.dataflow import bare, producer_of, split_stages
+from pipesim.sim.dataflow import PassDone, producer_of, split_stages
 from pipesim.sim.ir import (
     AVERAGE,
     P2P_OPS,
@@ -126,7 +126,7 @@ def makespan(s, T):
                     break
                 start = max([free[d]] + [end[x] for x in deps])
                 free[d] = start + T.get(a.op, 0.0)
-                end[bare(a)] = free[d]
+                end[PassDone(a.op, a.replica, a.stage, a.microbatch)] = free[d]
                 pc[d] += 1
                 progress = True
     assert all(pc[d] == len(p) for d, p in enumerate(s.programs)), "timing model deadlocked"

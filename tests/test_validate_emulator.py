@@ -21,7 +21,7 @@ from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import nn
 
-#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+#: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
 
 D, CLASSES, BATCH = 12, 3, 4

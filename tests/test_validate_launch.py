@@ -125,7 +125,9 @@ def _gone(pid: int) -> bool:
 
 
 def _pids(piddir) -> list[int]:
-    return [int(open(os.path.join(piddir, n)).read()) for n in sorted(os.listdir(piddir)) if n.startswith("pid")]
+    # a rank stopped while writing leaves its temporary file: not a pid yet
+    return [int(open(os.path.join(piddir, n)).read()) for n in sorted(os.listdir(piddir))
+            if n.startswith("pid") and not n.endswith(".tmp")]
 
 
 def _assert_no_workers_left(pids):
@@ -202,7 +204,7 @@ def test_rank_killed_during_start_up_fails_the_launch(tmp_path):
     )
     # rank 1 recorded its pid as it died; rank 0 may have been stopped before it
     # got that far (its start-up races rank 1's death), so only its absence counts
-    assert 1 in [int(n[3:]) for n in os.listdir(tmp_path) if n.startswith("pid")]
+    assert 1 in [int(n[3:]) for n in os.listdir(tmp_path) if n.startswith("pid") and not n.endswith(".tmp")]
     _assert_no_workers_left(_pids(tmp_path))
 
 

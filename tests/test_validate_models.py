@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from pipesim.sim.errors import InputError
 from pipesim.validate import data
 from pipesim.validate.numerics import intra_op_threads
 from pipesim.validate.models import (
     LayerStats,
-    ModelError,
     RealModel,
     build_model,
     layer_stats,
@@ -202,9 +202,10 @@ def test_catalog_and_configuration():
         ({"name": "vgg-small", "seed": -1}, "seed"),
     ],
 )
-def test_bad_model_arguments_raise_model_error(kwargs, fragment):
+def test_bad_model_arguments_are_one_line_input_errors(kwargs, fragment):
+    # ModelError for the model's own options, DataError for what its data cannot give
     kwargs = dict(kwargs)
-    with pytest.raises(ModelError, match=fragment) as e:
+    with pytest.raises(InputError, match=fragment) as e:
         build_model(kwargs.pop("name"), **kwargs)
     assert isinstance(e.value, ValueError) and "\n" not in str(e.value)
 

@@ -11,9 +11,9 @@ replicas in pipesim's own replica order, and compute with the same intra-op
 thread count on the same machine (the argument in full, point by point, is
 :mod:`pipesim.validate.numerics`). A difference in the last bit therefore
 means one of those points broke, which is a bug, not rounding. CI runs this
-module under ``ATEN_CPU_CAPABILITY=default`` and ``avx2`` as well, so a
-result that depends on the vector width fails everywhere, not only on the
-machine whose kernels happen to expose it.
+module again with lesser ATen and MKL kernels (``.ci/run``), so a result
+that depends on the kernels fails everywhere, not only on the machine whose
+kernels happen to expose it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pipesim.validate.runtime import (
 from pipesim.validate.numerics import EXECUTOR_THREADS
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
 
-#: numerics tests: CI runs them again under ATEN_CPU_CAPABILITY=default and avx2
+#: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
 
 STARTS = {1: (0,), 2: (0, 3), 3: (0, 2, 4), 4: (0, 1, 3, 4)}

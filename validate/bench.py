@@ -15,9 +15,9 @@ runs made in this one invocation.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+from dataclasses import replace
 import sys
 import tempfile
 import time
@@ -40,35 +40,38 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
                           model_depth=model_depth)
     device = torch_device(backend)
-    tmp = Path(tempfile.mkdtemp(prefix="pipesim-bench-"))
     _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
     real = model_of(base)
-    save_profile(profile(base, device, model=real), tmp / "profile.json")
     hw = hardware_for(base, device, 2, model=real)
-    (tmp / "hardware.json").write_text(json.dumps(hw.to_json()))
     rows = []
     chosen = strategy_names() if strategies is None else list(strategies)
-    for i, name in enumerate(chosen, 1):
-        errors, meas, pred = [], [], []
-        for r in range(repeats):
-            _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
-            cfg = ValidateConfig(strategy=name, stages=2, microbatches=microbatches, model=model, backend=backend,
-                                 iterations=iterations, microbatch_size=microbatch_size,
-                                 model_width=model_width, model_depth=model_depth,
-                                 profile_path=str(tmp / "profile.json"), hardware_path=str(tmp / "hardware.json"))
-            rep = run_validation(cfg).report
-            errors.append(rep["iteration_time_error"])
-            meas.append(rep["iteration_time_measured_s"])
-            pred.append(rep["iteration_time_predicted_s"])
-        rows.append({"strategy": name, "measured_s": statistics.median(meas), "predicted_s": statistics.median(pred),
-                     "error": statistics.median(errors), "errors": errors,
-                     "bubble_measured": rep["bubble_fraction_measured"],
-                     "bubble_predicted": rep["bubble_fraction_predicted"]})
+    with tempfile.TemporaryDirectory(prefix="pipesim-bench-") as tmp:
+        # every strategy is predicted from the same measurements
+        save_profile(profile(base, device, model=real), Path(tmp) / "profile.json")
+        (Path(tmp) / "hardware.json").write_text(json.dumps(hw.to_json()))
+        measured = replace(base, profile_path=str(Path(tmp) / "profile.json"),
+                           hardware_path=str(Path(tmp) / "hardware.json"))
+        for i, name in enumerate(chosen, 1):
+            reports = []
+            for r in range(repeats):
+                _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
+                reports.append(run_validation(replace(measured, strategy=name)).report)
+            rows.append(_row(name, reports))
     return {"model": model, "microbatch_size": microbatch_size, "microbatches": microbatches,
             "iterations": iterations, "backend": backend, "rows": rows,
             "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
             "link_latency_s": hw.intra_node.latency, "link_bandwidth_Bps": hw.intra_node.bandwidth,
             "update_bandwidth_Bps": hw.device.mem_bandwidth}
+
+
+def _row(strategy: str, reports: list[dict]) -> dict:
+    """One strategy's medians over its repeats (bubbles from the last)."""
+    errors = [r["iteration_time_error"] for r in reports]
+    return {"strategy": strategy, "errors": errors, "error": statistics.median(errors),
+            "measured_s": statistics.median(r["iteration_time_measured_s"] for r in reports),
+            "predicted_s": statistics.median(r["iteration_time_predicted_s"] for r in reports),
+            "bubble_measured": reports[-1]["bubble_fraction_measured"],
+            "bubble_predicted": reports[-1]["bubble_fraction_predicted"]}
 
 
 def add_arguments(p) -> None:

@@ -31,7 +31,6 @@ Run ``python -m pipesim.validate.commprofile`` to print a profile as JSON.
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time

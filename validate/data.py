@@ -41,9 +41,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from pipesim.sim.errors import InputError
 
 __all__ = [
     "CharCorpus",
+    "DataError",
     "Digits",
     "MicroBatchSource",
     "Synthetic",
@@ -54,6 +56,10 @@ __all__ = [
     "synthetic",
     "synthetic_like",
 ]
+
+class DataError(InputError):
+    """A data source asked for something it cannot give (one line)."""
+
 
 # Tags keep the streams of different sources apart even for equal seeds.
 _DIGITS_TAG = 1
@@ -76,13 +82,13 @@ class TensorSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if any(s < 1 for s in self.shape):
-            raise ValueError(f"TensorSpec shape must be positive, got {self.shape}")
+            raise DataError(f"TensorSpec shape must be positive, got {self.shape}")
         if self.dtype.is_floating_point:
             return
         if self.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise ValueError(f"TensorSpec dtype must be floating or integer, got {self.dtype}")
+            raise DataError(f"TensorSpec dtype must be floating or integer, got {self.dtype}")
         if self.high is None or self.high < 1:
-            raise ValueError(f"integer TensorSpec needs high >= 1, got {self.high}")
+            raise DataError(f"integer TensorSpec needs high >= 1, got {self.high}")
 
     def batch_shape(self, microbatch_size: int) -> tuple[int, ...]:
         return (microbatch_size, *self.shape)
@@ -106,9 +112,9 @@ class MicroBatchSource(Protocol):
 def _check_int(name: str, value: object, minimum: int) -> int:
     # bool is an int subclass; True as a batch size is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise DataError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise DataError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 
@@ -238,7 +244,7 @@ class CharCorpus:
         _check_int("seq_len", self.seq_len, 1)
         n = self.num_tokens
         if self.seq_len > n - 1:
-            raise ValueError(f"seq_len {self.seq_len} is longer than the corpus allows (at most {n - 1})")
+            raise DataError(f"seq_len {self.seq_len} is longer than the corpus allows (at most {n - 1})")
 
     @property
     def vocab(self) -> str:
@@ -265,7 +271,7 @@ class CharCorpus:
         try:
             return torch.tensor([lut[c] for c in text], dtype=torch.int64)
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the corpus vocabulary") from None
+            raise DataError(f"character {e.args[0]!r} is not in the corpus vocabulary") from None
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         vocab = self.vocab
@@ -318,7 +324,7 @@ class Synthetic:
         _check_int("seed", self.seed, 0)
         for name in ("input_spec", "target_spec"):
             if not isinstance(getattr(self, name), TensorSpec):
-                raise ValueError(f"{name} must be a TensorSpec, got {getattr(self, name)!r}")
+                raise DataError(f"{name} must be a TensorSpec, got {getattr(self, name)!r}")
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = _check_int("index", index, 0)

@@ -38,6 +38,7 @@ from pipesim.sim.ir import (
     OVERLAP_F_B,
     P2P_OPS,
     PREDICT,
+    PRODUCERS_OF,
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
@@ -53,7 +54,7 @@ from pipesim.sim.ir import (
     W,
 )
 from pipesim.sim.lowering import plan
-from pipesim.sim.strategies.avgpipe import elastic_rate
+from pipesim.sim.strategies import schedule_option
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import Tensor
@@ -176,7 +177,7 @@ class LocalComm:
     def __init__(self, schedule: Schedule, centres: dict[int, Tensor]):
         self.mail: dict[tuple, Tensor] = {}
         self.replicas = stage_replicas(schedule)
-        self.alpha = elastic_rate(schedule.options)
+        self.alpha = float(schedule_option(schedule, "alpha"))
         self.centres = centres
         self.pending: dict[tuple, list] = defaultdict(list)
         self.done: set = set()
@@ -319,10 +320,12 @@ class DeviceExecutor:
         """Send the output of the pass that made it on this device: the
         forward, or the backward (B, or I where the backward is split)."""
         tensor = None
-        for op in _MADE_BY[x.op]:
+        for op in PRODUCERS_OF[x.op]:
             tensor = self.local.pop(PassDone(op, x.replica, x.stage, x.microbatch), None)
             if tensor is not None:
                 break
+        else:
+            raise RuntimeSemanticsError(f"{x} on device {self.device}: no pass here made its data")
         rec = Record(self.device, "send", x, t0, None, self.peers.get(tok),
                      tensor.numel() * tensor.element_size()) if self.clock else None
         self.comm.send(tok, x, tensor, rec)
@@ -441,10 +444,6 @@ _COMPUTE = {F: _forward, B: _backward, I: _backward, W: _weight_gradient, UPDATE
 _POST = {SEND_F: DeviceExecutor._post_send, SEND_B: DeviceExecutor._post_send,
          RECV_F: DeviceExecutor._post_recv, RECV_B: DeviceExecutor._post_recv,
          REDUCE_GRAD: DeviceExecutor._post_collective, AVERAGE: DeviceExecutor._post_collective}
-#: The passes whose output a send carries.
-_MADE_BY = {SEND_F: (F,), SEND_B: (B, I)}
-
-
 def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
     out: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for prog in schedule.programs:

@@ -108,9 +108,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
-from pipesim.sim.errors import RunError
+from pipesim.sim.errors import InputError, RunError
 
-__all__ = ["BACKENDS", "LaunchContext", "LaunchTimeout", "WorkerError", "launch"]
+__all__ = ["BACKENDS", "LaunchContext", "LaunchError", "LaunchTimeout", "MAX_TIMEOUT_S", "WorkerError", "launch"]
 
 BACKENDS = ("gloo", "nccl")
 
@@ -120,6 +120,15 @@ _POLL_S = 0.02
 _TERM_GRACE_S = 2.0
 #: How long ranks that returned may take to tear down before being killed.
 _EXIT_GRACE_S = 10.0
+
+
+#: The longest timeout a launch takes: beyond it ``timedelta`` and the
+#: process groups' timers overflow, and nobody waits that long (11.6 days).
+MAX_TIMEOUT_S = 1e6
+
+
+class LaunchError(InputError):
+    """A launch this machine cannot do or arguments out of range (one line)."""
 
 
 class WorkerError(RunError):
@@ -191,7 +200,7 @@ class LaunchTimeout(RunError, TimeoutError):
 
     @property
     def hint(self) -> str:
-        return (f"give the run more than {self.timeout_s:g} s (pipesim validate --timeout), run fewer iterations, "
+        return (f"give the run more than {self.timeout_s:g} s (--timeout), run fewer iterations, "
                 "or look for a rank blocked in a collective (the process-group timeout names it)")
 
     def __reduce__(self):
@@ -357,18 +366,18 @@ def _check_args(fn, world_size, args, backend, timeout_s, threads, devices, pg_t
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"launch: args must be a tuple or list, got {type(args).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"launch: world_size must be an integer >= 1, got {world_size!r}")
+        raise LaunchError(f"launch: world_size must be an integer >= 1, got {world_size!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"launch: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise LaunchError(f"launch: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     for name, v in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
         if v is None and name == "pg_timeout_s":
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-            raise ValueError(f"launch: {name} must be a positive finite number of seconds, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= MAX_TIMEOUT_S):
+            raise LaunchError(f"launch: {name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {v!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"launch: threads must be an integer >= 1, got {threads!r}")
+        raise LaunchError(f"launch: threads must be an integer >= 1, got {threads!r}")
     if devices is not None and backend != "nccl":
-        raise ValueError("launch: devices selects GPUs and applies only to backend='nccl'")
+        raise LaunchError("launch: devices selects GPUs and applies only to backend='nccl'")
 
 
 def _cuda_indices(backend: str, world_size: int, devices: Sequence[int] | None) -> list[int | None]:
@@ -376,21 +385,21 @@ def _cuda_indices(backend: str, world_size: int, devices: Sequence[int] | None) 
         return [None] * world_size
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise ValueError("launch: nccl needs CUDA devices, and this machine has none visible; use backend='gloo'")
+        raise LaunchError("launch: nccl needs CUDA devices, and this machine has none visible; use backend='gloo'")
     if devices is None:
         if world_size > count:
-            raise ValueError(
+            raise LaunchError(
                 f"launch: nccl needs one CUDA device per rank: world_size {world_size} > "
                 f"{count} visible device(s)"
             )
         return [r % count for r in range(world_size)]
     devs = list(devices)
     if len(devs) != world_size:
-        raise ValueError(f"launch: devices has {len(devs)} entries for world_size {world_size}")
+        raise LaunchError(f"launch: devices has {len(devs)} entries for world_size {world_size}")
     if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < count for d in devs):
-        raise ValueError(f"launch: devices must be CUDA indices in 0..{count - 1}, got {devs}")
+        raise LaunchError(f"launch: devices must be CUDA indices in 0..{count - 1}, got {devs}")
     if len(set(devs)) != len(devs):
-        raise ValueError(f"launch: nccl cannot put two ranks on one GPU, got devices {devs}")
+        raise LaunchError(f"launch: nccl cannot put two ranks on one GPU, got devices {devs}")
     return devs
 
 

@@ -290,12 +290,7 @@ def build_model(
     # depend on whether they built a model).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        try:
-            layers, names, extra = spec.builder(width, depth, **kw)
-        except ValueError as e:
-            if isinstance(e, ModelError):
-                raise
-            raise ModelError(f"{name}: {e}") from None
+        layers, names, extra = spec.builder(width, depth, **kw)  # ModelError/DataError name bad options
     config = {"width": width, "depth": depth, "seed": seed, **extra}
     if name == "gpt-small":
         source_fn = functools.partial(_corpus_source, extra["seq_len"])
@@ -397,15 +392,15 @@ def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Se
     n = model.num_layers
     items = list(stages)
     if not items:
-        raise ValueError("split needs at least one stage")
+        raise ModelError("split needs at least one stage")
     if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
         starts = items
         if starts[0] != 0:
-            raise ValueError(f"the first stage must start at layer 0, got {starts[0]}")
+            raise ModelError(f"the first stage must start at layer 0, got {starts[0]}")
         if any(b <= a for a, b in itertools.pairwise(starts)):
-            raise ValueError(f"stage starts must be strictly increasing, got {starts}")
+            raise ModelError(f"stage starts must be strictly increasing, got {starts}")
         if starts[-1] >= n:
-            raise ValueError(f"stage start {starts[-1]} is past the last layer ({n - 1}) of {model.name}")
+            raise ModelError(f"stage start {starts[-1]} is past the last layer ({n - 1}) of {model.name}")
         bounds = list(zip(starts, [*starts[1:], n]))
     elif all(hasattr(s, "first_layer") and hasattr(s, "last_layer") for s in items):
         bounds = []
@@ -413,16 +408,16 @@ def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Se
         for s in items:
             first, last = s.first_layer, s.last_layer
             if first != expected or last < first:
-                raise ValueError(
+                raise ModelError(
                     f"stages must be contiguous and non-empty from layer 0: expected a stage starting at "
                     f"{expected}, got layers {first}..{last}"
                 )
             bounds.append((first, last + 1))
             expected = last + 1
         if expected != n:
-            raise ValueError(f"stages cover layers 0..{expected - 1}, but {model.name} has {n} layers")
+            raise ModelError(f"stages cover layers 0..{expected - 1}, but {model.name} has {n} layers")
     else:
-        raise ValueError(
+        raise ModelError(
             "split takes a list of stage start indices or of objects with first_layer/last_layer "
             f"(such as StageCost), got {items!r}"
         )

@@ -36,12 +36,12 @@ in the *same* order, with the *same* kernels. The argument, piece by piece:
    :func:`intra_op_threads` sets it around the emulator and
    ``PipelineSchedule.step()``.
 5. **The same machine.** Both paths run on the same CPU with the same
-   ``ATEN_CPU_CAPABILITY`` (spawned workers inherit the environment), so
-   the vector width ATen dispatches to is the same on both sides. Across
-   *machines* or capabilities no bit-identity is promised; CI runs the
-   numerics tests under ``ATEN_CPU_CAPABILITY=default`` and ``avx2`` as well
-   as the machine's own, so a result that silently depends on one of the
-   points above fails on any machine.
+   ``ATEN_CPU_CAPABILITY`` and ``MKL_ENABLE_INSTRUCTIONS`` (spawned workers
+   inherit the environment), so ATen and MKL dispatch to the same kernels on
+   both sides. Across *machines* or kernel choices no bit-identity is
+   promised; CI runs the numerics tests again with ATen's portable and AVX2
+   paths and MKL held to SSE4.2 and AVX2, so a result that silently depends
+   on one of the points above fails whatever CPU CI has.
 
 On CUDA, kernel selection is cuBLAS's and cuDNN's own; pipesim promises
 bit-identity on CPU only.

@@ -59,7 +59,7 @@ from pipesim.sim.ir import (
     boundary_stage,
     transfer_stages,
 )
-from pipesim.sim.strategies.avgpipe import elastic_rate
+from pipesim.sim.strategies import schedule_option
 from .executor import (
     Clock,
     DeviceExecutor,
@@ -153,7 +153,7 @@ class DistComm:
         self.clock = clock
         self.torch_device = torch_device
         self.replicas = stage_replicas(schedule)
-        self.alpha = elastic_rate(schedule.options)
+        self.alpha = float(schedule_option(schedule, "alpha"))
         self.centres = initial_centres(schedule, stages) if centres is None else centres
         self.local = LocalComm(schedule, self.centres)
         self.local.clock = clock

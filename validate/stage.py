@@ -33,6 +33,7 @@ forward are not recomputed, exactly as in those systems' implementations.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -40,10 +41,15 @@ from typing import Callable
 import torch
 from pipesim.kernels import VersionPool, adam_coefficients, predict_adam, predict_sgd
 from pipesim.kernels import foreach
+from pipesim.sim.errors import InputError
 from pipesim.sim.ir import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
 from torch import Tensor, nn
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+class OptimizerError(InputError):
+    """An optimizer setting out of range (one line)."""
 
 
 class RuntimeSemanticsError(RuntimeError):
@@ -70,11 +76,11 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise OptimizerError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise OptimizerError(f"lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+            raise OptimizerError(f"momentum must be in [0, 1), got {self.momentum}")
 
 
 @dataclass

@@ -74,7 +74,6 @@ CLI: ``python -m pipesim.validate.torchbench [--model mlp] [--microbatch-size 64
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -85,13 +84,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command
+from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command, seconds
 from pipesim.sim.errors import InputError
+from pipesim.sim.strategies import get_strategy, strategies
+
+from .numerics import EXECUTOR_THREADS
 
 __all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
            "machine", "main", "pipesim_throughput", "torch_worker"]
 
-SCHEDULES = ("gpipe", "1f1b")
+#: The strategies compared: those whose per-rank order torch runs with one
+#: stage per rank (interleaving needs several per rank, so it is left out).
+SCHEDULES = tuple(s.name for s in strategies() if s.torch_equivalent in ("ScheduleGPipe", "Schedule1F1B"))
 LR = 0.05
 MOMENTUM = 0.9
 
@@ -138,7 +142,6 @@ class TorchJob:
 def _torch_run(ctx, job: TorchJob) -> dict:
     import torch.distributed as dist
     from .models import build_model, split
-    from pipesim.sim.strategies import get_strategy
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
@@ -344,7 +347,7 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     processes took meanwhile (:class:`CpuMeter`): figures from launches
     where it is well above 0 were measured on a contended machine.
     """
-    from .models import build_model
+    from .models import build_model, split
 
     schedules = tuple(schedules)
     _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats, warmup_iterations)
@@ -354,9 +357,10 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     starts = tuple(int(s) for s in starts)
     if len(starts) != stages:
         raise InputError(f"{len(starts)} stage starts for {stages} stages")
+    split(real, list(starts))  # a ModelError naming a bad start, here rather than in every worker
     pjobs, tjobs = _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations,
                          width, depth, seed)
-    cpu_launch = {"backend": "gloo", "timeout_s": timeout_s, "threads": 1, "pin_cores": True,
+    cpu_launch = {"backend": "gloo", "timeout_s": timeout_s, "threads": EXECUTOR_THREADS, "pin_cores": True,
                   "keep_cores_awake": True}  # what run_many passes for gloo
     pipesim_runs, torch_runs, foreign = _alternate(pjobs, tjobs, schedules, cpu_launch, repeats, progress)
     return {
@@ -384,7 +388,8 @@ def _check_comparison(schedules, stages, microbatches, microbatch_size, iteratio
         raise InputError(f"warmup_iterations must be an integer >= 0, got {warmup_iterations!r}")
     if stages < 2:
         raise InputError("a pipeline comparison needs at least 2 stages")
-    if "1f1b" in schedules and microbatches < stages:
+    needs_m_ge_p = [s for s in schedules if get_strategy(s).torch_equivalent == "Schedule1F1B"]
+    if needs_m_ge_p and microbatches < stages:  # torch's class refuses fewer (pipesim's does not)
         raise InputError(f"torch's Schedule1F1B needs microbatches >= stages ({microbatches} < {stages})")
 
 
@@ -424,7 +429,7 @@ def _alternate(pjobs, tjobs, schedules, cpu_launch: dict, repeats: int, progress
         if progress:
             _log(f"repeat {rep + 1}/{repeats}: pipesim ({', '.join(schedules)})")
         with CpuMeter() as meter:
-            outs = run_many(pjobs, backend="gloo", timeout_s=cpu_launch["timeout_s"], threads=1)
+            outs = run_many(pjobs, backend="gloo", timeout_s=cpu_launch["timeout_s"], threads=EXECUTOR_THREADS)
         foreign["pipesim"].append(meter.cores)
         pipesim_runs.append([pipesim_throughput(o, microbatches=first.microbatches,
                                                 microbatch_size=first.microbatch_size, iterations=first.iterations,
@@ -522,7 +527,7 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=positive, default=3, help="launches per side, alternating")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
     p.add_argument("--seed", type=nonnegative, default=0, help="seed of the weights and the data order")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument("--timeout", type=seconds, default=300.0, help="seconds per launch")
 
 
 def run_bench(a) -> dict:

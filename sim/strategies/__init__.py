@@ -29,7 +29,7 @@ from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, Strate
 
 __all__ = [
     "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
-    "get_strategy", "strategies", "strategy_names", "strategy_options",
+    "get_strategy", "schedule_option", "strategies", "strategy_names", "strategy_options",
 ]
 
 #: Every strategy, in the order listings and comparisons use.
@@ -69,6 +69,14 @@ def strategy_options(name: str) -> tuple[str, ...]:
     option makes ``build_schedule`` raise, so a front end comparing several
     strategies passes each only the options it lists."""
     return get_strategy(name).options
+
+
+def schedule_option(schedule: Schedule, name: str) -> object:
+    """The value of strategy option ``name`` (a :class:`ScheduleSpec` field,
+    e.g. AvgPipe's ``alpha``) that ``schedule`` runs with: what its strategy
+    recorded in its options, else the spec's default (an imported schedule
+    without options still averages at the default rate)."""
+    return schedule.options.get(name, OPTION_DEFAULTS[name])
 
 
 def build_schedule(spec: ScheduleSpec) -> Schedule:

@@ -38,7 +38,6 @@ from ..ir import (
     F,
     Op,
     Schedule,
-    W,
 )
 
 
@@ -110,6 +109,17 @@ def pipeline_passes(spec: ScheduleSpec) -> int:
     return spec.stages * spec.microbatches * spec.iterations * spec.width
 
 
+def ring_steps(devices: int) -> int:
+    """Transfers of one ring all-reduce over ``devices``: 2(n-1) steps of n each."""
+    return 2 * (devices - 1) * devices
+
+
+def replica_ring_transfers(spec: ScheduleSpec) -> int:
+    """Every model stage's gradients all-reduced over the ``width`` replicas
+    once per iteration (width x depth, 2BW): none with one replica."""
+    return spec.iterations * spec.stages * ring_steps(spec.width)
+
+
 @dataclass(frozen=True)
 class Strategy:
     """What callers may ask a strategy: each module declares one as ``STRATEGY``.
@@ -136,6 +146,8 @@ class Strategy:
     * ``stage_passes(spec)``: how many forward passes of a model stage the
       schedule runs (as many backwards), known before building it: the size
       of a simulation, for limits and progress.
+    * ``ring_transfers(spec)``: the transfers of the ring all-reduces its
+      collectives run (the engine simulates each), for progress.
     """
 
     name: str
@@ -148,6 +160,7 @@ class Strategy:
     weight_versions: Callable[[Mapping[str, object], int, int], int] = field(default=one_version)
     torch_equivalent: str | None = None
     stage_passes: Callable[[ScheduleSpec], int] = field(default=pipeline_passes)
+    ring_transfers: Callable[[ScheduleSpec], int] = field(default=replica_ring_transfers)
 
     def option_defaults(self) -> dict[str, object]:
         """The default of every option this strategy reads."""

@@ -27,10 +27,8 @@ docs/semantics.md, not a verified reproduction:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..ir import Action, Schedule
-from ._common import OPTION_DEFAULTS, ScheduleSpec, Strategy, check_spec, flush_iteration, one_f_one_b, schedule_of
+from ._common import ScheduleSpec, Strategy, check_spec, flush_iteration, one_f_one_b, ring_steps, schedule_of
 
 NAME = "avgpipe"
 
@@ -71,13 +69,16 @@ def build(spec: ScheduleSpec) -> Schedule:
     })
 
 
-def elastic_rate(options: Mapping[str, object]) -> float:
-    """The averaging rate alpha an AVERAGE applies: the schedule's own, else
-    AvgPipe's default (a schedule imported without options still averages)."""
-    return float(options.get("alpha", OPTION_DEFAULTS["alpha"]))
+def ring_transfers(spec: ScheduleSpec) -> int:
+    """Averaging every ``tau`` iterations over the replicas' devices: none
+    when they share one device per stage."""
+    if spec.placement != "disjoint" or not isinstance(spec.tau, int) or spec.tau < 1:
+        return 0
+    return spec.iterations // spec.tau * spec.stages * ring_steps(spec.width)
 
 
 STRATEGY = Strategy(
     name=NAME, build=build, options=("width", "alpha", "tau", "advance", "placement"), default_width=2,
+    ring_transfers=ring_transfers,
     summary="N_p pipelines with elastic averaging every tau iterations and advance forward propagation",
 )

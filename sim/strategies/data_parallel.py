@@ -13,7 +13,7 @@ count m/n, since micro-batch ids are per replica.
 from __future__ import annotations
 
 from ..ir import Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule
+from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule, ring_steps
 
 NAME = "data-parallel"
 
@@ -39,7 +39,12 @@ def stage_passes(spec: ScheduleSpec) -> int:
     return spec.microbatches * spec.iterations
 
 
+def ring_transfers(spec: ScheduleSpec) -> int:
+    """One all-reduce over every device per iteration."""
+    return spec.iterations * ring_steps(spec.stages * spec.width)
+
+
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), stage_passes=stage_passes,
+    name=NAME, build=build, options=("width",), stage_passes=stage_passes, ring_transfers=ring_transfers,
     summary="whole model per device, stages x width devices, all-reduce, update",
 )

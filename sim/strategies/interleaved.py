@@ -24,7 +24,15 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..ir import Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule, pipeline_passes
+from ._common import (
+    ScheduleSpec,
+    Strategy,
+    StrategyError,
+    check_spec,
+    flush_schedule,
+    pipeline_passes,
+    replica_ring_transfers,
+)
 
 NAME = "interleaved-1f1b"
 
@@ -82,8 +90,14 @@ def stage_passes(spec: ScheduleSpec) -> int:
     return pipeline_passes(spec) * spec.chunks
 
 
+def ring_transfers(spec: ScheduleSpec) -> int:
+    """Each of the ``chunks`` model stages of a device reduces on its own."""
+    return replica_ring_transfers(spec) * spec.chunks
+
+
 STRATEGY = Strategy(
     name=NAME, build=build, options=("width", "chunks"), needs_m_ge_p=True, stage_passes=stage_passes,
+    ring_transfers=ring_transfers,
     torch_equivalent="ScheduleInterleaved1F1B",
     summary="Megatron interleaving: v model chunks per device, stage c*p+r on rank r (torch's order)",
 )
