@@ -186,9 +186,10 @@ def token_name(token: Token) -> str:
 
 
 def transfer_key(a: Action) -> Arrival:
-    """Identity of a transfer, shared by the send and its receive."""
+    """Identity of a transfer, shared by the send and its receive (called
+    for every end of every imported transfer, so built without the class call)."""
     op = a.op
-    return Arrival(SEND_OF[op], a.replica, a.stage if op in SEND_OPS else a.stage - FLOW[op], a.microbatch)
+    return _new(Arrival, (SEND_OF[op], a.replica, a.stage if op in SEND_OPS else a.stage - FLOW[op], a.microbatch))
 
 
 def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
