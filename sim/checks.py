@@ -67,6 +67,7 @@ from .ir import (
     W,
     format_action,
     program_cells,
+    routed,
 )
 
 
@@ -91,6 +92,7 @@ def _check_ranges(s: Schedule) -> None:
     """Ids in range, checked a whole program at a time (the common case is
     fine, so only a failing program is walked action by action)."""
     p, r_count, total = s.num_stages, s.num_replicas, s.total_microbatches
+    uniform = len(set(s.replicas)) == 1
     for dev, prog in enumerate(s.programs):
         if not prog:
             continue
@@ -99,13 +101,15 @@ def _check_ranges(s: Schedule) -> None:
         mbs = [a.microbatch for a in prog if a.op in MICROBATCH_OPS]
         if (min(stages) >= 0 and max(stages) < p and min(reps) >= 0 and max(reps) < r_count
                 and (not mbs or (min(mbs) >= 0 and max(mbs) < total))
-                and min(a.distance for a in prog) >= 0):
+                and min(a.distance for a in prog) >= 0
+                and (uniform or all(a.replica < s.replicas[a.stage] for a in prog))):
             continue
         for a in prog:
             if not 0 <= a.stage < p:
                 raise ScheduleError(f"{a} on device {dev}: stage {a.stage} out of range 0..{p - 1}")
-            if not 0 <= a.replica < r_count:
-                raise ScheduleError(f"{a} on device {dev}: replica {a.replica} out of range 0..{r_count - 1}")
+            if not 0 <= a.replica < s.replicas[a.stage]:
+                raise ScheduleError(f"{a} on device {dev}: replica {a.replica} out of range "
+                                    f"0..{s.replicas[a.stage] - 1} (stage {a.stage} has {s.replicas[a.stage]})")
             if a.op in MICROBATCH_OPS and not 0 <= a.microbatch < total:
                 raise ScheduleError(f"{a} on device {dev}: micro-batch {a.microbatch} out of range 0..{total - 1}")
             if a.distance < 0:
@@ -116,11 +120,11 @@ def _check_structure(s: Schedule) -> None:
     _check_ranges(s)
     placement = s.placement()
     split = split_stages(s)
-    walk = _ProgramWalk(split)
+    walk = _ProgramWalk(split, s.replicas)
     for dev, prog in enumerate(s.programs):
         walk.check(dev, prog)
-    for rep in range(s.num_replicas):
-        for stage in range(s.num_stages):
+    for stage, n in enumerate(s.replicas):
+        for rep in range(n):
             if (rep, stage) not in placement:
                 raise ScheduleError(f"replica {rep} stage {stage} has no actions on any device")
     if walk.sharded:
@@ -140,8 +144,9 @@ class _ProgramWalk:
     position)) for the checks that need every device.
     """
 
-    def __init__(self, split: dict) -> None:
+    def __init__(self, split: dict, replicas: tuple[int, ...]) -> None:
         self.split = split
+        self.replicas = replicas
         self.seen: dict[tuple, int] = {}
         self.sends: dict[tuple, tuple[int, int]] = {}
         self.recvs: dict[tuple, tuple[int, int]] = {}
@@ -190,6 +195,10 @@ class _ProgramWalk:
         key = (a.op, a.replica, a.stage, a.microbatch)
         if key in self.seen:
             raise ScheduleError(f"{a} appears twice on device {self.dev}")
+        n = self.replicas[a.stage]
+        if n > 1 and a.microbatch % n != a.replica:
+            raise ScheduleError(f"{a} on device {self.dev}: micro-batch {a.microbatch} of stage {a.stage} runs on "
+                                f"its replica {a.microbatch % n} (round robin over {n}), not replica {a.replica}")
         self.seen[key] = pos
         v = a.version
         if v is None:
@@ -240,17 +249,19 @@ _CHECKS = {F: _ProgramWalk.forward, B: _ProgramWalk.backward, I: _ProgramWalk.ba
 
 
 def _check_complete(s: Schedule, seen: dict, placement: dict, split: dict) -> None:
-    """Every micro-batch runs every stage forward and backward. Pass keys are
-    unique and in range, and no micro-batch has both B and I, so a full count
-    means none is missing; only a short count is searched for the missing pass."""
+    """Every micro-batch runs every stage forward and backward, on the
+    replica it is routed to. Pass keys are unique, in range and routed, and
+    no micro-batch has both B and I, so a full count means none is missing;
+    only a short count is searched for the missing pass."""
     total = s.total_microbatches
-    expected = 2 * total * len(placement)
-    for mbs in split.values():
-        expected += total if mbs is None else len(mbs)
+    expected = 2 * total * s.num_stages
+    for (rep, stage), mbs in split.items():
+        expected += len(routed(0, total, s.replicas[stage], rep)) if mbs is None else len(mbs)
     if len(seen) == expected:
         return
-    for (rep, stage) in sorted(placement):
+    for stage in range(s.num_stages):
         for mb in range(total):
+            rep = s.replica_of(stage, mb)
             split_here = backward_op(split, rep, stage, mb) is I
             for op in (F, I, W) if split_here else (F, B):
                 if (op, rep, stage, mb) not in seen:
@@ -266,7 +277,7 @@ def _check_collectives(s: Schedule) -> None:
             if a.op in COLLECTIVE_OPS:
                 counts[(a.op, a.stage, a.replica)] += 1
     for (op, stage, rep), n in sorted(counts.items(), key=str):
-        for other in range(s.num_replicas):
+        for other in range(s.replicas[stage]):
             if counts.get((op, stage, other), 0) != n:
                 raise ScheduleError(
                     f"stage {stage}: replica {rep} runs {op.value} {n} times but replica {other} "
@@ -331,46 +342,61 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
         key = min(sends.keys() ^ recvs.keys(), key=str)
         if key in sends:
             raise ScheduleError(f"{key.describe()} on device {sends[key][0]} has no matching receive")
-        recv = _name(RECV_OF[key.send], key.replica, key.stage + FLOW[key.send], key.microbatch)
+        cstage = key.stage + FLOW[key.send]
+        recv = _name(RECV_OF[key.send], s.replica_of(cstage, key.microbatch), cstage, key.microbatch)
         raise ScheduleError(f"{recv} on device {recvs[key][0]} has no matching send")
     crossing = 0  # receives of data that really crosses devices
-    get, home = seen.get, placement.get
+    get, home, reps = seen.get, placement.get, s.replicas
     for key, (sdev, spos) in sends.items():
-        op, rep, stage, mb = key
+        op, stage, mb = key
         cstage = stage + FLOW[op]
+        rep, crep = mb % reps[stage], mb % reps[cstage]  # the replicas that run mb on either side
         if op is SEND_F:
-            prod, consumer = (F, rep, stage, mb), (F, rep, cstage, mb)
+            prod, consumer = (F, rep, stage, mb), (F, crep, cstage, mb)
         else:
             prod = (backward_op(split, rep, stage, mb), rep, stage, mb)
-            consumer = (backward_op(split, rep, cstage, mb), rep, cstage, mb)
+            consumer = (backward_op(split, crep, cstage, mb), crep, cstage, mb)
         pdev = home((rep, stage))
         ppos = get(prod)
         if pdev != sdev or ppos is None or ppos > spos:
             raise ScheduleError(f"{key.describe()} is not after {_name(*prod)} on device {pdev}")
         rdev, rpos = recvs[key]
-        cdev = home((rep, cstage))
+        cdev = home((crep, cstage))
         cpos = get(consumer)
         if rdev != cdev or cpos is None or cpos < rpos:
             raise ScheduleError(
                 f"{_name(*consumer)} on device {cdev} needs data from device {pdev} but no "
-                f"{_name(RECV_OF[op], rep, cstage, mb)} precedes it")
+                f"{_name(RECV_OF[op], crep, cstage, mb)} precedes it")
         crossing += cdev != pdev
-    last = s.num_stages - 1
-    needed = sum(2 * s.total_microbatches for (rep, stage), dev in placement.items()
-                 if stage < last and placement.get((rep, stage + 1), dev) != dev)
-    if crossing == needed:
+    if crossing == _crossings(s, placement):
         return
     for (op, rep, stage, mb), pos in seen.items():  # name a pass whose input never arrives
         if op is W:
             continue
         a = Action(op, stage, mb, replica=rep)
-        prod = producer_of(a, s.num_stages, split)
+        prod = producer_of(a, s.replicas, split)
         dev = placement[(rep, stage)]
         if prod is not None and placement[(prod.replica, prod.stage)] != dev and send_key(
                 Action(RECV_OF[op], stage, mb, replica=rep)) not in recvs:
             raise ScheduleError(
                 f"{a} on device {dev} needs data from device {placement[(prod.replica, prod.stage)]} "
                 f"but no {_name(RECV_OF[op], rep, stage, mb)} precedes it")
+
+
+def _crossings(s: Schedule, placement: dict) -> int:
+    """Transfers a complete schedule needs: a forward and a backward for every
+    micro-batch whose two neighbouring stages run it on different devices."""
+    needed = 0
+    reps, total = s.replicas, s.total_microbatches
+    for stage in range(s.num_stages - 1):
+        r0, r1 = reps[stage], reps[stage + 1]
+        if r0 == r1:  # the common case: replica r feeds replica r, the same for every mb
+            needed += 2 * sum(len(routed(0, total, r0, r)) for r in range(r0)
+                              if placement[(r, stage)] != placement[(r, stage + 1)])
+        else:
+            needed += 2 * sum(1 for mb in range(total)
+                              if placement[(mb % r0, stage)] != placement[(mb % r1, stage + 1)])
+    return needed
 
 
 def _check_deadlock(s: Schedule) -> None:
@@ -380,8 +406,7 @@ def _check_deadlock(s: Schedule) -> None:
     programs = compile_plan(s, group(s))
     where = providers(programs)
     # posts of a token before it is done: both ends of a transfer, the one
-    # UNSHARD of its stage, or every replica of a collective
-    participants = {Arrival: 2, Gathered: 1, CollectiveDone: s.num_replicas}
+    # UNSHARD of its stage, or every replica of a collective's stage
     done: set = set()
     posted: dict[object, int] = defaultdict(int)  # transfer/collective -> participants posted
     pc = [0] * s.num_devices
@@ -405,7 +430,8 @@ def _check_deadlock(s: Schedule) -> None:
                     if tok is None:  # a RESHARD: nothing waits for it
                         continue
                     posted[tok] += 1
-                    if posted[tok] == participants[type(tok)]:
+                    kind = type(tok)
+                    if posted[tok] == (2 if kind is Arrival else 1 if kind is Gathered else s.replicas[tok.stage]):
                         finish(tok)
             blocked.pop(dev, None)
             need = next((t for t in waits if t not in done), None)

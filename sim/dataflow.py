@@ -66,15 +66,17 @@ class PassDone(NamedTuple):
 
 
 class Arrival(NamedTuple):
-    """The data that ``send`` (SEND_F or SEND_B) of ``stage`` sends has arrived."""
+    """The data that ``send`` (SEND_F or SEND_B) of ``stage`` sends for
+    ``microbatch`` has arrived. Which replica sends it follows from the
+    routing (:meth:`~pipesim.sim.ir.Schedule.replica_of`), so it is not part
+    of the name: both ends can spell it without knowing each other."""
 
     send: Op
-    replica: int
     stage: int
     microbatch: int
 
     def describe(self) -> str:
-        return format_action(Action(self.send, self.stage, self.microbatch, replica=self.replica))
+        return format_action(Action(self.send, self.stage, self.microbatch))
 
 
 class Gathered(NamedTuple):
@@ -168,16 +170,19 @@ def backward_op(split: dict, replica: int, stage: int, mb: int) -> Op:
     return I if mbs is None or mb in mbs else B
 
 
-def producer_of(a: Action, num_stages: int, split: dict) -> PassDone | None:
-    """Token of the pass on a neighbouring stage whose output pass ``a`` consumes.
+def producer_of(a: Action, replicas: tuple[int, ...], split: dict) -> PassDone | None:
+    """Token of the pass on a neighbouring stage whose output pass ``a``
+    consumes, on the replica of that stage that runs the micro-batch.
 
-    ``split`` is :func:`split_stages` of the schedule."""
+    ``replicas`` is the schedule's per-stage count, ``split`` its
+    :func:`split_stages`."""
     step = FLOW.get(a.op) if a.op in PASS_OPS else None
     src = a.stage - step if step else -1
-    if not 0 <= src < num_stages:  # the first forward, the last backward, W
+    if not 0 <= src < len(replicas):  # the first forward, the last backward, W
         return None
-    op = F if a.op is F else backward_op(split, a.replica, src, a.microbatch)
-    return PassDone(op, a.replica, src, a.microbatch)
+    rep = a.microbatch % replicas[src]
+    op = F if a.op is F else backward_op(split, rep, src, a.microbatch)
+    return PassDone(op, rep, src, a.microbatch)
 
 
 def token_name(token: Token) -> str:
@@ -189,7 +194,7 @@ def transfer_key(a: Action) -> Arrival:
     """Identity of a transfer, shared by the send and its receive (called
     for every end of every imported transfer, so built without the class call)."""
     op = a.op
-    return _new(Arrival, (SEND_OF[op], a.replica, a.stage if op in SEND_OPS else a.stage - FLOW[op], a.microbatch))
+    return _new(Arrival, (SEND_OF[op], a.stage if op in SEND_OPS else a.stage - FLOW[op], a.microbatch))
 
 
 def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
@@ -204,6 +209,7 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
     loop.
     """
     last = schedule.num_stages - 1
+    reps = schedule.replicas
     split = split_stages(schedule)
     received = plan.received
     has_collectives = plan.has_collectives
@@ -228,9 +234,10 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
             if step is not None:
                 src = stage - step  # the stage whose output this pass consumes
                 if 0 <= src <= last:
-                    key = _new(Arrival, (send_of(op), rep, src, mb))  # through a receive if lowered
-                    if key not in received:
-                        key = _new(PassDone, (F if op is F else backward_op(split, rep, src, mb), rep, src, mb))
+                    key = _new(Arrival, (send_of(op), src, mb))  # through a receive if lowered
+                    if key not in received:  # made on this device, by the replica that runs mb
+                        src_rep = mb % reps[src]
+                        key = _new(PassDone, (F if op is F else backward_op(split, src_rep, src, mb), src_rep, src, mb))
                     waits = (key,)
             if has_collectives:
                 waits += _collective_waits(op, rep, stage, last_coll)

@@ -354,7 +354,7 @@ class _Run:
         """Post a collective; it runs once every replica has posted it."""
         posted = self.collectives[token]
         posted.append((dev, a))
-        if len(posted) == self.schedule.num_replicas:
+        if len(posted) == self.schedule.replicas[token.stage]:
             del self.collectives[token]
             self.env.process(self.collective(posted, token))
 

@@ -85,9 +85,10 @@ def schedule_from_csv(
         microbatches = -(-(max(mbs) + 1) // iterations)
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be >= 1, got {microbatches}")
-    num_replicas = max(a.replica for a in actions) + 1
+    replicas = header.get("replicas") or [1 + max((a.replica for a in actions if a.stage == k), default=0)
+                                         for k in range(num_stages)]
     if not has_versions:
-        if num_replicas > 1:
+        if max(replicas) > 1:
             raise ScheduleError("a CSV with replicas must carry weight versions (pipesim spelling)")
         one = max(mbs) < microbatches
         programs = [_flush_program(prog, microbatches, dev, one) for dev, prog in enumerate(programs)]
@@ -96,7 +97,7 @@ def schedule_from_csv(
         num_stages=num_stages,
         num_microbatches=microbatches,
         programs=programs,
-        num_replicas=num_replicas,
+        replicas=tuple(replicas),
         num_iterations=iterations,
         options=header.get("options", {}),
     )
@@ -117,7 +118,7 @@ def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) ->
     """
     prog = [a for a in prog if a.op is not REDUCE_GRAD]
     if one_iteration:
-        return flush_iteration(prog, 0, m, reduce=False)
+        return flush_iteration(prog, 0, reduce=False)
     out: list[Action] = []
     start, t, first = 0, 0, None
     for pos, a in enumerate(prog):
@@ -134,9 +135,9 @@ def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) ->
                 f"(micro-batch i belongs to iteration i // m, here m = {m})")
         elif it > t:
             cut = pos - 1 if pos and prog[pos - 1].op is OVERLAP_F_B else pos
-            out += flush_iteration(prog[start:cut], t, m, reduce=False, global_ids=True)
+            out += flush_iteration(prog[start:cut], t, reduce=False)
             start, t, first = cut, it, a
-    out += flush_iteration(prog[start:], t, m, reduce=False, global_ids=True)
+    out += flush_iteration(prog[start:], t, reduce=False)
     return out
 
 

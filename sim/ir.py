@@ -310,10 +310,23 @@ def program_cells(prog: Iterable[Action], *, torch_only: bool = False) -> list[s
 class Schedule:
     """Per-device programs plus the sizes they were built for.
 
-    ``num_stages`` is the pipeline depth of one replica, counted in model
-    stages (``chunks * devices-per-pipeline`` for interleaved schedules).
-    ``num_microbatches`` is m, micro-batches per iteration per replica;
-    micro-batch ids run over ``range(num_microbatches * num_iterations)``.
+    ``num_stages`` is the pipeline depth, counted in model stages
+    (``chunks * devices-per-pipeline`` for interleaved schedules).
+    ``num_microbatches`` is m, the micro-batches of one iteration entering
+    the pipeline, over all replicas; micro-batch ids run over
+    ``range(num_microbatches * num_iterations)`` and name the data (id i is
+    sample batch i of the stream).
+
+    ``replicas[k]`` is how many replicas stage k has (an int gives every
+    stage that many). A stage with several replicas is data-parallel inside
+    the pipeline: micro-batch i runs on its replica ``i % replicas[k]``
+    (PipeDream's deterministic round-robin routing, :meth:`replica_of`), the
+    same replica for its forward and its backward, and the replicas reduce
+    their gradients (REDUCE_GRAD) before they update. w identical pipelines
+    side by side (width x depth) are every stage replicated w times;
+    AvgPipe's parallel pipelines and data parallelism are replicas too (they
+    average, or reduce, in their own way).
+
     ``options`` records strategy parameters (SpecTrain distances, AvgPipe's
     alpha and tau, ...) so the result of a simulation is self-describing.
     """
@@ -323,17 +336,33 @@ class Schedule:
     num_microbatches: int
     programs: tuple[tuple[Action, ...], ...]
     num_iterations: int = 1
-    num_replicas: int = 1
+    replicas: tuple[int, ...] | int = 1
     options: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "programs", tuple(tuple(p) for p in self.programs))
         object.__setattr__(self, "options", dict(self.options))
-        for name in ("num_stages", "num_microbatches", "num_iterations", "num_replicas"):
+        for name in ("num_stages", "num_microbatches", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ScheduleError(f"{name} must be >= 1, got {getattr(self, name)}")
+        reps = self.replicas
+        reps = (reps,) * self.num_stages if isinstance(reps, int) else tuple(reps)
+        if len(reps) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in reps):
+            raise ScheduleError(f"replicas must be one count >= 1 per stage ({self.num_stages}), "
+                                f"got {self.replicas!r}")
+        object.__setattr__(self, "replicas", reps)
         if not self.programs:
             raise ScheduleError("a schedule needs at least one device")
+
+    @property
+    def num_replicas(self) -> int:
+        """The most replicas any stage has (w for w pipelines side by side)."""
+        return max(self.replicas)
+
+    def replica_of(self, stage: int, microbatch: int) -> int:
+        """The replica of ``stage`` that runs ``microbatch``: round-robin, the
+        one rule every pass, check and executor routes by."""
+        return microbatch % self.replicas[stage]
 
     @property
     def num_devices(self) -> int:
@@ -341,7 +370,7 @@ class Schedule:
 
     @property
     def total_microbatches(self) -> int:
-        """Micro-batch ids per replica across all iterations."""
+        """Micro-batch ids across all iterations (every replica's)."""
         return self.num_microbatches * self.num_iterations
 
     def placement(self) -> dict[tuple[int, int], int]:
@@ -381,7 +410,7 @@ class Schedule:
             num_microbatches=self.num_microbatches,
             programs=tuple(tuple(p) for p in programs),
             num_iterations=self.num_iterations,
-            num_replicas=self.num_replicas,
+            replicas=self.replicas,
             options=self.options,
         )
 
@@ -393,18 +422,25 @@ class Schedule:
             self.num_stages,
             self.num_microbatches,
             self.num_iterations,
-            self.num_replicas,
+            self.replicas,
             self.programs,
         ) == (
             other.strategy,
             other.num_stages,
             other.num_microbatches,
             other.num_iterations,
-            other.num_replicas,
+            other.replicas,
             other.programs,
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def routed(first: int, count: int, replicas: int, replica: int) -> range:
+    """The micro-batch ids among ``first .. first+count-1`` that ``replica`` of
+    a stage with ``replicas`` replicas runs (:meth:`Schedule.replica_of`:
+    round robin, id % replicas)."""
+    return range(first + (replica - first) % replicas, first + count, replicas)
 
 
 def shift_versions(schedule: Schedule, by: int) -> Schedule:
@@ -455,7 +491,8 @@ _HEADER = "# pipesim "
 
 def _header_of(schedule: Schedule) -> dict:
     return {"strategy": schedule.strategy, "microbatches": schedule.num_microbatches,
-            "iterations": schedule.num_iterations, "options": dict(schedule.options)}
+            "iterations": schedule.num_iterations, "replicas": list(schedule.replicas),
+            "options": dict(schedule.options)}
 
 
 def csv_header(text: str) -> tuple[dict, str]:

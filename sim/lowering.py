@@ -121,15 +121,15 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
         raise ScheduleError("recv_lookahead must be >= 0")
     if any(a.op in P2P_OPS for prog in schedule.programs for a in prog):
         return group(schedule)
-    home = schedule.placement().get
-    last = schedule.num_stages - 1
+    reps = schedule.replicas
+    # device_of[k][r]: where replica r of stage k runs (-1 past either end)
+    where = schedule.placement()
+    device_of = [[where[(r, k)] for r in range(n)] for k, n in enumerate(reps)] + [[-1]]
+    device_of.insert(0, [-1])  # stage -1: nothing upstream of stage 0
     out = Plan([])
     received = out.received
     flow = FLOW.get
     for dev, prog in enumerate(schedule.programs):
-        # Per (replica, stage) on this device: whether its upstream neighbour
-        # (stage - 1) and its downstream one (stage + 1) live elsewhere.
-        remote: dict[tuple[int, int], dict[int, bool]] = {}
         computes: list[Action] = []
         posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
         overlaps: list[int] = []
@@ -150,23 +150,18 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
             if step is None:  # W, UPDATE, PREDICT: no data crosses stages
                 continue
             stage, rep, mb = a.stage, a.replica, a.microbatch
-            elsewhere = remote.get((rep, stage))
-            if elsewhere is None:
-                elsewhere = remote[(rep, stage)] = {
-                    -1: stage > 0 and home((rep, stage - 1)) != dev,
-                    1: stage < last and home((rep, stage + 1)) != dev,
-                }
-            # the input comes from stage - step: receive it ahead of this pass
-            if elsewhere[-step]:
-                tok = _new(Arrival, (SEND_OF[op], rep, stage - step, mb))
+            # the input comes from stage - step, the output goes to stage +
+            # step, each on the replica there that runs this micro-batch
+            src, dst = device_of[stage - step + 1], device_of[stage + step + 1]
+            if src[0] >= 0 and src[mb % len(src)] != dev:  # receive it ahead of this pass
+                tok = _new(Arrival, (SEND_OF[op], stage - step, mb))
                 received.add(tok)
                 posts[j - recv_lookahead if j > recv_lookahead else 0].append(
                     _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), tok)))
-            # the output goes to stage + step: send it right after
-            if elsewhere[step]:
+            if dst[0] >= 0 and dst[mb % len(dst)] != dev:  # send it right after
                 send = SEND_OF[op]
                 after.append(_new(Post, (_new(Action, (send, stage, mb, None, 0, rep)),
-                                         _new(Arrival, (send, rep, stage, mb)))))
+                                         _new(Arrival, (send, stage, mb)))))
         for j in overlaps:  # empty what would be posted inside each pair
             if j + 1 >= len(computes):
                 raise ScheduleError(f"OVERLAP_F_B on device {dev} is not followed by its forward and backward")

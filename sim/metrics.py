@@ -58,7 +58,7 @@ def summarize(result: SimResult) -> dict:
     makespan = result.makespan
     busy = device_busy(result)
     bubbles = bubble_fractions(result, busy, makespan)
-    samples = s.num_replicas * s.total_microbatches * result.microbatch_size
+    samples = s.total_microbatches * result.microbatch_size  # ids are global over replicas
     compute_actions = len(result.by_stream()["compute"])
 
     devices = []
@@ -113,6 +113,7 @@ def summarize(result: SimResult) -> dict:
         "stages": s.num_stages,
         "devices_count": s.num_devices,
         "replicas": s.num_replicas,
+        "stage_replicas": list(s.replicas),
         "microbatches": s.num_microbatches,
         "iterations": s.num_iterations,
         "microbatch_size": result.microbatch_size,

@@ -462,7 +462,7 @@ def test_pipesim_csv_keeps_what_its_rows_cannot_say():
     s = build_schedule(ScheduleSpec("avgpipe", 2, 3, iterations=2, alpha=0.5, tau=2))
     back = schedule_from_csv(to_csv(s))
     assert back == s and back.strategy == "avgpipe" and back.options == s.options
-    assert (back.num_microbatches, back.num_iterations) == (3, 2)
+    assert (back.num_microbatches, back.num_iterations) == (6, 2)  # the iteration's 3 per pipeline, 2 pipelines
     assert back.options["alpha"] == 0.5
     # arguments still take precedence over the header
     assert schedule_from_csv(to_csv(s), strategy="mine").strategy == "mine"

@@ -171,14 +171,18 @@ def test_deadlock_is_named() -> None:
 def test_collective_deadlock_is_named() -> None:
     # Both replicas of stage 0 share one device; replica 0 updates (waiting
     # for the all-reduce) before replica 1 has joined it.
-    ok = ["0F0@v0 0B0@v0 0REDUCE_GRAD r1.0F0@v0 r1.0B0@v0 r1.0REDUCE_GRAD 0UPDATE@v1 r1.0UPDATE@v1"]
-    validate(mk(ok, 1, 1, num_replicas=2))
-    stuck = ["0F0@v0 0B0@v0 0REDUCE_GRAD 0UPDATE@v1 r1.0F0@v0 r1.0B0@v0 r1.0REDUCE_GRAD r1.0UPDATE@v1"]
+    # (micro-batch i runs on replica i % 2)
+    ok = ["0F0@v0 0B0@v0 0REDUCE_GRAD r1.0F1@v0 r1.0B1@v0 r1.0REDUCE_GRAD 0UPDATE@v1 r1.0UPDATE@v1"]
+    validate(mk(ok, 1, 2, replicas=2))
+    stuck = ["0F0@v0 0B0@v0 0REDUCE_GRAD 0UPDATE@v1 r1.0F1@v0 r1.0B1@v0 r1.0REDUCE_GRAD r1.0UPDATE@v1"]
     with pytest.raises(ScheduleError, match=r"0UPDATE@v1 \(device 0\) waits for REDUCE_GRAD of stage 0"):
-        validate(mk(stuck, 1, 1, num_replicas=2))
-    missing = ["0F0@v0 0B0@v0 0REDUCE_GRAD 0UPDATE@v1", "r1.0F0@v0 r1.0B0@v0 r1.0UPDATE@v1"]
+        validate(mk(stuck, 1, 2, replicas=2))
+    missing = ["0F0@v0 0B0@v0 0REDUCE_GRAD 0UPDATE@v1", "r1.0F1@v0 r1.0B1@v0 r1.0UPDATE@v1"]
     with pytest.raises(ScheduleError, match="REDUCE_GRAD 1 times but replica 1 0 times"):
-        validate(mk(missing, 1, 1, num_replicas=2))
+        validate(mk(missing, 1, 2, replicas=2))
+    misrouted = ["0F0@v0 0B0@v0 0REDUCE_GRAD r1.0F0@v0 r1.0B0@v0 r1.0REDUCE_GRAD 0UPDATE@v1 r1.0UPDATE@v1"]
+    with pytest.raises(ScheduleError, match="runs on its replica 0 \\(round robin over 2\\), not replica 1"):
+        validate(mk(misrouted, 1, 1, replicas=2))
 
 
 # -- lowering --------------------------------------------------------------

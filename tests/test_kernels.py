@@ -514,5 +514,5 @@ def test_bench_smoke():
                                            "weight_stash", "double_buffer"}
     for r in rows:
         assert {"kernel", "device", "dtype", "numel", "gbps", "copy_gbps", "loop_speedup"} <= set(r)
-        assert r["gbps"] > 0 and r["copy_gbps"] > 0
+        assert r["ms"] > 0 and r["gbps"] >= 0 and r["copy_gbps"] >= 0  # rounded: tiny sizes on a busy machine read 0.0
     json.dumps(rows)

@@ -29,6 +29,7 @@ from pipesim.sim.ir import (
     W,
     format_action,
 )
+from pipesim.sim.strategies._common import warmup
 from pipesim.sim.strategies import (
     ScheduleSpec,
     StrategyError,
@@ -50,6 +51,7 @@ except ImportError:  # pragma: no cover
     lower = None
 
 FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+REPLICATED = ("gpipe", "1f1b", "pipedream", "pipedream-2bw")  # take per-stage replicas
 WIDE = FLUSH + ("pipedream-2bw",)
 ALL = FLUSH + ("pipedream", "pipedream-2bw", "spectrain", "avgpipe", "data-parallel")
 
@@ -120,7 +122,7 @@ def makespan(s, T):
         for d, prog in enumerate(s.programs):
             while pc[d] < len(prog):
                 a = prog[pc[d]]
-                prod = producer_of(a, s.num_stages, split) if a.op in PASS_OPS else None
+                prod = producer_of(a, s.replicas, split) if a.op in PASS_OPS else None
                 deps = () if prod is None else (prod,)
                 if any(x not in end for x in deps):
                     break
@@ -149,8 +151,12 @@ def outstanding(prog, stage, done_ops=(B,)):
 
 def expect_error(spec):
     p, m, w = spec.stages, spec.microbatches, spec.width
+    if spec.strategy == "pipedream" and spec.replicas:
+        return any(m * spec.iterations % r for r in spec.replicas)
     if spec.strategy == "pipedream-2bw":
-        return m < p
+        reps = spec.replicas or (1,) * p
+        per_window = m if spec.replicas else m  # per pipeline with width, in all with replicas
+        return any(per_window // (r if spec.replicas else 1) < warmup(reps, k) + 1 for k, r in enumerate(reps))
     if spec.strategy == "data-parallel":
         return m % (p * w) != 0
     if spec.strategy == "interleaved-1f1b":
@@ -251,10 +257,16 @@ def specs(draw):
         kw["chunks"] = draw(st.integers(1, 3))
     if strategy == "pipedream":
         kw["stashing"] = draw(st.booleans())
+    if strategy in REPLICATED and draw(st.booleans()):  # PipeDream-style per-stage replicas
+        kw.pop("width", None)
+        kw["replicas"] = tuple(draw(st.lists(st.integers(1, 3), min_size=p, max_size=p)))
+        m = draw(st.integers(1, 12))
     return ScheduleSpec(strategy, p, m, iterations=draw(st.integers(1, 3)), **kw)
 
 
 def check_structure(s):
+    """Every micro-batch runs every stage once forward and once backward (B,
+    or I then W), on the replica it is routed to (round robin), forward first."""
     count = Counter()
     where = {}
     for dev, prog in enumerate(s.programs):
@@ -264,50 +276,56 @@ def check_structure(s):
                 where[(a.op, a.replica, a.stage, a.microbatch)] = (dev, pos)
             assert a.op not in P2P_OPS, "strategies produce compute-only programs"
     split = {(r, k) for (op, r, k, _) in count if op is I}
-    for r in range(s.num_replicas):
-        for k in range(s.num_stages):
+    for k in range(s.num_stages):
+        for mb in range(s.total_microbatches):
+            r = mb % s.replicas[k]
             bwd = (I, W) if (r, k) in split else (B,)
-            for mb in range(s.total_microbatches):
-                for op in (F, *bwd):
-                    assert count[(op, r, k, mb)] == 1, (op, r, k, mb)
-                fdev, fpos = where[(F, r, k, mb)]
-                bdev, bpos = where[(bwd[0], r, k, mb)]
-                assert fdev == bdev and fpos < bpos
-                if len(bwd) == 2:
-                    wdev, wpos = where[(W, r, k, mb)]
-                    assert wdev == bdev and bpos < wpos
+            for op in (F, *bwd):
+                assert count[(op, r, k, mb)] == 1, (op, r, k, mb)
+            fdev, fpos = where[(F, r, k, mb)]
+            bdev, bpos = where[(bwd[0], r, k, mb)]
+            assert fdev == bdev and fpos < bpos
+            if len(bwd) == 2:
+                wdev, wpos = where[(W, r, k, mb)]
+                assert wdev == bdev and bpos < wpos
     assert len(count) == sum(1 for prog in s.programs for a in prog if a.op in PASS_OPS)
 
 
 def check_versions(s, spec):
+    """Versions read, staleness and versions held, against each strategy's
+    rule. A replica of a replicated stage runs its share of the micro-batches
+    in order: its l-th is micro-batch l*r + replica, and PipeDream's rules
+    apply to that stream with the replica's warm-up."""
     reads, update_at, held = static_versions(s)
     p, m, total = s.num_stages, s.num_microbatches, s.total_microbatches
-    assert set(update_at) == {(r, k, i) for r in range(s.num_replicas) for k in range(p)
-                              for i in range(total)}, "every gradient is applied"
+    reps = s.replicas
+    assert set(update_at) == {(i % reps[k], k, i) for k in range(p) for i in range(total)}, \
+        "every gradient is applied"
     stale = staleness(s)
     name = spec.strategy
     for (op, r, k, i), (v, dist) in reads.items():
+        local, w = i // reps[k], warmup(reps, k)
         if name in FLUSH + ("avgpipe", "data-parallel"):
             assert (v, dist) == (i // m, 0)
         elif name == "pipedream":
-            w = p - k - 1
-            fv = max(i - w, 0)
+            fv = max(local - w, 0)
             if op is F or spec.stashing:
                 assert (v, dist) == (fv, 0)
             else:
-                assert (v, dist) == (i, 0)
+                assert (v, dist) == (local, 0)
         elif name == "pipedream-2bw":
             assert (v, dist) == (max(i // m - 1, 0), 0)
         elif name == "spectrain":
             assert v == max(i - (p - k - 1), 0) if op is F else v == i
             assert dist == (k // 2 + p - k - 1 if op is F else k // 2)
     for (r, k, i), st_ in stale.items():
+        local, w = i // reps[k], warmup(reps, k)
         if name in FLUSH + ("avgpipe", "data-parallel"):
             assert st_ == 0
             assert update_at[(r, k, i)] == i // m
         elif name in ("pipedream", "spectrain"):
-            assert update_at[(r, k, i)] == i
-            assert st_ == min(i, p - k - 1)
+            assert update_at[(r, k, i)] == local
+            assert st_ == min(local, w)
         elif name == "pipedream-2bw":
             assert st_ == (0 if i < m else 1)
     declared = get_strategy(name).weight_versions
@@ -316,15 +334,13 @@ def check_versions(s, spec):
         # and is reached once the pipeline has been full for a while and a
         # second iteration has begun (2BW reads the last iteration's version)
         assert h <= declared(s.options, k, p)
-        if total >= 2 * p and s.num_iterations >= 2:
+        if total >= 2 * sum(reps) and s.num_iterations >= 2:
             assert h == declared(s.options, k, p), (name, k)
         if name in FLUSH + ("avgpipe", "data-parallel", "spectrain"):
             assert h == 1
         elif name == "pipedream":
             if spec.stashing:
-                assert h <= p - k
-                if total >= 2 * p:  # steady state reached: F(i) ... B(i) spans p-k-1 updates
-                    assert h == p - k
+                assert h <= warmup(reps, k) + 1
             else:
                 assert h == 1
         elif name == "pipedream-2bw":
@@ -358,7 +374,7 @@ def test_every_strategy_structure_and_versions(spec):
                 produced[(a.replica, a.stage)] += 1
                 assert a.version == produced[(a.replica, a.stage)]
                 reduced = pos > 0 and prog[pos - 1].op is REDUCE_GRAD
-                assert reduced == (s.num_replicas > 1 and spec.strategy != "avgpipe")
+                assert reduced == (s.replicas[a.stage] > 1 and spec.strategy != "avgpipe")
                 if reduced:
                     assert (prog[pos - 1].stage, prog[pos - 1].replica) == (a.stage, a.replica)
 
@@ -445,8 +461,9 @@ def test_2bw_versions_and_width():
     assert s.placement() == {(r, k): r * p + k for r in range(w) for k in range(p)}
     stale = staleness(s)
     _, _, held = static_versions(s)
-    assert all(stale[(r, k, i)] == (0 if i < m else 1) for r in range(w) for k in range(p)
-               for i in range(m * K))
+    # ids are global over the replicas: an iteration is m*w micro-batches, i on replica i % w
+    assert s.num_microbatches == m * w
+    assert all(stale[(i % w, k, i)] == (0 if i < m * w else 1) for k in range(p) for i in range(m * w * K))
     assert max(held.values()) == 2
     assert sum(a.op is UPDATE for a in s.programs[0]) == K
 
@@ -515,9 +532,10 @@ def test_avgpipe_advance_extremes_and_disjoint():
 
 def test_data_parallel_layout():
     s = build("data-parallel", 4, 8, iterations=2)
-    assert (s.num_devices, s.num_stages, s.num_replicas, s.num_microbatches) == (4, 1, 4, 2)
+    # the iteration's 8 micro-batches, 2 per device: ids 1 and 5 on device 1
+    assert (s.num_devices, s.num_stages, s.num_replicas, s.num_microbatches) == (4, 1, 4, 8)
     assert [format_action(a) for a in s.programs[1][:6]] == [
-        "r1.0F0@v0", "r1.0B0@v0", "r1.0F1@v0", "r1.0B1@v0", "r1.0REDUCE_GRAD", "r1.0UPDATE@v1"]
+        "r1.0F1@v0", "r1.0B1@v0", "r1.0F5@v0", "r1.0B5@v0", "r1.0REDUCE_GRAD", "r1.0UPDATE@v1"]
     assert build("data-parallel", 2, 8, width=2).num_devices == 4
     single = build("data-parallel", 1, 3)
     assert not any(a.op is REDUCE_GRAD for a in single.programs[0])
@@ -532,8 +550,10 @@ def test_width_places_replicas_and_reduces():
             for d in range(p):
                 prog = s.programs[r * p + d]
                 assert {a.replica for a in prog} == {r}
+                # the plain pipeline's order on the replica's own micro-batches: its l-th is l*w + r
                 plain = build(name, p, m, iterations=2).programs[d]
-                assert [a._replace(replica=0) for a in prog if a.op is not REDUCE_GRAD] == list(plain)
+                assert [a._replace(replica=0) for a in prog if a.op is not REDUCE_GRAD] == [
+                    a if a.microbatch is None else a._replace(microbatch=a.microbatch * w + r) for a in plain]
 
 
 def test_flush_update_right_after_last_backward():

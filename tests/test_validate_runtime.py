@@ -113,7 +113,7 @@ def test_transfer_tags_are_unique_and_symmetric():
         sched = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=3, **kw))
         entries = compiled(sched)
         tokens = {tok for prog in entries for posts, *_ in prog for _, tok in posts if isinstance(tok, Arrival)}
-        tags = {transfer_tag(t, sched.num_replicas, sched.num_stages) for t in tokens}
+        tags = {transfer_tag(t, sched.num_stages) for t in tokens}
         assert len(tags) == len(tokens)
 
 

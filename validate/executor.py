@@ -295,7 +295,6 @@ class DeviceExecutor:
         self.entries = entries
         self.stages = stages
         self.data = data
-        self.num_replicas = schedule.num_replicas
         self.comm = comm
         self.clock = clock
         self.records: list[Record] = []
@@ -304,7 +303,7 @@ class DeviceExecutor:
         self.position = 0
 
     def _batch(self, replica: int, mb: int) -> tuple[Tensor, Tensor]:
-        x, y = self.data.batch(mb * self.num_replicas + replica)
+        x, y = self.data.batch(mb)  # micro-batch ids name the data, whichever replica runs them
         dev = next(iter(self.stages.values())).device
         return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
 

@@ -83,10 +83,10 @@ from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 COLLECTIVE_TAG_BASE = 1 << 30
 
 
-def transfer_tag(token: Arrival, num_replicas: int, num_stages: int) -> int:
+def transfer_tag(token: Arrival, num_stages: int) -> int:
     """A tag unique to one transfer of one run, the same at both ends."""
-    send, rep, stage, mb = token
-    return ((mb * num_replicas + rep) * num_stages + stage) * 2 + (0 if send is SEND_F else 1)
+    send, stage, mb = token
+    return (mb * num_stages + stage) * 2 + (0 if send is SEND_F else 1)
 
 
 def transfer_peers(schedule: Schedule, entries: list[list]) -> dict[int, dict[tuple, int]]:
@@ -97,7 +97,7 @@ def transfer_peers(schedule: Schedule, entries: list[list]) -> dict[int, dict[tu
         for posts, *_ in prog:
             for x, tok in posts:
                 if type(tok) is Arrival:
-                    src, dst = (where[(x.replica, s)] for s in transfer_stages(x))
+                    src, dst = (where[(schedule.replica_of(s, x.microbatch), s)] for s in transfer_stages(x))
                     out[dev][tok] = dst if dev == src else src
     return out
 
@@ -167,7 +167,7 @@ class DistComm:
         self.failure: BaseException | None = None
 
     def _tag(self, token):
-        return transfer_tag(token, self.schedule.num_replicas, self.schedule.num_stages)
+        return transfer_tag(token, self.schedule.num_stages)
 
     def _collective_tag(self, token: CollectiveDone) -> int:
         """Tags above every transfer's: (op, stage, round) of a collective."""

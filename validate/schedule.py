@@ -82,7 +82,7 @@ class PipelineSchedule:
     def step(self, data) -> list[float] | None:
         """Run the schedule once; one mean loss per iteration (None on ranks other than 0)."""
         sched = shift_versions(self.schedule, self.steps * self.updates_per_step)
-        src = _Offset(data, self.steps * sched.total_microbatches * sched.num_replicas)
+        src = _Offset(data, self.steps * sched.total_microbatches)
         if self._centres is None:
             self._centres = initial_centres(sched, self.stages)
         with intra_op_threads(self.threads):

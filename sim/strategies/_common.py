@@ -38,6 +38,7 @@ from ..ir import (
     F,
     Op,
     Schedule,
+    routed,
 )
 
 
@@ -54,17 +55,30 @@ OPTIMIZERS = ("sgd", "adam")
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What to build. Sizes are per replica unless said otherwise.
+    """What to build.
 
     ``stages`` is the pipeline depth in *devices* per replica (interleaved
-    schedules put ``chunks`` model stages on each). ``microbatches`` is m per
-    iteration per replica (data-parallel: per iteration in all, split over
-    the devices). ``iterations`` is K: flush schedules repeat K flushed
-    iterations; asynchronous ones run K*m micro-batches without a flush.
-    ``width`` is w replicas: w parallel pipelines (width x depth) for the
-    flush schedules and 2BW, AvgPipe's number of pipelines N_p (default 2 when
-    left ``None``), and a device multiplier for data-parallel; ``None`` means
-    1 for every other strategy. After construction ``width`` is an int.
+    schedules put ``chunks`` model stages on each). ``iterations`` is K:
+    flush schedules repeat K flushed iterations; asynchronous ones run
+    K iterations' micro-batches without a flush.
+
+    Replication, two ways (:func:`stage_replicas`):
+
+    * ``width`` is w replicas of the whole pipeline: w parallel pipelines
+      (width x depth) for the flush schedules and 2BW, AvgPipe's number of
+      pipelines N_p (default 2 when left ``None``), and a device multiplier
+      for data-parallel; ``None`` means 1 for every other strategy. After
+      construction ``width`` is an int. Pipeline r occupies devices
+      ``r*p .. r*p+p-1``.
+    * ``replicas`` gives each stage its own count, PipeDream's hybrid of
+      data and pipeline parallelism (``(15, 1)``: the first stage on 15
+      devices, the second on one); stage k's replicas occupy consecutive
+      devices after stage k-1's.
+
+    ``microbatches`` is m, the micro-batches of an iteration: per pipeline
+    with ``width`` (the iteration has m*w), in all with ``replicas``, and in
+    all for data-parallel (split over its devices). Micro-batch i runs on
+    replica ``i % r`` of a stage with r replicas.
     """
 
     strategy: str
@@ -78,9 +92,12 @@ class ScheduleSpec:
     tau: int = 1  # avgpipe: average every tau iterations
     advance: int = 1  # avgpipe: forwards issued ahead of the 1F1B warm-up
     placement: str = "shared"  # avgpipe: "shared" or "disjoint"
+    replicas: tuple[int, ...] | None = None  # per-stage replication (PipeDream's "15-1")
     optimizer: str = "sgd"  # "sgd" (momentum) or "adam"; recorded in options
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, list):
+            object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.width is None:
             from . import find_strategy  # the registry imports this module
 
@@ -98,15 +115,54 @@ OPTION_DEFAULTS: dict[str, object] = {
 }
 
 
+def stage_replicas(spec: ScheduleSpec, num_stages: int | None = None) -> tuple[int, ...]:
+    """How many replicas each model stage runs on: ``replicas`` when given,
+    else ``width`` for every one of ``num_stages`` (default ``spec.stages``)."""
+    if spec.replicas is not None:
+        return tuple(spec.replicas)
+    return (spec.width,) * (spec.stages if num_stages is None else num_stages)
+
+
+def iteration_microbatches(spec: ScheduleSpec) -> int:
+    """Micro-batches entering the pipeline per iteration: m for each of the
+    ``width`` pipelines, or m in all when stages have their own ``replicas``."""
+    return spec.microbatches if spec.replicas is not None else spec.microbatches * spec.width
+
+
+def warmup(replicas: Sequence[int], stage: int) -> int:
+    """1F1B warm-up forwards of one replica of ``stage``.
+
+    In a balanced pipeline a micro-batch spends one period on every replica
+    it passes, so the micro-batches in flight at stage k, from its forward to
+    its backward, are one per replica of stage k and of every later stage,
+    ``sum(replicas[k:])``, shared round robin by stage k's replicas. A
+    replica holds its share and starts its first backward after share - 1
+    forwards: p - k - 1 with one replica per stage, and PipeDream's
+    NUM_OPT_ACTIVE_MINIBATCHES - 1 at the input stage.
+    """
+    share = -(-sum(replicas[stage:]) // replicas[stage])
+    return share - 1
+
+
+def layout(replicas: Sequence[int], *, pipelines: bool) -> list[tuple[int, int]]:
+    """(replica, stage) on each device, by device. ``pipelines``: whole
+    replicas of the pipeline side by side (every stage has the same count;
+    pipeline r on devices r*p .. r*p+p-1); otherwise each stage's replicas
+    on consecutive devices, stage after stage."""
+    if pipelines:
+        return [(r, k) for r in range(replicas[0]) for k in range(len(replicas))]
+    return [(r, k) for k, n in enumerate(replicas) for r in range(n)]
+
+
 def one_version(options: Mapping[str, object], stage: int, stages: int) -> int:
     """Weight versions of a strategy that updates in place: one."""
     return 1
 
 
 def pipeline_passes(spec: ScheduleSpec) -> int:
-    """Stage passes of ``width`` pipelines of ``stages`` stages over every
-    micro-batch of every iteration (forwards; as many backwards)."""
-    return spec.stages * spec.microbatches * spec.iterations * spec.width
+    """Stage passes of a pipeline of ``stages`` stages over every micro-batch
+    of every iteration (forwards; as many backwards), whatever the replicas."""
+    return spec.stages * iteration_microbatches(spec) * spec.iterations
 
 
 def ring_steps(devices: int) -> int:
@@ -115,9 +171,9 @@ def ring_steps(devices: int) -> int:
 
 
 def replica_ring_transfers(spec: ScheduleSpec) -> int:
-    """Every model stage's gradients all-reduced over the ``width`` replicas
-    once per iteration (width x depth, 2BW): none with one replica."""
-    return spec.iterations * spec.stages * ring_steps(spec.width)
+    """Every stage's gradients all-reduced over its replicas once per
+    iteration (flush schedules, 2BW): none for a stage with one replica."""
+    return spec.iterations * sum(ring_steps(r) for r in stage_replicas(spec))
 
 
 @dataclass(frozen=True)
@@ -193,6 +249,13 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
         raise StrategyError(f"placement must be one of {', '.join(PLACEMENTS)}, got {spec.placement!r}")
     if spec.optimizer not in OPTIMIZERS:
         raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+    if spec.replicas is not None:
+        reps = spec.replicas
+        if (not isinstance(reps, tuple) or len(reps) != spec.stages
+                or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in reps)):
+            raise StrategyError(f"replicas must give each of the {spec.stages} stages a count >= 1, got {reps!r}")
+        if spec.width != 1:
+            raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
     if "width" not in uses and spec.width != 1:
         from . import strategies  # the registry imports this module
@@ -228,11 +291,9 @@ def one_f_one_b(n: int, warmup: int) -> Iterator[tuple[Op, int]]:
 def flush_iteration(
     order: Sequence[Action],
     t: int,
-    m: int,
     *,
     reduce: bool,
     average: bool = False,
-    global_ids: bool = False,
 ) -> list[Action]:
     """One flushed iteration ``t`` of one device, with versions and updates.
 
@@ -240,16 +301,15 @@ def flush_iteration(
     their schedules with it and :mod:`pipesim.sim.interchange` gives imported
     torch schedules their meaning with it.
 
-    ``order`` is the device's order for iteration ``t`` (replica and stage
-    set, no version), with local micro-batch ids ``0..m-1``, or global ids
-    ``t*m ..`` with ``global_ids``. Every pass reads version ``t``; right after
+    ``order`` is the device's order for iteration ``t`` (replica, stage and
+    micro-batch ids set, no version). Every pass reads version ``t``; right after
     the last backward (B or W) of each (replica, stage) comes ``[REDUCE_GRAD]
     UPDATE@v(t+1) [AVERAGE]``. In an order that carries communication (an
     imported schedule) the update is the next compute action: it goes after
     the sends, receives and FSDP actions posted right after that backward
     (torch's REDUCE_GRAD is among them), which are posted the moment the
     backward ends, as the lowering pass places them. Other actions keep their
-    place; those with a micro-batch id get the same offset as the passes.
+    place.
     """
     last: dict[tuple[int, int], int] = {}
     for pos, a in enumerate(order):
@@ -262,25 +322,21 @@ def flush_iteration(
             pos += 1
         ends[pos] = rs
     out: list[Action] = []
-    offset = 0 if global_ids else t * m
     for pos, a in enumerate(order):
         op = a.op
         # built through tuple.__new__: the class call (and _replace) cost far more per action
-        if op in PASS_OPS:
-            out.append(_new(Action, (op, a.stage, a.microbatch + offset, t, a.distance, a.replica)))
-        elif a.microbatch is None or not offset:
-            out.append(a)
-        else:
-            out.append(Action(op, a.stage, a.microbatch + offset, a.version, a.distance, a.replica))
+        out.append(_new(Action, (op, a.stage, a.microbatch, t, a.distance, a.replica)) if op in PASS_OPS else a)
         rs = ends.get(pos)
         if rs is not None:
-            rep, stage = rs
-            if reduce:
-                out.append(Action(REDUCE_GRAD, stage, replica=rep))
-            out.append(Action(UPDATE, stage, version=t + 1, replica=rep))
-            if average:
-                out.append(Action(AVERAGE, stage, replica=rep))
+            out.extend(_update(rs[1], rs[0], t, reduce, average))
     return out
+
+
+def _update(stage: int, replica: int, t: int, reduce: bool, average: bool = False) -> list[Action]:
+    """The end of iteration t of a (replica, stage): ``[REDUCE_GRAD]
+    UPDATE@v(t+1) [AVERAGE]``."""
+    return ([Action(REDUCE_GRAD, stage, replica=replica)] * reduce + [Action(UPDATE, stage, version=t + 1, replica=replica)]
+            + [Action(AVERAGE, stage, replica=replica)] * average)
 
 
 def flush_schedule(
@@ -292,30 +348,80 @@ def flush_schedule(
     width: int | None = None,
     options: dict | None = None,
 ) -> Schedule:
-    """K flushed iterations of ``width`` replicas of a per-device order.
+    """K flushed iterations of ``width`` whole replicas of a per-device order.
 
-    ``iteration_order[d]`` is device ``d``'s order for one iteration of
-    replica 0 (local micro-batch ids ``0..m-1``; ``num_microbatches`` and
-    ``width`` override the spec's m and w). Replica ``r`` runs the same order on devices
-    ``r*len(iteration_order) + d``; with more than one replica every UPDATE
-    waits for a REDUCE_GRAD (gradient all-reduce) of its stage.
+    For schedules whose devices each run several stages (interleaved) or the
+    whole model (data parallelism). ``iteration_order[d]`` is device ``d``'s
+    order for one iteration of replica 0 with local micro-batch ids
+    ``0..m-1`` (``num_microbatches`` and ``width`` override the spec's m and
+    w). Replica ``r`` runs the same order on devices ``r*len(iteration_order)
+    + d``, on its own micro-batches: local id l of iteration t is id
+    ``(t*m + l)*w + r``, the round-robin rule of :func:`routed`. With more
+    than one replica every UPDATE waits for a REDUCE_GRAD of its stage.
     """
     m = spec.microbatches if num_microbatches is None else num_microbatches
     w = spec.width if width is None else width
     programs = []
     for r in range(w):
         for order in iteration_order:
-            order_r = order if r == 0 else [Action(a.op, a.stage, a.microbatch, a.version, a.distance, r)
-                                            for a in order]
             prog: list[Action] = []
             for t in range(spec.iterations):
-                prog.extend(flush_iteration(order_r, t, m, reduce=w > 1))
+                mapped = [_new(Action, (a.op, a.stage, None if a.microbatch is None else (t * m + a.microbatch) * w + r,
+                                        a.version, a.distance, r)) for a in order]
+                prog.extend(flush_iteration(mapped, t, reduce=w > 1))
             programs.append(tuple(prog))
-    return schedule_of(spec, programs, num_stages=num_stages, num_microbatches=m, num_replicas=w, options=options)
+    return schedule_of(spec, programs, num_stages=num_stages, num_microbatches=m * w, replicas=w, options=options)
+
+
+def replicated_schedule(
+    spec: ScheduleSpec,
+    replica_program: Callable[[int, int, list[range], int], list[Action]],
+    *,
+    options: dict | None = None,
+) -> Schedule:
+    """A pipeline whose stages each run on one or more replicas
+    (:func:`stage_replicas`), one stage replica per device (:func:`layout`).
+
+    ``replica_program(stage, replica, ids, warm)`` is the whole program of
+    that replica: ``ids[t]`` are the micro-batch ids it runs in iteration t
+    (round robin, :func:`routed`) and ``warm`` its 1F1B warm-up
+    (:func:`warmup`). Width x depth (w identical pipelines) is the case of
+    every stage replicated w times.
+    """
+    reps = stage_replicas(spec)
+    per_iteration = iteration_microbatches(spec)
+    programs = []
+    for r, k in layout(reps, pipelines=spec.replicas is None):
+        ids = [routed(t * per_iteration, per_iteration, reps[k], r) for t in range(spec.iterations)]
+        programs.append(tuple(replica_program(k, r, ids, warmup(reps, k))))
+    recorded = {"replicas": list(reps)} if spec.replicas is not None else {}
+    return schedule_of(spec, programs, num_microbatches=per_iteration, replicas=reps,
+                       options=recorded | (options or {}))
+
+
+def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], reps: Sequence[int]):
+    """``replica_program`` of :func:`replicated_schedule` for a flush
+    strategy: each iteration, ``stage_order(stage, n, warm)`` over the
+    replica's n micro-batches (``(op, index)`` pairs), then the update
+    (after the REDUCE_GRAD of the stage's replicas when it has several)."""
+
+    def program(stage: int, replica: int, ids: list[range], warm: int) -> list[Action]:
+        reduce = reps[stage] > 1
+        out: list[Action] = []
+        for t, batch in enumerate(ids):
+            if not batch:  # fewer micro-batches than replicas: still reduce (nothing) and update,
+                out.extend(_update(stage, replica, t, reduce))  # so every replica stays at version t+1
+                continue
+            order = [_new(Action, (op, stage, batch[i], None, 0, replica))
+                     for op, i in stage_order(stage, len(batch), warm)]
+            out.extend(flush_iteration(order, t, reduce=reduce))
+        return out
+
+    return program
 
 
 def schedule_of(spec: ScheduleSpec, programs, *, num_stages: int | None = None, num_microbatches: int | None = None,
-                num_replicas: int = 1, options: dict | None = None) -> Schedule:
+                replicas: int | Sequence[int] = 1, options: dict | None = None) -> Schedule:
     """The :class:`Schedule` a strategy built for ``spec`` from per-device
     ``programs`` (by default ``spec.stages`` stages and ``spec.microbatches``
     micro-batches), recording the options every schedule records and the
@@ -326,7 +432,7 @@ def schedule_of(spec: ScheduleSpec, programs, *, num_stages: int | None = None, 
         num_microbatches=spec.microbatches if num_microbatches is None else num_microbatches,
         programs=tuple(programs),
         num_iterations=spec.iterations,
-        num_replicas=num_replicas,
+        replicas=replicas if isinstance(replicas, int) else tuple(replicas),
         options=base_options(spec) | (options or {}),
     )
 
@@ -337,10 +443,13 @@ def base_options(spec: ScheduleSpec) -> dict:
 
 
 def asynchronous_schedule(spec: ScheduleSpec, stage_program, options: dict | None = None) -> Schedule:
-    """One pipeline running all ``iterations * m`` micro-batches without a flush.
+    """A pipeline running all its iterations' micro-batches as one stream,
+    without a flush, each stage on one or more replicas (:func:`replicated_schedule`).
 
-    ``stage_program(stage, p, n)`` returns stage ``stage``'s actions for ``n``
-    micro-batches on a ``p``-stage pipeline, one stage per device.
+    ``stage_program(stage, replica, ids, warm)`` returns that replica's
+    actions for the micro-batch ids it runs (all iterations, in order) after
+    ``warm`` warm-up forwards.
     """
-    p, n = spec.stages, spec.microbatches * spec.iterations
-    return schedule_of(spec, (tuple(stage_program(k, p, n)) for k in range(p)), options=options)
+    return replicated_schedule(
+        spec, lambda k, r, ids, warm: stage_program(k, r, [i for batch in ids for i in batch], warm),
+        options=options)

@@ -27,39 +27,51 @@ docs/semantics.md, not a verified reproduction:
 
 from __future__ import annotations
 
-from ..ir import Action, Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flush_iteration, one_f_one_b, ring_steps, schedule_of
+from ..ir import Action, Schedule, routed
+from ._common import (
+    ScheduleSpec,
+    Strategy,
+    check_spec,
+    flush_iteration,
+    one_f_one_b,
+    ring_steps,
+    schedule_of,
+)
 
 NAME = "avgpipe"
 
 
-def shared_order(stage: int, p: int, m: int, n_p: int, advance: int) -> list[Action]:
-    """One iteration of device ``stage`` hosting every replica's ``stage``."""
-    return [
-        Action(op, stage, j // n_p, replica=j % n_p)
-        for op, j in one_f_one_b(n_p * m, p - stage - 1 + advance)
-    ]
+def shared_order(stage: int, p: int, m: int, n_p: int, advance: int, t: int) -> list[Action]:
+    """Iteration t of device ``stage`` hosting every replica's ``stage``: slot
+    j of the iteration's n_p*m micro-batches is id t*n_p*m + j, on replica
+    j % n_p (the round-robin rule)."""
+    first = t * n_p * m
+    return [Action(op, stage, first + j, replica=j % n_p)
+            for op, j in one_f_one_b(n_p * m, p - stage - 1 + advance)]
 
 
-def disjoint_order(stage: int, p: int, m: int, replica: int, advance: int) -> list[Action]:
-    """One iteration of replica ``replica``'s stage on its own device."""
-    return [Action(op, stage, i, replica=replica) for op, i in one_f_one_b(m, p - stage - 1 + advance)]
+def disjoint_order(stage: int, p: int, m: int, n_p: int, replica: int, advance: int, t: int) -> list[Action]:
+    """Iteration t of replica ``replica``'s stage on its own device: its m
+    micro-batches of the iteration, in order."""
+    ids = routed(t * n_p * m, n_p * m, n_p, replica)
+    return [Action(op, stage, ids[i], replica=replica) for op, i in one_f_one_b(m, p - stage - 1 + advance)]
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
     p, m, n_p = spec.stages, spec.microbatches, spec.width
     if spec.placement == "shared":
-        orders = [shared_order(k, p, m, n_p, spec.advance) for k in range(p)]
+        orders = [lambda t, k=k: shared_order(k, p, m, n_p, spec.advance, t) for k in range(p)]
     else:
-        orders = [disjoint_order(k, p, m, r, spec.advance) for r in range(n_p) for k in range(p)]
+        orders = [lambda t, k=k, r=r: disjoint_order(k, p, m, n_p, r, spec.advance, t)
+                  for r in range(n_p) for k in range(p)]
     programs = []
     for order in orders:
         prog: list[Action] = []
         for t in range(spec.iterations):
-            prog.extend(flush_iteration(order, t, m, reduce=False, average=(t + 1) % spec.tau == 0))
+            prog.extend(flush_iteration(order(t), t, reduce=False, average=(t + 1) % spec.tau == 0))
         programs.append(tuple(prog))
-    return schedule_of(spec, programs, num_replicas=n_p, options={
+    return schedule_of(spec, programs, num_microbatches=n_p * m, replicas=n_p, options={
         "pipelines": n_p,
         "alpha": spec.alpha,
         "tau": spec.tau,

@@ -11,23 +11,23 @@ width > 1) come from :func:`~pipesim.sim.strategies._common.flush_schedule`.
 from __future__ import annotations
 
 from ..ir import Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule
+from ._common import ScheduleSpec, Strategy, check_spec, flushed, replicated_schedule, stage_replicas
 
 NAME = "gpipe"
 
 
-def stage_order(stage: int, m: int) -> list[Action]:
-    """One iteration of one stage (local micro-batch ids)."""
-    return [Action(F, stage, i) for i in range(m)] + [Action(B, stage, i) for i in range(m)]
+def stage_order(stage: int, n: int, warm: int) -> list[tuple]:
+    """One iteration of one stage replica over its n micro-batches (indexes):
+    every forward, then every backward, whatever the warm-up."""
+    return [(F, i) for i in range(n)] + [(B, i) for i in range(n)]
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
-    p, m = spec.stages, spec.microbatches
-    return flush_schedule(spec, p, [stage_order(k, m) for k in range(p)])
+    return replicated_schedule(spec, flushed(stage_order, stage_replicas(spec)))
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), torch_equivalent="ScheduleGPipe",
+    name=NAME, build=build, options=("width", "replicas"), torch_equivalent="ScheduleGPipe",
     summary="all forwards, then all backwards (torch's order), flush, one update",
 )

@@ -15,23 +15,22 @@ schedule GPipe-like on the early stages.
 from __future__ import annotations
 
 from ..ir import Action, Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule, one_f_one_b
+from ._common import ScheduleSpec, Strategy, check_spec, flushed, one_f_one_b, replicated_schedule, stage_replicas
 
 NAME = "1f1b"
 
 
-def stage_order(stage: int, p: int, m: int) -> list[Action]:
-    """One iteration of one stage (local micro-batch ids)."""
-    return [Action(op, stage, i) for op, i in one_f_one_b(m, p - stage - 1)]
+def stage_order(stage: int, n: int, warm: int):
+    """One iteration of one stage replica over its n micro-batches (indexes)."""
+    return one_f_one_b(n, warm)
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
-    p, m = spec.stages, spec.microbatches
-    return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])
+    return replicated_schedule(spec, flushed(stage_order, stage_replicas(spec)))
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), torch_equivalent="Schedule1F1B",
+    name=NAME, build=build, options=("width", "replicas"), torch_equivalent="Schedule1F1B",
     summary="PipeDream-Flush / DAPPLE: p-k-1 warm-up forwards, 1F1B, flush (torch's order)",
 )

@@ -22,40 +22,77 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..ir import UPDATE, Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
+from ..ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
+from ._common import (
+    ScheduleSpec,
+    Strategy,
+    StrategyError,
+    asynchronous_schedule,
+    check_spec,
+    one_f_one_b,
+    ring_steps,
+    stage_replicas,
+    warmup,
+)
 
 NAME = "pipedream"
 
 
-def stage_program(stage: int, p: int, n: int, stashing: bool) -> list[Action]:
+def stage_program(stage: int, replica: int, ids: list[int], warm: int, stashing: bool,
+                  replicated: bool) -> list[Action]:
+    """One stage replica over its micro-batches ``ids``: 1F1B after ``warm``
+    forwards, an update after every backward. A replicated stage reduces
+    each step's gradients over its replicas first (PipeDream: every replica
+    updates after the all-reduce of its own step), so the replicas stay in
+    step: version v is the same weights on every replica of the stage."""
     out: list[Action] = []
     current = 0
     read: dict[int, int] = {}
-    for op, i in one_f_one_b(n, p - stage - 1):
+    for op, i in one_f_one_b(len(ids), warm):
+        mb = ids[i]
         if op is F:
-            read[i] = current
-            out.append(Action(F, stage, i, version=current))
+            read[mb] = current
+            out.append(Action(F, stage, mb, version=current, replica=replica))
         else:
-            out.append(Action(B, stage, i, version=read.pop(i) if stashing else current))
+            out.append(Action(B, stage, mb, version=read.pop(mb) if stashing else current, replica=replica))
             current += 1
-            out.append(Action(UPDATE, stage, version=current))
+            if replicated:
+                out.append(Action(REDUCE_GRAD, stage, replica=replica))
+            out.append(Action(UPDATE, stage, version=current, replica=replica))
     return out
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
-    return asynchronous_schedule(spec, lambda k, p, n: stage_program(k, p, n, spec.stashing),
-                                 {"stashing": spec.stashing})
+    reps = stage_replicas(spec)
+    total = spec.microbatches * spec.iterations
+    uneven = [r for r in reps if total % r]
+    if uneven:  # every step's all-reduce needs one gradient from every replica
+        raise StrategyError(f"pipedream with replicas {list(reps)} needs microbatches x iterations ({total}) to be a "
+                            f"multiple of every stage's replicas (not of {uneven[0]})")
+    return asynchronous_schedule(
+        spec, lambda k, r, ids, warm: stage_program(k, r, ids, warm, spec.stashing, reps[k] > 1),
+        {"stashing": spec.stashing})
 
 
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
-    """Stashing keeps the p-k versions read between a forward and its
-    backward; vanilla updates in place."""
-    return stages - stage if options.get("stashing", True) else 1
+    """Stashing keeps the versions read between a forward and its backward:
+    p - k, or a replica's share of the micro-batches in flight at its stage
+    when stages are replicated (its warm-up plus one); vanilla updates in place."""
+    if not options.get("stashing", True):
+        return 1
+    reps = options.get("replicas") or [1] * stages
+    return warmup(reps, stage) + 1
+
+
+def ring_transfers(spec: ScheduleSpec) -> int:
+    """A replicated stage all-reduces after every step of its replicas."""
+    total = spec.microbatches * spec.iterations
+    return sum(-(-total // r) * ring_steps(r) for r in stage_replicas(spec))
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("stashing",), asynchronous=True, weight_versions=weight_versions,
+    name=NAME, build=build, options=("stashing", "replicas"), asynchronous=True, weight_versions=weight_versions,
+    ring_transfers=ring_transfers,
     summary="asynchronous 1F1B, an update after every backward; weight stashing, or vanilla without",
 )

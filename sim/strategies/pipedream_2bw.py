@@ -14,9 +14,12 @@ The version a forward reads exists only if the update that produced it ran
 before that forward, which in 1F1B order needs ``m >= p - k - 1`` on stage k;
 the paper requires m >= p and so does pipesim.
 
-Width w: w replicas of the pipeline on devices ``r*p .. r*p+p-1``; each
-UPDATE waits for a REDUCE_GRAD (all-reduce of the stage's coalesced gradient
-across the w replicas).
+Width w (w pipelines, devices ``r*p .. r*p+p-1``) or per-stage
+``replicas``: a window's m micro-batches are the iteration's, over every
+replica (``m*w`` of them with width), shared round robin by each stage's
+replicas; each replica's UPDATE waits for a REDUCE_GRAD (all-reduce of the
+stage's coalesced gradient across its replicas). A replica's share of a
+window must cover its warm-up, the replicated form of m >= p.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..ir import REDUCE_GRAD, UPDATE, Action, B, Schedule
-from ._common import ScheduleSpec, Strategy, StrategyError, check_spec, one_f_one_b, schedule_of
+from ._common import (
+    ScheduleSpec,
+    Strategy,
+    StrategyError,
+    check_spec,
+    iteration_microbatches,
+    one_f_one_b,
+    replicated_schedule,
+    stage_replicas,
+    warmup,
+)
 
 NAME = "pipedream-2bw"
 
@@ -34,27 +47,39 @@ def read_version(i: int, m: int) -> int:
     return max(i // m - 1, 0)
 
 
-def stage_program(stage: int, p: int, m: int, n: int, replica: int, reduce: bool) -> list[Action]:
+def stage_program(stage: int, replica: int, ids: list[range], warm: int, reduce: bool, m: int) -> list[Action]:
+    """One stage replica over its micro-batches, ``ids[t]`` those of window
+    (iteration) t of ``m``: 1F1B after ``warm`` forwards across the windows,
+    the window's update right after its last backward on this replica (after
+    the replicas' REDUCE_GRAD when the stage has several)."""
+    closes = {batch[-1] for batch in ids if len(batch)}  # each window's last micro-batch here
+    stream = [i for batch in ids for i in batch]
     out: list[Action] = []
-    for op, i in one_f_one_b(n, p - stage - 1):
-        out.append(Action(op, stage, i, version=read_version(i, m), replica=replica))
-        if op is B and i % m == m - 1:
+    for op, j in one_f_one_b(len(stream), warm):
+        mb = stream[j]
+        out.append(Action(op, stage, mb, version=read_version(mb, m), replica=replica))
+        if op is B and mb in closes:
             if reduce:
                 out.append(Action(REDUCE_GRAD, stage, replica=replica))
-            out.append(Action(UPDATE, stage, version=i // m + 1, replica=replica))
+            out.append(Action(UPDATE, stage, version=mb // m + 1, replica=replica))
     return out
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
-    p, m, w = spec.stages, spec.microbatches, spec.width
-    if m < p:
-        raise StrategyError(f"pipedream-2bw needs microbatches >= stages (m={m} < p={p})")
-    n = m * spec.iterations
-    programs = [
-        tuple(stage_program(k, p, m, n, r, reduce=w > 1)) for r in range(w) for k in range(p)
-    ]
-    return schedule_of(spec, programs, num_replicas=w)
+    reps = stage_replicas(spec)
+    per_window = iteration_microbatches(spec)
+    for k, r in enumerate(reps):
+        # a window's forwards read the version the window before last made,
+        # which exists only if each replica's share of a window covers its
+        # warm-up: m >= p for a straight pipeline (the paper's condition)
+        if per_window // r < warmup(reps, k) + 1:
+            if spec.replicas is None:
+                raise StrategyError(f"pipedream-2bw needs microbatches >= stages (m={spec.microbatches} < "
+                                    f"p={spec.stages})")
+            raise StrategyError(f"pipedream-2bw needs at least {(warmup(reps, k) + 1) * r} micro-batches per "
+                                f"iteration for stage {k}'s {r} replicas (m={spec.microbatches})")
+    return replicated_schedule(spec, lambda k, r, ids, warm: stage_program(k, r, ids, warm, reps[k] > 1, per_window))
 
 
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
@@ -63,7 +88,7 @@ def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> i
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), asynchronous=True, needs_m_ge_p=True,
+    name=NAME, build=build, options=("width", "replicas"), asynchronous=True, needs_m_ge_p=True,
     weight_versions=weight_versions,
     summary="1F1B without flush, one update per m micro-batches, double-buffered weights (staleness 1)",
 )

@@ -34,16 +34,16 @@ def s_bwd(k: int, n: int) -> int:
     return k // 2
 
 
-def stage_program(stage: int, p: int, n: int) -> list[Action]:
+def stage_program(stage: int, p: int, ids: list[int], warm: int) -> list[Action]:
     out: list[Action] = []
     current = 0
     materialised: tuple[int, int] | None = None
-    for op, i in one_f_one_b(n, p - stage - 1):
+    for op, i in one_f_one_b(len(ids), warm):
         s = s_fwd(stage, p) if op is F else s_bwd(stage, p)
         if s and materialised != (current, s):
             out.append(Action(PREDICT, stage, version=current, distance=s))
             materialised = (current, s)
-        out.append(Action(op, stage, i, version=current, distance=s))
+        out.append(Action(op, stage, ids[i], version=current, distance=s))
         if op is B:
             current += 1
             out.append(Action(UPDATE, stage, version=current))
@@ -54,7 +54,7 @@ def stage_program(stage: int, p: int, n: int) -> list[Action]:
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
     p = spec.stages
-    return asynchronous_schedule(spec, stage_program, {
+    return asynchronous_schedule(spec, lambda k, r, ids, warm: stage_program(k, p, ids, warm), {
         "s_fwd": [s_fwd(k, p) for k in range(p)],
         "s_bwd": [s_bwd(k, p) for k in range(p)],
         "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",

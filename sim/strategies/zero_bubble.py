@@ -28,32 +28,31 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Action, B, F, I, Schedule, W
-from ._common import ScheduleSpec, Strategy, check_spec, flush_schedule, one_f_one_b
+from ._common import ScheduleSpec, Strategy, check_spec, flushed, one_f_one_b, replicated_schedule, stage_replicas
 
 NAME = "zb-h1"
 
 
-def stage_order(stage: int, p: int, m: int) -> list[Action]:
-    """One iteration of one stage (local micro-batch ids)."""
-    out: list[Action] = []
+def stage_order(stage: int, n: int, warm: int) -> list[tuple]:
+    """One iteration of one stage replica over its n micro-batches (indexes)."""
+    out: list[tuple] = []
     pending: deque[int] = deque()
-    for op, i in one_f_one_b(m, p - stage - 1):
+    for op, i in one_f_one_b(n, warm):
         if op is F:
-            out.append(Action(F, stage, i))
+            out.append((F, i))
             continue
         assert op is B
-        out.append(Action(I, stage, i))
+        out.append((I, i))
         pending.append(i)
         while len(pending) > stage:
-            out.append(Action(W, stage, pending.popleft()))
-    out.extend(Action(W, stage, i) for i in pending)
+            out.append((W, pending.popleft()))
+    out.extend((W, i) for i in pending)
     return out
 
 
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
-    p, m = spec.stages, spec.microbatches
-    return flush_schedule(spec, p, [stage_order(k, p, m) for k in range(p)])
+    return replicated_schedule(spec, flushed(stage_order, stage_replicas(spec)))
 
 
 STRATEGY = Strategy(
