@@ -31,7 +31,6 @@ from collections import defaultdict, deque
 
 from .dataflow import (
     Arrival,
-    CollectiveDone,
     Gathered,
     backward_op,
     compile_plan,

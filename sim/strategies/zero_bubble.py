@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import Action, B, F, I, Schedule, W
+from ..ir import B, F, I, Schedule, W
 from ._common import ScheduleSpec, Strategy, check_spec, flushed, one_f_one_b, replicated_schedule, stage_replicas
 
 NAME = "zb-h1"
