@@ -38,11 +38,21 @@ import time
 from pathlib import Path
 
 from .progress import no_progress, phase_bar
-from pipesim.sim.cliargs import Parser, UsageError, list_choices, nonnegative, positive, run_command, seconds
+from pipesim.sim.cliargs import (
+    Parser,
+    UsageError,
+    list_choices,
+    nonnegative,
+    positive,
+    replica_counts,
+    run_command,
+    seconds,
+)
 from pipesim.sim.errors import InputError
 
 COMPARE_MODEL, COMPARE_HARDWARE = "vgg16", "pcie-4gpu"
 COMPARE_ITERATIONS = 4
+DEFAULT_STAGES = 4
 PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
 
 #: The result of ``pipesim simulate``, kept referenced so that
@@ -103,6 +113,8 @@ _STRATEGY_FLAGS = {
     "tau": (positive, "AvgPipe: average every tau iterations"),
     "advance": (nonnegative, "AvgPipe: forwards issued ahead of the 1F1B warm-up"),
     "placement": (str, "AvgPipe: where the replicas run"),
+    "replicas": (replica_counts, "replicas of each stage, PipeDream's notation: 15,1 runs the first stage on 15 "
+                                 "devices and the second on one (gpipe, 1f1b, pipedream, pipedream-2bw)"),
 }
 
 
@@ -110,7 +122,9 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -
     from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
 
     list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), _strategy_names)
-    p.add_argument("--stages", type=positive, default=4, help="pipeline depth in devices per replica (data-parallel: devices)")
+    p.add_argument("--stages", type=positive, default=None,
+                   help="pipeline depth in devices per replica (data-parallel: devices) "
+                        "(default: 4, or as many as --replicas names)")
     p.add_argument("--microbatches", type=positive, default=None,
                    help="micro-batches per iteration per replica, m (default: 8; an imported CSV: the one a "
                         "pipesim CSV records, else inferred)")
@@ -643,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str] | None) -> int:
     """Parse ``argv`` and run the sub-command it names."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "stages", 0) is None:  # a schedule's depth: what --replicas says, else 4
+        args.stages = len(args.replicas) if getattr(args, "replicas", None) else DEFAULT_STAGES
     if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:
         args.model = COMPARE_MODEL
         if args.hardware is None:

@@ -82,6 +82,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
 positive, nonnegative = int_at_least(1), int_at_least(0)
 
 
+def replica_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: replicas per stage in PipeDream's notation, ``15,1``
+    (or ``15-1``), each a whole number >= 1."""
+    try:
+        counts = tuple(int(part) for part in text.replace("-", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected replicas per stage like 15,1, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every stage needs at least one replica, got {text!r}")
+    return counts
+
+
 def seconds(text: str) -> float:
     """An argparse type: a timeout in seconds, finite and in (0, 1e6]."""
     try:

@@ -16,7 +16,7 @@ from pipesim.sim.hardware import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
 from pipesim.sim.ir import B, F, I, PASS_OPS, W, Schedule, ScheduleError, parse_action, to_csv
 from pipesim.sim.metrics import dumps, summarize
-from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.partition import StageCost, stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 FAST = settings(max_examples=25, deadline=None)
@@ -315,3 +315,46 @@ def test_out_of_memory_is_reported_and_breakdown_sums_to_peak() -> None:
     stash0 = onef1b["stages_info"][0]["stash_bytes"]
     assert gpipe["devices"][0]["memory_breakdown"]["activations"] == 64 * stash0
     assert onef1b["devices"][0]["memory_breakdown"]["activations"] == 2 * stash0
+
+
+# -- stage replication ------------------------------------------------------
+
+
+@given(r=st.integers(1, 4), rounds=st.integers(2, 6), strategy=st.sampled_from(["1f1b", "gpipe", "pipedream"]))
+@settings(max_examples=40, deadline=None)
+def test_replicated_stage_against_the_analytic_case(r, rounds, strategy):
+    """ "r-1" on uniform layers: stage 0 holds r layers (F = r, B = 2r per
+    micro-batch) on r replicas, stage 1 one layer (F = 1, B = 2) on one
+    device, so both stages process a micro-batch every 3 time units. M
+    micro-batches then take 3M for stage 1 plus the first micro-batch's
+    forward and the last one's backward on stage 0 (3r): makespan 3M + 3r,
+    every device idle r/(M + r) of it. Without the replicas stage 0 alone
+    needs 3r per micro-batch: replication is what balances the split."""
+    m = r * rounds
+    costs = [StageCost(0, r - 1, 1.0 * r, 2.0 * r, 1.0 * r, 1.0 * r, 0, 0, 0),
+             StageCost(r, r, 1.0, 2.0, 1.0, 1.0, 0, 0, 0)]
+    s = build_schedule(ScheduleSpec(strategy, 2, m, replicas=(r, 1)))
+    assert s.num_devices == r + 1 and s.replicas == (r, 1)
+    result = run_engine(s, costs, load_hardware("ideal"))
+    assert result.makespan == pytest.approx(3 * m + 3 * r)
+    summary = summarize(result)
+    assert summary["bubble_fraction"] == pytest.approx(r / (m + r))
+    assert summary["throughput_samples_per_s"] == pytest.approx(m / (3 * m + 3 * r))
+    # unreplicated, stage 0 alone works 3r per micro-batch, one after another
+    straight = run_engine(build_schedule(ScheduleSpec(strategy, 2, m)), costs, load_hardware("ideal"))
+    assert straight.makespan >= 3 * r * m
+
+
+def test_replicas_fan_in_over_a_shared_bus_queues():
+    """Three stage-0 replicas send to the one stage-1 device over pcie-4gpu's
+    single host bridge: their transfers cannot overlap, so each micro-batch's
+    activation crossing waits for the ones before it (contention the
+    ideal machine does not have)."""
+    s = build_schedule(ScheduleSpec("gpipe", 2, 6, replicas=(3, 1)))
+    costs = [StageCost(0, 0, 0.001, 0.002, 0.001, 0.001, 0, 2**24, 0), StageCost(1, 1, 0.001, 0.002, 0.001, 0.001, 0, 0, 0)]
+    result = run_engine(s, costs, load_hardware("pcie-4gpu"))
+    sends = sorted((sp.start, sp.end) for sp in result.spans if sp.stream == "send" and sp.action.op.value == "SEND_F")
+    assert len(sends) == 6
+    assert all(b[0] >= a[1] - 1e-12 for a, b in zip(sends, sends[1:]))  # one at a time on the bridge
+    free = run_engine(s, costs, load_hardware("ideal"))
+    assert result.makespan > free.makespan

@@ -52,10 +52,14 @@ TWO_DEVICES = [
 MORE_DEVICES = [
     ("1f1b", 3, {}), ("spectrain", 3, {}),
     ("pipedream-2bw", 2, {"width": 2}), ("avgpipe", 2, {"width": 2, "placement": "disjoint"}),
+    # PipeDream's hybrid: the first stage replicated on 3 devices, the second on one ("3-1")
+    ("1f1b", 2, {"replicas": (3, 1)}), ("pipedream", 2, {"replicas": (3, 1)}),
+    ("pipedream-2bw", 2, {"replicas": (3, 1)}),
 ]
 
 
-def job_for(strategy, stages, kw, m=4):
+def job_for(strategy, stages, kw, m=None):
+    m = m or (6 if "replicas" in kw else 4)  # a multiple of every stage's replicas
     sched = build_schedule(ScheduleSpec(strategy=strategy, stages=stages, microbatches=m, iterations=2, **kw))
     return Job(schedule=sched, model="mlp", starts=STARTS[sched.num_stages], microbatch_size=8, width=32,
                depth=4, optimizer=OptimizerConfig(lr=0.05, momentum=0.9))
@@ -100,10 +104,9 @@ def test_two_device_strategies_match_the_emulator_bit_for_bit():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("devices", [3, 4])
 def test_larger_pipelines_match_the_emulator(devices):
-    cases = [(s, st, kw) for s, st, kw in MORE_DEVICES
-             if build_schedule(ScheduleSpec(strategy=s, stages=st, microbatches=4, **kw)).num_devices == devices]
-    assert cases
-    jobs = [job_for(s, st, kw) for s, st, kw in cases]
+    jobs = [job for job in (job_for(s, st, kw) for s, st, kw in MORE_DEVICES)
+            if job.schedule.num_devices == devices]
+    assert jobs
     for job, out in zip(jobs, run_many(jobs, timeout_s=240)):
         assert_same(out, reference(job))
 
