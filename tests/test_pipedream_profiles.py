@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from pipesim.sim.hardware import DeviceSpec, load_hardware
+from pipesim.sim.hardware import DeviceSpec
 from pipesim.sim.models import measured_model_names, model_names, model_parameters, model_profile
 from pipesim.sim.pipedream_graph import CATALOG, catalog_file, catalog_profile, input_nodes, parse_graph
 from pipesim.sim.workload import WorkloadError, load_profile
@@ -177,31 +177,32 @@ def test_cli_simulates_catalog_names_and_graph_files(tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize(
-    "text, fragment",
-    [
-        ("", "no node lines"),
-        ("node1 -- Input -- forward_compute_time=1.0", "line 1: expected a node 'nodeN -- description"),
-        (node(1, "Conv", 1.0, 1.0, "4.0") + "\nnode2 Conv2d", "line 2: expected a node"),
-        (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=fast,", 1), "line 1: forward_compute_time must be"),
-        (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=nan,", 1), "line 1: forward_compute_time must be"),
-        (node(1, "Conv", 1.0, -1.0, "4.0"), "line 1: backward_compute_time must be a number of milliseconds >= 0 and <= 1e+12"),
-        (node(1, "Conv", 1.0, 1.0, "[4.0; x]"), "line 1: activation_size must be a finite number of bytes"),
-        (node(1, "Conv", 1.0, 1.0, "4.0", 1e300), "line 1: parameter_size must be"),
-        (node(1, "Conv", 1.0, 1.0, "1e17"), "line 1: activation_size must be an integer >= 0 and <= 2**53"),
-        (node(1, "Conv", 1.0, 1.0, "4.0").replace("node1", "layer1"), "line 1: node ids are node<number>"),
-        (node(1, "A", 1, 1, "4.0") + "\n" + node(1, "B", 1, 1, "4.0"),
-         "line 2: node1 is defined twice (first on line 1)"),
-        (node(1, "A", 1, 1, "4.0") + "\n\tnode1 -> node2", "line 2: expected an edge '<tab>nodeA -- nodeB'"),
-        (node(1, "A", 1, 1, "4.0") + "\n\n\tnode1 -- node7", "line 3: the edge names node7, which no node line"),
-        (node(1, "A", 1, 1, "4.0") + "\n" + node(2, "B", 1, 1, "4.0") + "\n\tnode1 -- node2\n\tnode2 -- node1",
-         "the edges form a cycle: node1 -> node2 -> node1 (node lines 1, 2)"),
-        ("\n".join([node(i, "L", 1, 1, "4.0") for i in (1, 2, 7, 8, 9)] + [
-            f"\tnode{a} -- node{b}" for a, b in [(1, 2), (9, 2), (7, 8), (8, 9), (9, 7)]]),
-         "the edges form a cycle: node7 -> node8 -> node9 -> node7 (node lines 3, 4, 5)"),  # node2 only waits on it
-        (node(1, "Input", 1, 0, "4.0"), "only input nodes, no layers"),
-    ],
-)
+MALFORMED = [
+    ("", "no node lines"),
+    ("node1 -- Input -- forward_compute_time=1.0", "line 1: expected a node 'nodeN -- description"),
+    (node(1, "Conv", 1.0, 1.0, "4.0") + "\nnode2 Conv2d", "line 2: expected a node"),
+    (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=fast,", 1), "line 1: forward_compute_time must be"),
+    (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=nan,", 1), "line 1: forward_compute_time must be"),
+    (node(1, "Conv", 1.0, -1.0, "4.0"),
+     "line 1: backward_compute_time must be a number of milliseconds >= 0 and <= 1e+12"),
+    (node(1, "Conv", 1.0, 1.0, "[4.0; x]"), "line 1: activation_size must be a finite number of bytes"),
+    (node(1, "Conv", 1.0, 1.0, "4.0", 1e300), "line 1: parameter_size must be"),
+    (node(1, "Conv", 1.0, 1.0, "1e17"), "line 1: activation_size must be an integer >= 0 and <= 2**53"),
+    (node(1, "Conv", 1.0, 1.0, "4.0").replace("node1", "layer1"), "line 1: node ids are node<number>"),
+    (node(1, "A", 1, 1, "4.0") + "\n" + node(1, "B", 1, 1, "4.0"),
+     "line 2: node1 is defined twice (first on line 1)"),
+    (node(1, "A", 1, 1, "4.0") + "\n\tnode1 -> node2", "line 2: expected an edge '<tab>nodeA -- nodeB'"),
+    (node(1, "A", 1, 1, "4.0") + "\n\n\tnode1 -- node7", "line 3: the edge names node7, which no node line"),
+    (node(1, "A", 1, 1, "4.0") + "\n" + node(2, "B", 1, 1, "4.0") + "\n\tnode1 -- node2\n\tnode2 -- node1",
+     "the edges form a cycle: node1 -> node2 -> node1 (node lines 1, 2)"),
+    ("\n".join([node(i, "L", 1, 1, "4.0") for i in (1, 2, 7, 8, 9)] + [
+        f"\tnode{a} -- node{b}" for a, b in [(1, 2), (9, 2), (7, 8), (8, 9), (9, 7)]]),
+     "the edges form a cycle: node7 -> node8 -> node9 -> node7 (node lines 3, 4, 5)"),  # node2 only waits on it
+    (node(1, "Input", 1, 0, "4.0"), "only input nodes, no layers"),
+]
+
+
+@pytest.mark.parametrize("text, fragment", MALFORMED, ids=[fragment for _, fragment in MALFORMED])
 def test_malformed_graph_files_are_one_line_errors(tmp_path, text, fragment):
     path = write(tmp_path, text)
     with pytest.raises(WorkloadError) as e:
