@@ -82,7 +82,7 @@ _NODE_RE = re.compile(
     r"parameter_size=(?P<params>\S*?)(?: -- stage_id=\d+)?$"
 )
 _EDGE_RE = re.compile(r"^\s+(?P<src>\S+) -- (?P<dst>\S+)$")
-_ID_RE = re.compile(r"^node(?P<number>\d+)$")
+_ID_RE = re.compile(r"^node(?P<number>\d{1,18})$")  # a bounded int: no digit-limit ValueError
 _NODE_FORM = ("'nodeN -- description -- forward_compute_time=MS, backward_compute_time=MS, "
               "activation_size=BYTES, parameter_size=BYTES'")
 
