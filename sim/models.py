@@ -73,6 +73,15 @@ Architectures and defaults (``model_names()`` lists them):
   vocabulary 50257. Micro-batch 1, Adam.
 * ``uniform``: for analytic checks; see :func:`uniform_profile`.
 
+Measured profiles (:func:`measured_model_names`): ``pipedream-vgg16``,
+``pipedream-alexnet``, ``pipedream-resnet18``, ``pipedream-resnet50``,
+``pipedream-squeezenet``, ``pipedream-gnmt8`` and ``pipedream-gnmt16`` are
+the per-layer profiles PipeDream's authors published
+(:mod:`pipesim.sim.pipedream_graph`). They were measured, so they do not
+depend on the hardware's device, and take no ``layers`` or ``seq_len``; a
+``microbatch_size`` other than the profiled batch rescales their times and
+activations linearly, an approximation their notes state.
+
 The GPT models count causal attention at full cost (as Megatron's FLOPs
 formula does). Sequence models take ``seq_len``; transformers take
 ``layers`` (number of blocks).
@@ -83,6 +92,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import pipedream_graph
 from .hardware import DeviceSpec
 from .workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
 
@@ -400,15 +410,25 @@ _MODELS: dict[str, _Model] = {
 
 
 def model_names() -> list[str]:
-    """Catalog names, ``uniform`` included, sorted."""
+    """Catalog names computed from an architecture, ``uniform`` included, sorted."""
     return sorted([*_MODELS, "uniform"])
+
+
+def measured_model_names() -> list[str]:
+    """Catalog names of measured profiles (PipeDream's), sorted: no architecture, no device."""
+    return pipedream_graph.catalog_names()
 
 
 def _lookup(name: str) -> _Model:
     try:
         return _MODELS[name]
     except KeyError:
-        raise WorkloadError(f"unknown model {name!r}; known: {', '.join(model_names())}") from None
+        if name in pipedream_graph.CATALOG:
+            raise WorkloadError(f"{name} is a measured profile: it has no architecture description") from None
+        raise WorkloadError(
+            f"unknown model {name!r}; known: {', '.join(model_names())}; "
+            f"measured: {', '.join(measured_model_names())}"
+        ) from None
 
 
 def architecture(name: str, *, seq_len: int | None = None, layers: int | None = None) -> list[ArchLayer]:
@@ -441,6 +461,8 @@ def model_parameters(name: str, *, layers: int | None = None) -> int:
     if name == "uniform":
         n = _positive("layers", layers if layers is not None else UNIFORM_DEFAULT_LAYERS)
         return n * UNIFORM_PARAM_BYTES // PARAM_BYTES
+    if name in pipedream_graph.CATALOG and layers is None:  # fp32 weights, as the profile counts them
+        return pipedream_graph.catalog_profile(name).param_bytes // PARAM_BYTES
     return sum(la.params - la.tied_params for la in architecture(name, layers=layers))
 
 
@@ -458,11 +480,17 @@ def model_profile(
     ``microbatch_size`` defaults to the model's; ``layers`` sets the number of
     transformer blocks (or of ``uniform`` layers); ``seq_len`` the sequence
     length of GNMT/BERT/GPT; ``optimizer`` overrides the model's default.
+    A measured model ignores ``device`` (see the module doc).
     """
     if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
         raise WorkloadError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}"
         )
+    if name in pipedream_graph.CATALOG:
+        if layers is not None or seq_len is not None:
+            raise WorkloadError(f"{name} is a measured profile: its depth and sequence length are fixed")
+        mb = None if microbatch_size is None else _positive("microbatch_size", microbatch_size)
+        return pipedream_graph.catalog_profile(name, mb, optimizer)
     if name == "uniform":
         if seq_len is not None:
             raise WorkloadError("uniform has no sequence length")

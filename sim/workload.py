@@ -6,7 +6,8 @@ bytes, the bytes sent to the next layer and the bytes kept for the backward.
 Profiles come from the built-in catalog (:mod:`pipesim.sim.models`, computed
 from each architecture's FLOPs and sizes on a device) or from a JSON file a
 user measured (``--profile FILE``), so a real model can be simulated without
-pipesim knowing its architecture.
+pipesim knowing its architecture. ``--profile`` also reads PipeDream's
+``graph.txt`` profiles (:mod:`pipesim.sim.pipedream_graph`).
 
 JSON form (times in seconds, sizes in bytes, per micro-batch)::
 
@@ -321,10 +322,17 @@ _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s"}
 
 
 def load_profile(path) -> Profile:
-    """Read a profile JSON file; :class:`WorkloadError` naming the file and the problem."""
-    data = parse_json(read_text(path, "profile", WorkloadError), f"profile file {path}", WorkloadError)
+    """Read a profile file: pipesim's JSON, or PipeDream's graph.txt
+    (:mod:`pipesim.sim.pipedream_graph`, told apart by content and name);
+    :class:`WorkloadError` naming the file and the problem."""
+    # imported here: pipedream_graph builds on this module's classes
+    from .pipedream_graph import graph_file_profile, looks_like_graph
+
+    text = read_text(path, "profile", WorkloadError)
+    graph = looks_like_graph(path, text)
+    data = None if graph else parse_json(text, f"profile file {path}", WorkloadError)
     try:
-        return Profile.from_json(data)
+        return graph_file_profile(path, text) if graph else Profile.from_json(data)
     except WorkloadError as e:
         raise WorkloadError(f"profile file {path}: {e}") from None
 

@@ -20,7 +20,8 @@ from pipesim.sim.hardware import (
     preset_names,
 )
 
-REQUIRED = {"ideal", "pcie-4gpu", "dgx1-v100", "dgx-h100", "dgx1-v100-x4", "dgx-h100-x2", "dgx-h100-x4"}
+REQUIRED = {"ideal", "pcie-4gpu", "dgx1-v100", "dgx-h100", "dgx1-v100-x4", "dgx-h100-x2", "dgx-h100-x4",
+            "pipedream-cluster-a", "pipedream-cluster-b"}
 
 
 def test_required_presets_exist_and_load():
@@ -166,6 +167,37 @@ def test_node_suffix_builds_any_count_like_the_files():
     assert load_hardware("dgx-h100-x16").num_devices == 128
     with pytest.raises(HardwareError, match="no NICs"):
         load_hardware("pcie-4gpu-x2")
+
+
+def test_pipedream_cluster_a_four_pcie_servers_on_10_gbps():
+    one = load_hardware("pipedream-cluster-a")
+    assert (one.num_devices, one.nodes, one.device.dtype_bytes) == (4, 1, 4)  # fp32, as PipeDream trained
+    assert one.device.memory_bytes == 16 * 2**30 and 0.6 * 14e12 <= one.device.flops <= 0.8 * 14e12
+    bridge = one.route(0, 1)[0]
+    assert all(one.route(s, d) == (bridge,) for s, d in itertools.permutations(range(4), 2)), "one shared PCIe"
+    hw = load_hardware("pipedream-cluster-a-x4")
+    assert (hw.num_devices, hw.nodes, hw.devices_per_node) == (16, 4, 4)
+    assert hw.inter_node.bandwidth == 10e9 / 8 == 1.25e9
+    # between servers: the sender's NIC, then the receiver's, shared by all four GPUs of a server
+    assert [lk.name for lk in hw.route(3, 4)] == ["node0.eth0.tx", "node1.eth0.rx"]
+    assert hw.route(0, 12)[0] is hw.route(3, 4)[0] and hw.route(7, 8)[1] is hw.route(0, 8)[1]
+    assert [lk.name for lk in hw.route(12, 15)] == ["node3.pcie"]  # inside server 3: its own bus
+    assert hw.transfer_time(3, 4, 1.25e7) == pytest.approx(hw.inter_node.latency + 0.01, rel=1e-12)
+
+
+def test_pipedream_cluster_b_nvlink_servers_on_25_gbps():
+    hw = load_hardware("pipedream-cluster-b-x2")
+    assert (hw.num_devices, hw.nodes, hw.device.dtype_bytes) == (16, 2, 4)
+    assert hw.inter_node.bandwidth == 25e9 / 8
+    assert [lk.name for lk in hw.route(7, 8)] == ["node0.eth0.tx", "node1.eth0.rx"]
+    assert hw.transfer_time(0, 15, 3.125e7) == pytest.approx(hw.inter_node.latency + 0.01, rel=1e-12)
+    # p3.16xlarge's NVLink hybrid cube mesh is the DGX-1's, on each server
+    dgx1 = load_hardware("dgx1-v100")
+    for a, b in itertools.permutations(range(8), 2):
+        want = dgx1.route(a, b)[0]
+        for node in (0, 1):
+            got = hw.route(8 * node + a, 8 * node + b)[0]
+            assert (got.bandwidth, got.latency) == (want.bandwidth, want.latency)
 
 
 @settings(max_examples=60, deadline=None)
