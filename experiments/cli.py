@@ -88,9 +88,9 @@ def _strategy_names() -> list[str]:
 
 
 def _catalog_models() -> list[str]:
-    from pipesim.sim.models import model_names
+    from pipesim.sim.models import measured_model_names, model_names
 
-    return model_names()
+    return model_names() + measured_model_names()
 
 
 def _hardware_presets() -> list[str]:

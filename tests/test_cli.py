@@ -168,7 +168,7 @@ def test_help_shows_choices_and_defaults(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())  # help wraps lines at the terminal width
     assert "(choices: gpipe, 1f1b, interleaved-1f1b" in out
     assert "--alpha ALPHA" in out and "(default: 0.25)" in out
-    assert "(default: 4)" in out  # --stages
+    assert "(default: 4, or as many as --replicas names)" in out  # --stages
     assert "pcie-4gpu" in out and "vgg16" in out  # hardware presets and catalog models
 
 
