@@ -164,37 +164,46 @@ def _parse_as(text: str, hint):
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
         raise ValueError("true or false")
-    if hint in (int, float, str):
+    if hint is float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError("a finite number")
+        return value
+    if hint in (int, str):
         try:
             return hint(text)
         except ValueError:
-            raise ValueError({int: "a whole number", float: "a number"}[hint]) from None
+            raise ValueError("a whole number") from None
     if hint is object:
         return text
     raise ValueError(f"a value of type {hint}")
 
 
 def check_value(value, hint, axis: str):
-    """A grid file's (JSON) value of an axis of type ``hint``, lists as tuples
-    (so points stay hashable and a tuple field gets a tuple)."""
+    """``value`` (from a grid file's JSON or a library caller) checked against
+    its axis's type ``hint``; sequences become tuples, so points stay
+    hashable and a tuple field gets a tuple."""
     for member in _members(hint):
         ok, checked = _check_as(value, member)
         if ok:
             return checked
-    raise GridError(f"grid file: {axis} value {json.dumps(value)} is not of type {_type_name(hint)}")
+    raise GridError(f"sweep axis {axis}: value {json.dumps(value, default=repr)} is not of type {_type_name(hint)}")
 
 
 def _check_as(value, hint) -> tuple[bool, object]:
     if hint is type(None):
         return value is None, value
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         item_types = _item_types(hint, len(value))
         if item_types is None:
             return False, None
         checked = [_check_as(v, h) for v, h in zip(value, item_types, strict=True)]
         return all(ok for ok, _ in checked), tuple(v for _, v in checked)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return True, float(value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value), float(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     return hint is object or (isinstance(hint, type) and isinstance(value, hint)), value
@@ -223,37 +232,39 @@ def _axis_type(name: str):
     return types_[name]
 
 
-def load_grid_file(path: str | Path) -> dict[str, tuple]:
+def load_grid_file(path: str | Path) -> dict[str, list]:
     """A JSON grid file: ``{"axis": [value, ...], ...}``, each value typed as
-    the axis's field (a list for a tuple field: ``"replicas": [[15, 1]]``)."""
+    the axis's field (a list for a tuple field: ``"replicas": [[15, 1]]``;
+    :func:`make_grid` checks them)."""
     from pipesim.sim.files import parse_json, read_text
 
     data = parse_json(read_text(str(path), "grid", GridError), f"grid file {path}", GridError)
     if not isinstance(data, dict):
         raise GridError(f"grid file {path}: expected an object mapping axes to lists of values")
-    grid = {}
     for name, values in data.items():
-        hint = _axis_type(name)
         if not isinstance(values, list):
             raise GridError(f"grid file {path}: {name} must be a list of values, got {json.dumps(values)}")
-        grid[name] = tuple(check_value(v, hint, name) for v in values)
-    return grid
+    return data
 
 
 def make_grid(*layers: dict[str, Sequence]) -> dict[str, tuple]:
     """The grid of :data:`DEFAULT_GRID` overlaid with ``layers`` (a grid
     file's axes, then the command line's), in axis order, each axis's values
-    once; every name checked before any simulation."""
+    once; every axis, value type and name checked before any simulation."""
     merged: dict[str, Sequence] = {"strategy": tuple(strategy_names()), **DEFAULT_GRID}
     for layer in layers:
         merged.update(layer)
+    for name in merged:
+        _axis_type(name)  # unknown axes named before anything else
     grid = {}
-    for name in axis_types():
+    for name, hint in axis_types().items():
         if name in merged:
-            values = tuple(dict.fromkeys(merged[name]))
+            values = merged[name]
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+                raise GridError(f"sweep axis {name}: expected a sequence of values, got {values!r}")
             if not values:
                 raise GridError(f"sweep axis {name} has no values")
-            grid[name] = values
+            grid[name] = tuple(dict.fromkeys(check_value(v, hint, name) for v in values))
     for name in grid["strategy"]:
         get_strategy(name)  # a one-line StrategyError naming the choices
     _check_models(grid["model"])

@@ -10,6 +10,7 @@ import pytest
 
 from pipesim.experiments import sweep
 from pipesim.experiments.cli import main
+from pipesim.sim.errors import InputError
 from pipesim.sim.strategies import ScheduleSpec
 
 #: A small grid with a point its strategy rejects (2BW needs m >= p) and
@@ -38,10 +39,21 @@ def test_values_are_read_by_the_field_type() -> None:
     assert sweep.check_value(None, replicas, "replicas") is None
     assert sweep.check_value(1, float, "alpha") == 1.0
     for bad in (["x"], 1.5, "15,1", [True]):
-        with pytest.raises(sweep.GridError, match="replicas value"):
+        with pytest.raises(sweep.GridError, match="sweep axis replicas: value"):
             sweep.check_value(bad, replicas, "replicas")
     with pytest.raises(sweep.GridError, match="cannot read '15,x'"):
         sweep.parse_value("15,x", replicas, "replicas")
+    with pytest.raises(sweep.GridError, match="as a finite number"):
+        sweep.parse_value("nan", float, "alpha")
+
+
+def test_library_grids_are_checked_like_the_command_line() -> None:
+    assert sweep.make_grid({"stages": [4, 2, 4], "alpha": (1,)})["stages"] == (4, 2)
+    assert sweep.make_grid({"alpha": (1,)})["alpha"] == (1.0,)
+    for grid, message in (({"stages": "4"}, "expected a sequence"), ({"stages": (4.5,)}, "not of type int"),
+                          ({"nope": (1,)}, "unknown sweep axis"), ({"strategy": ("nope",)}, "unknown strategy")):
+        with pytest.raises(InputError, match=message):
+            sweep.make_grid(grid)
 
 
 def test_options_vary_only_the_strategies_that_take_them() -> None:
@@ -166,7 +178,8 @@ def test_bad_grid_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> Non
         ("{not json", "malformed JSON"),
         ("[1, 2]", "expected an object"),
         ('{"stages": 4}', "stages must be a list of values"),
-        ('{"stages": ["4"]}', "stages value \"4\" is not of type int"),
+        ('{"stages": ["4"]}', "sweep axis stages: value \"4\" is not of type int"),
+        ('{"alpha": [0.5, "x"]}', "sweep axis alpha: value \"x\" is not of type float"),
         ('{"stages": []}', "sweep axis stages has no values"),
         ('{"frobs": [1]}', "unknown sweep axis 'frobs'"),
     ],
