@@ -24,12 +24,12 @@ exit 2) before anything runs. A point the strategy or the simulator rejects
 (m < p where a schedule needs m >= p, a model that does not split, more
 stages than the machine has devices) is recorded as skipped with the reason.
 
-**Execution.** Points are dealt in chunks (:func:`chunked`) to local worker
-processes (``--workers``, default every usable core; one worker runs in this
-process) or to Ray tasks (``--ray auto|ADDRESS``). Each result carries its
-point's index and is stored at that index, so the output is in grid order and
-byte-identical whatever the worker count or executor: the simulator is
-deterministic and no timing or worker id enters a result.
+**Execution.** Points are dealt in chunks (:func:`chunked`) to local
+processes (``--workers N``, default every usable core: this process and N - 1
+workers, :func:`run_local`) or to Ray tasks (``--ray auto|ADDRESS``). Each
+result carries its point's index and is stored at that index, so the output
+is in grid order and byte-identical whatever the worker count or executor:
+the simulator is deterministic and no timing or worker id enters a result.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import sys
 import time
 import types
 import typing
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -74,11 +75,14 @@ RESULT_COLUMNS = ("status", *KEY_FIGURES, "staleness_max", "reason")
 
 #: Chunks dealt to each worker, at least: enough that the last ones to finish
 #: are small (chunks go out largest first), so no worker idles long at the end.
-CHUNKS_PER_WORKER = 8
+CHUNKS_PER_WORKER = 32
 #: Points per chunk, at most: a chunk is the unit an interrupted sweep waits
 #: for, and Ray's or the pool's per-task cost (about a millisecond) is
 #: negligible against 32 simulations.
 MAX_CHUNK_POINTS = 32
+#: Chunks queued on each worker process beyond the one it computes, so that
+#: it never waits for this process (computing a chunk of its own) to hand it one.
+QUEUED_PER_WORKER = 1
 #: Points above which a sweep shows its progress bar when stderr is not a
 #: terminal (a log); on a terminal it appears once the sweep has taken a second.
 PROGRESS_POINTS = 500
@@ -412,21 +416,40 @@ def _pool_context():
 
 
 def run_local(chunks: list, hardware: dict, advance: Advance, workers: int) -> Iterator[tuple[int, dict]]:
-    """Chunks on ``workers`` local processes, rows in completion order."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    """Chunks on this process and ``workers - 1`` worker processes, rows in
+    completion order.
+
+    The workers take chunks from the expensive end of ``chunks`` (most
+    expensive first), this process from the cheap end, handing the workers
+    their next chunk between two of its own: so it computes while they start
+    (a third of a second, which one worker fewer would otherwise idle) and
+    comes back often enough that a worker always has a chunk queued.
+    """
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
-    with ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_ignore_sigint) as pool:
-        futures = [pool.submit(evaluate_chunk, chunk, hardware) for chunk in chunks]
+    todo = deque(chunks)
+    running: set = set()
+    with ProcessPoolExecutor(workers - 1, mp_context=_pool_context(), initializer=_ignore_sigint) as pool:
         try:
-            for future in as_completed(futures):
-                rows = future.result()
-                advance(len(rows))
-                yield from rows
+            while todo or running:
+                while todo and len(running) < (1 + QUEUED_PER_WORKER) * (workers - 1):
+                    running.add(pool.submit(evaluate_chunk, todo.popleft(), hardware))
+                if todo:
+                    rows = evaluate_chunk(todo.pop(), hardware)
+                    advance(len(rows))
+                    yield from rows
+                else:
+                    wait(running, return_when=FIRST_COMPLETED)
+                for future in [f for f in running if f.done()]:
+                    running.discard(future)
+                    rows = future.result()
+                    advance(len(rows))
+                    yield from rows
         except BrokenProcessPool as e:
             raise SweepWorkerError(f"a sweep worker process died: {e}") from None
         finally:
-            for future in futures:
+            for future in running:
                 future.cancel()
 
 
@@ -506,8 +529,8 @@ def run_sweep(grid: dict[str, tuple], *, workers: int | None = None, ray: str | 
     """Simulate every point of ``grid`` (from :func:`make_grid`) and return the
     ``sweep.json`` document: the grid and one row per point, in grid order.
 
-    ``workers`` local processes (default: every usable core; 1 runs in this
-    process), or Ray tasks with ``ray`` (``"auto"`` or an address; a Ray
+    ``workers`` local processes, this one included (default: every usable
+    core; 1 runs in this process alone), or Ray tasks with ``ray`` (``"auto"`` or an address; a Ray
     already initialised in this process is used as it is).
     """
     points = expand(grid)
@@ -616,17 +639,16 @@ def sweep_figure(doc: dict):
                 pts = [p for p in ok if p["strategy"] == name and p["out_of_memory"] == oom]
                 if not pts:
                     continue
-                legend = f"{name} (out of memory)" if oom else name
                 fig.add_trace(go.Scattergl(
                     x=[p["peak_memory_bytes_max"] / 2**30 for p in pts], y=[p["throughput_samples_per_s"] for p in pts],
-                    mode="markers", name=legend, legendgroup=name, showlegend=legend not in shown,
+                    mode="markers", name=name, legendgroup=name, showlegend=name not in shown,
                     marker={"color": color, "size": 10 if oom else 8, "symbol": "x" if oom else "circle",
                             "opacity": 0.8, "line": {"width": 0 if oom else 0.5, "color": "white"}},
                     text=[label(p, doc["axes"]) for p in pts],
                     hovertemplate="%{text}<br>peak memory %{x:.3g} GiB<br>%{y:.4g} samples/s"
                                   + ("<br><b>out of memory</b>" if oom else "") + "<extra></extra>",
                 ), row=r + 1, col=c + 1)
-                shown.add(legend)
+                shown.add(name)
         front = pareto_front([p for p in ok if not p["out_of_memory"]])
         if front:
             fig.add_trace(go.Scatter(
@@ -637,6 +659,9 @@ def sweep_figure(doc: dict):
             shown.add("front")
         fig.update_xaxes(type="log", title_text="peak memory, worst device (GiB)", row=r + 1, col=c + 1)
         fig.update_yaxes(type="log", title_text="throughput (samples/s)", row=r + 1, col=c + 1)
+    if any(p.get("out_of_memory") for p in doc["points"]):  # one legend entry says what a cross means
+        fig.add_trace(go.Scattergl(x=[None], y=[None], mode="markers", name="× out of memory",
+                                   marker={"symbol": "x", "color": "#888", "size": 10}, hoverinfo="skip"))
     fig.update_layout(
         title={"text": f"Sweep: {doc['simulated']} configurations simulated, {doc['skipped']} skipped "
                        "(rejected by their strategy; listed in sweep.json)"},
@@ -662,14 +687,14 @@ def write_outputs(doc: dict, out: Path, *, png: bool = True) -> list[str]:
 
 
 def best_points(doc: dict) -> list[dict]:
-    """The fastest point that fits in memory for each model and hardware."""
+    """The fastest point that fits in memory for each model and hardware, in grid order."""
     best: dict[tuple, dict] = {}
     for p in doc["points"]:
         if p["status"] == "ok" and not p["out_of_memory"] and p["throughput_samples_per_s"] is not None:
             key = (p["model"], p["hardware"])
             if key not in best or p["throughput_samples_per_s"] > best[key]["throughput_samples_per_s"]:
                 best[key] = p
-    return list(best.values())
+    return [best[key] for key in itertools.product(doc["axes"]["model"], doc["axes"]["hardware"]) if key in best]
 
 
 def skip_reasons(doc: dict) -> dict[str, int]:
@@ -722,7 +747,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", default=None, help="JSON grid file {\"axis\": [values], ...}; flags override its axes")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--workers", type=positive, default=None,
-                   help=f"local worker processes (default: the usable cores, here {usable_cores()})")
+                   help=f"processes that simulate, this one included (default: the usable cores, here {usable_cores()})")
     g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                    help="run as Ray tasks: auto (RAY_ADDRESS, a cluster on this machine, else a new local one) "
                         "or a cluster address (needs pip install 'pipesim[ray]')")
