@@ -388,6 +388,7 @@ Advance = Callable[[int], None]
 
 
 def run_in_process(chunks: list, hardware: dict, advance: Advance) -> Iterator[tuple[int, dict]]:
+    """Chunks one after another in this process (``--workers 1``: no start-up cost)."""
     for chunk in chunks:
         rows = evaluate_chunk(chunk, hardware)
         advance(len(rows))
@@ -710,15 +711,15 @@ def skip_reasons(doc: dict) -> dict[str, int]:
 # Command line (the sub-parser and cmd_sweep live in pipesim.experiments.cli)
 # ---------------------------------------------------------------------------
 
-#: Axes with a flag of their own: flag -> (axis, argparse type, help).
+#: Axes with a flag of their own: flag -> (axis, argparse type, metavar, help).
 AXIS_FLAGS = {
-    "--strategy": ("strategy", str, "strategies (default: all)"),
-    "--stages": ("stages", positive, "pipeline depths in devices per replica (default: 2 4 8)"),
-    "--microbatches": ("microbatches", positive, "micro-batches per iteration (default: 4 8 16 32)"),
-    "--iterations": ("iterations", positive, "iterations (default: 4, steady state for asynchronous schedules)"),
-    "--width": ("width", positive, "parallel pipelines, for the strategies that take it (default: theirs)"),
-    "--model": ("model", str, "catalog models (default: uniform)"),
-    "--hardware": ("hardware", str, "presets, preset-xN or JSON files (default: ideal)"),
+    "--strategy": ("strategy", str, "S", "strategies (default: all)"),
+    "--stages": ("stages", positive, "P", "pipeline depths in devices per replica (default: 2 4 8)"),
+    "--microbatches": ("microbatches", positive, "M", "micro-batches per iteration (default: 4 8 16 32)"),
+    "--iterations": ("iterations", positive, "K", "iterations (default: 4, steady state for asynchronous schedules)"),
+    "--width": ("width", positive, "W", "parallel pipelines, for the strategies that take it (default: theirs)"),
+    "--model": ("model", str, "NAME", "catalog models (default: uniform)"),
+    "--hardware": ("hardware", str, "HW", "presets, preset-xN or JSON files (default: ideal)"),
 }
 
 
@@ -737,16 +738,17 @@ def _preset_names() -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pipesim sweep`` (catalogs looked up only for --help)."""
     listed = {"--strategy": strategy_names, "--model": _model_names, "--hardware": _preset_names}
-    for flag, (axis, kind, text) in AXIS_FLAGS.items():
-        action = p.add_argument(flag, dest=f"axis_{axis}", nargs="+", type=kind, default=None, metavar="V", help=text)
+    for flag, (axis, kind, metavar, text) in AXIS_FLAGS.items():
+        action = p.add_argument(flag, dest=f"axis_{axis}", nargs="+", type=kind, default=None, metavar=metavar,
+                                help=text)
         if flag in listed:
             list_choices(action, listed[flag])
-    p.add_argument("--set", dest="set_axes", nargs="+", action="append", default=[], metavar="NAME=V",
+    p.add_argument("--set", dest="set_axes", nargs="+", action="append", default=None, metavar=("NAME=V", "V"),
                    help="sweep any ScheduleSpec field or microbatch_size: --set NAME=V [V ...], repeatable; "
                         "commas make a tuple (--set replicas=15,1 3,1)")
-    p.add_argument("--grid", default=None, help="JSON grid file {\"axis\": [values], ...}; flags override its axes")
+    p.add_argument("--grid", default=None, metavar="FILE.json", help="JSON grid file {\"axis\": [values], ...}; flags override its axes")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--workers", type=positive, default=None,
+    g.add_argument("--workers", type=positive, default=None, metavar="N",
                    help=f"processes that simulate, this one included (default: the usable cores, here {usable_cores()})")
     g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                    help="run as Ray tasks: auto (RAY_ADDRESS, a cluster on this machine, else a new local one) "
@@ -757,11 +759,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def grid_from_args(args: argparse.Namespace) -> dict[str, tuple]:
     """The grid the command line asks for: defaults, the grid file, the flags."""
     flags: dict[str, tuple] = {}
-    for axis, _, _ in AXIS_FLAGS.values():
+    for axis, *_ in AXIS_FLAGS.values():
         values = getattr(args, f"axis_{axis}")
         if values is not None:
             flags[axis] = tuple(values)
-    for tokens in args.set_axes:
+    for tokens in args.set_axes or ():
         name, values = parse_set(tokens)
         if name in flags:
             raise GridError(f"sweep axis {name} is given twice")
@@ -865,8 +867,8 @@ def _ray_times(grid: dict, cpus: int, repeats: int) -> tuple[list, float]:
 
 
 def bench_render(report: dict) -> str:
-    lines = [f"sweep of {report['points']:,} simulations on {report['cores']} usable cores "
-             f"(target: >= {report['target_speedup_2_workers']}x with 2 workers)",
+    lines = [(f"sweep of {report['points']:,} simulations on {report['cores']} usable cores "
+              f"(target: >= {report['target_speedup_2_workers']}x with 2 workers)"),
              f"{'executor':<8} {'workers':>7} {'best s':>7} {'points/s':>9} {'speedup':>8} {'vs local 1':>10}  all runs (s)"]
     for r in report["runs"]:
         lines.append(f"{r['executor']:<8} {r['workers']:>7} {r['seconds']:>7.2f} {report['points'] / r['seconds']:>9.0f} "
