@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,kernels,validate,torch,torch-dry-run,comm}``: every benchmark behind one command.
+"""``pipesim bench {sim,kernels,validate,torch,torch-dry-run,comm,sweep}``: every benchmark behind one command.
 
 Each benchmark lives in the layer it measures and keeps its ``python -m``
 entry point as an alias; this module only dispatches to it (importing it, and
@@ -98,4 +98,6 @@ BENCHES: dict[str, Bench] = {
     "torch-dry-run": Bench("pipesim.experiments.torchdry",
                            "simulating a torch schedule: pipesim against torch's own dry run"),
     "comm": Bench("pipesim.validate.commprofile", "point-to-point and all-reduce times against their models"),
+    "sweep": Bench("pipesim.experiments.sweep", "a 1,000-point sweep on 1 and 2 local workers and on Ray: speedups",
+                   main=lambda argv: importlib.import_module("pipesim.experiments.sweep").bench(argv)),
 }

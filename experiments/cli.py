@@ -7,6 +7,9 @@ Sub-commands:
 * ``compare``: several strategies on the same model and machine (the
   default job: ``pipesim compare`` with no arguments);
 * ``schedule``: print a strategy's per-device order (torch CSV or pipesim CSV);
+* ``sweep``: a grid of configurations (strategy x stages x micro-batches x
+  hardware x model x options) on local workers or Ray; sweep.json, sweep.csv,
+  sweep.html (:mod:`pipesim.experiments.sweep`);
 * ``figure``: paper-style figures (``bubbles``);
 * ``profile``: measure a real model and this machine's links, writing the
   profile and hardware JSON that ``simulate`` takes;
@@ -387,6 +390,31 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from . import sweep
+
+    grid = sweep.grid_from_args(args)  # every value checked before any work
+    if args.ray is not None:
+        sweep.import_ray()
+    out = _output_dir(args.out)
+    started = time.perf_counter()
+    doc = sweep.run_sweep(grid, workers=args.workers, ray=args.ray)
+    where = f"Ray ({args.ray})" if args.ray else f"{args.workers or sweep.usable_cores()} local worker(s)"
+    print(f"{len(doc['points'])} points: {doc['simulated']} simulated, {doc['skipped']} skipped, "
+          f"{sum(bool(p.get('out_of_memory')) for p in doc['points'])} out of memory; "
+          f"{time.perf_counter() - started:.2f} s on {where}")
+    for reason, count in list(sweep.skip_reasons(doc).items())[:3]:
+        print(f"  skipped {count}: {reason}")
+    rows = [[p["model"], p["hardware"], sweep.label(p, doc["axes"]),
+             _rate(p["throughput_samples_per_s"]), _fmt_bytes(p["peak_memory_bytes_max"])]
+            for p in sweep.best_points(doc)]
+    if rows:
+        print("fastest configuration that fits in memory:")
+        print(_table(rows, ["model", "hardware", "configuration", "samples/s", "peak mem"]))
+    print(f"wrote {', '.join(sweep.write_outputs(doc, out))} to {out}")
+    return 0
+
+
 def cmd_schedule(args) -> int:
     from pipesim.sim.ir import program_cells, to_csv
     from pipesim.sim.size import check_size
@@ -612,6 +640,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")
     p.add_argument("--out", default="out/validate", help="output folder")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("sweep", help="simulate a grid of configurations in parallel (local workers or Ray)")
+    from .sweep import add_arguments as sweep_arguments
+
+    sweep_arguments(p)
+    p.set_defaults(func=cmd_sweep)
 
     from .bench import BENCHES, describe
 

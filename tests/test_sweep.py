@@ -1,0 +1,191 @@
+"""``pipesim sweep``: the grid, skipped points, identical results on any executor, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from pipesim.experiments import sweep
+from pipesim.experiments.cli import main
+from pipesim.sim.errors import InputError
+from pipesim.sim.strategies import ScheduleSpec
+
+#: A small grid with a point its strategy rejects (2BW needs m >= p) and
+#: options that only some strategies take.
+SMALL = {"strategy": ("gpipe", "pipedream-2bw", "interleaved-1f1b", "avgpipe"), "stages": (2, 4),
+         "microbatches": (2, 4), "iterations": (2,), "width": (1, 2), "chunks": (2,)}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_values_are_read_by_the_field_type() -> None:
+    assert sweep.parse_set(["chunks=2", "4"]) == ("chunks", (2, 4))
+    assert sweep.parse_set(["alpha=0.5"]) == ("alpha", (0.5,))
+    assert sweep.parse_set(["stashing=false", "true"]) == ("stashing", (False, True))
+    assert sweep.parse_set(["placement=disjoint"]) == ("placement", ("disjoint",))
+    assert sweep.parse_set(["microbatch_size=", "16", "none"]) == ("microbatch_size", (16, None))
+    replicas = tuple[int, ...] | None
+    assert sweep.parse_value("15,1", replicas, "replicas") == (15, 1)
+    assert sweep.parse_value("4", replicas, "replicas") == (4,)
+    assert sweep.parse_value("none", replicas, "replicas") is None
+    assert sweep.check_value([15, 1], replicas, "replicas") == (15, 1)
+    assert sweep.check_value(None, replicas, "replicas") is None
+    assert sweep.check_value(1, float, "alpha") == 1.0
+    for bad in (["x"], 1.5, "15,1", [True]):
+        with pytest.raises(sweep.GridError, match="sweep axis replicas: value"):
+            sweep.check_value(bad, replicas, "replicas")
+    with pytest.raises(sweep.GridError, match="cannot read '15,x'"):
+        sweep.parse_value("15,x", replicas, "replicas")
+    with pytest.raises(sweep.GridError, match="as a finite number"):
+        sweep.parse_value("nan", float, "alpha")
+
+
+def test_library_grids_are_checked_like_the_command_line() -> None:
+    assert sweep.make_grid({"stages": [4, 2, 4], "alpha": (1,)})["stages"] == (4, 2)
+    assert sweep.make_grid({"alpha": (1,)})["alpha"] == (1.0,)
+    for grid, message in (({"stages": "4"}, "expected a sequence"), ({"stages": (4.5,)}, "not of type int"),
+                          ({"nope": (1,)}, "unknown sweep axis"), ({"strategy": ("nope",)}, "unknown strategy")):
+        with pytest.raises(InputError, match=message):
+            sweep.make_grid(grid)
+
+
+def test_options_vary_only_the_strategies_that_take_them() -> None:
+    points = sweep.expand(sweep.make_grid({**SMALL, "strategy": ("gpipe", "interleaved-1f1b", "spectrain"),
+                                           "stages": (2,), "microbatches": (4,), "chunks": (2, 3)}))
+    count = {name: sum(p["strategy"] == name for p in points) for name in ("gpipe", "interleaved-1f1b", "spectrain")}
+    assert count == {"gpipe": 2, "interleaved-1f1b": 4, "spectrain": 1}
+    assert all("width" not in p and "chunks" not in p for p in points if p["strategy"] == "spectrain")
+
+
+@dataclass(frozen=True)
+class _SpecWithReplicas(ScheduleSpec):
+    """ScheduleSpec as it will be once it has a per-stage ``replicas`` field."""
+
+    replicas: tuple[int, ...] | None = None
+
+
+def test_a_new_spec_field_is_swept_with_no_change(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(sweep, "ScheduleSpec", _SpecWithReplicas)  # in this process: --workers 1
+    grid_file = tmp_path / "grid.json"
+    grid_file.write_text(json.dumps({"strategy": ["1f1b"], "stages": [2], "replicas": [[15, 1], [3, 1], None]}))
+    code, _, err = run(capsys, "sweep", "--grid", str(grid_file), "--microbatches", "2", "--workers", "1",
+                       "--out", str(tmp_path / "file"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "file" / "sweep.json").read_text())
+    assert [p["replicas"] for p in doc["points"]] == [[15, 1], [3, 1], None]
+    code, _, err = run(capsys, "sweep", "--strategy", "1f1b", "--stages", "2", "--microbatches", "2",
+                       "--set", "replicas=15,1", "3,1", "none", "--workers", "1", "--out", str(tmp_path / "flags"))
+    assert code == 0, err
+    for name in ("sweep.json", "sweep.csv"):
+        assert (tmp_path / "flags" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
+    lines = (tmp_path / "flags" / "sweep.csv").read_text().splitlines()
+    assert lines[0].startswith("strategy,stages,microbatches,iterations,replicas,model,hardware,status")
+    assert [line.split(",")[4:6] for line in lines[1:]] == [['"15', '1"'], ['"3', '1"'], ["", "uniform"]]
+
+
+def test_rejected_points_are_skipped_with_the_reason() -> None:
+    doc = sweep.run_sweep(sweep.make_grid({"strategy": ("pipedream-2bw",), "stages": (4,), "microbatches": (2, 4),
+                                           "iterations": (3,)}), workers=1, progress=False)
+    skipped, ran = doc["points"]
+    assert skipped["status"] == "skipped" and "m=2 < p=4" in skipped["reason"]
+    assert ran["status"] == "ok" and ran["staleness_max"] == 1 and ran["devices_count"] == 4
+    assert (doc["simulated"], doc["skipped"]) == (1, 1)
+
+
+def _outputs(doc: dict) -> tuple[str, str]:
+    return sweep.to_json(doc), sweep.to_csv(doc)
+
+
+@pytest.mark.multiprocess
+def test_one_two_and_three_workers_give_identical_outputs() -> None:
+    grid = sweep.make_grid(SMALL)
+    one = sweep.run_sweep(grid, workers=1, progress=False)
+    for workers in (2, 3):
+        assert _outputs(sweep.run_sweep(grid, workers=workers, progress=False)) == _outputs(one)
+    assert [(p["strategy"], p["stages"], p["microbatches"]) for p in one["points"]] == \
+        [(p["strategy"], p["stages"], p["microbatches"]) for p in sweep.expand(grid)]
+    assert one["skipped"] and one["simulated"]
+
+
+@pytest.mark.multiprocess
+def test_ray_gives_the_local_results() -> None:
+    ray = pytest.importorskip("ray")
+    grid = sweep.make_grid(SMALL)
+    local = sweep.run_sweep(grid, workers=1, progress=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        on_ray = sweep.run_sweep(grid, ray="auto", progress=False)
+        assert ray.is_initialized()  # a Ray the caller started is left running
+    finally:
+        ray.shutdown()
+    assert _outputs(on_ray) == _outputs(local)
+
+
+def test_cli_writes_table_csv_and_figure(tmp_path, capsys) -> None:
+    code, out, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--model", "bert-large", "vgg16",
+                         "--hardware", "pcie-4gpu", "--stages", "4", "--microbatches", "4", "64", "--iterations", "1",
+                         "--workers", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "8 points: 8 simulated, 0 skipped, 3 out of memory" in out
+    assert "fastest configuration that fits in memory" in out and "bert-large" in out
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 9 and rows[1].startswith("gpipe,4,4,1,bert-large,pcie-4gpu,ok,")
+    html = (tmp_path / "sweep.html").read_text()
+    assert "pipesim-sweep" in html and "× out of memory" in html and "fastest that fits" in html
+
+
+def test_ray_missing_is_one_line(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    code, _, err = run(capsys, "sweep", "--ray", "auto", "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "pip install 'pipesim[ray]'" in err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--set", "chunks=x"], "chunks: cannot read 'x' as a whole number"),
+        (["--set", "nope=1"], "unknown sweep axis 'nope'"),
+        (["--set", "chunks"], "expected NAME=VALUE"),
+        (["--set", "stashing=maybe"], "as true or false"),
+        (["--strategy", "nope"], "unknown strategy 'nope'"),
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--hardware", "nope"], "unknown hardware 'nope'"),
+        (["--stages", "0"], "must be >= 1"),
+        (["--strategy", "gpipe", "--set", "chunks=2"], "chunks applies to none of the swept strategies"),
+        (["--stages", "2", "--set", "stages=4"], "sweep axis stages is given twice"),
+        (["--grid", "/nonexistent/grid.json"], "grid file /nonexistent/grid.json not found"),
+        (["--workers", "2", "--ray", "auto"], "not allowed with"),
+        (["--workers", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_grid_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> None:
+    code, _, err = run(capsys, "sweep", *argv, "--out", str(tmp_path))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", "malformed JSON"),
+        ("[1, 2]", "expected an object"),
+        ('{"stages": 4}', "stages must be a list of values"),
+        ('{"stages": ["4"]}', "sweep axis stages: value \"4\" is not of type int"),
+        ('{"alpha": [0.5, "x"]}', "sweep axis alpha: value \"x\" is not of type float"),
+        ('{"stages": []}', "sweep axis stages has no values"),
+        ('{"frobs": [1]}', "unknown sweep axis 'frobs'"),
+    ],
+)
+def test_bad_grid_file_is_one_line_and_exit_2(content, message, capsys, tmp_path) -> None:
+    grid = tmp_path / "grid.json"
+    grid.write_text(content)
+    code, _, err = run(capsys, "sweep", "--grid", str(grid), "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
