@@ -10,6 +10,7 @@ fits in this machine's memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ._gc import gc_paused
@@ -18,11 +19,11 @@ from .engine import simulate as run_engine
 from .hardware import Hardware, load_hardware
 from .ir import Schedule
 from .models import model_profile
-from .partition import partition
+from .partition import StageCost, partition, split_at
 from .results import SimResult
 from .size import check_size
 from .strategies import ScheduleSpec, build_schedule
-from .workload import Profile, check_microbatch_size
+from .workload import Profile, WorkloadError, check_microbatch_size
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:
@@ -53,11 +54,16 @@ def simulate_schedule(
     *,
     recv_lookahead: int = 1,
     meta: dict | None = None,
+    starts: Sequence[int] | None = None,
 ) -> SimResult:
-    """Partition ``profile`` over the schedule's stages and run the engine."""
+    """Split ``profile`` over the schedule's stages and run the engine.
+
+    ``starts`` gives the split (the first layer of every stage, e.g. a plan's);
+    by default :func:`split_for` chooses it.
+    """
     check_run_options(recv_lookahead=recv_lookahead)
     hw = resolve_hardware(hardware)
-    stage_costs = partition(profile, schedule.num_stages, memory_limit_bytes=hw.device.memory_bytes)
+    stage_costs = split_for(schedule, profile, hw) if starts is None else _given_split(profile, starts, schedule)
     info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
     info.update(meta or {})
     return run_engine(
@@ -69,6 +75,37 @@ def simulate_schedule(
         recv_lookahead=recv_lookahead,
         meta=info,
     )
+
+
+def split_for(schedule: Schedule, profile: Profile, hardware: Hardware) -> list[StageCost]:
+    """The split a simulation runs.
+
+    Communication-aware (transfers across each boundary over the links it
+    crosses, each replicated stage's all-reduce, memory as this schedule
+    holds it: :mod:`pipesim.sim.planning.search`) on a machine whose devices
+    are joined by links, for schedules that run one model stage per device.
+    Compute-only elsewhere: on the ``ideal`` machine every transfer is free
+    and the two agree, and where a device runs several stages (interleaved
+    chunks, AvgPipe's shared placement) the cost model's fill and drain do
+    not describe the schedule.
+    """
+    limit = hardware.device.memory_bytes
+    if hardware.intra_node.kind != "ideal" or hardware.nodes > 1:
+        from .planning.layout import layout_of
+
+        hardware.check_devices(schedule.num_devices)
+        layout = layout_of(schedule)
+        if max(layout.stages_on().values()) == 1:
+            return partition(profile, schedule.num_stages, memory_limit_bytes=limit, hardware=hardware,
+                             layout=layout)
+    return partition(profile, schedule.num_stages, memory_limit_bytes=limit)
+
+
+def _given_split(profile: Profile, starts: Sequence[int], schedule: Schedule) -> list[StageCost]:
+    starts = list(starts)
+    if len(starts) != schedule.num_stages:
+        raise WorkloadError(f"the split gives {len(starts)} stages; the schedule has {schedule.num_stages}")
+    return split_at(profile, starts)
 
 
 def simulate(

@@ -38,9 +38,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from .models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
 from .workload import Profile, WorkloadError
+
+if TYPE_CHECKING:
+    from .hardware import Hardware
+    from .planning.layout import Layout
 
 _REL_TOL = 1e-9
 
@@ -130,21 +136,38 @@ def partition(
     *,
     memory_limit_bytes: float | None = None,
     inflight: Callable[[int], int] | None = None,
+    hardware: Hardware | None = None,
+    layout: Layout | None = None,
 ) -> list[StageCost]:
-    """Contiguous split of ``profile`` into ``num_stages`` stages balanced by time.
+    """Contiguous split of ``profile`` into ``num_stages`` stages.
 
-    ``inflight(k)`` is how many micro-batches stage k stashes at once; it
-    defaults to ``num_stages - k``, the 1F1B / PipeDream steady state. It is
-    only used with ``memory_limit_bytes``. See the module doc for the
-    objective, tie-breaks and what happens when nothing fits.
+    Compute only by default: balanced by time, ``inflight(k)`` micro-batches
+    stashed by stage k for the memory test (default ``num_stages - k``, the
+    1F1B / PipeDream steady state; only used with ``memory_limit_bytes``).
+
+    With ``hardware`` and ``layout`` (where each stage's replicas run and
+    what the schedule asks of them, :func:`pipesim.sim.planning.layout_of` of
+    a built schedule), communication-aware: transfers across every boundary
+    over the links it crosses and each replicated stage's all-reduce count
+    too, and memory is the layout's (``inflight`` does not apply); see
+    :mod:`pipesim.sim.planning.search`. See the module doc for the objective,
+    tie-breaks and what happens when nothing fits.
     """
     n = len(profile.layers)
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
         raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
     limit = _check_limit(memory_limit_bytes)
+    if (hardware is None) != (layout is None):
+        raise WorkloadError("a communication-aware split needs both hardware and layout")
+    if layout is not None and layout.stages != num_stages:
+        raise WorkloadError(f"the layout has {layout.stages} stages, not {num_stages}")
     if num_stages in (1, n):  # a single contiguous split: nothing to choose
         return split_at(profile, range(0, n, n // num_stages))
     _check_dp_size(n, num_stages)
+    if layout is not None:
+        from .planning.search import CostSetting, Tables, split_for_layout
+
+        return split_for_layout(Tables(profile), layout, CostSetting.of(profile, hardware, limit))
     times = np.array([la.forward_s + la.backward_s for la in profile.layers], dtype=float)
     prefix = np.concatenate(([0.0], np.cumsum(times)))
     cost = prefix[None, :] - prefix[:, None]  # cost[i, j]: layers i .. j-1
@@ -165,9 +188,13 @@ def partition(
                 raise WorkloadError(f"inflight({k}) must be an integer >= 0, got {m!r}")
             return weights + stash * int(m) <= limit
 
-    starts = _balanced(cost, valid, num_stages, fits)
+    def term(k: int) -> np.ndarray:
+        allowed = valid & fits(k) if fits else valid
+        return np.where(allowed, cost, np.inf)
+
+    starts = balanced(term, num_stages)
     if starts is None:  # nothing fits: time-balanced anyway, the engine reports OOM
-        starts = _balanced(cost, valid, num_stages, None)
+        starts = balanced(lambda k: np.where(valid, cost, np.inf), num_stages)
     assert starts is not None
     return split_at(profile, starts)
 
@@ -191,32 +218,40 @@ def _check_limit(limit: float | None) -> float | None:
     return None if math.isinf(limit) else float(limit)
 
 
-def _balanced(
-    cost: np.ndarray, valid: np.ndarray, num_stages: int, fits: Callable[[int], np.ndarray] | None
-) -> list[int] | None:
-    """Stage start indices of the best split, or None if no split fits."""
-    n = cost.shape[0] - 1
-    allowed = [valid & fits(k) if fits else valid for k in range(num_stages)]
+def balanced(term: Callable[[int], np.ndarray], num_stages: int) -> list[int] | None:
+    """Stage start indices of the best split, or None if none has finite terms.
+
+    ``term(k)`` is stage k's (layers + 1)² matrix: entry [i, j] is what stage
+    k costs holding layers i .. j-1 (inf where it may not: below the
+    diagonal, or where it does not fit). The split minimises the largest
+    term, then the sum of squared terms; remaining ties go to the split whose
+    later stages hold more layers. Matrices are asked for one at a time (three
+    times each), so memory stays at a few of them whatever the stage count.
+    """
+    n = term(0).shape[0] - 1
 
     # Pass 1: the smallest achievable bottleneck.
     best = np.full(n + 1, np.inf)
-    best[1:] = np.where(allowed[0][0, 1:], cost[0, 1:], np.inf)
+    best[1:] = term(0)[0, 1:]
     for k in range(1, num_stages):
-        cand = np.where(allowed[k], np.maximum(best[:, None], cost), np.inf)
-        best = cand.min(axis=0)
+        best = np.maximum(best[:, None], term(k)).min(axis=0)
     bottleneck = best[n]
     if not np.isfinite(bottleneck):
         return None
 
     # Pass 2: among splits within the bottleneck, the smallest sum of squares.
     cap = bottleneck + _REL_TOL * abs(bottleneck)
-    sq = np.where(cost <= cap, cost * cost, np.inf)
+
+    def squares(k: int) -> np.ndarray:
+        t = term(k)
+        return np.where(t <= cap, t * t, np.inf)
+
     tables = []
     ss = np.full(n + 1, np.inf)
-    ss[1:] = np.where(allowed[0][0, 1:], sq[0, 1:], np.inf)
+    ss[1:] = squares(0)[0, 1:]
     tables.append(ss)
     for k in range(1, num_stages):
-        ss = np.where(allowed[k], ss[:, None] + sq, np.inf).min(axis=0)
+        ss = (ss[:, None] + squares(k)).min(axis=0)
         tables.append(ss)
 
     # Backtrack: for each stage from the last, the earliest start among the
@@ -224,7 +259,7 @@ def _balanced(
     starts = [0] * num_stages
     j = n
     for k in range(num_stages - 1, 0, -1):
-        col = np.where(allowed[k][:, j], tables[k - 1] + sq[:, j], np.inf)
+        col = tables[k - 1] + squares(k)[:, j]
         m = col.min()
         i = int(np.flatnonzero(col <= m + _REL_TOL * abs(m))[0])
         starts[k] = i
