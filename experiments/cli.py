@@ -754,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=positive, default=None,
                    help="samples per micro-batch (default: the model's)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
-    p.add_argument("--confirm", type=nonnegative, default=4,
+    p.add_argument("--confirm", type=nonnegative, default=6,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
                         "(0: the cost model alone)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,

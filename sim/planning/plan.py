@@ -55,7 +55,7 @@ from .search import Config, CostSetting, Planner, Tables
 
 PLAN_VERSION = 1
 #: Candidates confirmed with the engine, besides the landmarks.
-CONFIRM = 4
+CONFIRM = 6
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
 #: reference points, pure data parallelism and the straight pipeline.
 LANDMARKS = ("data parallelism", "straight")
@@ -450,8 +450,9 @@ def _candidates(planner: Planner) -> list[Candidate]:
     for r, cfg in sorted(by_last.items()):
         proposals.setdefault(cfg, "search" if len(cfg.replicas) > 1 else "data parallelism")
     n = planner.devices
-    if planner.tables.n >= n > 1:
-        for cfg in planner.dynamic_program(allowed=(1,)).values():
+    if planner.tables.n >= n > 1:  # the straight pipeline, shown even if it does not fit
+        straight = planner.dynamic_program(allowed=(1,)) or planner.dynamic_program(allowed=(1,), memory=False)
+        for cfg in straight.values():
             proposals.setdefault(cfg, "straight")
     proposals.setdefault(Config((0,), (n,)), "data parallelism")
     costed = {cfg: planner.estimate(cfg) for cfg in proposals}
