@@ -154,16 +154,13 @@ def partition(
     tie-breaks and what happens when nothing fits.
     """
     n = len(profile.layers)
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
-        raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
     limit = _check_limit(memory_limit_bytes)
     if (hardware is None) != (layout is None):
         raise WorkloadError("a communication-aware split needs both hardware and layout")
     if layout is not None and layout.stages != num_stages:
         raise WorkloadError(f"the layout has {layout.stages} stages, not {num_stages}")
-    if num_stages in (1, n):  # a single contiguous split: nothing to choose
+    if not check_split(profile, num_stages):  # a single contiguous split: nothing to choose
         return split_at(profile, range(0, n, n // num_stages))
-    _check_dp_size(n, num_stages)
     if layout is not None:
         from .planning.search import CostSetting, Tables, split_for_layout
 
@@ -197,6 +194,20 @@ def partition(
         starts = balanced(lambda k: np.where(valid, cost, np.inf), num_stages)
     assert starts is not None
     return split_at(profile, starts)
+
+
+def check_split(profile: Profile, num_stages: int) -> bool:
+    """Check a request to split ``profile`` into ``num_stages`` stages (a
+    :class:`WorkloadError` if it cannot be, or its tables would be too big):
+    whether there is a choice to make (False for one stage, or one layer per
+    stage: a single contiguous split)."""
+    n = len(profile.layers)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
+        raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
+    if num_stages in (1, n):
+        return False
+    _check_dp_size(n, num_stages)
+    return True
 
 
 def _check_dp_size(layers: int, stages: int) -> None:

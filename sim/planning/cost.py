@@ -37,8 +37,10 @@ Latency
 Fill and drain
     A flushed iteration is ``m`` periods plus one micro-batch's path through
     the pipeline (every stage's passes and transfers) less the bottleneck's
-    own pass, plus stage 0's final all-reduce and step; a stream is ``m``
-    periods per iteration in steady state.
+    own pass, plus stage 0's final all-reduce and step; when every forward
+    runs before any backward (GPipe), it is at least a forward phase and a
+    backward phase, each one micro-batch's path plus m - 1 passes of its
+    slowest stage. A stream is ``m`` periods per iteration in steady state.
 Memory
     Per device, for every stage replica it hosts: weights times the versions
     the strategy keeps, gradients, optimizer state, the stash of the
@@ -284,31 +286,30 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
     resources += [(v / m, name) for name, v in sorted(load.items())]
     period, bottleneck = max(resources, key=lambda x: x[0])
     path = math.fsum(c.time_s for c in costs) + 2 * math.fsum(transfer)
-    slowest = _stage_of(bottleneck, layout)
-    own = costs[slowest].time_s if slowest is not None else 0.0
     # Little's law at every stage: its round trip (its passes and every later
     # stage's, the transfers there and back) over the micro-batches in flight there
-    trips = []
     for k in range(p):
         in_flight = layout.inflight[k] * len(layout.devices[k])
         round_trip = math.fsum(c.time_s for c in costs[k:]) + 2 * math.fsum(transfer[k:])
-        before = math.fsum(c.time_s for c in costs[:k]) + 2 * math.fsum(transfer[:k])
-        if in_flight:
-            trips.append((k, round_trip, in_flight, before))
+        if in_flight and round_trip / in_flight > period:
+            period, bottleneck = round_trip / in_flight, f"round trip of stage {k}"
+    slowest = _stage_of(bottleneck, layout)
+    # one micro-batch's path overlaps the bottleneck's own part of it
+    own = costs[slowest].time_s if slowest is not None else period
     if layout.streamed:
-        for k, round_trip, in_flight, _ in trips:
-            if round_trip / in_flight > period:
-                period, bottleneck = round_trip / in_flight, f"round trip of stage {k}"
         iteration = m * period
         makespan = layout.iterations * m * period + path - own
     else:
         tail = step_s[0] if slowest != 0 else 0.0
         iteration = m * period + path - own + tail
-        for k, round_trip, in_flight, before in trips:  # m micro-batches, in_flight at a time
-            bound = math.ceil(m / in_flight) * round_trip + before + step_s[0]
-            if bound > iteration:
-                iteration, bottleneck = bound, f"round trip of stage {k}"
-        period = iteration / m
+        if all(held >= passes for held, passes in zip(layout.inflight, layout.passes)):
+            # every forward before any backward (GPipe): two phases, each
+            # paced by its own slowest stage, then stage 0's step
+            phases = 2 * math.fsum(transfer) + step_s[0] + sum(
+                math.fsum(t(c) for c in costs) + max((n - 1) * t(c) for n, c in zip(layout.passes, costs))
+                for t in (lambda c: c.forward_s, lambda c: c.backward_s))
+            if phases > iteration:
+                iteration, bottleneck = phases, "forward and backward phases"
         makespan = layout.iterations * iteration
     dev_memory = tuple(memory[d] for d in range(layout.num_devices))
     return Estimate(period_s=period, bottleneck=bottleneck, iteration_s=iteration, makespan_s=makespan,

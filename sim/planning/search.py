@@ -38,6 +38,7 @@ decides a tie.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,9 +150,16 @@ class CostSetting:
 MIN_GAIN = 0.01
 
 
-def split_for_layout(tables: Tables, layout: Layout, setting: CostSetting) -> list[StageCost]:
-    """The communication-aware split of ``tables``' profile for ``layout``
-    (see the module doc).
+#: Splits enumerated and ranked by the full model when there are at most this many.
+ENUMERATE_SPLITS = 64
+
+
+def ranked_splits(tables: Tables, layout: Layout, setting: CostSetting, limit: int = 1) -> list[tuple[int, ...]]:
+    """Up to ``limit`` splits (stage starts) for ``layout``, the
+    communication-aware choice first (see the module doc), then the others
+    the full model ranks best: those the other programs found, and every
+    split when there are at most :data:`ENUMERATE_SPLITS`, else the
+    neighbours of the first (a cut moved a layer or two).
 
     Three dynamic programs propose a split: compute only (today's
     partitioner, the layout's memory), and the full per-stage terms with a
@@ -173,8 +181,29 @@ def split_for_layout(tables: Tables, layout: Layout, setting: CostSetting) -> li
             if value is not None:
                 found.append((value * (1 - MIN_GAIN) if shared is None else value, starts))
         if found:
-            return tables.split(min(found, key=lambda x: x[0])[1])
-    raise AssertionError("a split without the memory test always exists")
+            break
+    else:
+        raise AssertionError("a split without the memory test always exists")
+    first = min(found, key=lambda x: x[0])[1]
+    if limit <= 1:
+        return [first]
+    n, p = tables.n, layout.stages
+    if math.comb(n - 1, p - 1) <= ENUMERATE_SPLITS:
+        others = [(0, *cuts) for cuts in itertools.combinations(range(1, n), p - 1)]
+    else:
+        others = [s for _, s in found] + list(_cut_moves(first, n))
+
+    def cost(s: tuple[int, ...]) -> tuple[bool, float]:
+        est = setting.estimate(tables.split(s), layout)
+        return (memory and not setting.fits(est), est.makespan_s)
+
+    ranked = sorted(dict.fromkeys(s for s in others if s != first), key=cost)
+    return [first, *ranked[: limit - 1]]
+
+
+def split_for_layout(tables: Tables, layout: Layout, setting: CostSetting) -> list[StageCost]:
+    """The communication-aware split (the first of :func:`ranked_splits`)."""
+    return tables.split(ranked_splits(tables, layout, setting)[0])
 
 
 def _layout_terms(tables: Tables, layout: Layout, setting: CostSetting, *, memory: bool,
