@@ -512,9 +512,9 @@ def cmd_plan(args) -> int:
     out = _output_dir(args.out)
     profile = _plan_profile(args, hw, gpus)
     options = {"stashing": False} if args.no_stashing else {}
-    request = PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches,
-                          iterations=args.iterations, options=options, confirm=args.confirm,
-                          recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile)
+    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
+    request = PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
+                          recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile, **given)
     with _plan_progress() as say:
         record = plan(request, progress=say).to_json()
     written = write_plan(record, out)
@@ -748,15 +748,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=positive, default=None, help="devices to plan for (default: all the hardware has)")
     p.add_argument("--microbatches", type=positive, default=None,
                    help="micro-batches per iteration (default: one per device)")
-    p.add_argument("--iterations", type=positive, default=4,
+    p.add_argument("--iterations", type=positive, default=None,
                    help="iterations of each confirming simulation (steady state is measured on all but the "
-                        "first and the last)")
+                        "first and the last) (default: 3)")
     p.add_argument("--microbatch-size", type=positive, default=None,
                    help="samples per micro-batch (default: the model's)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
-    p.add_argument("--confirm", type=nonnegative, default=6,
+    p.add_argument("--confirm", type=nonnegative, default=None,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
-                        "(0: the cost model alone)")
+                        "(0: the cost model alone) (default: 8)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the summary")

@@ -7,8 +7,10 @@ devices of a machine:
 1. **Search** (:mod:`.search`): a dynamic program over layer splits and
    replication factors gives the best configuration for every replica count
    of the last stage (pure data parallelism, "N", among them) and the best
-   straight pipeline; local search on the full cost model improves the two
-   best. Every candidate is then costed by the full model (:mod:`.cost`).
+   straight pipeline; local search on the full cost model starts from the
+   :data:`SEEDS` best and proposes the :data:`NEIGHBOURS` best
+   configurations it meets. Every candidate is costed by the full model
+   (:mod:`.cost`).
 2. **Confirmation**: the :data:`CONFIRM` candidates the model ranks first
    (among those that fit in memory), and pure data parallelism and the best
    straight pipeline, are simulated with the engine, in short
@@ -48,14 +50,19 @@ from ..hardware import Hardware
 from ..ir import PASS_OPS
 from ..metrics import round_sig
 from ..results import SimResult
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy, strategies
+from ..strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
 from ..workload import Profile
+from .cost import Estimate
 from .layout import traits_of
-from .search import Config, CostSetting, Planner, Tables
+from .search import MIN_GAIN, Config, CostSetting, Planner, Tables
 
 PLAN_VERSION = 1
 #: Candidates confirmed with the engine, besides the landmarks.
-CONFIRM = 6
+CONFIRM = 8
+#: Local search starts from this many of the search's best configurations ...
+SEEDS = 2
+#: ... and proposes this many of the best configurations it met.
+NEIGHBOURS = 6
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
 #: reference points, pure data parallelism and the straight pipeline.
 LANDMARKS = ("data parallelism", "straight")
@@ -63,7 +70,7 @@ LANDMARKS = ("data parallelism", "straight")
 DATA_PARALLEL = "data-parallel"
 #: Iterations of a confirmation run by default: the steady-state window is
 #: iterations 1 .. K-2, so four leave two.
-ITERATIONS = 4
+ITERATIONS = 3
 #: A confirmation run is at most this many times the requested length (a
 #: strategy that needs the micro-batches to divide evenly over odd replica
 #: counts would otherwise ask for very long runs); longer ones are skipped.
@@ -110,10 +117,11 @@ class Stage:
 class Candidate:
     """One configuration the planner considered.
 
-    ``source`` says where it came from; ``samples_per_s`` is the simulated
+    ``source`` says where it came from; ``boundary_bytes`` is what one
+    micro-batch's activations across its cuts weigh; ``samples_per_s`` is the simulated
     steady-state throughput when it was confirmed (``simulated``), else the
-    analytic one; ``iterations`` the length of its confirmation run (or
-    None); ``params`` holds free parameters of other planners (width, depth,
+    analytic one; ``microbatches`` and ``iterations`` its confirmation run
+    (or None); ``params`` holds free parameters of other planners (width, depth,
     micro-batch size, ...); ``note`` why it was not confirmed, if so.
     """
 
@@ -124,8 +132,10 @@ class Candidate:
     peak_memory_bytes: int
     out_of_memory: bool
     simulated_samples_per_s: float | None = None
+    microbatches: int | None = None
     iterations: int | None = None
     bottleneck: str = ""
+    boundary_bytes: int = 0
     note: str = ""
     params: dict = field(default_factory=dict)
 
@@ -153,10 +163,12 @@ class Candidate:
             "analytic_samples_per_s": round_sig(self.analytic_samples_per_s),
             "simulated_samples_per_s": None if self.simulated_samples_per_s is None
             else round_sig(self.simulated_samples_per_s),
+            "microbatches": self.microbatches,
             "iterations": self.iterations,
             "peak_memory_bytes": int(self.peak_memory_bytes),
             "out_of_memory": bool(self.out_of_memory),
             "bottleneck": self.bottleneck,
+            "boundary_bytes": int(self.boundary_bytes),
         }
         if self.note:
             d["note"] = self.note
@@ -167,13 +179,19 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Plan:
-    """A planner's answer (see the module doc); ``chosen`` indexes ``candidates``."""
+    """A planner's answer (see the module doc); ``chosen`` indexes ``candidates``.
+
+    ``microbatches`` and ``iterations`` are the run asked for; the record's
+    ``microbatches`` and ``iterations`` are the chosen configuration's run
+    (what ``simulate --plan`` runs), ``requested_microbatches`` the former.
+    """
 
     strategy: str
     model: str
     hardware: str
     gpus: int
     microbatches: int
+    iterations: int
     microbatch_size: int
     options: dict
     candidates: tuple[Candidate, ...]
@@ -206,8 +224,9 @@ class Plan:
             "profile": self.profile,
             "hardware": self.hardware,
             "gpus": self.gpus,
-            "microbatches": self.microbatches,
-            "iterations": best.iterations,
+            "requested_microbatches": self.microbatches,
+            "microbatches": best.microbatches or self.microbatches,
+            "iterations": best.iterations or self.iterations,
             "microbatch_size": self.microbatch_size,
             "options": {k: self.options[k] for k in sorted(self.options)},
             "config": best.config,
@@ -341,26 +360,40 @@ def plan_file(d: Any) -> PlanFile:
 
 
 def steady_throughput(result: SimResult) -> float:
-    """Samples per second in steady state: those of iterations 1 .. K-2 over
-    the time from the end of iteration 0 to the end of iteration K-2 (an
-    iteration ends with its last micro-batch's last pass), so neither the
-    pipeline's fill nor its drain counts. Runs of fewer than three
-    iterations have no steady window: their whole-run throughput."""
+    """Samples per second in steady state, without the pipeline's fill and drain.
+
+    A flushed schedule repeats identical iterations: the samples of
+    iterations 1 .. K-2 over the time from the end of iteration 0 to the end
+    of iteration K-2 (an iteration ends with its last micro-batch's last
+    pass). A stream (``Strategy.asynchronous``) finishes micro-batches one by
+    one, in bursts where replicated stages step together: with the M
+    completion times sorted, the micro-batches completed between the m-th
+    and a later one, leaving out the last m, over the time between, the
+    window a whole number of bursts (the replica counts' least common
+    multiple) so it starts and ends at the same point of one. Runs too short
+    for a window: their whole-run throughput.
+    """
     s = result.schedule
-    k = s.num_iterations
-    if k < 3:
-        span = result.makespan
-        return s.total_microbatches * result.microbatch_size / span if span > 0 else 0.0
-    m = s.num_microbatches
-    ends = [-math.inf] * k
+    k, m = s.num_iterations, s.num_microbatches
+    last: dict[int, float] = {}
     for sp in result.by_stream()["compute"]:
         a = sp.action
-        if a.op in PASS_OPS:
-            it = a.microbatch // m
-            if sp.end > ends[it]:
-                ends[it] = sp.end
-    window = ends[k - 2] - ends[0]
-    return (k - 2) * m * result.microbatch_size / window if window > 0 else 0.0
+        if a.op in PASS_OPS and sp.end > last.get(a.microbatch, -math.inf):
+            last[a.microbatch] = sp.end
+    strategy = find_strategy(s.strategy)
+    if strategy is not None and strategy.asynchronous:
+        done = sorted(last.values())
+        burst = math.lcm(*s.replicas)
+        span = (len(done) - 2 * m) // burst * burst
+        first, end = m, m + span
+    else:
+        done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
+        span = (k - 2) * m
+        first, end = 0, k - 2
+    if span <= 0 or done[end] <= done[first]:
+        whole = result.makespan
+        return s.total_microbatches * result.microbatch_size / whole if whole > 0 else 0.0
+    return span * result.microbatch_size / (done[end] - done[first])
 
 
 # ---------------------------------------------------------------------------
@@ -425,20 +458,19 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     say("searching splits and replicas")
     found = _candidates(planner)
     ranked = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
-    confirmed = 0
+    chosen_for_engine = _to_confirm(ranked, req.confirm)
     out = []
-    for cand in ranked:
-        landmark = cand.source in LANDMARKS and req.confirm > 0
-        if (confirmed < req.confirm or landmark) and not cand.out_of_memory:
+    for i, cand in enumerate(ranked):
+        if i in chosen_for_engine:
             say(f"confirming {cand.config} with the engine")
             cand = _confirm(cand, req, m)
-            confirmed += cand.simulated and not landmark
         out.append(cand)
     chosen = max(range(len(out)), key=lambda i: (not out[i].out_of_memory, out[i].simulated, out[i].samples_per_s))
     say("simulating data parallelism")
     dp = _data_parallel(req, m)
     return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name, gpus=req.gpus,
-                microbatches=m, microbatch_size=req.profile.microbatch_size, options=dict(req.options),
+                microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
+                options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
                 planner_seconds=time.perf_counter() - started, profile=req.profile_path)
 
@@ -456,31 +488,70 @@ def _candidates(planner: Planner) -> list[Candidate]:
             proposals.setdefault(cfg, "straight")
     proposals.setdefault(Config((0,), (n,)), "data parallelism")
     costed = {cfg: planner.estimate(cfg) for cfg in proposals}
-    seeds = sorted((c for c in costed if planner.setting.fits(costed[c])), key=lambda c: costed[c].iteration_s)[:2]
-    for seed in seeds:
-        better, est = planner.improve(seed)
-        if better not in costed:
-            proposals[better] = "local search"
-            costed[better] = est
+    fitting = [c for c in costed if planner.setting.fits(costed[c])]
+    visited: dict[Config, Estimate] = {}
+    for seed in sorted(fitting, key=lambda c: costed[c].iteration_s)[:SEEDS]:
+        planner.improve(seed, cache=visited)
+    # the best configurations local search met, not only where it stopped:
+    # the model's ranking of near neighbours is within its error
+    met = sorted((c for c in visited if c not in costed and planner.setting.fits(visited[c])),
+                 key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
+    for cfg in met:
+        proposals[cfg] = "local search"
+        costed[cfg] = visited[cfg]
     return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
+
+
+def _to_confirm(ranked: list[Candidate], budget: int) -> set[int]:
+    """Indexes of the candidates to simulate: the landmarks, and ``budget``
+    others, one per configuration first. The model ranks near neighbours
+    (the same replicas, a cut moved a layer or two) within its error and
+    misses the queueing that big transfers bring, so each configuration is
+    represented by the split with the fewest bytes crossing its cuts among
+    those within :data:`~.search.MIN_GAIN` of its best; other splits of the
+    same replicas are tried only when no other configuration is left."""
+    if budget <= 0:
+        return set()
+    fits = [i for i, c in enumerate(ranked) if not c.out_of_memory]
+    picked = {i for i in fits if ranked[i].source in LANDMARKS}
+    groups: dict[str, list[int]] = {}
+    for i in fits:
+        if i not in picked:
+            groups.setdefault(ranked[i].config, []).append(i)
+    firsts = []
+    for members in groups.values():  # in the order of each group's best
+        top = ranked[members[0]].analytic_samples_per_s
+        near = [i for i in members if ranked[i].analytic_samples_per_s >= top * (1 - MIN_GAIN)]
+        firsts.append(min(near, key=lambda i: (ranked[i].boundary_bytes, i)))
+    rest = [i for i in fits if i not in picked and i not in firsts]
+    return picked | set((firsts + rest)[:budget])
 
 
 def _candidate(planner: Planner, cfg: Config, source: str, est) -> Candidate:
     n = planner.tables.n
     ends = [*cfg.starts[1:], n]
     stages = tuple(Stage(a, b - 1, r) for a, b, r in zip(cfg.starts, ends, cfg.replicas))
+    cuts = int(sum(planner.tables.cut[a] for a in cfg.starts[1:]))
     return Candidate(config=notation(cfg.replicas), stages=stages, source=source,
                      analytic_samples_per_s=est.samples_per_s, peak_memory_bytes=est.peak_memory_bytes,
-                     out_of_memory=not planner.setting.fits(est), bottleneck=est.bottleneck)
+                     out_of_memory=not planner.setting.fits(est), bottleneck=est.bottleneck, boundary_bytes=cuts)
 
 
-def _run_lengths(iterations: int, microbatches: int, replicas: tuple[int, ...]) -> list[int]:
-    """Iterations to try for a confirmation run: as asked, then the next count
-    that gives every replica of every stage as many micro-batches as the others."""
+def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits) -> list[tuple[int, int]]:
+    """(micro-batches, iterations) to try for a confirmation run: as asked,
+    then, for a strategy that needs every replica of a stage to run as many
+    micro-batches as the others over the run (PipeDream all-reduces after
+    every step), the nearest run that does. Where a step follows every pass,
+    an iteration's size is only how the stream is counted, so the
+    micro-batches per iteration grow to a multiple of the replicas' least
+    common multiple; otherwise they mean a mini-batch, and the iterations grow."""
     cycle = math.lcm(*replicas)
-    step = cycle // math.gcd(cycle, microbatches)
-    even = -(-iterations // step) * step
-    return [iterations] if even == iterations else [iterations, even]
+    if traits.steps_each_pass:
+        even = (-(-microbatches // cycle) * cycle, iterations)
+    else:
+        step = cycle // math.gcd(cycle, microbatches)
+        even = (microbatches, -(-iterations // step) * step)
+    return [(microbatches, iterations)] if even == (microbatches, iterations) else [(microbatches, iterations), even]
 
 
 def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
@@ -489,11 +560,11 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
     from ..size import check_size
 
     note = ""
-    for k in _run_lengths(req.iterations, m, cand.replicas):
-        if k > MAX_RUN_STRETCH * req.iterations:
-            note = note or f"not simulated: a run that suits these replicas needs {k} iterations"
+    for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
+        if mb * k > MAX_RUN_STRETCH * m * req.iterations:
+            note = note or f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
             break
-        spec = ScheduleSpec(req.strategy, len(cand.stages), m, iterations=k, replicas=cand.replicas, **req.options)
+        spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
         try:
             check_size(spec)
             schedule = build_schedule(spec)
@@ -504,7 +575,7 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
                                    starts=cand.starts)
         peak = max(t.peak_bytes for t in result.memory)
         oom = any(t.out_of_memory for t in result.memory)
-        return replace(cand, simulated_samples_per_s=steady_throughput(result), iterations=k,
+        return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=mb, iterations=k,
                        peak_memory_bytes=peak, out_of_memory=oom, note="")
     return replace(cand, note=note)
 

@@ -383,10 +383,12 @@ class Planner:
         return Config(tuple(reversed(starts)), tuple(reversed(reps)))
 
     # -- local search ------------------------------------------------------
-    def improve(self, config: Config, *, memory: bool = True) -> tuple[Config, Estimate]:
+    def improve(self, config: Config, *, memory: bool = True,
+                cache: dict[Config, Estimate] | None = None) -> tuple[Config, Estimate]:
         """Local search on the full model from ``config`` (see the module doc):
-        the configuration with the most samples per second it reaches."""
-        cache: dict[Config, Estimate] = {}
+        the configuration with the most samples per second it reaches.
+        ``cache`` keeps every configuration it costed, with its estimate."""
+        cache = {} if cache is None else cache
 
         def est(c: Config) -> Estimate:
             e = cache.get(c)
