@@ -426,16 +426,17 @@ def cmd_compare(args) -> int:
             "yes" if s["out_of_memory"] else "",
         ]
         if args.planned:
-            row[1:1] = [s["plan"]["config"] if "plan" in s else "", str(s["iterations"])]
+            row[1:1] = [s["plan"]["config"] if "plan" in s else "", f"{s['microbatches']}x{s['iterations']}"]
         rows.append(row)
     first = next(iter(summaries.values()))
     print(f"{first['meta'].get('model')} on {first['meta'].get('hardware')}, "
           f"{args.stages} {'devices' if args.planned else 'stages'}, {args.microbatches or 8} micro-batches, "
-          f"{args.iterations} iteration(s)" + (" (a planned run may need more: iters)" if args.planned else ""))
+          f"{args.iterations} iteration(s)" + (" (a planned run may need another: run = m x iterations)"
+                                                if args.planned else ""))
     header = ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}", "bubble", "peak mem", "staleness",
               "OOM"]
     if args.planned:
-        header[1:1] = ["config", "iters"]
+        header[1:1] = ["config", "run"]
     print(_table(rows, header))
     # sorted keys keep the JSON byte-stable; "order" keeps the table's order
     document = {"order": strategies, "strategies": summaries}

@@ -10,6 +10,12 @@ ties go to the split whose later stages hold more layers: in 1F1B-style
 schedules later stages keep fewer micro-batches in flight, so that is the
 cheaper place for extra activations.
 
+That is the compute-only split. Given the hardware and a layout (where each
+stage's replicas run and what the schedule asks of them), :func:`partition`
+splits communication-aware instead (:mod:`pipesim.sim.planning.search`):
+the same dynamic program (:func:`balanced`) over each stage's full cost,
+transfers and all-reduces included.
+
 Memory: with ``memory_limit_bytes``, a stage k holding weights ``W`` and
 stashing ``A`` per micro-batch needs ``W * (2 + optimizer multiplier) +
 A * inflight(k)`` (weights, gradients, optimizer state, activations of the
@@ -22,8 +28,9 @@ Times are compared with a relative tolerance of 1e-9, so splits whose
 bottlenecks differ only by floating-point rounding count as ties and the
 tie-break above, not rounding, decides.
 
-Size: the dynamic program works on (layers + 1)² tables, one per stage for
-the memory test, so its memory and time grow with layers² × stages. One
+Size: the dynamic program works on (layers + 1)² tables, a few at a time
+(each stage's is made when it is needed), so its time grows with layers² ×
+stages and its memory with layers². One
 stage, or one layer per stage (the ``uniform`` model on any depth), has a
 single contiguous split and needs no tables at all. Otherwise
 :data:`MAX_DP_LAYERS` and :data:`MAX_DP_CELLS` bound it (see there) and a
@@ -37,7 +44,6 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,8 +61,7 @@ _REL_TOL = 1e-9
 #: so the split stays far below a machine's memory (~350 MB at the limit).
 MAX_DP_LAYERS = 2048
 #: At most stages × (layers + 1)² table cells: the work (about 10 ns a cell,
-#: a second or two at the limit) and, with a memory limit, the per-stage
-#: boolean tables (128 MiB at the limit).
+#: a second or two at the limit).
 MAX_DP_CELLS = 2**27
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 
 import pytest
-
 from pipesim.experiments.cli import main
 from pipesim.experiments.plans import frontier, pareto_figure
 from pipesim.sim.api import simulate, simulate_schedule
@@ -14,7 +14,14 @@ from pipesim.sim.hardware import load_hardware
 from pipesim.sim.metrics import summarize
 from pipesim.sim.models import model_profile
 from pipesim.sim.planning.layout import layout_for, layout_of, traits_of
-from pipesim.sim.planning.plan import PlanError, PlanRequest, notation, plan, plan_file, steady_throughput
+from pipesim.sim.planning.plan import (
+    PlanError,
+    PlanRequest,
+    notation,
+    plan,
+    plan_file,
+    steady_throughput,
+)
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workload import LayerCost, Profile
 
@@ -48,7 +55,7 @@ def test_plan_record_has_the_fields_and_covers_every_layer(vgg_plan) -> None:
         assert key in vgg_plan, key
     stages = vgg_plan["stages"]
     assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 39  # VGG-16's 40 layers
-    assert all(a["layers"][1] + 1 == b["layers"][0] for a, b in zip(stages, stages[1:]))
+    assert all(a["layers"][1] + 1 == b["layers"][0] for a, b in itertools.pairwise(stages))
     assert sum(s["replicas"] for s in stages) == 16
     assert vgg_plan["config"] == notation([s["replicas"] for s in stages])
     assert vgg_plan["speedup_vs_dp"] == pytest.approx(
@@ -162,7 +169,7 @@ def test_layout_for_agrees_with_the_schedule_it_predicts() -> None:
 
 
 def test_compare_planned_puts_pipedream_at_or_above_data_parallelism(tmp_path, capsys) -> None:
-    code, out, err = run(capsys, "compare", "--planned", "--strategies", "pipedream,data-parallel",
+    code, _, err = run(capsys, "compare", "--planned", "--strategies", "pipedream,data-parallel",
                          "--out", str(tmp_path))
     assert code == 0, err
     doc = json.loads((tmp_path / "comparison.json").read_text())
@@ -199,7 +206,7 @@ def test_frontier_keeps_only_undominated_points() -> None:
     ],
 )
 def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
-    code, out, err = run(capsys, *argv, "--out", str(tmp_path))
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path))
     assert code == 2
     assert message in err and err.count("\n") == 1, err
 
@@ -222,7 +229,7 @@ def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsy
     edit(doc)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    code, out, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
     assert code == 2
     assert message in err and err.count("\n") == 1, err
 
@@ -233,9 +240,9 @@ def test_plan_for_another_model_is_refused(tmp_path, capsys) -> None:
            "predicted_samples_per_s": 1.0}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    code, out, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
     assert code == 2 and "the plan splits 6 layers; vgg16 has 16" in err
-    code, out, err = run(capsys, "simulate", "--plan", str(path), "--replicas", "3,1", "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--replicas", "3,1", "--out", str(tmp_path / "o"))
     assert code == 2 and "leave out --replicas" in err
 
 

@@ -225,6 +225,19 @@ def update_seconds(param_bytes, optimizer: str, mem_bandwidth: float):
     return 0.0 * param_bytes if math.isinf(mem_bandwidth) else traffic * param_bytes / mem_bandwidth
 
 
+def held_activations(stash_bytes, inflight):
+    """Activation bytes one stage replica holds: the whole stash of each of
+    the ``inflight`` micro-batches (numbers or arrays).
+
+    The hook for activation recomputation: a stage that recomputes its
+    forward in the backward keeps only its input per micro-batch (plus one
+    micro-batch's full stash while it recomputes); a planner that offers it
+    passes that choice here, and both memory checks (:func:`stage_memory`,
+    :func:`.search.memory_terms`) follow (the engine's tracker,
+    :mod:`pipesim.sim.trackers`, counts stashes on its own)."""
+    return stash_bytes * inflight
+
+
 def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int,
                  boundary_bytes: int) -> int:
     """One replica of a stage: weights x versions, gradients, optimizer state,
@@ -232,7 +245,7 @@ def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, op
     buffer for each tensor across its boundaries (``boundary_bytes``: the
     activations in and out)."""
     return (cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers)
-            + cost.stash_bytes * inflight + 2 * boundary_bytes)
+            + held_activations(cost.stash_bytes, inflight) + 2 * boundary_bytes)
 
 
 def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimizer: str,

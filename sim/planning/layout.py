@@ -30,9 +30,20 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
-from ..ir import AVERAGE, COMPUTE_OPS, INPUT_GRADIENT_OPS, PASS_OPS, PREDICT, UPDATE, WEIGHT_GRADIENT_OPS, F, Op, Schedule
+from ..ir import (
+    AVERAGE,
+    COMPUTE_OPS,
+    INPUT_GRADIENT_OPS,
+    PASS_OPS,
+    PREDICT,
+    UPDATE,
+    WEIGHT_GRADIENT_OPS,
+    F,
+    Op,
+    Schedule,
+)
 from ..strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
 from ..strategies._common import warmup
 
@@ -122,8 +133,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
                 rs = (a.replica, a.stage)
                 passes[rs] += 1
                 live[rs] += 1
-                if live[rs] > peak[rs]:
-                    peak[rs] = live[rs]
+                peak[rs] = max(peak[rs], live[rs])
             elif op in WEIGHT_GRADIENT_OPS:
                 live[(a.replica, a.stage)] -= 1
             elif op is UPDATE:
@@ -218,7 +228,7 @@ class Traits:
 _PROBE_STAGES, _PROBE_MICROBATCHES = 2, 8
 
 
-@lru_cache(maxsize=None)
+@cache
 def traits_of(strategy: str, recv_lookahead: int = 1) -> Traits:
     """Measure ``strategy``'s :class:`Traits` on a small probe schedule it builds."""
     found = get_strategy(strategy)

@@ -50,7 +50,14 @@ from ..hardware import Hardware
 from ..ir import PASS_OPS
 from ..metrics import round_sig
 from ..results import SimResult
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
+from ..strategies import (
+    ScheduleSpec,
+    StrategyError,
+    build_schedule,
+    find_strategy,
+    get_strategy,
+    strategies,
+)
 from ..workload import Profile
 from .cost import Estimate
 from .layout import traits_of

@@ -48,7 +48,14 @@ import numpy as np
 from ..hardware import Hardware
 from ..partition import StageCost, balanced, stage_cost
 from ..workload import Profile
-from .cost import Estimate, LinkModel, envelope, estimate, update_seconds
+from .cost import (
+    Estimate,
+    LinkModel,
+    envelope,
+    estimate,
+    held_activations,
+    update_seconds,
+)
 from .layout import Layout, Traits, layout_for
 
 _REL_TOL = 1e-9
@@ -112,7 +119,8 @@ def memory_terms(tables: Tables, *, inflight: int, versions: int, buffers: int, 
     """Bytes one replica of a stage holds, for every layer range (see
     :func:`.cost.stage_memory`: the same terms, as arrays)."""
     boundary = tables.cut[:, None] + tables.cut[None, :]
-    return tables.params * (versions + 1 + optimizer_multiplier + buffers) + tables.stash * inflight + 2 * boundary
+    return (tables.params * (versions + 1 + optimizer_multiplier + buffers) + held_activations(tables.stash, inflight)
+            + 2 * boundary)
 
 
 # ---------------------------------------------------------------------------
