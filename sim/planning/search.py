@@ -3,34 +3,36 @@
 Two searches share one set of tables (:class:`Tables`: every stage's compute,
 weights and stash for every contiguous layer range, as (layers + 1)² arrays):
 
-* :func:`split_for_layout`, the communication-aware partitioner: the stage
-  count and placement are fixed (a built schedule's :class:`~.layout.Layout`)
-  and only the cuts move. A dynamic program over (stage, last layer) finds
-  the split whose slowest stage, counting its incoming transfers and its
-  all-reduce, is fastest; a link several boundaries share is charged to each
-  as if every one of them loaded it as much (safe: the program's bottleneck
-  is never below the true one). Among splits within that bottleneck it takes
-  the smallest sum of squared stage terms. A local search then moves each
-  cut a layer or two at a time while the full model (:func:`.cost.estimate`,
-  shared links summed, fill and drain counted) says the run gets shorter.
-* :func:`search`, the planner's: stage count, cuts and per-stage replicas
-  all vary, over the first N devices of a machine in node-major order
-  (stage k's replicas on the devices after stage k-1's, as the strategies
-  place them). A dynamic program over (last layer, devices used, replicas of
-  the last stage) minimises the slowest stage's time per micro-batch:
-  compute over its replicas, its steps and blocking all-reduces over its
-  replicas' topology, and its incoming boundary's transfers over the links
-  that boundary's replica pairs cross (which needs the previous stage's
-  replicas, hence the third index). Memory is a hard constraint per stage
-  replica. It returns the best configuration for every replica count of the
-  last stage (so pure data parallelism, N replicas of one stage, is always
-  among them), and the best straight pipeline. PipeDream's optimizer solves
-  one level of the machine hierarchy at a time; this program sees the whole
-  topology through the link model instead, in O(layers² x devices²) array
-  operations.
-* :func:`improve`: local search on the full model from a configuration:
-  move a cut, move a replica to a neighbouring stage, merge two stages, split
-  one.
+* :func:`ranked_splits`, the communication-aware partitioner: the stage count
+  and placement are fixed (a built schedule's :class:`~.layout.Layout`) and
+  only the cuts move. The partitioner's dynamic program
+  (:func:`~pipesim.sim.partition.balanced`) runs on three terms per stage:
+  compute only (today's split, with the layout's memory), and the stage's
+  busy time per micro-batch (passes, steps, all-reduce) or its incoming
+  boundary's busiest link, a link several boundaries share charged once or
+  to each in full. A local search moves each cut a layer or two while the
+  full model (:func:`.cost.estimate`: shared links summed, exposed receives,
+  fill and drain) says the run gets shorter, and the split expected to finish
+  first wins, the compute-only one unless another gains :data:`MIN_GAIN`.
+  It can rank more splits for a caller that confirms them with the engine.
+* :class:`Planner`, the planner's search: stage count, cuts and per-stage
+  replicas all vary, over the first N devices of a machine in node-major
+  order (stage k's replicas on the devices after stage k-1's, as the
+  strategies place them). :meth:`Planner.dynamic_program` runs over (last
+  layer, devices used, replicas of the last stage) and minimises the
+  slowest stage's time per micro-batch: compute over its replicas, its steps
+  and blocking all-reduces over its replicas' topology, and its incoming
+  boundary's transfers over the links that boundary's replica pairs cross
+  (which needs the previous stage's replicas, hence the third index). Memory
+  is a hard constraint per stage replica. It returns the best configuration
+  for every replica count of the last stage (so pure data parallelism, N
+  replicas of one stage, is always among them); restricted to one replica,
+  the best straight pipeline. PipeDream's optimizer solves one level of the
+  machine hierarchy at a time; this program sees the whole topology through
+  the link model instead, in O(layers² x devices²) array operations.
+  :meth:`Planner.improve` is local search on the full model from a
+  configuration: move a cut, move a replica to a neighbouring stage, merge
+  two stages, split one.
 
 Times are compared with a relative tolerance of 1e-9, so rounding never
 decides a tie.
@@ -61,6 +63,11 @@ from .layout import Layout, Traits, layout_for
 _REL_TOL = 1e-9
 #: Rounds of local search at most (each takes the best neighbour).
 MAX_ROUNDS = 40
+#: Up to this many devices a stage may take any replica count in the
+#: planner's dynamic program (see :meth:`Planner.replica_counts`).
+ANY_REPLICAS_UP_TO = 32
+#: Devices per node assumed where the hardware does not say (one node holds all).
+SERVER = 8
 
 
 class Tables:
@@ -326,7 +333,7 @@ class Planner:
         replicas, for every r the program reaches (see the module doc);
         ``allowed`` limits every stage's replica count."""
         t, n, big_n = self.tables, self.tables.n, self.devices
-        allowed = tuple(range(1, big_n + 1)) if allowed is None else allowed
+        allowed = self.replica_counts() if allowed is None else allowed
         links = self.setting.links
         inf = np.inf
         best = np.full((n + 1, big_n + 1, big_n + 1), inf)  # [j, d, r]
@@ -362,6 +369,19 @@ class Planner:
             if r <= big_n and np.isfinite(best[n, big_n, r]):
                 out[r] = self._backtrack(arg_i, arg_r, r)
         return out
+
+    def replica_counts(self) -> tuple[int, ...]:
+        """The replica counts a stage may take in the dynamic program: any, up
+        to :data:`ANY_REPLICAS_UP_TO` devices; beyond, up to a node's devices
+        or whole nodes (the program's boundary terms grow with devices³, and
+        a stage's replicas spread over part of a node plus whole nodes are
+        what PipeDream's hierarchy allows anyway). Local search still moves
+        single replicas."""
+        big_n = self.devices
+        if big_n <= ANY_REPLICAS_UP_TO:
+            return tuple(range(1, big_n + 1))
+        per_node = min(self.setting.links.hw.devices_per_node or SERVER, big_n)
+        return tuple(sorted(set(range(1, per_node + 1)) | set(range(per_node, big_n + 1, per_node))))
 
     def _stage_matrix(self, first_device: int, r: int, memory: bool) -> np.ndarray:
         """The [i, j] terms of a stage of r replicas on devices first_device ..
