@@ -203,6 +203,7 @@ def test_frontier_keeps_only_undominated_points() -> None:
         (["plan", "--model", "nope"], "unknown model"),
         (["plan", "--gpus", "0"], "must be >= 1"),
         (["plan", "--hardware", "ideal"], "give --gpus"),
+        (["plan", "--hardware", "ideal", "--gpus", "200"], "up to 128 devices"),
     ],
 )
 def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:

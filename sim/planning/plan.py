@@ -469,14 +469,15 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                       setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
     say("searching splits and replicas")
     found = _candidates(planner)
-    ranked = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
-    chosen_for_engine = _to_confirm(ranked, req.confirm)
-    out = []
-    for i, cand in enumerate(ranked):
-        if i in chosen_for_engine:
-            say(f"confirming {cand.config} with the engine")
-            cand = _confirm(cand, req, m)
-        out.append(cand)
+    out = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
+    landmarks, others = _confirmation_order(out) if req.confirm > 0 else ([], [])
+    confirmed = 0
+    for i in landmarks + others:
+        if i in others and confirmed >= req.confirm:
+            break
+        say(f"confirming {out[i].config} with the engine")
+        out[i] = _confirm(out[i], req, m)
+        confirmed += out[i].simulated and i in others
     chosen = max(range(len(out)), key=lambda i: (not out[i].out_of_memory, out[i].simulated, out[i].samples_per_s))
     say("simulating data parallelism")
     dp = _data_parallel(req, m)
@@ -514,29 +515,29 @@ def _candidates(planner: Planner) -> list[Candidate]:
     return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
 
 
-def _to_confirm(ranked: list[Candidate], budget: int) -> set[int]:
-    """Indexes of the candidates to simulate: the landmarks, and ``budget``
+def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
+    """The order to simulate candidates in: the landmarks (always), then the
     others, one per configuration first. The model ranks near neighbours
     (the same replicas, a cut moved a layer or two) within its error and
     misses the queueing that big transfers bring, so each configuration is
     represented by the split with the fewest bytes crossing its cuts among
     those within :data:`~.search.MIN_GAIN` of its best; other splits of the
-    same replicas are tried only when no other configuration is left."""
-    if budget <= 0:
-        return set()
+    same replicas follow once every configuration has had its turn. Runs
+    that the strategy refuses (too few micro-batches for some replicas) do
+    not use up the budget."""
     fits = [i for i, c in enumerate(ranked) if not c.out_of_memory]
-    picked = {i for i in fits if ranked[i].source in LANDMARKS}
+    landmarks = [i for i in fits if ranked[i].source in LANDMARKS]
     groups: dict[str, list[int]] = {}
     for i in fits:
-        if i not in picked:
+        if i not in landmarks:
             groups.setdefault(ranked[i].config, []).append(i)
     firsts = []
     for members in groups.values():  # in the order of each group's best
         top = ranked[members[0]].analytic_samples_per_s
         near = [i for i in members if ranked[i].analytic_samples_per_s >= top * (1 - MIN_GAIN)]
         firsts.append(min(near, key=lambda i: (ranked[i].boundary_bytes, i)))
-    rest = [i for i in fits if i not in picked and i not in firsts]
-    return picked | set((firsts + rest)[:budget])
+    rest = [i for i in fits if i not in landmarks and i not in firsts]
+    return landmarks, firsts + rest
 
 
 def _candidate(planner: Planner, cfg: Config, source: str, est) -> Candidate:
