@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,kernels,validate,torch,torch-dry-run,comm,sweep}``: every benchmark behind one command.
+"""``pipesim bench {sim,plan,kernels,validate,torch,torch-dry-run,comm,sweep}``: every benchmark behind one command.
 
 Each benchmark lives in the layer it measures and keeps its ``python -m``
 entry point as an alias; this module only dispatches to it (importing it, and
@@ -82,6 +82,23 @@ def _sim_with_console_script(argv: list[str]) -> int:
                       add_arguments=sim_bench.add_arguments, run=run_all, render=render)
 
 
+def _plan_with_console_script(argv: list[str]) -> int:
+    from pipesim.sim.planning import bench as plan_bench
+
+    def run_all(args) -> dict:
+        report = plan_bench.run(args)
+        first = report["cases"][0]
+        print(f"[end to end] pipesim plan --model {first['model']}, 3 times ...", file=sys.stderr, flush=True)
+        times = console_script_seconds(["plan", "--strategy", first["strategy"], "--model", first["model"],
+                                        "--hardware", first["hardware"], "--gpus", str(first["gpus"])])
+        report["console_script"] = {"model": first["model"], "best_s": round(times[0], 3),
+                                    "median_s": round(statistics.median(times), 3)}
+        return report
+
+    return bench_main(argv, prog="pipesim bench plan", description=plan_bench.__doc__.split("\n")[0],
+                      add_arguments=plan_bench.add_arguments, run=run_all, render=plan_bench.render)
+
+
 @dataclass(frozen=True)
 class Bench:
     module: str
@@ -92,6 +109,8 @@ class Bench:
 BENCHES: dict[str, Bench] = {
     "sim": Bench("pipesim.sim.bench", "simulated actions/s, the ratio to raw SimPy, the 131k-action target",
                  main=_sim_with_console_script),
+    "plan": Bench("pipesim.sim.planning.bench", "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
+                  main=_plan_with_console_script),
     "kernels": Bench("pipesim.kernels.bench", "kernel bandwidth against a plain copy and a Python loop"),
     "validate": Bench("pipesim.validate.bench", "prediction error of every strategy on this machine"),
     "torch": Bench("pipesim.validate.torchbench", "runtime throughput against torch.distributed.pipelining"),

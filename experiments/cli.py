@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .progress import no_progress, phase_bar
@@ -100,6 +101,12 @@ def _hardware_presets() -> list[str]:
     from pipesim.sim.hardware import preset_names
 
     return preset_names()
+
+
+def _plannable() -> list[str]:
+    from pipesim.sim.planning.plan import plannable
+
+    return plannable()
 
 
 def _real_models() -> list[str]:
@@ -198,7 +205,11 @@ def _profile(args, hardware, schedule):
 
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
-                  keep: bool = False) -> dict:
+                  keep: bool = False, plan=None, spec=None) -> dict:
+    """Simulate one schedule: ``plan`` (a :class:`~pipesim.sim.planning.plan.PlanFile`)
+    gives the strategy, replicas and split, ``spec`` its run (default: the
+    plan's, with the command line's micro-batches and iterations); else
+    ``--schedule``, or the strategy with the command line's options."""
     from pipesim.sim.api import resolve_hardware, simulate_schedule
     from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.metrics import summarize, write_summary
@@ -217,7 +228,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
                                      check=False)
         spec, passes = None, sum(map(len, schedule.programs)) // 2
     else:
-        spec = _spec(args, strategy)
+        if spec is None:
+            spec = plan.spec(args.microbatches, args.iterations) if plan is not None else _spec(args, strategy)
         check_size(spec)
         phases.insert(0, "building the schedule")
         passes = estimate_work(spec) or 0
@@ -226,12 +238,21 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             step("building the schedule")
             schedule = build_schedule(spec)
         profile = _profile(args, hw, schedule)
+        if plan is not None and plan.layers != len(profile.layers):
+            raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
         step("simulating")
-        result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead)
+        result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
+                                   starts=None if plan is None else plan.starts)
         if keep and _KEEP_UNTIL_EXIT is not None:
             _KEEP_UNTIL_EXIT.append(result)  # see console_main
         step("summarizing")
         summary = summarize(result)
+        if plan is not None:
+            from pipesim.sim.metrics import round_sig
+            from pipesim.sim.planning.plan import steady_throughput
+
+            summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
+                               "steady_samples_per_s": round_sig(steady_throughput(result))}
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             write_summary(summary, out / "summary.json")
@@ -322,8 +343,9 @@ def _print_summary(s: dict) -> None:
 
 
 def cmd_simulate(args) -> int:
+    plan = _plan_arguments(args) if args.plan else None
     if not args.strategy and not args.schedule:
-        raise UsageError("pipesim simulate: give --strategy NAME or --schedule FILE.csv")
+        raise UsageError("pipesim simulate: give --strategy NAME, --schedule FILE.csv or --plan FILE")
     if args.schedule and (args.strategy or _strategy_options(args)):
         given = ["--strategy"] * bool(args.strategy) + [
             "--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
@@ -331,16 +353,43 @@ def cmd_simulate(args) -> int:
                          "imports one whose order is given; leave them out")
     out = _output_dir(args.out)
     started = time.perf_counter()
-    summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True)
+    summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True, plan=plan)
     if args.json:
         from pipesim.sim.metrics import dumps
 
         sys.stdout.write(dumps(summary))
     else:
         _print_summary(summary)
+        if plan is not None:
+            p = summary["plan"]
+            print(f"plan {p['config']}: planned {p['predicted_samples_per_s']:.1f} samples/s in steady state; "
+                  f"this run {p['steady_samples_per_s']:.1f} in steady state, "
+                  f"{_rate(summary['throughput_samples_per_s'])} over the whole run (fill and drain included)")
         written = "summary.json" if args.summary_only else "summary.json, trace.json, timeline.html"
         print(f"wrote {written} to {out} in {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _plan_arguments(args):
+    """Read ``--plan``: its strategy, replicas and split, and by default its
+    model, hardware and run; a flag that would contradict it is an error."""
+    from pipesim.sim.planning.plan import load_plan
+
+    if args.schedule:
+        raise UsageError("pipesim simulate: --plan and --schedule both give the schedule; choose one")
+    plan = load_plan(args.plan)
+    if args.strategy and args.strategy != plan.strategy:
+        raise UsageError(f"pipesim simulate: the plan is for {plan.strategy}, not {args.strategy}")
+    fixed = [f"--{k}" for k in ("replicas", "width") if getattr(args, k, None) is not None] + \
+        ["--stages"] * (args.stages_given and args.stages != len(plan.replicas))
+    if fixed:
+        raise UsageError(f"pipesim simulate: the plan fixes the stages and their replicas; leave out {fixed[0]}")
+    args.strategy = plan.strategy
+    if not args.model and not args.profile:
+        args.model, args.profile = plan.model if plan.profile is None else None, plan.profile
+    args.hardware = args.hardware or plan.hardware
+    args.microbatch_size = args.microbatch_size or plan.microbatch_size
+    return plan
 
 
 def _compared(names: str | None) -> list[str]:
@@ -361,32 +410,47 @@ def cmd_compare(args) -> int:
 
     strategies = _compared(args.strategies)
     out = _output_dir(args.out)
+    plans = _compare_plans(args, strategies, out) if args.planned else {}
     rows, summaries = [], {}
     base = None
     for i, strategy in enumerate(strategies, 1):
         print(f"[{i}/{len(strategies)}] simulating {strategy} ...", file=sys.stderr, flush=True)
-        s = _simulate_one(args, strategy, out / strategy, outputs=True)
+        planned = plans[strategy][0] if strategy in plans else None
+        s = _simulate_one(args, strategy, out / strategy, outputs=True, plan=planned,
+                          spec=None if planned is None else planned.spec())
         summaries[strategy] = s
         if base is None:
             base = s["throughput_samples_per_s"]
-        rows.append([
+        row = [
             strategy, str(s["devices_count"]), f"{s['iteration_time_s'] * 1e3:.2f}",
             _rate(s["throughput_samples_per_s"]), _ratio(s["throughput_samples_per_s"], base),
             f"{s['bubble_fraction']:.3f}", _fmt_bytes(s["peak_memory_bytes_max"]),
             str(max(st["staleness_max"] for st in s["stages_info"])),
             "yes" if s["out_of_memory"] else "",
-        ])
+        ]
+        if args.planned:
+            row[1:1] = [s["plan"]["config"] if "plan" in s else "", f"{s['microbatches']}x{s['iterations']}"]
+        rows.append(row)
     first = next(iter(summaries.values()))
     print(f"{first['meta'].get('model')} on {first['meta'].get('hardware')}, "
-          f"{args.stages} stages, {args.microbatches or 8} micro-batches, {args.iterations} iteration(s)")
-    print(_table(rows, ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}",
-                        "bubble", "peak mem", "staleness", "OOM"]))
+          f"{args.stages} {'devices' if args.planned else 'stages'}, {args.microbatches or 8} micro-batches, "
+          f"{args.iterations} iteration(s)" + (" (a planned run may need another: run = m x iterations)"
+                                                if args.planned else ""))
+    header = ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}", "bubble", "peak mem", "staleness",
+              "OOM"]
+    if args.planned:
+        header[1:1] = ["config", "run"]
+    print(_table(rows, header))
     # sorted keys keep the JSON byte-stable; "order" keeps the table's order
-    (out / "comparison.json").write_text(dumps({"order": strategies, "strategies": summaries}))
+    document = {"order": strategies, "strategies": summaries}
+    if plans:
+        document["plans"] = {name: _without_time(record) for name, (_, record) in plans.items()}
+    (out / "comparison.json").write_text(dumps(document))
     from .figures import write_comparison
 
     write_comparison(strategies, summaries, out)
-    print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json")
+    print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json"
+          + (", plan.json, pareto.html" if plans else ""))
     return 0
 
 
@@ -413,6 +477,98 @@ def cmd_sweep(args) -> int:
         print(_table(rows, ["model", "hardware", "configuration", "samples/s", "peak mem"]))
     print(f"wrote {', '.join(sweep.write_outputs(doc, out))} to {out}")
     return 0
+
+
+def _without_time(record: dict) -> dict:
+    """A plan record without its one measured field, so comparison.json stays byte-identical."""
+    return {k: v for k, v in record.items() if k != "planner_seconds"}
+
+
+def _compare_plans(args, strategies: list[str], out: Path) -> dict:
+    """``compare --planned``: plan every strategy that takes per-stage replicas
+    on the ``--stages`` devices (written to ``<out>/<strategy>/plan.json`` and
+    ``pareto.html``); strategy -> (its PlanFile, its record)."""
+    from pipesim.sim.api import resolve_hardware
+    from pipesim.sim.planning.plan import PlanRequest, plan, plan_file, plannable
+
+    if args.replicas is not None or args.width is not None:
+        raise UsageError("pipesim compare: --planned chooses the replicas; leave out --replicas and --width")
+    from .plans import write_plan
+
+    hw = resolve_hardware(args.hardware or "ideal")
+    profile = _plan_profile(args, hw, args.stages)
+    planned = {}
+    for name in strategies:
+        if name not in plannable():
+            continue
+        print(f"planning {name} on {args.stages} devices ...", file=sys.stderr, flush=True)
+        options = {k: v for k, v in _strategy_options(args, name).items() if k not in ("replicas", "width")}
+        record = plan(PlanRequest(name, profile, hw, args.stages, microbatches=args.microbatches or 8,
+                                  iterations=args.iterations, options=options, recv_lookahead=args.recv_lookahead,
+                                  model=args.model, profile_path=args.profile)).to_json()
+        write_plan(record, out / name)
+        planned[name] = (plan_file(record), record)
+    return planned
+
+
+def _plan_profile(args, hardware, devices: int):
+    """The profile a plan is made for: ``--profile``, or the catalog model on
+    the hardware's device (``uniform``: one layer per device, as a pipeline of
+    that depth gets)."""
+    from pipesim.sim.models import model_profile
+
+    if args.profile:
+        from dataclasses import replace
+
+        from pipesim.sim.workload import load_profile
+
+        prof = load_profile(args.profile)
+        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
+    model = args.model or "uniform"
+    return model_profile(model, hardware.device, args.microbatch_size, layers=devices if model == "uniform" else None)
+
+
+def cmd_plan(args) -> int:
+    from pipesim.sim.api import resolve_hardware
+    from pipesim.sim.planning.plan import PlanRequest, dumps, plan
+
+    from .plans import render_plan, write_plan
+
+    hw = resolve_hardware(args.hardware)
+    gpus = args.gpus or hw.num_devices
+    if gpus is None:
+        raise UsageError(f"pipesim plan: {hw.name} has no fixed device count; give --gpus N")
+    out = _output_dir(args.out)
+    profile = _plan_profile(args, hw, gpus)
+    options = {"stashing": False} if args.no_stashing else {}
+    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
+    request = PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
+                          recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile, **given)
+    with _plan_progress() as say:
+        record = plan(request, progress=say).to_json()
+    written = write_plan(record, out)
+    if args.json:
+        sys.stdout.write(dumps(record))
+    else:
+        print(render_plan(record))
+        print(f"wrote {', '.join(p.name for p in written)} to {out} (pipesim simulate --plan {out}/plan.json)")
+    return 0
+
+
+@contextmanager
+def _plan_progress():
+    """A progress line on stderr for a terminal (after a second): what the
+    planner is doing. Elsewhere nothing: a plan takes a second or two."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, file=sys.stderr, delay=1.0, leave=False, bar_format="planning: {desc} {elapsed}")
+    try:
+        yield lambda msg: (bar.set_description_str(msg, refresh=False), bar.update(0))
+    finally:
+        bar.close()
 
 
 def cmd_schedule(args) -> int:
@@ -591,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/simulate", help="output folder")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     p.add_argument("--summary-only", action="store_true", help="write only summary.json (skip trace and timeline)")
+    p.add_argument("--plan", default=None,
+                   help="plan.json from `pipesim plan`: its strategy, stages, replicas and split, and by default its "
+                        "model, hardware and run")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="simulate several strategies on one model and machine")
@@ -598,9 +757,40 @@ def build_parser() -> argparse.ArgumentParser:
     # asynchronous schedules are compared in steady state, not on their warm-up
     p.set_defaults(iterations=COMPARE_ITERATIONS)
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    p.add_argument("--planned", action="store_true",
+                   help="plan each strategy that takes per-stage replicas on the --stages devices first "
+                        "(pipesim plan) and simulate the configuration it chooses")
     _add_machine_args(p)
     p.add_argument("--out", default="out/compare", help="output folder")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plan", help="choose the fastest configuration (stages, splits, replicas) for a strategy",
+                       description="Search layer splits and per-stage replicas (PipeDream's planner, "
+                                   "communication-aware), confirm the best with the engine, print the plan.")
+    list_choices(p.add_argument("--strategy", default="pipedream",
+                                help="a strategy that takes per-stage replicas"), _plannable)
+    g = p.add_mutually_exclusive_group()
+    list_choices(g.add_argument("--model", default=COMPARE_MODEL, help="catalog model"), _catalog_models)
+    g.add_argument("--profile", default=None, help="per-layer cost profile (JSON or PipeDream's graph.txt)")
+    list_choices(p.add_argument("--hardware", default=COMPARE_HARDWARE, help="preset, preset-xN or a JSON file"),
+                 _hardware_presets)
+    p.add_argument("--gpus", type=positive, default=None, help="devices to plan for (default: all the hardware has)")
+    p.add_argument("--microbatches", type=positive, default=None,
+                   help="micro-batches per iteration (default: one per device)")
+    p.add_argument("--iterations", type=positive, default=None,
+                   help="iterations of each confirming simulation (steady state is measured on all but the "
+                        "first and the last) (default: 3)")
+    p.add_argument("--microbatch-size", type=positive, default=None,
+                   help="samples per micro-batch (default: the model's)")
+    p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
+    p.add_argument("--confirm", type=nonnegative, default=None,
+                   help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
+                        "(0: the cost model alone) (default: 8)")
+    p.add_argument("--recv-lookahead", type=nonnegative, default=1,
+                   help="post receives this many compute actions early (0 = right before use)")
+    p.add_argument("--json", action="store_true", help="print plan.json instead of the summary")
+    p.add_argument("--out", default="out/plan", help="output folder (plan.json, pareto.html)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("schedule", help="print a strategy's per-device order")
     _add_schedule_args(p, strategy_required=False)
@@ -691,6 +881,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str] | None) -> int:
     """Parse ``argv`` and run the sub-command it names."""
     args = build_parser().parse_args(argv)
+    args.stages_given = getattr(args, "stages", None) is not None
     if getattr(args, "stages", 0) is None:  # a schedule's depth: what --replicas says, else 4
         args.stages = len(args.replicas) if getattr(args, "replicas", None) else DEFAULT_STAGES
     if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:

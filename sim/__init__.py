@@ -9,6 +9,8 @@ Pure Python on simpy and numpy (never torch), in layers:
 * :mod:`~pipesim.sim.workload`, :mod:`~pipesim.sim.models`,
   :mod:`~pipesim.sim.partition`, :mod:`~pipesim.sim.hardware`: what runs, split
   how, on what;
+* :mod:`~pipesim.sim.planning`: the cost model, the communication-aware
+  partitioner's search and the planner (which configuration to run);
 * :mod:`~pipesim.sim.engine` (SimPy), :mod:`~pipesim.sim.trackers`,
   :mod:`~pipesim.sim.metrics`, :mod:`~pipesim.sim.trace`: execution and what it
   produced; :mod:`~pipesim.sim.api` ties them together.

@@ -10,6 +10,7 @@ fits in this machine's memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ._gc import gc_paused
@@ -18,11 +19,11 @@ from .engine import simulate as run_engine
 from .hardware import Hardware, load_hardware
 from .ir import Schedule
 from .models import model_profile
-from .partition import partition
+from .partition import StageCost, check_split, partition, split_at
 from .results import SimResult
 from .size import check_size
 from .strategies import ScheduleSpec, build_schedule
-from .workload import Profile, check_microbatch_size
+from .workload import Profile, WorkloadError, check_microbatch_size
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:
@@ -46,6 +47,14 @@ def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_siz
     return model_profile(model, hardware.device, microbatch_size, layers=layers)
 
 
+#: How many splits a small simulation runs to pick the fastest (the cost
+#: model's best ones; see :func:`split_candidates`).
+CONFIRM_SPLITS = 4
+#: A simulation is small enough to confirm its split when that many runs of
+#: it hold at most this many actions (a few tens of milliseconds).
+CONFIRM_ACTIONS = 4000
+
+
 def simulate_schedule(
     schedule: Schedule,
     profile: Profile,
@@ -53,22 +62,72 @@ def simulate_schedule(
     *,
     recv_lookahead: int = 1,
     meta: dict | None = None,
+    starts: Sequence[int] | None = None,
 ) -> SimResult:
-    """Partition ``profile`` over the schedule's stages and run the engine."""
+    """Split ``profile`` over the schedule's stages and run the engine.
+
+    ``starts`` gives the split (the first layer of every stage, e.g. a
+    plan's). By default the split is :func:`split_for`'s; a small run
+    (:data:`CONFIRM_ACTIONS`) instead runs the :data:`CONFIRM_SPLITS` splits
+    the cost model ranks best and keeps the fastest that fits in memory (the
+    first on a tie), so the model's misjudgements cost nothing where checking
+    them is cheap.
+    """
     check_run_options(recv_lookahead=recv_lookahead)
     hw = resolve_hardware(hardware)
-    stage_costs = partition(profile, schedule.num_stages, memory_limit_bytes=hw.device.memory_bytes)
     info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
     info.update(meta or {})
-    return run_engine(
-        schedule,
-        stage_costs,
-        hw,
-        microbatch_size=profile.microbatch_size,
-        optimizer=profile.optimizer,
-        recv_lookahead=recv_lookahead,
-        meta=info,
-    )
+
+    def run(stage_costs: list[StageCost]) -> SimResult:
+        return run_engine(schedule, stage_costs, hw, microbatch_size=profile.microbatch_size,
+                          optimizer=profile.optimizer, recv_lookahead=recv_lookahead, meta=info)
+
+    if starts is not None:
+        return run(_given_split(profile, starts, schedule))
+    actions = sum(map(len, schedule.programs))
+    limit = CONFIRM_SPLITS if actions * CONFIRM_SPLITS <= CONFIRM_ACTIONS else 1
+    results = [run(c) for c in split_candidates(schedule, profile, hw, limit, recv_lookahead)]
+    return min(results, key=lambda r: (any(t.out_of_memory for t in r.memory), r.makespan))
+
+
+def split_for(schedule: Schedule, profile: Profile, hardware: Hardware, recv_lookahead: int = 1) -> list[StageCost]:
+    """The split a simulation runs by default (the first of :func:`split_candidates`)."""
+    return split_candidates(schedule, profile, hardware, 1, recv_lookahead)[0]
+
+
+def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, limit: int = 1,
+                     recv_lookahead: int = 1) -> list[list[StageCost]]:
+    """Up to ``limit`` splits of ``profile`` for ``schedule``, the choice first.
+
+    Communication-aware (transfers across each boundary over the links it
+    crosses, each replicated stage's all-reduce, memory as this schedule
+    holds it: :func:`pipesim.sim.planning.search.ranked_splits`) on a machine
+    whose devices are joined by links, for schedules that run one model stage
+    per device. Compute-only elsewhere, one split: on the ``ideal`` machine
+    every transfer is free and the two agree, and where a device runs
+    several stages (interleaved chunks, AvgPipe's shared placement) the cost
+    model's fill and drain do not describe the schedule.
+    """
+    limit_bytes = hardware.device.memory_bytes
+    p = schedule.num_stages
+    if (hardware.intra_node.kind != "ideal" or hardware.nodes > 1) and check_split(profile, p):
+        from .planning.layout import layout_of
+        from .planning.search import CostSetting, Tables, ranked_splits
+
+        hardware.check_devices(schedule.num_devices)
+        layout = layout_of(schedule, recv_lookahead)
+        if max(layout.stages_on().values()) == 1:
+            tables = Tables(profile)
+            setting = CostSetting.of(profile, hardware, limit_bytes)
+            return [tables.split(s) for s in ranked_splits(tables, layout, setting, limit)]
+    return [partition(profile, p, memory_limit_bytes=limit_bytes)]
+
+
+def _given_split(profile: Profile, starts: Sequence[int], schedule: Schedule) -> list[StageCost]:
+    starts = list(starts)
+    if len(starts) != schedule.num_stages:
+        raise WorkloadError(f"the split gives {len(starts)} stages; the schedule has {schedule.num_stages}")
+    return split_at(profile, starts)
 
 
 def simulate(

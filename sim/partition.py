@@ -10,6 +10,12 @@ ties go to the split whose later stages hold more layers: in 1F1B-style
 schedules later stages keep fewer micro-batches in flight, so that is the
 cheaper place for extra activations.
 
+That is the compute-only split. Given the hardware and a layout (where each
+stage's replicas run and what the schedule asks of them), :func:`partition`
+splits communication-aware instead (:mod:`pipesim.sim.planning.search`):
+the same dynamic program (:func:`balanced`) over each stage's full cost,
+transfers and all-reduces included.
+
 Memory: with ``memory_limit_bytes``, a stage k holding weights ``W`` and
 stashing ``A`` per micro-batch needs ``W * (2 + optimizer multiplier) +
 A * inflight(k)`` (weights, gradients, optimizer state, activations of the
@@ -22,8 +28,9 @@ Times are compared with a relative tolerance of 1e-9, so splits whose
 bottlenecks differ only by floating-point rounding count as ties and the
 tie-break above, not rounding, decides.
 
-Size: the dynamic program works on (layers + 1)² tables, one per stage for
-the memory test, so its memory and time grow with layers² × stages. One
+Size: the dynamic program works on (layers + 1)² tables, a few at a time
+(each stage's is made when it is needed), so its time grows with layers² ×
+stages and its memory with layers². One
 stage, or one layer per stage (the ``uniform`` model on any depth), has a
 single contiguous split and needs no tables at all. Otherwise
 :data:`MAX_DP_LAYERS` and :data:`MAX_DP_CELLS` bound it (see there) and a
@@ -37,10 +44,15 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from .models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
 from .workload import Profile, WorkloadError
+
+if TYPE_CHECKING:
+    from .hardware import Hardware
+    from .planning.layout import Layout
 
 _REL_TOL = 1e-9
 
@@ -49,8 +61,7 @@ _REL_TOL = 1e-9
 #: so the split stays far below a machine's memory (~350 MB at the limit).
 MAX_DP_LAYERS = 2048
 #: At most stages × (layers + 1)² table cells: the work (about 10 ns a cell,
-#: a second or two at the limit) and, with a memory limit, the per-stage
-#: boolean tables (128 MiB at the limit).
+#: a second or two at the limit).
 MAX_DP_CELLS = 2**27
 
 
@@ -130,21 +141,35 @@ def partition(
     *,
     memory_limit_bytes: float | None = None,
     inflight: Callable[[int], int] | None = None,
+    hardware: Hardware | None = None,
+    layout: Layout | None = None,
 ) -> list[StageCost]:
-    """Contiguous split of ``profile`` into ``num_stages`` stages balanced by time.
+    """Contiguous split of ``profile`` into ``num_stages`` stages.
 
-    ``inflight(k)`` is how many micro-batches stage k stashes at once; it
-    defaults to ``num_stages - k``, the 1F1B / PipeDream steady state. It is
-    only used with ``memory_limit_bytes``. See the module doc for the
-    objective, tie-breaks and what happens when nothing fits.
+    Compute only by default: balanced by time, ``inflight(k)`` micro-batches
+    stashed by stage k for the memory test (default ``num_stages - k``, the
+    1F1B / PipeDream steady state; only used with ``memory_limit_bytes``).
+
+    With ``hardware`` and ``layout`` (where each stage's replicas run and
+    what the schedule asks of them, :func:`pipesim.sim.planning.layout_of` of
+    a built schedule), communication-aware: transfers across every boundary
+    over the links it crosses and each replicated stage's all-reduce count
+    too, and memory is the layout's (``inflight`` does not apply); see
+    :mod:`pipesim.sim.planning.search`. See the module doc for the objective,
+    tie-breaks and what happens when nothing fits.
     """
     n = len(profile.layers)
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
-        raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
     limit = _check_limit(memory_limit_bytes)
-    if num_stages in (1, n):  # a single contiguous split: nothing to choose
+    if (hardware is None) != (layout is None):
+        raise WorkloadError("a communication-aware split needs both hardware and layout")
+    if layout is not None and layout.stages != num_stages:
+        raise WorkloadError(f"the layout has {layout.stages} stages, not {num_stages}")
+    if not check_split(profile, num_stages):  # a single contiguous split: nothing to choose
         return split_at(profile, range(0, n, n // num_stages))
-    _check_dp_size(n, num_stages)
+    if layout is not None:
+        from .planning.search import CostSetting, Tables, split_for_layout
+
+        return split_for_layout(Tables(profile), layout, CostSetting.of(profile, hardware, limit))
     times = np.array([la.forward_s + la.backward_s for la in profile.layers], dtype=float)
     prefix = np.concatenate(([0.0], np.cumsum(times)))
     cost = prefix[None, :] - prefix[:, None]  # cost[i, j]: layers i .. j-1
@@ -165,11 +190,29 @@ def partition(
                 raise WorkloadError(f"inflight({k}) must be an integer >= 0, got {m!r}")
             return weights + stash * int(m) <= limit
 
-    starts = _balanced(cost, valid, num_stages, fits)
+    def term(k: int) -> np.ndarray:
+        allowed = valid & fits(k) if fits else valid
+        return np.where(allowed, cost, np.inf)
+
+    starts = balanced(term, num_stages)
     if starts is None:  # nothing fits: time-balanced anyway, the engine reports OOM
-        starts = _balanced(cost, valid, num_stages, None)
+        starts = balanced(lambda k: np.where(valid, cost, np.inf), num_stages)
     assert starts is not None
     return split_at(profile, starts)
+
+
+def check_split(profile: Profile, num_stages: int) -> bool:
+    """Check a request to split ``profile`` into ``num_stages`` stages (a
+    :class:`WorkloadError` if it cannot be, or its tables would be too big):
+    whether there is a choice to make (False for one stage, or one layer per
+    stage: a single contiguous split)."""
+    n = len(profile.layers)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not (1 <= num_stages <= n):
+        raise WorkloadError(f"cannot split {n} layers into {num_stages} stages")
+    if num_stages in (1, n):
+        return False
+    _check_dp_size(n, num_stages)
+    return True
 
 
 def _check_dp_size(layers: int, stages: int) -> None:
@@ -191,32 +234,40 @@ def _check_limit(limit: float | None) -> float | None:
     return None if math.isinf(limit) else float(limit)
 
 
-def _balanced(
-    cost: np.ndarray, valid: np.ndarray, num_stages: int, fits: Callable[[int], np.ndarray] | None
-) -> list[int] | None:
-    """Stage start indices of the best split, or None if no split fits."""
-    n = cost.shape[0] - 1
-    allowed = [valid & fits(k) if fits else valid for k in range(num_stages)]
+def balanced(term: Callable[[int], np.ndarray], num_stages: int) -> list[int] | None:
+    """Stage start indices of the best split, or None if none has finite terms.
+
+    ``term(k)`` is stage k's (layers + 1)² matrix: entry [i, j] is what stage
+    k costs holding layers i .. j-1 (inf where it may not: below the
+    diagonal, or where it does not fit). The split minimises the largest
+    term, then the sum of squared terms; remaining ties go to the split whose
+    later stages hold more layers. Matrices are asked for one at a time (three
+    times each), so memory stays at a few of them whatever the stage count.
+    """
+    n = term(0).shape[0] - 1
 
     # Pass 1: the smallest achievable bottleneck.
     best = np.full(n + 1, np.inf)
-    best[1:] = np.where(allowed[0][0, 1:], cost[0, 1:], np.inf)
+    best[1:] = term(0)[0, 1:]
     for k in range(1, num_stages):
-        cand = np.where(allowed[k], np.maximum(best[:, None], cost), np.inf)
-        best = cand.min(axis=0)
+        best = np.maximum(best[:, None], term(k)).min(axis=0)
     bottleneck = best[n]
     if not np.isfinite(bottleneck):
         return None
 
     # Pass 2: among splits within the bottleneck, the smallest sum of squares.
     cap = bottleneck + _REL_TOL * abs(bottleneck)
-    sq = np.where(cost <= cap, cost * cost, np.inf)
+
+    def squares(k: int) -> np.ndarray:
+        t = term(k)
+        return np.where(t <= cap, t * t, np.inf)
+
     tables = []
     ss = np.full(n + 1, np.inf)
-    ss[1:] = np.where(allowed[0][0, 1:], sq[0, 1:], np.inf)
+    ss[1:] = squares(0)[0, 1:]
     tables.append(ss)
     for k in range(1, num_stages):
-        ss = np.where(allowed[k], ss[:, None] + sq, np.inf).min(axis=0)
+        ss = (ss[:, None] + squares(k)).min(axis=0)
         tables.append(ss)
 
     # Backtrack: for each stage from the last, the earliest start among the
@@ -224,7 +275,7 @@ def _balanced(
     starts = [0] * num_stages
     j = n
     for k in range(num_stages - 1, 0, -1):
-        col = np.where(allowed[k][:, j], tables[k - 1] + sq[:, j], np.inf)
+        col = tables[k - 1] + squares(k)[:, j]
         m = col.min()
         i = int(np.flatnonzero(col <= m + _REL_TOL * abs(m))[0])
         starts[k] = i

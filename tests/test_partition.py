@@ -262,3 +262,110 @@ def test_dynamic_program_size_is_bounded(layers, stages):
     assert "2048 layers" in msg and "134,217,728 cells" in msg
     # just inside both limits it splits
     assert len(partition(make_profile([1.0] * 512), 64)) == 64
+
+
+# ---------------------------------------------------------------------------
+# Communication-aware: the split a simulation runs on a machine with links
+# ---------------------------------------------------------------------------
+
+MACHINES = ("pcie-4gpu", "pipedream-cluster-a-x2", "dgx-h100")
+MiB = 2**20
+
+
+def _oom(result) -> bool:
+    return any(t.out_of_memory for t in result.memory)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_default_split_is_never_slower_in_the_simulator_than_any_other(data):
+    """Every split of a small random model simulated: the one a simulation
+    picks by itself is the fastest of those that fit in memory (and fits
+    whenever one does). Activations up to 200 MiB make transfers matter; a
+    compute-only split is up to twice as slow on such models."""
+    from dataclasses import replace
+
+    from pipesim.sim.api import simulate_schedule
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    n = data.draw(st.integers(2, 6), label="layers")
+    p = data.draw(st.integers(2, min(4, n)), label="stages")
+    layers = tuple(
+        LayerCost(f"l{i}", data.draw(st.floats(1e-3, 1e-2)), data.draw(st.floats(2e-3, 2e-2)),
+                  data.draw(st.integers(0, 50)) * MiB, data.draw(st.sampled_from([0, 8, 64, 200])) * MiB,
+                  data.draw(st.integers(0, 100)) * MiB)
+        for i in range(n))
+    prof = Profile("random", layers)
+    hw = load_hardware(data.draw(st.sampled_from(MACHINES), label="hardware"))
+    need = 3 * sum(la.param_bytes for la in layers) + 2 * sum(la.stash_bytes for la in layers)
+    limit = max(1, int(need * data.draw(st.floats(0.2, 1.5), label="memory")))
+    hw = replace(hw, device=replace(hw.device, memory_bytes=limit))
+    strategy = data.draw(st.sampled_from(["1f1b", "pipedream", "gpipe", "pipedream-2bw"]), label="strategy")
+    schedule = build_schedule(ScheduleSpec(strategy, p, 8, iterations=2))
+    chosen = simulate_schedule(schedule, prof, hw)
+    fitting = [r for r in (simulate_schedule(schedule, prof, hw, starts=sp) for sp in all_splits(n, p))
+               if not _oom(r)]
+    if fitting:
+        assert not _oom(chosen)
+        assert chosen.makespan <= min(r.makespan for r in fitting) * (1 + REL)
+
+
+def test_vgg16_on_a_pcie_bus_cuts_where_the_activations_are_small():
+    """The issue's case: PipeDream on the 4-GPU PCIe box. A compute-only split
+    ships VGG-16's 205 MB second-layer output over the shared bridge; the
+    communication-aware one does not, and is much faster."""
+    from pipesim.sim.api import simulate_schedule
+    from pipesim.sim.metrics import summarize
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    hw = load_hardware("pcie-4gpu")
+    prof = model_profile("vgg16", hw.device)
+    schedule = build_schedule(ScheduleSpec("pipedream", 4, 8, iterations=4))
+    compute_only = partition(prof, 4, memory_limit_bytes=hw.device.memory_bytes)
+    aware = simulate_schedule(schedule, prof, hw)
+    cut_bytes = [c.activation_bytes for c in aware.stage_costs[:-1]]
+    assert max(cut_bytes) < max(c.activation_bytes for c in compute_only[:-1])
+    slow = simulate_schedule(schedule, prof, hw, starts=starts_of(compute_only))
+    assert summarize(aware)["throughput_samples_per_s"] > 1.15 * summarize(slow)["throughput_samples_per_s"]
+
+
+def test_ideal_machine_keeps_the_compute_only_split():
+    from pipesim.sim.api import split_for
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    prof = make_profile([4, 1, 1, 1, 1, 4])
+    schedule = build_schedule(ScheduleSpec("1f1b", 3, 8))
+    assert starts_of(split_for(schedule, prof, load_hardware("ideal"))) == starts_of(partition(prof, 3))
+
+
+def test_shared_links_are_summed():
+    """Two boundaries on one PCIe bridge, each activation and its gradient:
+    the bridge carries four transfers per micro-batch, and with nothing to
+    compute it is the bottleneck. Counting each boundary apart gives half."""
+    from pipesim.sim.planning.layout import layout_of
+    from pipesim.sim.planning.search import CostSetting
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    hw = load_hardware("pcie-4gpu")
+    nbytes = 120 * MiB
+    prof = Profile("flat", tuple(LayerCost(f"l{i}", 1e-6, 2e-6, 0, nbytes, 0) for i in range(3)))
+    layout = layout_of(build_schedule(ScheduleSpec("pipedream", 3, 8, iterations=4)))
+    est = CostSetting.of(prof, hw).estimate(split_at(prof, [0, 1, 2]), layout)
+    assert est.bottleneck == "node0.pcie-bridge"
+    assert est.period_s == pytest.approx(4 * hw.transfer_time(0, 1, nbytes), rel=1e-9)
+
+
+@pytest.mark.parametrize("devices", [(0, 1), (0, 1, 2, 3), (2, 3, 4, 5, 6), tuple(range(15))])
+def test_ring_model_is_the_hardwares(devices):
+    from pipesim.sim.planning.cost import LinkModel
+
+    hw = load_hardware("pipedream-cluster-a-x4")
+    nbytes = 60 * len(devices) * MiB  # a multiple of n: no rounding of the chunk
+    assert LinkModel(hw).ring(devices).seconds(nbytes) == pytest.approx(hw.ring_allreduce_time(devices, nbytes),
+                                                                          rel=1e-12)
+
+
+def test_communication_aware_needs_hardware_and_layout():
+    prof = make_profile([1, 2, 3])
+    with pytest.raises(WorkloadError, match="both hardware and layout"):
+        partition(prof, 2, hardware=load_hardware("pcie-4gpu"))

@@ -1,0 +1,606 @@
+"""The planner: which configuration to run, and how fast it will be.
+
+:func:`plan` answers for one strategy that takes per-stage ``replicas``
+(``Strategy.options``; gpipe, 1f1b, pipedream, pipedream-2bw) on the first N
+devices of a machine:
+
+1. **Search** (:mod:`.search`): a dynamic program over layer splits and
+   replication factors gives the best configuration for every replica count
+   of the last stage (pure data parallelism, "N", among them) and the best
+   straight pipeline; local search on the full cost model starts from the
+   :data:`SEEDS` best and proposes the :data:`NEIGHBOURS` best
+   configurations it meets. Every candidate is costed by the full model
+   (:mod:`.cost`).
+2. **Confirmation**: the :data:`CONFIRM` candidates the model ranks first
+   (among those that fit in memory), and pure data parallelism and the best
+   straight pipeline, are simulated with the engine, in short
+   runs (``iterations`` x ``microbatches``; a strategy that needs the run to
+   give every replica the same number of micro-batches, as PipeDream's
+   per-step all-reduce does, gets the next run length that does), and the
+   fastest in the simulator wins. Its throughput, and data parallelism's on
+   the same devices (the ``data-parallel`` strategy, the micro-batches
+   rounded up to a multiple of N), are measured in steady state
+   (:func:`steady_throughput`), so deep pipelines are not charged for a fill
+   and drain that short runs exaggerate.
+
+The answer is a :class:`Plan`: the configuration in PipeDream's notation
+(:func:`notation`), its stages, the predicted and data-parallel throughput,
+the speedup, every candidate with its analytic and (if confirmed) simulated
+throughput and peak memory, and the planner's own time. ``Plan.to_json`` is
+``plan.json`` (byte-identical for the same inputs but for
+``planner_seconds``, a measurement); :func:`load_plan` reads it back, and
+``pipesim simulate --plan`` runs it. Other planners (PipeDream-2BW's width,
+depth and micro-batch size; an AvgPipe tuner) record their answers in the
+same :class:`Plan`, free parameters in each candidate's ``params``, and
+``pipesim.experiments.plans`` draws any plan's Pareto figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import InputError
+from ..files import parse_json, read_text
+from ..hardware import Hardware
+from ..ir import PASS_OPS
+from ..metrics import round_sig
+from ..results import SimResult
+from ..strategies import (
+    ScheduleSpec,
+    StrategyError,
+    build_schedule,
+    find_strategy,
+    get_strategy,
+    strategies,
+)
+from ..workload import Profile
+from .cost import Estimate
+from .layout import traits_of
+from .search import MIN_GAIN, Config, CostSetting, Planner, Tables
+
+PLAN_VERSION = 1
+#: Candidates confirmed with the engine, besides the landmarks.
+CONFIRM = 8
+#: Local search starts from this many of the search's best configurations ...
+SEEDS = 2
+#: ... and proposes this many of the best configurations it met.
+NEIGHBOURS = 6
+#: Sources of candidates always confirmed (when they fit): PipeDream's two
+#: reference points, pure data parallelism and the straight pipeline.
+LANDMARKS = ("data parallelism", "straight")
+#: The most devices a plan is searched for (the search grows with their
+#: square: GPT-1.3B on DGX H100s takes about 3 s at 64 and 8 s at 128 here).
+MAX_GPUS = 128
+#: The baseline every plan is compared with.
+DATA_PARALLEL = "data-parallel"
+#: Iterations of a confirmation run by default: the steady-state window is
+#: iterations 1 .. K-2, so four leave two.
+ITERATIONS = 3
+#: A confirmation run is at most this many times the requested length (a
+#: strategy that needs the micro-batches to divide evenly over odd replica
+#: counts would otherwise ask for very long runs); longer ones are skipped.
+MAX_RUN_STRETCH = 8
+
+
+class PlanError(InputError):
+    """A planning request that cannot be met, or a malformed plan file."""
+
+
+def notation(replicas) -> str:
+    """PipeDream's name for a configuration: replicas per stage joined by
+    dashes ("15-1"), "straight" for one replica per stage, "16" for one stage
+    on 16 devices (pure data parallelism)."""
+    replicas = list(replicas)
+    if len(replicas) > 1 and all(r == 1 for r in replicas):
+        return "straight"
+    return "-".join(map(str, replicas))
+
+
+def plannable() -> list[str]:
+    """The strategies :func:`plan` serves: those that take per-stage replicas."""
+    return [s.name for s in strategies() if "replicas" in s.options]
+
+
+# ---------------------------------------------------------------------------
+# The record
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a plan: layers ``first .. last`` (inclusive) on ``replicas`` devices."""
+
+    first: int
+    last: int
+    replicas: int
+
+    def to_json(self) -> dict:
+        return {"layers": [self.first, self.last], "replicas": self.replicas}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner considered.
+
+    ``source`` says where it came from; ``boundary_bytes`` is what one
+    micro-batch's activations across its cuts weigh; ``samples_per_s`` is the simulated
+    steady-state throughput when it was confirmed (``simulated``), else the
+    analytic one; ``microbatches`` and ``iterations`` its confirmation run
+    (or None); ``params`` holds free parameters of other planners (width, depth,
+    micro-batch size, ...); ``note`` why it was not confirmed, if so.
+    """
+
+    config: str
+    stages: tuple[Stage, ...]
+    source: str
+    analytic_samples_per_s: float
+    peak_memory_bytes: int
+    out_of_memory: bool
+    simulated_samples_per_s: float | None = None
+    microbatches: int | None = None
+    iterations: int | None = None
+    bottleneck: str = ""
+    boundary_bytes: int = 0
+    note: str = ""
+    params: dict = field(default_factory=dict)
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulated_samples_per_s is not None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.simulated_samples_per_s if self.simulated else self.analytic_samples_per_s
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(s.replicas for s in self.stages)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(s.first for s in self.stages)
+
+    def to_json(self) -> dict:
+        d = {
+            "config": self.config,
+            "stages": [s.to_json() for s in self.stages],
+            "source": self.source,
+            "analytic_samples_per_s": round_sig(self.analytic_samples_per_s),
+            "simulated_samples_per_s": None if self.simulated_samples_per_s is None
+            else round_sig(self.simulated_samples_per_s),
+            "microbatches": self.microbatches,
+            "iterations": self.iterations,
+            "peak_memory_bytes": int(self.peak_memory_bytes),
+            "out_of_memory": bool(self.out_of_memory),
+            "bottleneck": self.bottleneck,
+            "boundary_bytes": int(self.boundary_bytes),
+        }
+        if self.note:
+            d["note"] = self.note
+        if self.params:
+            d["params"] = {k: self.params[k] for k in sorted(self.params)}
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planner's answer (see the module doc); ``chosen`` indexes ``candidates``.
+
+    ``microbatches`` and ``iterations`` are the run asked for; the record's
+    ``microbatches`` and ``iterations`` are the chosen configuration's run
+    (what ``simulate --plan`` runs), ``requested_microbatches`` the former.
+    """
+
+    strategy: str
+    model: str
+    hardware: str
+    gpus: int
+    microbatches: int
+    iterations: int
+    microbatch_size: int
+    options: dict
+    candidates: tuple[Candidate, ...]
+    chosen: int
+    data_parallel_samples_per_s: float | None
+    memory_limit_bytes: float
+    planner_seconds: float
+    profile: str | None = None
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+    @property
+    def predicted_samples_per_s(self) -> float:
+        return self.best.samples_per_s
+
+    @property
+    def speedup_vs_dp(self) -> float | None:
+        dp = self.data_parallel_samples_per_s
+        return self.predicted_samples_per_s / dp if dp else None
+
+    def to_json(self) -> dict:
+        best = self.best
+        speedup = self.speedup_vs_dp
+        return {
+            "plan_version": PLAN_VERSION,
+            "strategy": self.strategy,
+            "model": self.model,
+            "profile": self.profile,
+            "hardware": self.hardware,
+            "gpus": self.gpus,
+            "requested_microbatches": self.microbatches,
+            "microbatches": best.microbatches or self.microbatches,
+            "iterations": best.iterations or self.iterations,
+            "microbatch_size": self.microbatch_size,
+            "options": {k: self.options[k] for k in sorted(self.options)},
+            "config": best.config,
+            "stages": [s.to_json() for s in best.stages],
+            "predicted_samples_per_s": round_sig(self.predicted_samples_per_s),
+            "predicted_is_simulated": best.simulated,
+            "analytic_samples_per_s": round_sig(best.analytic_samples_per_s),
+            "data_parallel_samples_per_s": None if self.data_parallel_samples_per_s is None
+            else round_sig(self.data_parallel_samples_per_s),
+            "speedup_vs_dp": None if speedup is None else round_sig(speedup),
+            "peak_memory_bytes": int(best.peak_memory_bytes),
+            "memory_limit_bytes": None if math.isinf(self.memory_limit_bytes) else self.memory_limit_bytes,
+            "out_of_memory": bool(best.out_of_memory),
+            "bottleneck": best.bottleneck,
+            "planner_seconds": round(self.planner_seconds, 3),
+            "chosen": self.chosen,
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def dumps(plan: Plan | dict) -> str:
+    """``plan.json``'s text: sorted keys, trailing newline."""
+    return json.dumps(plan.to_json() if isinstance(plan, Plan) else plan, indent=1, sort_keys=True) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Reading a plan back
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """What ``simulate --plan`` needs of a plan: the strategy and its options,
+    the split and replicas, the run, and what it was planned for."""
+
+    strategy: str
+    starts: tuple[int, ...]
+    replicas: tuple[int, ...]
+    layers: int
+    microbatches: int
+    iterations: int
+    microbatch_size: int
+    options: dict
+    model: str | None
+    profile: str | None
+    hardware: str
+    predicted_samples_per_s: float
+
+    @property
+    def config(self) -> str:
+        return notation(self.replicas)
+
+    def spec(self, microbatches: int | None = None, iterations: int | None = None) -> ScheduleSpec:
+        """The spec that runs the plan (the planned run unless told otherwise)."""
+        try:
+            return ScheduleSpec(self.strategy, len(self.replicas), microbatches or self.microbatches,
+                                iterations=iterations or self.iterations, replicas=self.replicas, **self.options)
+        except TypeError as e:  # an option no spec has
+            raise PlanError(f"plan options {sorted(self.options)} are not all schedule options: {e}") from None
+
+
+def load_plan(path) -> PlanFile:
+    """Read ``plan.json`` (from :func:`plan` or another planner); a one-line
+    :class:`PlanError` naming the file and the problem if it is not one."""
+    data = parse_json(read_text(path, "plan", PlanError), f"plan file {path}", PlanError)
+    try:
+        return plan_file(data)
+    except PlanError as e:
+        raise PlanError(f"plan file {path}: {e}") from None
+
+
+def _field(d: dict, key: str, kind, what: str):
+    if key not in d:
+        raise PlanError(f"missing field {key!r}")
+    v = d[key]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise PlanError(f"{key!r} must be {what}, got {v!r}")
+    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+        raise PlanError(f"{key!r} must be {what}, got {v!r}")
+    if kind is str and (not isinstance(v, str) or not v):
+        raise PlanError(f"{key!r} must be {what}, got {v!r}")
+    return v
+
+
+def plan_file(d: Any) -> PlanFile:
+    """The :class:`PlanFile` of a plan record (``Plan.to_json()`` or ``plan.json``'s content)."""
+    if not isinstance(d, dict):
+        raise PlanError("a plan must be a JSON object")
+    strategy = _field(d, "strategy", str, "a strategy name")
+    get_strategy(strategy)  # a one-line StrategyError naming the choices
+    stages = d.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise PlanError("'stages' must be a non-empty list of {\"layers\": [first, last], \"replicas\": r}")
+    starts, reps, expected = [], [], 0
+    for k, st in enumerate(stages):
+        layers = st.get("layers") if isinstance(st, dict) else None
+        r = st.get("replicas") if isinstance(st, dict) else None
+        if (not isinstance(layers, list) or len(layers) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in layers)
+                or isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise PlanError(f"stage {k} must be {{\"layers\": [first, last], \"replicas\": r}} with whole numbers "
+                            f"and r >= 1, got {st!r}")
+        first, last = layers
+        if first != expected or last < first:
+            raise PlanError(f"stage {k} covers layers {first}..{last}; stages must cover consecutive layers "
+                            f"from 0, this one starting at {expected}")
+        starts.append(first)
+        reps.append(r)
+        expected = last + 1
+    options = d.get("options", {})
+    if not isinstance(options, dict):
+        raise PlanError("'options' must be a JSON object")
+    model, profile = d.get("model"), d.get("profile")
+    for key, v in (("model", model), ("profile", profile)):
+        if v is not None and not isinstance(v, str):
+            raise PlanError(f"{key!r} must be a string or null, got {v!r}")
+    return PlanFile(
+        strategy=strategy, starts=tuple(starts), replicas=tuple(reps), layers=expected,
+        microbatches=_field(d, "microbatches", int, "a whole number >= 1"),
+        iterations=_field(d, "iterations", int, "a whole number >= 1"),
+        microbatch_size=_field(d, "microbatch_size", int, "a whole number >= 1"),
+        options=dict(options), model=model, profile=profile,
+        hardware=_field(d, "hardware", str, "a hardware preset or file"),
+        predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------
+
+
+def steady_throughput(result: SimResult) -> float:
+    """Samples per second in steady state, without the pipeline's fill and drain.
+
+    A flushed schedule repeats identical iterations: the samples of
+    iterations 1 .. K-2 over the time from the end of iteration 0 to the end
+    of iteration K-2 (an iteration ends with its last micro-batch's last
+    pass). A stream (``Strategy.asynchronous``) finishes micro-batches one by
+    one, in bursts where replicated stages step together: with the M
+    completion times sorted, the micro-batches completed between the m-th
+    and a later one, leaving out the last m, over the time between, the
+    window a whole number of bursts (the replica counts' least common
+    multiple) so it starts and ends at the same point of one. Runs too short
+    for a window: their whole-run throughput.
+    """
+    s = result.schedule
+    k, m = s.num_iterations, s.num_microbatches
+    last: dict[int, float] = {}
+    for sp in result.by_stream()["compute"]:
+        a = sp.action
+        if a.op in PASS_OPS and sp.end > last.get(a.microbatch, -math.inf):
+            last[a.microbatch] = sp.end
+    strategy = find_strategy(s.strategy)
+    if strategy is not None and strategy.asynchronous:
+        done = sorted(last.values())
+        burst = math.lcm(*s.replicas)
+        span = (len(done) - 2 * m) // burst * burst
+        first, end = m, m + span
+    else:
+        done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
+        span = (k - 2) * m
+        first, end = 0, k - 2
+    if span <= 0 or done[end] <= done[first]:
+        whole = result.makespan
+        return s.total_microbatches * result.microbatch_size / whole if whole > 0 else 0.0
+    return span * result.microbatch_size / (done[end] - done[first])
+
+
+# ---------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: ``strategy`` (one that takes ``replicas``) with
+    ``options`` for ``profile`` on the first ``gpus`` devices of ``hardware``;
+    ``microbatches`` per iteration (default: one per device), confirmation
+    runs of ``iterations``; ``confirm`` candidates simulated; ``model`` and
+    ``profile_path`` name the model in the record."""
+
+    strategy: str
+    profile: Profile
+    hardware: Hardware
+    gpus: int
+    microbatches: int | None = None
+    iterations: int = ITERATIONS
+    options: dict = field(default_factory=dict)
+    confirm: int = CONFIRM
+    recv_lookahead: int = 1
+    memory_limit_bytes: float | None = None
+    model: str | None = None
+    profile_path: str | None = None
+
+
+def check_request(req: PlanRequest) -> None:
+    """One-line errors for a request that cannot be planned."""
+    strategy = get_strategy(req.strategy)
+    if "replicas" not in strategy.options:
+        raise PlanError(f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
+                        f"{', '.join(plannable())}")
+    for name in ("gpus", "iterations"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"{name} must be a whole number >= 1, got {v!r}")
+    if req.microbatches is not None and (isinstance(req.microbatches, bool) or not isinstance(req.microbatches, int)
+                                         or req.microbatches < 1):
+        raise PlanError(f"microbatches must be a whole number >= 1, got {req.microbatches!r}")
+    if isinstance(req.confirm, bool) or not isinstance(req.confirm, int) or req.confirm < 0:
+        raise PlanError(f"confirm must be a whole number >= 0, got {req.confirm!r}")
+    if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
+        raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
+    if req.gpus > MAX_GPUS:
+        raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
+    bad = sorted(set(req.options) - set(strategy.options) | set(req.options) & {"replicas", "width"})
+    if bad:
+        raise PlanError(f"option {bad[0]!r} is not a plan option of {req.strategy} (the planner chooses the replicas)")
+
+
+def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+    """Search, cost, confirm and choose (see the module doc)."""
+    say = progress or (lambda msg: None)
+    started = time.perf_counter()
+    check_request(req)
+    m = req.microbatches or req.gpus
+    limit = req.hardware.device.memory_bytes if req.memory_limit_bytes is None else req.memory_limit_bytes
+    planner = Planner(tables=Tables(req.profile), traits=traits_of(req.strategy, req.recv_lookahead),
+                      microbatches=m, iterations=req.iterations, devices=req.gpus,
+                      setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
+    say("searching splits and replicas")
+    found = _candidates(planner)
+    out = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
+    landmarks, others = _confirmation_order(out) if req.confirm > 0 else ([], [])
+    confirmed = 0
+    for i in landmarks + others:
+        if i in others and confirmed >= req.confirm:
+            break
+        say(f"confirming {out[i].config} with the engine")
+        out[i] = _confirm(out[i], req, m)
+        confirmed += out[i].simulated and i in others
+    chosen = max(range(len(out)), key=lambda i: (not out[i].out_of_memory, out[i].simulated, out[i].samples_per_s))
+    say("simulating data parallelism")
+    dp = _data_parallel(req, m)
+    return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name, gpus=req.gpus,
+                microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
+                options=dict(req.options),
+                candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
+                planner_seconds=time.perf_counter() - started, profile=req.profile_path)
+
+
+def _candidates(planner: Planner) -> list[Candidate]:
+    """Every configuration the search proposes, costed by the full model, each once."""
+    proposals: dict[Config, str] = {}
+    by_last = planner.dynamic_program()
+    for r, cfg in sorted(by_last.items()):
+        proposals.setdefault(cfg, "search" if len(cfg.replicas) > 1 else "data parallelism")
+    n = planner.devices
+    if planner.tables.n >= n > 1:  # the straight pipeline, shown even if it does not fit
+        straight = planner.dynamic_program(allowed=(1,)) or planner.dynamic_program(allowed=(1,), memory=False)
+        for cfg in straight.values():
+            proposals.setdefault(cfg, "straight")
+    proposals.setdefault(Config((0,), (n,)), "data parallelism")
+    costed = {cfg: planner.estimate(cfg) for cfg in proposals}
+    fitting = [c for c in costed if planner.setting.fits(costed[c])]
+    visited: dict[Config, Estimate] = {}
+    for seed in sorted(fitting, key=lambda c: costed[c].iteration_s)[:SEEDS]:
+        planner.improve(seed, cache=visited)
+    # the best configurations local search met, not only where it stopped:
+    # the model's ranking of near neighbours is within its error
+    met = sorted((c for c in visited if c not in costed and planner.setting.fits(visited[c])),
+                 key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
+    for cfg in met:
+        proposals[cfg] = "local search"
+        costed[cfg] = visited[cfg]
+    return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
+
+
+def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
+    """The order to simulate candidates in: the landmarks (always), then the
+    others, one per configuration first. The model ranks near neighbours
+    (the same replicas, a cut moved a layer or two) within its error and
+    misses the queueing that big transfers bring, so each configuration is
+    represented by the split with the fewest bytes crossing its cuts among
+    those within :data:`~.search.MIN_GAIN` of its best; other splits of the
+    same replicas follow once every configuration has had its turn. Runs
+    that the strategy refuses (too few micro-batches for some replicas) do
+    not use up the budget."""
+    fits = [i for i, c in enumerate(ranked) if not c.out_of_memory]
+    landmarks = [i for i in fits if ranked[i].source in LANDMARKS]
+    groups: dict[str, list[int]] = {}
+    for i in fits:
+        if i not in landmarks:
+            groups.setdefault(ranked[i].config, []).append(i)
+    firsts = []
+    for members in groups.values():  # in the order of each group's best
+        top = ranked[members[0]].analytic_samples_per_s
+        near = [i for i in members if ranked[i].analytic_samples_per_s >= top * (1 - MIN_GAIN)]
+        firsts.append(min(near, key=lambda i: (ranked[i].boundary_bytes, i)))
+    rest = [i for i in fits if i not in landmarks and i not in firsts]
+    return landmarks, firsts + rest
+
+
+def _candidate(planner: Planner, cfg: Config, source: str, est) -> Candidate:
+    n = planner.tables.n
+    ends = [*cfg.starts[1:], n]
+    stages = tuple(Stage(a, b - 1, r) for a, b, r in zip(cfg.starts, ends, cfg.replicas))
+    cuts = int(sum(planner.tables.cut[a] for a in cfg.starts[1:]))
+    return Candidate(config=notation(cfg.replicas), stages=stages, source=source,
+                     analytic_samples_per_s=est.samples_per_s, peak_memory_bytes=est.peak_memory_bytes,
+                     out_of_memory=not planner.setting.fits(est), bottleneck=est.bottleneck, boundary_bytes=cuts)
+
+
+def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits) -> list[tuple[int, int]]:
+    """(micro-batches, iterations) to try for a confirmation run: as asked,
+    then, for a strategy that needs every replica of a stage to run as many
+    micro-batches as the others over the run (PipeDream all-reduces after
+    every step), the nearest run that does. Where a step follows every pass,
+    an iteration's size is only how the stream is counted, so the
+    micro-batches per iteration grow to a multiple of the replicas' least
+    common multiple; otherwise they mean a mini-batch, and the iterations grow."""
+    cycle = math.lcm(*replicas)
+    if traits.steps_each_pass:
+        even = (-(-microbatches // cycle) * cycle, iterations)
+    else:
+        step = cycle // math.gcd(cycle, microbatches)
+        even = (microbatches, -(-iterations // step) * step)
+    return [(microbatches, iterations)] if even == (microbatches, iterations) else [(microbatches, iterations), even]
+
+
+def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
+    """``cand`` simulated with the engine (or a note saying why it could not be)."""
+    from ..api import simulate_schedule
+    from ..size import check_size
+
+    note = ""
+    for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
+        if mb * k > MAX_RUN_STRETCH * m * req.iterations:
+            note = note or f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
+            break
+        spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
+        try:
+            check_size(spec)
+            schedule = build_schedule(spec)
+        except StrategyError as e:
+            note = f"not simulated: {e}"
+            continue
+        result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
+                                   starts=cand.starts)
+        peak = max(t.peak_bytes for t in result.memory)
+        oom = any(t.out_of_memory for t in result.memory)
+        return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=mb, iterations=k,
+                       peak_memory_bytes=peak, out_of_memory=oom, note="")
+    return replace(cand, note=note)
+
+
+def _data_parallel(req: PlanRequest, m: int) -> float | None:
+    """Steady-state throughput of data parallelism on the same devices."""
+    from ..api import simulate
+
+    n = req.gpus
+    spec = ScheduleSpec(DATA_PARALLEL, n, -(-m // n) * n, iterations=req.iterations)
+    try:
+        result = simulate(spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead)
+    except InputError:
+        return None
+    return steady_throughput(result)

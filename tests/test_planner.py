@@ -1,0 +1,286 @@
+"""The planner: notation, the plan record, the configurations it chooses, and its command line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import pytest
+from pipesim.experiments.cli import main
+from pipesim.experiments.plans import frontier, pareto_figure
+from pipesim.sim.api import simulate, simulate_schedule
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.metrics import summarize
+from pipesim.sim.models import model_profile
+from pipesim.sim.planning.layout import layout_for, layout_of, traits_of
+from pipesim.sim.planning.plan import (
+    PlanError,
+    PlanRequest,
+    notation,
+    plan,
+    plan_file,
+    steady_throughput,
+)
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workload import LayerCost, Profile
+
+CLUSTER_A = load_hardware("pipedream-cluster-a-x4")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def vgg_plan() -> dict:
+    """PipeDream's VGG-16 on 16 GPUs of Cluster-A (its paper ran 15-1)."""
+    return plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
+                            model="pipedream-vgg16")).to_json()
+
+
+def test_notation() -> None:
+    assert notation((15, 1)) == "15-1"
+    assert notation((1, 1, 1, 1)) == "straight"
+    assert notation((16,)) == "16"
+    assert notation((1,)) == "1"
+    assert notation((2, 1, 1)) == "2-1-1"
+
+
+def test_plan_record_has_the_fields_and_covers_every_layer(vgg_plan) -> None:
+    for key in ("config", "stages", "predicted_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
+                "planner_seconds", "candidates", "chosen", "microbatches", "iterations", "strategy", "hardware"):
+        assert key in vgg_plan, key
+    stages = vgg_plan["stages"]
+    assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 39  # VGG-16's 40 layers
+    assert all(a["layers"][1] + 1 == b["layers"][0] for a, b in itertools.pairwise(stages))
+    assert sum(s["replicas"] for s in stages) == 16
+    assert vgg_plan["config"] == notation([s["replicas"] for s in stages])
+    assert vgg_plan["speedup_vs_dp"] == pytest.approx(
+        vgg_plan["predicted_samples_per_s"] / vgg_plan["data_parallel_samples_per_s"], rel=1e-9)
+    assert vgg_plan["predicted_is_simulated"]
+    chosen = vgg_plan["candidates"][vgg_plan["chosen"]]
+    # the winner is the fastest candidate the engine confirmed, and it fits
+    confirmed = [c["simulated_samples_per_s"] for c in vgg_plan["candidates"]
+                 if c["simulated_samples_per_s"] is not None and not c["out_of_memory"]]
+    assert chosen["simulated_samples_per_s"] == max(confirmed) == vgg_plan["predicted_samples_per_s"]
+    assert not chosen["out_of_memory"] and chosen["peak_memory_bytes"] <= vgg_plan["memory_limit_bytes"]
+    # data parallelism ("16") and the straight pipeline are always among the candidates
+    sources = {c["config"]: c for c in vgg_plan["candidates"]}
+    assert "16" in sources and "straight" in sources
+    assert sources["straight"]["out_of_memory"]  # 16 stages of VGG-16 stash far more than 16 GB on stage 0
+
+
+def test_vgg16_replicates_its_convolutions(vgg_plan) -> None:
+    """Small weights and heavy compute up front, 500 MB of fully connected
+    weights at the end: replicate the first stage, not the last."""
+    reps = [s["replicas"] for s in vgg_plan["stages"]]
+    assert len(reps) > 1 and reps[0] >= 8 and reps[-1] <= 3
+    assert vgg_plan["speedup_vs_dp"] > 1.2
+
+
+def test_resnet50_is_pure_data_parallelism() -> None:
+    """25M parameters, 176 layers of heavy compute: nothing beats data parallelism (PipeDream's choice too)."""
+    hw = CLUSTER_A
+    rec = plan(PlanRequest("pipedream", model_profile("pipedream-resnet50", hw.device), hw, 16)).to_json()
+    assert rec["config"] == "16"
+    assert rec["speedup_vs_dp"] == pytest.approx(1.0, rel=1e-6)
+
+
+def _toy(layers: list[tuple[float, int, int]], name: str = "toy") -> Profile:
+    """Layers of (forward seconds, parameter bytes, activation bytes); backward twice the forward."""
+    return Profile(name, tuple(LayerCost(f"l{i}", f, 2 * f, w, a, a) for i, (f, w, a) in enumerate(layers)))
+
+
+def test_parameter_light_compute_heavy_model_is_data_parallel() -> None:
+    """Tiny weights (a cheap all-reduce) and big activations (costly cuts): data parallelism."""
+    hw = load_hardware("pcie-4gpu")
+    rec = plan(PlanRequest("1f1b", _toy([(0.02, 1 << 16, 200 << 20)] * 6), hw, 4, microbatches=8)).to_json()
+    assert rec["config"] == "4"
+
+
+def test_small_weights_heavy_compute_stage_is_replicated() -> None:
+    """Heavy layers with small weights, then a light layer with huge weights: replicate the heavy part."""
+    hw = load_hardware("pcie-4gpu")
+    layers = [(0.03, 1 << 20, 4 << 20)] * 5 + [(0.002, 1 << 30, 0)]
+    rec = plan(PlanRequest("pipedream", _toy(layers), hw, 4, microbatches=12)).to_json()
+    reps = [s["replicas"] for s in rec["stages"]]
+    assert reps == [3, 1], rec["config"]  # the 1 GiB layer on one device, never all-reduced
+    assert rec["speedup_vs_dp"] > 1.2
+
+
+def test_plan_json_is_byte_identical_but_for_the_planner_time(tmp_path, capsys) -> None:
+    args = ["plan", "--strategy", "1f1b", "--model", "vgg16", "--hardware", "pcie-4gpu", "--json"]
+    texts = []
+    for name in ("a", "b"):
+        code, out, err = run(capsys, *args, "--out", str(tmp_path / name))
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc == json.loads((tmp_path / name / "plan.json").read_text())
+        doc.pop("planner_seconds")
+        texts.append(json.dumps(doc, sort_keys=True))
+        assert "<html" in (tmp_path / name / "pareto.html").read_text()[:2000].lower()
+    assert texts[0] == texts[1]
+    assert (tmp_path / "a" / "pareto.html").read_bytes() == (tmp_path / "b" / "pareto.html").read_bytes()
+
+
+def test_simulate_plan_reproduces_the_planned_throughput(tmp_path, capsys) -> None:
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-alexnet",
+                         "--hardware", "pipedream-cluster-a-x2", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "chosen:" in out and "speedup" in out
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "plan.json"), "--summary-only", "--json",
+                         "--out", str(tmp_path / "sim"))
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["stage_replicas"] == [s["replicas"] for s in planned["stages"]]
+    assert [st["stage"] for st in summary["stages_info"]] == list(range(len(planned["stages"])))
+    assert summary["plan"]["steady_samples_per_s"] == planned["predicted_samples_per_s"]
+    assert summary["meta"]["model"] == "pipedream-alexnet" and summary["meta"]["hardware"] == "pipedream-cluster-a-x2"
+
+
+def test_steady_throughput_of_a_flush_schedule_is_its_throughput() -> None:
+    result = simulate(ScheduleSpec("1f1b", 4, 8, iterations=4), "vgg16", "pcie-4gpu")
+    assert steady_throughput(result) == pytest.approx(summarize(result)["throughput_samples_per_s"], rel=1e-6)
+
+
+def test_steady_throughput_leaves_out_fill_and_drain() -> None:
+    """An asynchronous stream's steady state is faster than its whole run (fill and drain idle the pipeline)."""
+    result = simulate(ScheduleSpec("pipedream", 4, 8, iterations=4), "uniform", "ideal")
+    assert steady_throughput(result) == pytest.approx(1 / 3e-3, rel=1e-9)  # one micro-batch per F+B = 3 ms
+    assert summarize(result)["throughput_samples_per_s"] < steady_throughput(result)
+
+
+def test_layout_for_agrees_with_the_schedule_it_predicts() -> None:
+    """The planner's formulas (from a probe) against the IR of the schedules they stand for."""
+    for strategy in ("gpipe", "1f1b", "pipedream", "pipedream-2bw"):
+        for reps in ((3, 1), (2, 1, 1), (1, 1, 1, 1)):
+            m = 12
+            built = layout_of(build_schedule(ScheduleSpec(strategy, len(reps), m, iterations=2, replicas=reps)))
+            predicted = layout_for(traits_of(strategy), reps, m, 2)
+            assert predicted.devices == built.devices, (strategy, reps)
+            assert predicted.inflight == built.inflight, (strategy, reps)
+            assert predicted.versions == built.versions, (strategy, reps)
+            assert predicted.updates == built.updates, (strategy, reps)
+            assert predicted.waits[1:] == built.waits[1:], (strategy, reps)
+
+
+def test_compare_planned_puts_pipedream_at_or_above_data_parallelism(tmp_path, capsys) -> None:
+    code, _, err = run(capsys, "compare", "--planned", "--strategies", "pipedream,data-parallel",
+                         "--out", str(tmp_path))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    pd, dp = (doc["strategies"][s]["throughput_samples_per_s"] for s in ("pipedream", "data-parallel"))
+    assert pd >= dp
+    assert doc["plans"]["pipedream"]["config"] == doc["strategies"]["pipedream"]["plan"]["config"]
+    assert "planner_seconds" not in doc["plans"]["pipedream"]  # comparison.json stays byte-identical
+    assert (tmp_path / "pipedream" / "plan.json").exists() and (tmp_path / "pipedream" / "pareto.html").exists()
+
+
+def test_pareto_figure_marks_the_choice_and_sets_oom_candidates_apart(vgg_plan) -> None:
+    fig = pareto_figure(vgg_plan)
+    names = [t.name for t in fig.data]
+    assert "out of memory" in names and "confirmed by the engine" in names
+    star = next(t for t in fig.data if t.name.startswith("chosen"))
+    assert star.marker.symbol == "star" and list(star.text) == [vgg_plan["config"]]
+    oom = next(t for t in fig.data if t.name == "out of memory")
+    assert all(x > vgg_plan["memory_limit_bytes"] / 2**30 for x in oom.x)
+
+
+def test_frontier_keeps_only_undominated_points() -> None:
+    assert frontier([(1, 10), (2, 5), (3, 20), (3, 15), (4, 18)]) == [(1, 10), (3, 20)]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["plan", "--strategy", "spectrain"], "takes no per-stage replicas"),
+        (["plan", "--strategy", "nope"], "unknown strategy"),
+        (["plan", "--gpus", "8", "--hardware", "pcie-4gpu"], "has 4 devices, not 8"),
+        (["plan", "--model", "nope"], "unknown model"),
+        (["plan", "--gpus", "0"], "must be >= 1"),
+        (["plan", "--hardware", "ideal"], "give --gpus"),
+        (["plan", "--hardware", "ideal", "--gpus", "200"], "up to 128 devices"),
+    ],
+)
+def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path))
+    assert code == 2
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: d.pop("stages"), "'stages' must be a non-empty list"),
+        (lambda d: d["stages"][1].update(layers=[30, 39]), "must cover consecutive layers"),
+        (lambda d: d["stages"][0].update(replicas=0), "replicas"),
+        (lambda d: d.update(strategy="nope"), "unknown strategy"),
+        (lambda d: d.update(microbatches="8"), "'microbatches' must be a whole number"),
+    ],
+)
+def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsys) -> None:
+    doc = {"strategy": "pipedream", "stages": [{"layers": [0, 24], "replicas": 15}, {"layers": [25, 39],
+           "replicas": 1}], "microbatches": 15, "iterations": 4, "microbatch_size": 128,
+           "model": "pipedream-vgg16", "hardware": "pipedream-cluster-a-x4", "predicted_samples_per_s": 1.0}
+    plan_file(doc)  # the unedited document is a plan
+    edit(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_plan_for_another_model_is_refused(tmp_path, capsys) -> None:
+    doc = {"strategy": "1f1b", "stages": [{"layers": [0, 2], "replicas": 2}, {"layers": [3, 5], "replicas": 2}],
+           "microbatches": 8, "iterations": 2, "microbatch_size": 32, "model": "vgg16", "hardware": "pcie-4gpu",
+           "predicted_samples_per_s": 1.0}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
+    assert code == 2 and "the plan splits 6 layers; vgg16 has 16" in err
+    code, _, err = run(capsys, "simulate", "--plan", str(path), "--replicas", "3,1", "--out", str(tmp_path / "o"))
+    assert code == 2 and "leave out --replicas" in err
+
+
+def test_a_request_is_checked_before_any_work() -> None:
+    hw = load_hardware("pcie-4gpu")
+    prof = _toy([(0.01, 1, 1)] * 4)
+    with pytest.raises(PlanError, match="chooses the replicas"):
+        plan(PlanRequest("1f1b", prof, hw, 4, options={"replicas": (2, 2)}))
+    with pytest.raises(PlanError, match="confirm must be"):
+        plan(PlanRequest("1f1b", prof, hw, 4, confirm=-1))
+
+
+def test_a_plan_that_cannot_be_confirmed_says_so() -> None:
+    """With no engine confirmation the plan is the cost model's, and says so."""
+    hw = load_hardware("pcie-4gpu")
+    rec = plan(PlanRequest("1f1b", model_profile("vgg16", hw.device), hw, 4, microbatches=8, confirm=0)).to_json()
+    assert not rec["predicted_is_simulated"]
+    assert rec["predicted_samples_per_s"] == rec["analytic_samples_per_s"]
+
+
+def test_memory_of_the_plan_is_the_engines(vgg_plan) -> None:
+    """The chosen configuration, simulated as simulate --plan runs it, fits and holds what the plan says."""
+    pf = plan_file(vgg_plan)
+    hw = CLUSTER_A
+    result = simulate_schedule(build_schedule(pf.spec()), model_profile("pipedream-vgg16", hw.device), hw,
+                               starts=pf.starts)
+    chosen = vgg_plan["candidates"][vgg_plan["chosen"]]
+    assert max(t.peak_bytes for t in result.memory) == chosen["peak_memory_bytes"] <= hw.device.memory_bytes
+
+
+def test_tight_memory_moves_the_choice() -> None:
+    """With less memory per device the planner gives up configurations that no longer fit."""
+    hw = load_hardware("pcie-4gpu")
+    prof = model_profile("vgg16", hw.device)
+    roomy = plan(PlanRequest("gpipe", prof, hw, 4, microbatches=8)).to_json()
+    limit = roomy["peak_memory_bytes"] - 1
+    tight = plan(PlanRequest("gpipe", prof, replace(hw, device=replace(hw.device, memory_bytes=limit)), 4,
+                             microbatches=8)).to_json()
+    assert tight["peak_memory_bytes"] <= limit < roomy["peak_memory_bytes"]
+    assert not tight["out_of_memory"]
