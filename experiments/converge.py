@@ -13,8 +13,12 @@ processes) or :func:`~pipesim.validate.convergence.train_distributed`
   "diverged", "curve": [{"samples", "heldout_accuracy", "heldout_loss",
   "train_loss"}]}`` (a non-finite loss is ``null``); ``summary`` holds, per
   depth, the *reference learning rate* (the largest at which data
-  parallelism converges in every seed) and every strategy's final accuracy
-  there, mean, minimum and maximum over seeds;
+  parallelism, or the first strategy run without it, converges in every
+  seed) and every strategy's final accuracy at each learning rate, mean,
+  minimum and maximum over seeds; ``quadratic_stability``, per
+  depth, strategy and stage, the delay and prediction distance of its update
+  rule (read off the IR) and the largest lr·h that rule survives on a
+  quadratic with the run's momentum;
 * ``learning_curves.html``: held-out accuracy and loss against samples, one
   line per strategy (the mean over seeds) with a band from the worst seed to
   the best, one row per depth and learning rate;
@@ -69,7 +73,7 @@ PUBLISHED: dict[str, dict] = {
 
 DEFAULT_STRATEGIES = ("data-parallel", "1f1b", "pipedream-2bw", "pipedream", "pipedream-nostash", "spectrain")
 DEFAULT_LRS = (0.01, 0.02, 0.05)
-#: The baselines the done-when comparisons measure against.
+#: The strategy whose stability sets each depth's reference learning rate.
 BASELINE = "data-parallel"
 
 
@@ -161,10 +165,16 @@ def train_all(cfg: ConvergeConfig, progress: Callable[[int, int, dict], None] | 
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_one, runs[i], cfg.backend, cfg.timeout_s): i for i in order}
-        for done, fut in enumerate(as_completed(futures), start=1):
-            records[futures[fut]] = fut.result()
-            if progress:
-                progress(done, len(runs), records[futures[fut]])
+        try:
+            for done, fut in enumerate(as_completed(futures), start=1):
+                records[futures[fut]] = fut.result()
+                if progress:
+                    progress(done, len(runs), records[futures[fut]])
+        except BaseException:  # a failed run or Ctrl-C: no worker goes on training
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            raise
     return records
 
 
@@ -176,8 +186,10 @@ def _spread(values: Sequence[float]) -> dict:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per depth: the reference learning rate and each strategy's final
-    accuracy at every learning rate (mean, min, max over seeds; diverged seeds)."""
+    """Per depth: the reference learning rate (the largest at which
+    :data:`BASELINE`, or the first strategy run if it was not, converges in
+    every seed) and each strategy's final accuracy at every learning rate
+    (mean, min, max over seeds; diverged seeds)."""
     cells: dict = defaultdict(list)
     for r in records:
         cells[(r["stages"], r["lr"], r["strategy"])].append(r)
@@ -190,9 +202,12 @@ def summarize(records: list[dict]) -> dict:
                 accs = [r["final_heldout_accuracy"] for r in rs]
                 table.setdefault(name, {})[str(lr)] = {**_spread(accs), "seeds": len(rs),
                                                        "diverged": sum(r["diverged"] for r in rs)}
-        base = table.get(BASELINE, {})
+        reference = BASELINE if BASELINE in table else next(iter(dict.fromkeys(
+            r["strategy"] for r in records)))
+        base = table.get(reference, {})
         stable = [lr for lr in lrs if str(lr) in base and not base[str(lr)]["diverged"]]
-        out[str(p)] = {"reference_lr": max(stable) if stable else None, "accuracy": table}
+        out[str(p)] = {"reference_lr": max(stable) if stable else None, "reference_strategy": reference,
+                       "accuracy": table}
     return out
 
 
@@ -204,6 +219,21 @@ def _rounded(x):
     if isinstance(x, list):
         return [_rounded(v) for v in x]
     return x
+
+
+def quadratic_stability(strategies: Sequence[str], stages: Sequence[int], momentum: float) -> dict:
+    """Per depth and strategy, each stage's (delay, distance) of its update
+    rule and the largest lr·h that rule survives on a quadratic
+    (:func:`~pipesim.validate.convergence.stability_threshold`)."""
+    from pipesim.validate.convergence import stability_threshold, update_rule
+
+    out: dict = {}
+    for p in stages:
+        for name in strategies:
+            rule = update_rule(name, p)
+            out.setdefault(str(p), {})[name] = [
+                {"delay": d, "distance": s, "max_lr_h": stability_threshold(d, s, momentum)} for d, s in rule]
+    return out
 
 
 def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
@@ -220,12 +250,13 @@ def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
         "settings": {"model": cfg.model, "model_width": width, "model_depth": depth, "optimizer": "sgd",
                      "momentum": cfg.momentum, "update_batch": cfg.update_batch, "updates": cfg.updates,
                      "eval_every": cfg.eval_every, "backend": cfg.backend,
-                     "divergence": f"a non-finite loss, or held-out loss above {DIVERGENCE_FACTOR} x the untrained "
-                                   "model's",
+                     "divergence": f"a non-finite loss, a held-out loss above {DIVERGENCE_FACTOR} x the untrained "
+                                   "model's (the run stops there), or a final held-out loss no lower than it",
                      "layouts": [{k: v for k, v in lay.items() if k in ("strategy", "stages", "microbatches",
                                                                         "microbatch_size", "iterations_per_step",
                                                                         "updates")} for lay in layouts]},
         "published": PUBLISHED,
+        "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum),
     })
 
 
@@ -387,7 +418,7 @@ def table(doc: dict) -> list[list[str]]:
     for p, info in doc["summary"].items():
         lr = info["reference_lr"]
         if lr is None:
-            rows.append([p, "-", f"{BASELINE} diverged at every learning rate", "", ""])
+            rows.append([p, "-", f"{info['reference_strategy']} diverged at every learning rate", "", ""])
             continue
         for name, cells in info["accuracy"].items():
             cell = cells.get(str(lr))

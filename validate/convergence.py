@@ -29,7 +29,8 @@ asynchronous pipeline mid-run, stage k is then up to p−k−1 updates behind
 the last stage, as a user of ``step()`` would see it. The last point is
 after the pipeline has drained. A run *diverges* when a loss is no longer
 finite or the held-out loss exceeds :data:`DIVERGENCE_FACTOR` times the
-untrained model's; it stops there.
+untrained model's (it stops there), or when it ends no better than the
+untrained model (a blow-up that settled at chance, its units dead).
 
 Training goes through :class:`~pipesim.validate.schedule.PipelineSchedule`,
 one ``step()`` per evaluation interval: emulated in one process
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import UPDATE
+from pipesim.sim.ir import UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from .models import build_model, split
 from .numerics import EXECUTOR_THREADS, intra_op_threads
@@ -220,6 +221,8 @@ class _Curve:
 
     def record(self) -> dict:
         last = self.points[-1]
+        # a run that blew up and settled at chance (dead units) made nothing of the data either
+        self.diverged = self.diverged or not (last["heldout_loss"] is not None and last["heldout_loss"] < self.initial)
         return {"model": self.run.setup.model, "strategy": self.run.strategy, "stages": self.run.stages,
                 "lr": self.run.lr, "seed": self.run.seed, "updates": self.plan.updates,
                 "final_heldout_accuracy": last["heldout_accuracy"], "final_heldout_loss": last["heldout_loss"],
@@ -296,3 +299,71 @@ def describe(run: Run) -> dict:
     return {"strategy": run.strategy, "stages": run.stages, "microbatches": p.spec.microbatches,
             "microbatch_size": p.microbatch_size, "iterations_per_step": p.spec.iterations,
             "updates": p.updates, **{k: v for k, v in asdict(run.setup).items() if k != "model"}}
+
+
+# ---------------------------------------------------------------- stability on a quadratic
+
+
+def update_rule(strategy: str, stages: int) -> list[tuple[int, int]]:
+    """Per stage, (delay, prediction distance) of the forward that computes
+    a gradient, read off the strategy's IR in steady state: the gradient of
+    a micro-batch is applied to version u − 1 (its UPDATE makes u) after a
+    forward that read version v at distance s, so delay = u − 1 − v.
+    Flush schedules: (0, 0); 2BW: (1, 0); PipeDream: (p−k−1, 0); SpecTrain:
+    (p−k−1, s_fwd(k))."""
+    name, options = resolve(strategy)
+    sched = build_schedule(ScheduleSpec(strategy=name, stages=stages, microbatches=stages, iterations=8, **options))
+    out = []
+    for k in range(sched.num_stages):
+        prog = [a for d in sched.programs for a in d if (a.replica, a.stage) == (0, k)]
+        forwards = {a.microbatch: a for a in prog if a.op is F}
+        mb = sorted(forwards)[len(forwards) // 2]  # a micro-batch of the steady state
+        last = max(j for j, a in enumerate(prog) if a.op in WEIGHT_GRADIENT_OPS and a.microbatch == mb)
+        made = next(a.version for a in prog[last:] if a.op is UPDATE)
+        out.append((made - 1 - forwards[mb].version, forwards[mb].distance))
+    return out
+
+
+def stability_threshold(delay: int, distance: int = 0, momentum: float = 0.9) -> float:
+    """The largest lr·h for which SGD with momentum stays stable on f(w) = h·w²/2
+    when the gradient is taken ``delay`` updates late at the point predicted
+    ``distance`` updates ahead (ŵ = w − distance·lr·v, SpecTrain's rule):
+
+        v(t+1) = μ·v(t) + h·(w(t−delay) − distance·lr·v(t−delay)),  w(t+1) = w(t) − lr·v(t+1).
+
+    The recurrence is linear, so it is stable exactly when its companion
+    matrix's spectral radius is below 1; the threshold is found on a grid
+    of lr·h and refined by bisection at the first crossing. Closed forms:
+    2(1+μ) without delay, 1−μ with a delay of one.
+    """
+    import numpy as np
+
+    def radius(a: float) -> float:
+        n = delay + 1  # w(t..t-delay), v(t..t-delay)
+        m = np.zeros((2 * n, 2 * n))
+        # v(t+1) = mu v(t) + w(t-d) - s a v(t-d);  w(t+1) = w(t) - a v(t+1)
+        vrow = np.zeros(2 * n)
+        vrow[n] += momentum
+        vrow[delay] += 1.0
+        vrow[n + delay] -= distance * a
+        wrow = -a * vrow
+        wrow[0] += 1.0
+        m[0], m[n] = wrow, vrow
+        for i in range(1, n):
+            m[i, i - 1] = 1.0
+            m[n + i, n + i - 1] = 1.0
+        return float(max(abs(np.linalg.eigvals(m))))
+
+    grid = np.linspace(1e-4, 4.0, 4001)
+    lo = 0.0
+    for a in grid:
+        if radius(a) >= 1.0:
+            hi = a
+            break
+        lo = a
+    else:
+        return float(grid[-1])
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if radius(mid) < 1.0 else (lo, mid)
+    return float(lo)

@@ -153,7 +153,8 @@ class PipelineSchedule:
         for key, acts in actions.items():
             stage = self.stages.get(key)
             if stage is not None:
-                stage.prepare([moved(a, self._first_id, self._versions) for a in acts], self.optimizer)
+                stage.prepare([moved(a, self._first_id, self._versions) for a in acts] if self._first_id else acts,
+                              self.optimizer)
 
     def _run(self, part: Part, data) -> RunOutput | None:
         sched = moved_on(part.schedule, self._first_id, self._versions)

@@ -83,6 +83,8 @@ def moved(a: Action, microbatches: int, versions: dict) -> Action:
 
 def moved_on(schedule: Schedule, microbatches: int, versions: dict) -> Schedule:
     """Every action of ``schedule`` :func:`moved`; the placement stays the schedule's."""
+    if not microbatches and not any(versions.values()):
+        return schedule
     out = schedule.with_programs(tuple(moved(a, microbatches, versions) for a in prog) for prog in schedule.programs)
     object.__setattr__(out, "_placement", schedule.placement())
     return out
