@@ -20,7 +20,7 @@ from pipesim.validate.models import (
     split,
 )
 
-ALL_MODELS = ["gpt-small", "mlp", "vgg-small"]
+ALL_MODELS = ["gpt-small", "lstm", "mlp", "vgg-small"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,6 +101,68 @@ def test_digits_walk_whole_epochs_across_straddling_batches():
     assert not torch.equal(x[:n], x[n : 2 * n])
 
 
+def test_heldout_split_is_disjoint_from_training_and_fixed():
+    everything, labels = data._digits_arrays()
+    train = data.digits(100, seed=3, split="train")
+    held_x, held_y = data.digits(1, seed=9, split="heldout").heldout_set()
+    assert train.num_examples + len(held_x) == len(everything) == 1797
+    seen = _row_counts(torch.cat([train.batch(i)[0] for i in range(15)]))  # 1500 samples: a whole epoch
+    assert set(seen) == set(_row_counts(everything[torch.from_numpy(data._digits_split_rows("train").copy())]))
+    assert not set(seen) & set(_row_counts(held_x))
+    # every class is held out in proportion, and the split does not follow the seed
+    assert collections.Counter(held_y.tolist()) == {c: round(n * 0.2) for c, n in
+                                                    collections.Counter(labels.tolist()).items()}
+    assert torch.equal(data.digits(1, seed=0, image=True).heldout_set()[0].reshape(-1, 64), held_x)
+
+    corpus = data.char_corpus(64, 24, seed=1, split="train")
+    text = data.corpus_text()
+    tail = text[len(text) - round(len(text) * data.CORPUS_HELDOUT_SHARE):]
+    hx, hy = corpus.heldout_set()
+    assert hx.shape[1] == 24 and torch.equal(hx[:, 1:], hy[:, :-1])
+    assert all(corpus.decode(x) + corpus.decode(y[-1:]) in tail for x, y in zip(hx, hy))
+    head = text[:len(text) - len(tail)]
+    for i in range(4):
+        x, y = corpus.batch(i)
+        assert all(corpus.decode(r) + corpus.decode(t[-1:]) in head for r, t in zip(x, y))
+
+
+@pytest.mark.parametrize("make", [lambda b: data.digits(b, seed=4, split="train"),
+                                  lambda b: data.char_corpus(b, 16, seed=4, split="train")],
+                         ids=["digits", "corpus"])
+def test_streams_are_addressed_by_sample(make):
+    """One micro-batch of 12 holds the samples of three of 4: runs that cut
+    the stream differently (a pipeline's m micro-batches against PipeDream's
+    one) train on the same samples in the same order."""
+    big, small = make(12), make(4)
+    for i in range(3):
+        x, y = big.batch(i)
+        parts = [small.batch(3 * i + j) for j in range(3)]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+
+
+def test_deep_mlp_trains_with_he_initialisation():
+    """torch's default initialisation shrinks a ReLU stack's activations about
+    3x per layer; at depth 8 the mlp then barely trained."""
+    m = build_model("mlp", width=64, depth=8)
+    scales = []
+    x = m.data(256, split="train").batch(0)[0]
+    with torch.no_grad():
+        for layer in m.layers[:-1]:
+            x = layer(x)
+            scales.append(float(x.pow(2).mean()))
+    assert 0.3 < scales[-1] / scales[0] < 3  # no vanishing through 8 layers
+    net, src = m.sequential(), m.data(32, split="train")
+    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+    for i in range(120):
+        x, y = src.batch(i)
+        opt.zero_grad()
+        m.loss_fn(net(x), y).backward()
+        opt.step()
+    hx, hy = m.heldout()
+    with torch.no_grad():
+        assert (net(hx).argmax(-1) == hy).float().mean() > 0.85
+
+
 def test_corpus_targets_are_next_characters_of_the_real_text():
     src = data.char_corpus(6, 40, seed=1)
     x, y = src.batch(11)
@@ -139,6 +201,8 @@ def test_synthetic_like_keeps_shapes_and_dtypes_only(model):
         lambda: data.char_corpus(0, 8),
         lambda: data.char_corpus(4, 0),
         lambda: data.char_corpus(4, 10**7),
+        lambda: data.digits(4, split="test"),
+        lambda: data.char_corpus(4, 8, split=None),
         lambda: data.TensorSpec((3,), torch.int64),  # integers need a bound
         lambda: data.synthetic(0, data.TensorSpec((3,), torch.float32), data.TensorSpec((), torch.float32)),
     ],
@@ -192,7 +256,7 @@ def test_catalog_and_configuration():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"name": "foo"}, "choose from: gpt-small, mlp, vgg-small"),
+        ({"name": "foo"}, "choose from: gpt-small, lstm, mlp, vgg-small"),
         ({"name": "mlp", "width": 0}, "width"),
         ({"name": "mlp", "depth": -1}, "depth"),
         ({"name": "mlp", "width": 2.5}, "width"),
@@ -302,6 +366,7 @@ def test_split_rejects_bad_stage_lists(spec):
         ("mlp", {}, 0.05, 0.7),
         ("vgg-small", {}, 0.05, 0.8),
         ("gpt-small", {"width": 64, "depth": 2}, 0.1, 0.8),  # the default learns too, 5x slower
+        ("lstm", {"width": 32, "depth": 2}, 0.3, 0.8),
     ],
 )
 def test_models_learn_their_real_data(name, kwargs, lr, factor):

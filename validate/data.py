@@ -12,19 +12,35 @@ Randomness comes from ``numpy.random.default_rng([seed, ...])`` (a
 ``SeedSequence`` over the integer words), never from a global RNG, so the
 global state of torch or numpy neither affects nor is affected by a batch.
 
+Every stream is addressed by *sample*: micro-batch ``index`` of size ``b``
+holds samples ``index*b .. index*b + b - 1`` of one sample stream per
+``seed``. Two runs that cut the stream into micro-batches of different
+sizes (a pipeline with m micro-batches of B/m samples, PipeDream with one of
+B) therefore train on the same samples in the same order.
+
+Splits. A source reads one ``split`` of its data (:data:`SPLITS`): ``"all"``
+(the default, what the timing harness has always streamed), ``"train"`` or
+``"heldout"``, which are disjoint and fixed (they do not depend on the seed).
+:meth:`Digits.heldout_set` / :meth:`CharCorpus.heldout_set` give the whole
+held-out split once, in a fixed order, for evaluation.
+
 Sources (nothing is downloaded; both data sets ship with installed packages):
 
 ``digits``
-    scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes).
-    The stream walks the data set in epochs: sample position ``p`` of the
-    stream is example ``perm_e[p % n]`` of epoch ``e = p // n``, with a fresh
-    permutation per epoch. A micro-batch that straddles an epoch boundary
-    takes its tail from the next epoch's permutation, so every epoch visits
-    every example exactly once.
+    scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes;
+    held out: a fixed 20%, stratified by class). The stream walks the split
+    in epochs: sample position ``p`` of the stream is example
+    ``perm_e[p % n]`` of epoch ``e = p // n``, with a fresh permutation per
+    epoch. A micro-batch that straddles an epoch boundary takes its tail from
+    the next epoch's permutation, so every epoch visits every example exactly
+    once.
 ``char_corpus``
     Character-level language modelling on the help texts that ship with
-    Python (``pydoc_data.topics``, about 465k characters). Windows start at
-    offsets drawn per micro-batch; targets are the inputs shifted by one.
+    Python (``pydoc_data.topics``, about 465k characters; held out: the last
+    10%). Sample ``p`` is a window starting at an offset drawn for it (in
+    blocks of :data:`CORPUS_BLOCK` samples per generator, for speed);
+    training windows lie wholly before the held-out tail, held-out windows
+    wholly inside it. Targets are the inputs shifted by one.
 ``synthetic``
     Random tensors of given per-sample shapes and dtypes, for timing runs
     where the values do not matter but the shapes must. Any source's
@@ -44,6 +60,7 @@ import torch
 from pipesim.sim.errors import InputError
 
 __all__ = [
+    "SPLITS",
     "CharCorpus",
     "DataError",
     "Digits",
@@ -65,6 +82,21 @@ class DataError(InputError):
 _DIGITS_TAG = 1
 _CORPUS_TAG = 2
 _SYNTHETIC_TAG = 3
+_SPLIT_TAG = 4
+
+#: What a source can read: everything, or one of two fixed, disjoint parts.
+SPLITS = ("all", "train", "heldout")
+#: Share of each data set held out for evaluation.
+DIGITS_HELDOUT_SHARE = 0.2
+CORPUS_HELDOUT_SHARE = 0.1
+#: Corpus window offsets are drawn this many samples per generator.
+CORPUS_BLOCK = 256
+
+
+def _check_split(split: object) -> str:
+    if split not in SPLITS:
+        raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return split
 
 
 @dataclass(frozen=True)
@@ -143,6 +175,26 @@ def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
+@functools.cache
+def _digits_split_rows(split: str) -> np.ndarray:
+    """Rows of the data set in ``split``: held out, a fixed share of every
+    class (drawn once, whatever the run's seed); train, the rest."""
+    _, targets = _digits_arrays()
+    y = targets.numpy()
+    if split == "all":
+        rows = np.arange(len(y))
+    else:
+        rng = _rng(_SPLIT_TAG, 0, 0)
+        held = []
+        for c in np.unique(y):
+            members = np.flatnonzero(y == c)
+            held.append(rng.permutation(members)[:round(len(members) * DIGITS_HELDOUT_SHARE)])
+        held_rows = np.sort(np.concatenate(held))
+        rows = held_rows if split == "heldout" else np.setdiff1d(np.arange(len(y)), held_rows)
+    rows.flags.writeable = False
+    return rows
+
+
 @functools.lru_cache(maxsize=16)
 def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     perm = _rng(_DIGITS_TAG, seed, epoch).permutation(n)
@@ -162,15 +214,26 @@ class Digits:
     microbatch_size: int
     seed: int = 0
     image: bool = False
+    split: str = "all"
     num_classes: int = field(default=10, init=False)
 
     def __post_init__(self) -> None:
         _check_int("microbatch_size", self.microbatch_size, 1)
         _check_int("seed", self.seed, 0)
+        _check_split(self.split)
 
     @property
     def num_examples(self) -> int:
-        return _digits_arrays()[0].shape[0]
+        return len(_digits_split_rows(self.split))
+
+    def _shape(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, 1, 8, 8) if self.image else x
+
+    def heldout_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held-out example once, in data-set order (the same for every seed)."""
+        x, y = _digits_arrays()
+        idx = torch.from_numpy(_digits_split_rows("heldout").copy())
+        return self._shape(x[idx]), y[idx]
 
     @property
     def input_spec(self) -> TensorSpec:
@@ -183,7 +246,8 @@ class Digits:
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = _check_int("index", index, 0)
         x, y = _digits_arrays()
-        n = x.shape[0]
+        members = _digits_split_rows(self.split)
+        n = len(members)
         b = self.microbatch_size
         positions = index * b + np.arange(b, dtype=np.int64)
         epochs = positions // n
@@ -191,17 +255,14 @@ class Digits:
         rows = np.empty(b, dtype=np.int64)
         for e in np.unique(epochs):
             sel = epochs == e
-            rows[sel] = _epoch_permutation(self.seed, int(e), n)[within[sel]]
+            rows[sel] = members[_epoch_permutation(self.seed, int(e), n)[within[sel]]]
         idx = torch.from_numpy(rows)
-        inputs = x[idx]
-        if self.image:
-            inputs = inputs.reshape(b, 1, 8, 8)
-        return inputs, y[idx]
+        return self._shape(x[idx]), y[idx]
 
 
-def digits(microbatch_size: int, *, seed: int = 0, image: bool = False) -> Digits:
+def digits(microbatch_size: int, *, seed: int = 0, image: bool = False, split: str = "all") -> Digits:
     """scikit-learn's digits: inputs (b, 64) or, with ``image``, (b, 1, 8, 8)."""
-    return Digits(microbatch_size, seed=seed, image=image)
+    return Digits(microbatch_size, seed=seed, image=image, split=split)
 
 
 # ------------------------------------------------------------ char corpus
@@ -228,23 +289,31 @@ def _corpus_tokens() -> tuple[str, torch.Tensor]:
 class CharCorpus:
     """Next-character prediction windows over :func:`corpus_text`.
 
-    Offsets are drawn uniformly per micro-batch rather than walked in
-    epochs: with ~465k start positions, overlapping random windows are the
-    usual char-LM practice and keep ``batch`` independent of anything but
-    ``(seed, index)``.
+    Offsets are drawn uniformly per sample rather than walked in epochs:
+    with ~465k start positions, overlapping random windows are the usual
+    char-LM practice and keep ``batch`` independent of anything but
+    ``(seed, index)`` and the micro-batch size.
     """
 
     microbatch_size: int
     seq_len: int
     seed: int = 0
+    split: str = "all"
 
     def __post_init__(self) -> None:
         _check_int("microbatch_size", self.microbatch_size, 1)
         _check_int("seed", self.seed, 0)
         _check_int("seq_len", self.seq_len, 1)
+        _check_split(self.split)
+        lo, hi = self._span(self.split)
+        if self.seq_len > hi - lo - 1:
+            raise DataError(f"seq_len {self.seq_len} is longer than the corpus allows (at most {hi - lo - 1})")
+
+    def _span(self, split: str) -> tuple[int, int]:
+        """[first, end) of the tokens windows of ``split`` lie in."""
         n = self.num_tokens
-        if self.seq_len > n - 1:
-            raise DataError(f"seq_len {self.seq_len} is longer than the corpus allows (at most {n - 1})")
+        cut = n - round(n * CORPUS_HELDOUT_SHARE)
+        return {"all": (0, n), "train": (0, cut), "heldout": (cut, n)}[split]
 
     @property
     def vocab(self) -> str:
@@ -277,20 +346,47 @@ class CharCorpus:
         vocab = self.vocab
         return "".join(vocab[int(i)] for i in torch.as_tensor(ids).reshape(-1))
 
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = _check_int("index", index, 0)
-        tokens = _corpus_tokens()[1]
-        L = self.seq_len
-        # Window k reads L + 1 tokens: L inputs and the L next characters.
-        starts = _rng(_CORPUS_TAG, self.seed, index).integers(0, tokens.numel() - L, size=self.microbatch_size)
-        offsets = torch.from_numpy(starts)[:, None] + torch.arange(L + 1)
-        windows = tokens[offsets]
+    def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        # window k reads L + 1 tokens: L inputs and the L next characters
+        offsets = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
+        windows = _corpus_tokens()[1][offsets]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = _check_int("index", index, 0)
+        b = self.microbatch_size
+        positions = index * b + np.arange(b, dtype=np.int64)
+        starts = np.empty(b, dtype=np.int64)
+        blocks = positions // CORPUS_BLOCK
+        for blk in np.unique(blocks):
+            sel = blocks == blk
+            starts[sel] = _corpus_block(self.seed, int(blk), *self._span(self.split), self.seq_len)[
+                positions[sel] % CORPUS_BLOCK]
+        return self._windows(starts)
 
-def char_corpus(microbatch_size: int, seq_len: int, *, seed: int = 0) -> CharCorpus:
+    def heldout_set(self, max_windows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-overlapping windows of the held-out tail, evenly spaced, at
+        most ``max_windows`` of them (the same for every seed)."""
+        lo, hi = self._span("heldout")
+        L = self.seq_len
+        count = min(max_windows, (hi - lo - 1) // L)
+        if count < 1:
+            raise DataError(f"seq_len {L} is longer than the held-out tail ({hi - lo} tokens)")
+        stride = (hi - lo - 1 - L) // max(count - 1, 1)
+        return self._windows(lo + stride * np.arange(count, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _corpus_block(seed: int, block: int, lo: int, hi: int, seq_len: int) -> np.ndarray:
+    """Window offsets of samples ``block*CORPUS_BLOCK ..`` of one split's stream."""
+    starts = _rng(_CORPUS_TAG, seed, block).integers(lo, hi - seq_len, size=CORPUS_BLOCK)
+    starts.flags.writeable = False
+    return starts
+
+
+def char_corpus(microbatch_size: int, seq_len: int, *, seed: int = 0, split: str = "all") -> CharCorpus:
     """Character windows of Python's bundled help texts: (b, seq_len) ids and next-char targets."""
-    return CharCorpus(microbatch_size, seq_len, seed=seed)
+    return CharCorpus(microbatch_size, seq_len, seed=seed, split=split)
 
 
 # --------------------------------------------------------------- synthetic

@@ -299,6 +299,9 @@ class DeviceExecutor:
         self.clock = clock
         self.records: list[Record] = []
         self.local: dict[tuple, Tensor] = {}  # pass token -> output, for consumers on this device
+        for s in stages.values():  # outputs an earlier part of a stream made (see park)
+            self.local.update(s.parked)
+            s.parked.clear()
         self.peers = peers or {}
         self.position = 0
 
@@ -402,6 +405,15 @@ class DeviceExecutor:
             self.post(posts)
             if a is not None:
                 self.compute(a, waits, token)
+        self.park()
+
+    def park(self) -> None:
+        """Hand outputs nothing here consumed or sent back to their stages:
+        a part of a stream (``PipelineSchedule.step``) leaves them for the
+        consumers or sends of the next part, whose walker takes them back."""
+        for token, tensor in self.local.items():
+            self.stages[(token.replica, token.stage)].parked[token] = tensor
+        self.local.clear()
 
     def output(self) -> RunOutput:
         out = RunOutput(records=self.records)
@@ -580,6 +592,8 @@ def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, 
         pos[d] += 1
         if progress is not None and part:
             progress(done, total)
+    for ex in executors:
+        ex.park()
     if clock and clock.cuda:
         torch.cuda.synchronize(device)
     return merge([ex.output() for ex in executors])

@@ -1,13 +1,27 @@
 """A schedule object with ``.step()``, for people used to torch.distributed.pipelining.
 
 torch's pattern is a stage wrapping a module and a schedule object whose
-``step()`` trains one mini-batch. Here a step runs the pipesim schedule once,
-all its iterations (an asynchronous schedule has no flush inside a run, so
-its iterations are one unit), and returns one mean loss per iteration::
+``step()`` trains one mini-batch. Here a step runs the next ``K`` iterations
+of the pipesim schedule (the K it was built with) and returns one mean loss
+per iteration::
 
     stage = PipelineStage(module, rank, world, loss_fn=loss)      # one per local stage
     sched = PipelineSchedule(build_schedule(spec), [stage], OptimizerConfig(lr=0.05))
-    losses = sched.step(data)        # data.batch(i) -> (inputs, targets)
+    for _ in range(steps):
+        losses = sched.step(data)    # data.batch(i) -> (inputs, targets)
+    sched.flush()                    # drain the pipeline (asynchronous schedules)
+
+Consecutive steps **continue one pipeline**: an asynchronous schedule
+(PipeDream, SpecTrain, 2BW) is not drained between calls, so its micro-batches
+stay in flight and its weight versions run on, and K calls of ``step()``
+followed by :meth:`~PipelineSchedule.flush` give the same bits as one run K
+times as long (:mod:`pipesim.validate.stream` says how the stream is cut).
+The pipeline drains only on ``flush()`` or, with ``steps=N``, at the end
+of the N-th step; the next step then starts a new fill, on the next
+micro-batches of ``data`` and the versions reached. Between steps each
+stage holds its latest weights (:meth:`PipelineStage.state_dict`), which is
+what a user evaluating mid-run sees. Flush schedules end every step with an
+update of every stage, so for them ``flush()`` has nothing to do.
 
 Inside an initialised process group whose size is the schedule's device
 count, each rank passes the stages it hosts and the step runs distributed
@@ -15,11 +29,7 @@ count, each rank passes the stages it hosts and the step runs distributed
 stages are passed and the step runs in this process, in simulated-time
 order (:func:`~pipesim.validate.executor.emulate`).
 
-Consecutive steps continue training: each step reads the next
-micro-batches of ``data`` and its weight versions continue from the last
-step's (the IR's versions are shifted by the updates already applied).
 Gradient scaling is explicit in :class:`~pipesim.validate.stage.OptimizerConfig`.
-
 Steps compute with ``threads`` intra-op threads (default: the distributed
 workers' count), so a local step, a distributed step and the emulator give
 the same bits (:mod:`pipesim.validate.numerics`); ``threads=None`` keeps
@@ -32,10 +42,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from pipesim.sim.ir import UPDATE, Schedule, shift_versions
+from pipesim.sim.ir import AVERAGE, Schedule
 from .executor import RunOutput, emulate, initial_centres, iteration_losses
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .stage import OptimizerConfig
+from .stream import Part, Stream, StreamError, moved, moved_on, stream_builder, updates
 
 
 @dataclass(frozen=True)
@@ -46,63 +57,124 @@ class _Context:
     device: torch.device
 
 
-class _Offset:
-    """The data source seen from a later step: indices continue where the last step stopped."""
+def _timeline(schedule: Schedule):
+    """The simulated order of a schedule's actions (it depends on the
+    structure only, so an ideal machine and uniform stages serve)."""
+    from pipesim.sim.engine import simulate
+    from pipesim.sim.hardware import load_hardware
+    from pipesim.sim.partition import stage_costs_uniform
 
-    def __init__(self, data, offset: int):
-        self.data, self.offset = data, offset
-
-    def batch(self, index):
-        return self.data.batch(index + self.offset)
+    return simulate(schedule, stage_costs_uniform(schedule.num_stages), load_hardware("ideal"))
 
 
 class PipelineSchedule:
-    """Run ``schedule`` on ``stages`` with :meth:`step` (see the module doc)."""
+    """Run ``schedule`` on ``stages`` with :meth:`step` (see the module doc).
+
+    ``steps``: how many steps the pipeline runs before it drains on its own
+    (then its stream is built once, exactly that long); ``None``: until
+    :meth:`flush`.
+    """
 
     def __init__(self, schedule: Schedule, stages, optimizer: OptimizerConfig = OptimizerConfig(), *,
-                 recv_lookahead: int = 1, timed: bool = False, threads: int | None = EXECUTOR_THREADS):
+                 steps: int | None = None, recv_lookahead: int = 1, timed: bool = False,
+                 threads: int | None = EXECUTOR_THREADS):
         self.schedule = schedule
         self.stages = {s.key: s for s in stages}
         if not self.stages:
             raise ValueError("PipelineSchedule needs at least one stage")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
         self.optimizer = optimizer
         self.recv_lookahead = recv_lookahead
         self.timed = timed
         self.threads = threads
-        self.steps = 0
+        self.total_steps = steps
+        self.steps = 0  # step() calls so far
         self.output: RunOutput | None = None
-        self.updates_per_step = sum(1 for a in schedule.programs[schedule.placement()[next(iter(self.stages))]]
-                                    if a.op is UPDATE and (a.replica, a.stage) == next(iter(self.stages)))
+        self._build = stream_builder(schedule)
+        self._stream: Stream | None = None
+        self._in_stream = 0  # steps run of the current stream
+        self._first_id = 0  # micro-batch ids and versions the finished streams used
+        self._versions: dict = {}
         self._centres = None
-        self._timeline = None
+        self._specs = None
+        self._data = None
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def step(self, data) -> list[float] | None:
-        """Run the schedule once; one mean loss per iteration (None on ranks other than 0)."""
-        sched = shift_versions(self.schedule, self.steps * self.updates_per_step)
-        src = _Offset(data, self.steps * sched.total_microbatches)
-        if self._centres is None:
-            self._centres = initial_centres(sched, self.stages)
-        with intra_op_threads(self.threads):
-            out = self._step_distributed(sched, src) if self._distributed() else self._step_local(sched, src)
+        """Run the next part of the pipeline; one mean loss per iteration it
+        started (None on ranks other than 0)."""
+        if self._stream is None:
+            self._stream = Stream(self._build, self.schedule.total_microbatches, self.recv_lookahead, _timeline,
+                                  steps=self.total_steps)
+            if self._centres is None:  # EASGD's centres start at the initial weights
+                self._centres = initial_centres(self._stream.layout.lowered, self.stages)
+        stream, s = self._stream, self._in_stream
+        stream.ensure(s)
+        last = stream.fixed and s == stream.horizon - 1
+        self._announce(stream.reads(s, s + stream.reach))
+        self._data = data  # the drain takes no data; a distributed run warms its stages up on it
+        out = self._run(stream.part(s), data)
+        self._in_stream += 1
         self.steps += 1
-        self.output = out
-        return None if out is None else iteration_losses(out.losses, sched.num_microbatches)
+        if last:
+            self._end_stream()
+        return None if out is None else iteration_losses(out.losses, self.schedule.num_microbatches)
 
-    def _step_local(self, sched: Schedule, data) -> RunOutput:
-        from pipesim.sim.engine import simulate
-        from pipesim.sim.hardware import load_hardware
-        from pipesim.sim.partition import stage_costs_uniform
+    def flush(self) -> None:
+        """Drain the pipeline: run the backwards and updates of the
+        micro-batches still in flight, so every stage holds the weights a run
+        of the steps so far ends with. The next step starts a new fill."""
+        if self._stream is None or not self._in_stream:
+            return
+        part = self._stream.drain(self._in_stream)
+        drained = _actions(part)
+        for key, stage in self.stages.items():
+            stage.withdraw([moved(a, self._first_id, self._versions) for a in drained.get(key, [])])
+        self._announce(drained)
+        self._run(part, self._data)
+        self._end_stream()
 
-        if self._timeline is None:  # the order depends on the structure only, not on version numbers
-            self._timeline = simulate(self.schedule, stage_costs_uniform(sched.num_stages), load_hardware("ideal"))
-        timeline = self._timeline
-        return emulate(sched, self.stages, data, self.optimizer, timeline, recv_lookahead=self.recv_lookahead,
-                       timed=self.timed, centres=self._centres, threads=None)  # set by step()
+    # ------------------------------------------------------------ internals
 
-    def _step_distributed(self, sched: Schedule, data) -> RunOutput | None:
+    def _end_stream(self) -> None:
+        """The next stream continues the ids and versions where this one ends."""
+        done = self._stream.build(self._in_stream)
+        self._first_id += done.total_microbatches
+        for key, n in updates(done).items():
+            self._versions[key] = self._versions.get(key, 0) + n
+        self._stream, self._in_stream = None, 0
+
+    def _announce(self, actions: dict) -> None:
+        """Tell this process's stages the reads of the parts to come (before
+        a part overwrites a version they still need)."""
+        for key, acts in actions.items():
+            stage = self.stages.get(key)
+            if stage is not None:
+                stage.prepare([moved(a, self._first_id, self._versions) for a in acts] if self._first_id else acts,
+                              self.optimizer)
+
+    def _run(self, part: Part, data) -> RunOutput | None:
+        sched = moved_on(part.schedule, self._first_id, self._versions)
+        averaged = {a.stage for prog in sched.programs for a in prog if a.op is AVERAGE and a.key[:2] in self.stages}
+        if averaged - set(self._centres):
+            raise StreamError(f"{sched.strategy}: a step averages stages {sorted(averaged)} that the first "
+                              f"{self._stream.horizon} steps did not (pass steps= to build the whole run at once)")
+        with intra_op_threads(self.threads):
+            if self._distributed():
+                out = self._run_distributed(sched, data)
+            else:
+                out = emulate(sched, self.stages, data, self.optimizer, part, timed=self.timed,
+                              centres=self._centres, threads=None)  # set above
+        for stage in self.stages.values():
+            stage.losses.clear()  # reported once, by the part that made them
+        if out is not None:
+            self.output = out
+        return out
+
+    def _run_distributed(self, sched: Schedule, data) -> RunOutput | None:
         from .runtime import execute
 
         world = dist.get_world_size()
@@ -110,9 +182,10 @@ class PipelineSchedule:
             raise ValueError(f"the process group has {world} ranks; the schedule needs {sched.num_devices}")
         device = next(iter(self.stages.values())).device
         ctx = _Context(dist.get_rank(), world, dist.get_backend(), device)
-        specs = self._infer_specs(sched, data)
-        return execute(ctx, sched, self.stages, data, specs, self.optimizer, recv_lookahead=self.recv_lookahead,
-                       timed=self.timed, centres=self._centres)
+        if self._specs is None:
+            self._specs = self._infer_specs(sched, data)
+        return execute(ctx, sched, self.stages, data, self._specs, self.optimizer,
+                       recv_lookahead=self.recv_lookahead, timed=self.timed, centres=self._centres)
 
     def _infer_specs(self, sched: Schedule, data) -> list:
         """Every stage's output (shape, dtype), found by running replica 0's
@@ -131,3 +204,12 @@ class PipelineSchedule:
             dist.broadcast_object_list(box, src=owner)
             specs.append((torch.Size(box[0][0]), box[0][1]))
         return specs
+
+
+def _actions(part: Part) -> dict:
+    """Per (replica, stage), the compute actions of a part."""
+    out: dict = {}
+    for prog in part.schedule.programs:
+        for a in prog:
+            out.setdefault((a.replica, a.stage), []).append(a)
+    return out

@@ -83,6 +83,12 @@ class OptimizerConfig:
             raise OptimizerError(f"momentum must be in [0, 1), got {self.momentum}")
 
 
+def _reads_stored(a: Action) -> bool:
+    """Whether ``a`` reads a stored version: a pass does unless it computes
+    on predicted weights, which the PREDICT that made them read instead."""
+    return (a.op in PASS_OPS and not a.distance) or a.op is PREDICT
+
+
 @dataclass
 class _InFlight:
     """A micro-batch between its forward and its last backward pass."""
@@ -151,6 +157,10 @@ class PipelineStage:
         self.scratch_key: tuple[int, int] | None = None
         self.inflight: dict[int, _InFlight] = {}
         self.reads: Counter = Counter()  # version -> announced reads not yet made
+        self.pending: set[Action] = set()  # the actions behind ``reads``
+        # outputs made here whose consumer runs in a later part of a stream
+        # (a DeviceExecutor parks them at the end of its walk and takes them back)
+        self.parked: dict[tuple, Tensor] = {}
         self.losses: dict[int, Tensor] = {}  # micro-batch -> loss (last stage)
         self.versions_used: list[tuple[str, int, int, int]] = []  # (op, mb, version, distance)
         self.unscheduled_predictions = 0
@@ -166,14 +176,38 @@ class PipelineStage:
         return len(self.grads)
 
     def prepare(self, actions: list[Action], optim: OptimizerConfig) -> None:
-        """Read this stage's actions once: who reads which version, and the optimizer."""
+        """Read this stage's actions: who reads which version, and the optimizer.
+
+        May be called again as a stream goes on (``PipelineSchedule.step``
+        announces the reads of the parts to come before it runs one): an
+        action is counted once however often it is told, until it has read,
+        and reads of a version that exists already are announced to it at
+        once (later versions get theirs when they are made)."""
         self.optim = optim
+        new: Counter = Counter()
         for a in actions:
-            # a pass reads its version unless it computes on predicted weights,
-            # which the PREDICT that made them read instead
-            if (a.op in PASS_OPS and not a.distance) or a.op is PREDICT:
-                self.reads[a.version] += 1
-        self._announce(self.pool.version)
+            if _reads_stored(a) and a not in self.pending:
+                self.pending.add(a)
+                new[a.version] += 1
+        self.reads.update(new)
+        for version, n in sorted(new.items()):
+            if version <= self.pool.version:
+                if version not in self.pool.held:
+                    raise RuntimeSemanticsError(
+                        f"stage {self.stage_index}: {n} reads of version {version} announced after it was "
+                        f"overwritten (held: {self.pool.held})")
+                self.pool.expect(version, n)
+
+    def withdraw(self, keep) -> None:
+        """Forget the announced reads of every action not in ``keep``: a
+        stream drained early (``PipelineSchedule.flush``) never runs the
+        parts whose reads were announced ahead, and a version they held
+        would otherwise never be written in place or freed."""
+        for a in sorted(self.pending - set(keep)):
+            self.pending.discard(a)
+            self.reads[a.version] -= 1
+            if a.version <= self.pool.version:
+                self.pool.release(a.version)
 
     def _announce(self, version: int) -> None:
         n = self.reads.get(version, 0)
@@ -210,8 +244,9 @@ class PipelineStage:
         return self.scratch
 
     def _done_reading(self, a: Action) -> None:
-        if a.distance == 0:
+        if _reads_stored(a):
             self.reads[a.version] -= 1
+            self.pending.discard(a)
             self.pool.release(a.version)
 
     def forward(self, a: Action, x: Tensor, target: Tensor | None = None) -> Tensor:

@@ -1,0 +1,428 @@
+r"""``pipesim converge``: accuracy under staleness, every strategy on the same footing.
+
+:func:`converge` trains every (strategy, stages, learning rate, seed) of a
+:class:`ConvergeConfig` with :func:`pipesim.validate.convergence.train`
+(the emulator, one process per run, runs spread over ``jobs`` worker
+processes) or :func:`~pipesim.validate.convergence.train_distributed`
+(``backend="gloo"``, bit-identical), under the fairness rules of
+:mod:`pipesim.validate.convergence`, and writes into its output folder:
+
+* ``curves.json``: ``{"runs": [...], "summary": {...}, "settings": {...},
+  "published": {...}}``; each run ``{"model", "strategy", "stages", "lr",
+  "seed", "updates", "final_heldout_accuracy", "final_heldout_loss",
+  "diverged", "curve": [{"samples", "heldout_accuracy", "heldout_loss",
+  "train_loss"}]}`` (a non-finite loss is ``null``); ``summary`` holds, per
+  depth, the *reference learning rate* (the largest at which data
+  parallelism, or the first strategy run without it, converges in every
+  seed) and every strategy's final accuracy at each learning rate, mean,
+  minimum and maximum over seeds; ``quadratic_stability``, per
+  depth, strategy and stage, the delay and prediction distance of its update
+  rule (read off the IR) and the largest lr·h that rule survives on a
+  quadratic with the run's momentum;
+* ``learning_curves.html``: held-out accuracy and loss against samples, one
+  line per strategy (the mean over seeds) with a band from the worst seed to
+  the best, one row per depth and learning rate;
+* ``final_accuracy.html``: final held-out accuracy per strategy and depth at
+  the reference learning rate, the bar the mean over seeds and the whisker
+  the spread;
+* ``stability.html``: per strategy a map of learning rate × depth, the
+  colour the mean final accuracy, cells where some seed diverged marked
+  with the number that did;
+* the PNGs of the three figures when a browser is present
+  (:mod:`pipesim.experiments.export`).
+
+Same inputs, byte-identical files. :data:`PUBLISHED` holds the accuracies
+the papers report, for drawing beside these.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipesim.sim.errors import InputError
+from pipesim.sim.metrics import round_sig
+
+#: Accuracies (%) the papers publish, by their setting and strategy name as
+#: ``pipesim converge`` spells it ("pipedream-nostash" is vanilla
+#: asynchronous pipelining; "1f1b" stands for 2BW's synchronous baseline).
+PUBLISHED: dict[str, dict] = {
+    "spectrain-lstm-imdb": {
+        "source": "SpecTrain (Chen, Yang, Cheng, arXiv 1809.02839), its authors' PyTorch port, 4 GPUs",
+        "model": "residual LSTM", "data": "IMDb", "stages": 4,
+        "accuracy": {"data-parallel": 81.74, "pipedream-nostash": 78.11, "pipedream": 78.24, "spectrain": 81.24},
+    },
+    "spectrain-vgg16-cifar10": {
+        "source": "SpecTrain (Chen, Yang, Cheng, arXiv 1809.02839), its authors' PyTorch port, 4 GPUs",
+        "model": "VGG-16", "data": "CIFAR-10", "stages": 4,
+        "accuracy": {"data-parallel": 91.10, "pipedream-nostash": 88.31, "pipedream": 88.91, "spectrain": 88.11},
+    },
+    "pipedream-2bw-bert-mnli": {
+        "source": "PipeDream-2BW (Narayanan et al., ICML'21, arXiv 2006.09503)",
+        "model": "BERT", "data": "MNLI", "stages": None,
+        "accuracy": {"1f1b": 87.77, "pipedream-2bw": 87.82},
+    },
+}
+
+DEFAULT_STRATEGIES = ("data-parallel", "1f1b", "pipedream-2bw", "pipedream", "pipedream-nostash", "spectrain")
+DEFAULT_LRS = (0.01, 0.02, 0.05)
+#: The strategy whose stability sets each depth's reference learning rate.
+BASELINE = "data-parallel"
+
+
+@dataclass(frozen=True)
+class ConvergeConfig:
+    """What ``pipesim converge`` runs (every list is swept in full)."""
+
+    model: str = "mlp"
+    stages: tuple[int, ...] = (4, 8)
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    lrs: tuple[float, ...] = DEFAULT_LRS
+    seeds: tuple[int, ...] = (0, 1)
+    updates: int = 300
+    update_batch: int = 32
+    eval_every: int = 30
+    momentum: float = 0.9
+    model_width: int | None = None
+    model_depth: int | None = None
+    backend: str = "emulator"
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    timeout_s: float = 600.0
+
+
+BACKENDS = ("emulator", "gloo")
+
+
+def _runs(cfg: ConvergeConfig) -> list:
+    """Every run, each checked (sizes, fairness) before anything trains."""
+    from pipesim.validate.convergence import Run, Setup, plan, resolve, stage_starts
+    from pipesim.validate.models import build_model
+
+    if cfg.backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    for name, values in (("stages", cfg.stages), ("seeds", cfg.seeds), ("strategies", cfg.strategies),
+                         ("lr", cfg.lrs)):
+        if not values:
+            raise InputError(f"give at least one value for {name}")
+        if len(set(values)) != len(values):
+            raise InputError(f"{name} repeats a value: {' '.join(map(str, values))}")
+    for lr in cfg.lrs:
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise InputError(f"learning rates must be finite numbers > 0, got {lr}")
+    for name in cfg.strategies:
+        resolve(name)
+    setup = Setup(model=cfg.model, updates=cfg.updates, update_batch=cfg.update_batch, eval_every=cfg.eval_every,
+                  momentum=cfg.momentum, model_width=cfg.model_width, model_depth=cfg.model_depth)
+    width, depth = setup.size()
+    layers = build_model(cfg.model, width=width, depth=depth).num_layers  # ModelError for a bad model
+    runs = []
+    for p in cfg.stages:
+        stage_starts(layers, p)
+        for name in cfg.strategies:
+            for lr in cfg.lrs:
+                for seed in cfg.seeds:
+                    run = Run(setup, name, p, float(lr), seed)
+                    plan(run)
+                    runs.append(run)
+    return runs
+
+
+def _one(run, backend: str, timeout_s: float) -> dict:
+    from pipesim.validate.convergence import train, train_distributed
+
+    return train(run) if backend == "emulator" else train_distributed(run, timeout_s=timeout_s)
+
+
+def _cost(run) -> float:
+    """A run's expected work (micro-batch passes), to start the longest first."""
+    from pipesim.validate.convergence import plan
+
+    p = plan(run)
+    return p.steps * p.spec.iterations * p.spec.microbatches * run.stages
+
+
+def train_all(cfg: ConvergeConfig, progress: Callable[[int, int, dict], None] | None = None) -> list[dict]:
+    """Every run's record, in the configuration's order whatever order they finished in."""
+    runs = _runs(cfg)
+    order = sorted(range(len(runs)), key=lambda i: -_cost(runs[i]))
+    records: list[dict | None] = [None] * len(runs)
+    jobs = 1 if cfg.backend == "gloo" else max(1, min(cfg.jobs, len(runs)))
+    if jobs == 1:
+        for done, i in enumerate(order, start=1):
+            records[i] = _one(runs[i], cfg.backend, cfg.timeout_s)
+            if progress:
+                progress(done, len(runs), records[i])
+        return records
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_one, runs[i], cfg.backend, cfg.timeout_s): i for i in order}
+        try:
+            for done, fut in enumerate(as_completed(futures), start=1):
+                records[futures[fut]] = fut.result()
+                if progress:
+                    progress(done, len(runs), records[futures[fut]])
+        except BaseException:  # a failed run or Ctrl-C: no worker goes on training
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            raise
+    return records
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _spread(values: Sequence[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per depth: the reference learning rate (the largest at which
+    :data:`BASELINE`, or the first strategy run if it was not, converges in
+    every seed) and each strategy's final accuracy at every learning rate
+    (mean, min, max over seeds; diverged seeds)."""
+    cells: dict = defaultdict(list)
+    for r in records:
+        cells[(r["stages"], r["lr"], r["strategy"])].append(r)
+    out = {}
+    for p in sorted({r["stages"] for r in records}):
+        lrs = sorted({r["lr"] for r in records if r["stages"] == p})
+        table = {}
+        for (stages, lr, name), rs in sorted(cells.items()):
+            if stages == p:
+                accs = [r["final_heldout_accuracy"] for r in rs]
+                table.setdefault(name, {})[str(lr)] = {**_spread(accs), "seeds": len(rs),
+                                                       "diverged": sum(r["diverged"] for r in rs)}
+        reference = BASELINE if BASELINE in table else next(iter(dict.fromkeys(
+            r["strategy"] for r in records)))
+        base = table.get(reference, {})
+        stable = [lr for lr in lrs if str(lr) in base and not base[str(lr)]["diverged"]]
+        out[str(p)] = {"reference_lr": max(stable) if stable else None, "reference_strategy": reference,
+                       "accuracy": table}
+    return out
+
+
+def _rounded(x):
+    if isinstance(x, float):
+        return round_sig(x)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def quadratic_stability(strategies: Sequence[str], stages: Sequence[int], momentum: float) -> dict:
+    """Per depth and strategy, each stage's (delay, distance) of its update
+    rule and the largest lr·h that rule survives on a quadratic
+    (:func:`~pipesim.validate.convergence.stability_threshold`)."""
+    from pipesim.validate.convergence import stability_threshold, update_rule
+
+    out: dict = {}
+    for p in stages:
+        for name in strategies:
+            rule = update_rule(name, p)
+            out.setdefault(str(p), {})[name] = [
+                {"delay": d, "distance": s, "max_lr_h": stability_threshold(d, s, momentum)} for d, s in rule]
+    return out
+
+
+def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
+    """The content of ``curves.json``."""
+    from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, Setup, describe
+
+    setup = Setup(model=cfg.model, updates=cfg.updates, update_batch=cfg.update_batch, eval_every=cfg.eval_every,
+                  momentum=cfg.momentum, model_width=cfg.model_width, model_depth=cfg.model_depth)
+    width, depth = setup.size()
+    layouts = [describe(Run(setup, name, p, cfg.lrs[0], cfg.seeds[0])) for p in cfg.stages for name in cfg.strategies]
+    return _rounded({
+        "runs": records,
+        "summary": summarize(records),
+        "settings": {"model": cfg.model, "model_width": width, "model_depth": depth, "optimizer": "sgd",
+                     "momentum": cfg.momentum, "update_batch": cfg.update_batch, "updates": cfg.updates,
+                     "eval_every": cfg.eval_every, "backend": cfg.backend,
+                     "divergence": f"a non-finite loss, a held-out loss above {DIVERGENCE_FACTOR} x the untrained "
+                                   "model's (the run stops there), or a final held-out loss no lower than it",
+                     "layouts": [{k: v for k, v in lay.items() if k in ("strategy", "stages", "microbatches",
+                                                                        "microbatch_size", "iterations_per_step",
+                                                                        "updates")} for lay in layouts]},
+        "published": PUBLISHED,
+        "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum),
+    })
+
+
+# ---------------------------------------------------------------- figures
+
+
+COLORS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22",
+          "#17BECF", "#393B79")
+
+
+def _color(names: list[str], name: str) -> str:
+    return COLORS[names.index(name) % len(COLORS)]
+
+
+def _band_color(hex_color: str, alpha: float = 0.15) -> str:
+    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def learning_curves_figure(doc: dict):
+    """Held-out accuracy and loss against samples: a row per (depth, lr),
+    a line per strategy (mean over seeds) in a band from worst to best seed."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    runs = doc["runs"]
+    names = list(dict.fromkeys(r["strategy"] for r in runs))
+    rows = sorted({(r["stages"], r["lr"]) for r in runs})
+    fig = make_subplots(rows=len(rows), cols=2, shared_xaxes=True, vertical_spacing=0.25 / max(len(rows), 1),
+                        subplot_titles=[f"{p} stages, lr {lr}: held-out {what}" for p, lr in rows
+                                        for what in ("accuracy", "loss")])
+    for row, (p, lr) in enumerate(rows, start=1):
+        for name in names:
+            rs = [r for r in runs if r["stages"] == p and r["lr"] == lr and r["strategy"] == name]
+            if not rs:
+                continue
+            for col, key in ((1, "heldout_accuracy"), (2, "heldout_loss")):
+                by_samples: dict = defaultdict(list)
+                for r in rs:
+                    for pt in r["curve"]:
+                        if pt[key] is not None:
+                            by_samples[pt["samples"]].append(pt[key])
+                xs = sorted(by_samples)
+                mean = [statistics.fmean(by_samples[x]) for x in xs]
+                color = _color(names, name)
+                diverged = sum(r["diverged"] for r in rs)
+                label = name + (f" ({diverged}/{len(rs)} diverged)" if diverged else "")
+                fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(by_samples[x]) for x in xs] +
+                                         [min(by_samples[x]) for x in xs][::-1], fill="toself",
+                                         fillcolor=_band_color(color), line={"width": 0}, hoverinfo="skip",
+                                         showlegend=False, legendgroup=name), row=row, col=col)
+                fig.add_trace(go.Scatter(x=xs, y=mean, mode="lines", name=name, legendgroup=name,
+                                         showlegend=row == 1 and col == 1, line={"color": color, "width": 2},
+                                         hovertemplate=f"{label}<br>%{{x}} samples<br>{key} %{{y:.4g}}<extra></extra>"),
+                              row=row, col=col)
+        fig.update_yaxes(range=[0, 1], row=row, col=1)
+        fig.update_yaxes(type="log", row=row, col=2)
+    fig.update_xaxes(title_text="training samples", row=len(rows))
+    model = runs[0]["model"] if runs else ""
+    fig.update_layout(title={"text": f"{model}: held-out accuracy and loss (mean over seeds, band: worst to best)"},
+                      template="plotly_white", height=300 * len(rows) + 120, width=1300)
+    return fig
+
+
+def final_accuracy_figure(doc: dict):
+    """Final accuracy per strategy and depth at each depth's reference learning rate."""
+    import plotly.graph_objects as go
+
+    summary = doc["summary"]
+    names = list(dict.fromkeys(r["strategy"] for r in doc["runs"]))
+    fig = go.Figure()
+    for p, info in summary.items():
+        lr = info["reference_lr"]
+        if lr is None:
+            continue
+        xs, ys, lo, hi = [], [], [], []
+        for name in names:
+            cell = info["accuracy"].get(name, {}).get(str(lr))
+            if cell:
+                xs.append(name)
+                ys.append(cell["mean"])
+                lo.append(cell["mean"] - cell["min"])
+                hi.append(cell["max"] - cell["mean"])
+        fig.add_trace(go.Bar(x=xs, y=ys, name=f"{p} stages (lr {lr})",
+                             error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
+                             hovertemplate="%{x}<br>accuracy %{y:.4f}<extra></extra>"))
+    fig.update_layout(barmode="group", template="plotly_white", width=1100, height=520,
+                      yaxis={"title": "final held-out accuracy", "range": [0, 1]},
+                      title={"text": "Final held-out accuracy at the largest learning rate where data parallelism "
+                                     "converges in every seed (whiskers: worst and best seed)"})
+    return fig
+
+
+def stability_figure(doc: dict):
+    """Per strategy, learning rate × depth: mean final accuracy, diverged seeds marked."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    summary = doc["summary"]
+    names = list(dict.fromkeys(r["strategy"] for r in doc["runs"]))
+    depths = sorted(int(p) for p in summary)
+    lrs = sorted({r["lr"] for r in doc["runs"]})
+    cols = min(3, len(names))
+    nrows = math.ceil(len(names) / cols)
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=names, horizontal_spacing=0.08,
+                        vertical_spacing=0.3 / nrows)
+    for i, name in enumerate(names):
+        z, text = [], []
+        for p in depths:
+            cells = summary[str(p)]["accuracy"].get(name, {})
+            z.append([cells[str(lr)]["mean"] if str(lr) in cells else None for lr in lrs])
+            text.append([(f"× {cells[str(lr)]['diverged']}/{cells[str(lr)]['seeds']}"
+                          if cells.get(str(lr), {}).get("diverged") else
+                          f"{cells[str(lr)]['mean']:.3f}" if str(lr) in cells else "") for lr in lrs])
+        fig.add_trace(go.Heatmap(z=z, x=[str(lr) for lr in lrs], y=[f"{p} stages" for p in depths], text=text,
+                                 texttemplate="%{text}", zmin=0, zmax=1, colorscale="Viridis",
+                                 showscale=i == 0, colorbar={"title": "accuracy"},
+                                 hovertemplate=f"{name}<br>%{{y}}, lr %{{x}}<br>%{{text}}<extra></extra>"),
+                      row=i // cols + 1, col=i % cols + 1)
+    fig.update_xaxes(title_text="learning rate", type="category")
+    fig.update_layout(template="plotly_white", width=1300, height=280 * nrows + 120,
+                      title={"text": "Stability: mean final held-out accuracy; × k/n: k of n seeds diverged"})
+    return fig
+
+
+FIGURES = {"learning_curves": learning_curves_figure, "final_accuracy": final_accuracy_figure,
+           "stability": stability_figure}
+
+
+def write(doc: dict, out: Path, *, png: bool = True) -> list[Path]:
+    """``curves.json`` and every figure (HTML, and PNG when possible)."""
+    from .export import write_png
+
+    written = [out / "curves.json"]
+    written[0].write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+    for name, make in FIGURES.items():
+        fig = make(doc)
+        path = out / f"{name}.html"
+        fig.write_html(path, include_plotlyjs=True, full_html=True, div_id=f"pipesim-{name.replace('_', '-')}",
+                       config={"displaylogo": False})
+        written.append(path)
+        if png and write_png(fig, out / f"{name}.png"):
+            written.append(out / f"{name}.png")
+    return written
+
+
+def converge(cfg: ConvergeConfig, out: Path, *, progress: Callable[[int, int, dict], None] | None = None
+             ) -> tuple[dict, list[Path]]:
+    """Train every run of ``cfg``, write ``curves.json`` and the figures into ``out``."""
+    records = train_all(cfg, progress)
+    doc = document(cfg, records)
+    return doc, write(doc, out)
+
+
+def table(doc: dict) -> list[list[str]]:
+    """Rows for the console: per depth, the reference lr and each strategy's
+    final accuracy there (mean, worst..best seed, diverged seeds)."""
+    rows = []
+    for p, info in doc["summary"].items():
+        lr = info["reference_lr"]
+        if lr is None:
+            rows.append([p, "-", f"{info['reference_strategy']} diverged at every learning rate", "", ""])
+            continue
+        for name, cells in info["accuracy"].items():
+            cell = cells.get(str(lr))
+            if cell:
+                rows.append([p, str(lr), name, f"{100 * cell['mean']:.1f}",
+                             f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"
+                             + (f" ({cell['diverged']}/{cell['seeds']} diverged)" if cell["diverged"] else "")])
+    return rows

@@ -1,0 +1,150 @@
+"""``pipesim converge``: fair runs, held-out evaluation, divergence, outputs.
+
+Runs are tiny (a 16-wide mlp, a few updates): what is checked is what a
+wrong harness would get wrong, not accuracy. The fairness rules: every
+strategy trains on exactly the same samples, B per update; a synchronous
+pipeline and data parallelism are then the same mini-batch SGD, so their
+curves agree to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pipesim.experiments.cli import main
+from pipesim.validate import data as data_mod
+from pipesim.validate.convergence import (
+    ConvergeError,
+    Run,
+    Setup,
+    plan,
+    stability_threshold,
+    stage_starts,
+    train,
+    update_rule,
+)
+
+SETUP = Setup(model="mlp", updates=8, update_batch=8, eval_every=4, model_width=16, model_depth=3)
+ALL = ["data-parallel", "gpipe", "1f1b", "zb-h1", "pipedream-2bw", "pipedream", "pipedream-nostash", "spectrain",
+       "avgpipe"]
+
+
+@pytest.fixture
+def samples_read(monkeypatch):
+    """Every training sample position a run's data source hands out."""
+    seen: set[int] = set()
+    batch = data_mod.Digits.batch
+
+    def spy(self, index):
+        if self.split == "train":
+            seen.update(range(index * self.microbatch_size, (index + 1) * self.microbatch_size))
+        return batch(self, index)
+
+    monkeypatch.setattr(data_mod.Digits, "batch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_every_strategy_trains_on_the_same_samples(strategy, samples_read):
+    record = train(Run(SETUP, strategy, 2, 0.05, 0))
+    assert samples_read == set(range(SETUP.updates * SETUP.update_batch))
+    assert [pt["samples"] for pt in record["curve"]] == [0, 32, 64]
+    assert record["updates"] == SETUP.updates and not record["diverged"]
+
+
+def test_synchronous_pipelines_and_data_parallelism_are_the_same_sgd():
+    curves = {s: train(Run(SETUP, s, 2, 0.05, 0))["curve"] for s in ("data-parallel", "1f1b", "gpipe")}
+    for s in ("1f1b", "gpipe"):
+        for a, b in zip(curves[s], curves["data-parallel"]):
+            assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-5)
+    # ... and an asynchronous pipeline is not
+    async_curve = train(Run(SETUP, "pipedream", 2, 0.05, 0))["curve"]
+    assert async_curve[-1]["heldout_loss"] != pytest.approx(curves["1f1b"][-1]["heldout_loss"], rel=1e-5)
+
+
+def test_micro_batch_sizes_follow_the_update_batch():
+    sizes = {s: plan(Run(Setup(update_batch=32), s, 4, 0.05, 0)).microbatch_size for s in ALL}
+    assert sizes == {"data-parallel": 8, "gpipe": 8, "1f1b": 8, "zb-h1": 8, "pipedream-2bw": 8, "pipedream": 32,
+                     "pipedream-nostash": 32, "spectrain": 32, "avgpipe": 4}
+    with pytest.raises(ConvergeError, match="does not split"):
+        plan(Run(Setup(update_batch=30), "1f1b", 4, 0.05, 0))
+
+
+def test_stage_starts_deal_layers_evenly():
+    assert stage_starts(9, 4) == [0, 2, 4, 6]
+    assert stage_starts(9, 8) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert stage_starts(8, 8) == list(range(8))
+    with pytest.raises(ConvergeError, match="model-depth"):
+        stage_starts(4, 8)
+
+
+def test_a_run_that_blows_up_is_marked_and_stops():
+    record = train(Run(Setup(model="mlp", updates=40, update_batch=8, eval_every=4, model_width=16, model_depth=3),
+                       "pipedream", 2, 50.0, 0))
+    assert record["diverged"]
+    assert len(record["curve"]) < 11
+    json.dumps(record, allow_nan=False)  # non-finite losses are null
+
+
+def test_update_rules_read_off_the_ir_and_their_stability():
+    assert update_rule("1f1b", 4) == [(0, 0)] * 4
+    assert update_rule("pipedream-2bw", 4) == [(1, 0)] * 4
+    assert update_rule("pipedream", 4) == [(3, 0), (2, 0), (1, 0), (0, 0)]
+    assert update_rule("spectrain", 4) == [(3, 3), (2, 2), (1, 2), (0, 1)]
+    # heavy ball on a quadratic: 2(1 + mu) in time, 1 - mu one update late
+    assert stability_threshold(0, 0, 0.9) == pytest.approx(3.8, rel=1e-9)
+    assert stability_threshold(1, 0, 0.9) == pytest.approx(0.1, rel=1e-9)
+    assert stability_threshold(1, 0, 0.0) == pytest.approx(1.0, rel=1e-9)
+    # predicting ahead without delay costs stability; predicting the delay away buys some back
+    assert stability_threshold(0, 3) < stability_threshold(0, 0)
+    assert stability_threshold(3, 0) < stability_threshold(3, 3) < stability_threshold(0, 0)
+
+
+ARGS = ["converge", "--stages", "2", "--strategies", "1f1b", "pipedream-nostash", "--lr", "0.05", "0.1",
+        "--seeds", "0", "--updates", "8", "--update-batch", "8", "--eval-every", "4", "--model-width", "16",
+        "--model-depth", "3", "--jobs", "1"]
+
+
+def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        assert main(ARGS + ["--out", str(out)]) == 0
+    names = sorted(p.name for p in outs[0].iterdir())
+    assert names == ["curves.json", "final_accuracy.html", "learning_curves.html", "stability.html"]
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    doc = json.loads((outs[0] / "curves.json").read_text())
+    assert len(doc["runs"]) == 4
+    run = doc["runs"][0]
+    assert {"model", "strategy", "stages", "lr", "seed", "updates", "final_heldout_accuracy",
+            "final_heldout_loss", "diverged", "curve"} <= set(run)
+    assert set(run["curve"][0]) == {"samples", "heldout_accuracy", "heldout_loss", "train_loss"}
+    assert {r["strategy"] for r in doc["runs"]} == {"1f1b", "pipedream-nostash"}
+    assert doc["summary"]["2"]["accuracy"]["1f1b"]["0.05"]["seeds"] == 1
+    assert doc["published"]["spectrain-lstm-imdb"]["accuracy"]["spectrain"] == 81.24
+    assert doc["summary"]["2"]["reference_strategy"] == "1f1b"
+    assert "pipedream-nostash" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--stages", "8"], "model-depth"),
+    (["--strategies", "nope"], "unknown strategy"),
+    (["--update-batch", "7"], "does not split"),
+    (["--lr", "0"], "lr"),
+    (["--model", "resnet"], "unknown model"),
+    (["--seeds", "0", "0"], "repeats"),
+])
+def test_bad_converge_arguments_are_one_line_errors(tmp_path, capsys, extra, fragment):
+    assert main(ARGS + extra + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and "\n" not in err
+
+
+@pytest.mark.multiprocess
+def test_the_distributed_runtime_trains_the_same_bits(tmp_path):
+    from pipesim.validate.convergence import train_distributed
+
+    for strategy in ("spectrain", "pipedream-2bw"):
+        run = Run(SETUP, strategy, 2, 0.05, 1)
+        assert train_distributed(run, timeout_s=120) == train(run)
