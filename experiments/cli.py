@@ -162,6 +162,9 @@ def _add_machine_args(p: argparse.ArgumentParser) -> None:
                    help="samples per micro-batch (default: the model's)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: every backward re-runs its stage's forward, and a micro-batch "
+                        "stashes only its stage input until then")
 
 
 def _spec(args, strategy: str | None = None):
@@ -244,7 +247,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
         step("simulating")
         result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
-                                   starts=None if plan is None else plan.starts)
+                                   starts=None if plan is None else plan.starts,
+                                   recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)))
         if keep and _KEEP_UNTIL_EXIT is not None:
             _KEEP_UNTIL_EXIT.append(result)  # see console_main
         step("summarizing")

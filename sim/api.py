@@ -19,7 +19,7 @@ from .engine import simulate as run_engine
 from .hardware import Hardware, load_hardware
 from .ir import Schedule
 from .models import model_profile
-from .partition import StageCost, check_split, partition, split_at
+from .partition import StageCost, check_split, partition, recomputed, split_at
 from .results import SimResult
 from .size import check_size
 from .strategies import ScheduleSpec, build_schedule
@@ -63,8 +63,14 @@ def simulate_schedule(
     recv_lookahead: int = 1,
     meta: dict | None = None,
     starts: Sequence[int] | None = None,
+    recompute: bool = False,
 ) -> SimResult:
     """Split ``profile`` over the schedule's stages and run the engine.
+
+    ``recompute``: activation recomputation (every backward re-runs its
+    stage's forward; a micro-batch stashes only its stage input until then:
+    :func:`~pipesim.sim.partition.recomputed`), for every strategy alike;
+    the split is chosen for it and ``meta`` records it.
 
     ``starts`` gives the split (the first layer of every stage, e.g. a
     plan's). By default the split is :func:`split_for`'s; a small run
@@ -74,29 +80,40 @@ def simulate_schedule(
     them is cheap.
     """
     check_run_options(recv_lookahead=recv_lookahead)
+    check_recompute(recompute)
     hw = resolve_hardware(hardware)
     info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
+    if recompute:
+        info["recompute"] = True
     info.update(meta or {})
 
     def run(stage_costs: list[StageCost]) -> SimResult:
-        return run_engine(schedule, stage_costs, hw, microbatch_size=profile.microbatch_size,
-                          optimizer=profile.optimizer, recv_lookahead=recv_lookahead, meta=info)
+        return run_engine(schedule, recomputed(stage_costs) if recompute else stage_costs, hw,
+                          microbatch_size=profile.microbatch_size, optimizer=profile.optimizer,
+                          recv_lookahead=recv_lookahead, meta=info)
 
     if starts is not None:
         return run(_given_split(profile, starts, schedule))
     actions = sum(map(len, schedule.programs))
     limit = CONFIRM_SPLITS if actions * CONFIRM_SPLITS <= CONFIRM_ACTIONS else 1
-    results = [run(c) for c in split_candidates(schedule, profile, hw, limit, recv_lookahead)]
+    results = [run(c) for c in split_candidates(schedule, profile, hw, limit, recv_lookahead, recompute)]
     return min(results, key=lambda r: (any(t.out_of_memory for t in r.memory), r.makespan))
 
 
-def split_for(schedule: Schedule, profile: Profile, hardware: Hardware, recv_lookahead: int = 1) -> list[StageCost]:
+def check_recompute(recompute) -> None:
+    """``recompute`` must be a bool (a string "false" would switch it on)."""
+    if not isinstance(recompute, bool):
+        raise WorkloadError(f"recompute must be True or False, got {recompute!r}")
+
+
+def split_for(schedule: Schedule, profile: Profile, hardware: Hardware, recv_lookahead: int = 1,
+              recompute: bool = False) -> list[StageCost]:
     """The split a simulation runs by default (the first of :func:`split_candidates`)."""
-    return split_candidates(schedule, profile, hardware, 1, recv_lookahead)[0]
+    return split_candidates(schedule, profile, hardware, 1, recv_lookahead, recompute)[0]
 
 
 def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, limit: int = 1,
-                     recv_lookahead: int = 1) -> list[list[StageCost]]:
+                     recv_lookahead: int = 1, recompute: bool = False) -> list[list[StageCost]]:
     """Up to ``limit`` splits of ``profile`` for ``schedule``, the choice first.
 
     Communication-aware (transfers across each boundary over the links it
@@ -117,9 +134,12 @@ def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, l
         hardware.check_devices(schedule.num_devices)
         layout = layout_of(schedule, recv_lookahead)
         if max(layout.stages_on().values()) == 1:
-            tables = Tables(profile)
+            tables = Tables(profile, recompute)
             setting = CostSetting.of(profile, hardware, limit_bytes)
             return [tables.split(s) for s in ranked_splits(tables, layout, setting, limit)]
+    # compute-only: the split balances forward + backward; with recomputation
+    # every stage's extra forward is added afterwards (the memory test here
+    # counts whole stashes, so it errs on the safe side)
     return [partition(profile, p, memory_limit_bytes=limit_bytes)]
 
 
@@ -138,8 +158,10 @@ def simulate(
     profile: Profile | None = None,
     microbatch_size: int | None = None,
     recv_lookahead: int = 1,
+    recompute: bool = False,
 ) -> SimResult:
-    """Simulate strategy ``spec`` on a catalog ``model`` (or a ``profile``).
+    """Simulate strategy ``spec`` on a catalog ``model`` (or a ``profile``),
+    with activation recomputation if ``recompute`` (:func:`simulate_schedule`).
 
     Every argument is checked before anything is built: an
     :class:`~pipesim.sim.errors.InputError` names the one that is wrong, and
@@ -149,6 +171,7 @@ def simulate(
     check_run_options(recv_lookahead=recv_lookahead)
     if microbatch_size is not None:
         check_microbatch_size(microbatch_size)
+    check_recompute(recompute)
     check_size(spec)
     hw = resolve_hardware(hardware)
     with gc_paused():
@@ -157,7 +180,7 @@ def simulate(
         profile = model_for(schedule, model, hw, microbatch_size, pipeline_depth=spec.stages)
     elif microbatch_size is not None:
         profile = replace(profile, microbatch_size=microbatch_size)
-    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead)
+    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead, recompute=recompute)
 
 
 def _check_simulate_arguments(spec, model, profile) -> None:

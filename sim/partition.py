@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +74,14 @@ class StageCost:
     ``backward_input_s + backward_weight_s == backward_s`` up to rounding,
     plus the profile's per-pass overhead once more (a split backward is two
     passes).
+
+    ``input_bytes`` is what the stage receives per micro-batch (the previous
+    layer's ``activation_bytes``; 0 for the first stage, whose input is the
+    data batch the loader holds). ``recompute``: activation recomputation
+    (:func:`recomputed`): between its forward and its backward a micro-batch
+    keeps only ``input_bytes`` (:attr:`held_bytes`), and its full stash
+    lives again only while its backward runs, which re-runs the forward
+    first (already included in ``backward_s``).
     """
 
     first_layer: int
@@ -85,6 +93,20 @@ class StageCost:
     param_bytes: int
     activation_bytes: int
     stash_bytes: int
+    input_bytes: int = 0
+    recompute: bool = False
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes a micro-batch keeps from its forward until its backward
+        starts: its whole stash, or with recomputation only its input."""
+        return self.input_bytes if self.recompute else self.stash_bytes
+
+    @property
+    def full_stash_bytes(self) -> int:
+        """Bytes a micro-batch's activations take while its backward runs
+        (with recomputation its input is among them, so at least that)."""
+        return max(self.stash_bytes, self.input_bytes) if self.recompute else self.stash_bytes
 
     @property
     def num_layers(self) -> int:
@@ -96,8 +118,10 @@ class StageCost:
         return self.forward_s + self.backward_s
 
     def memory_bytes(self, inflight: int, optimizer_state_multiplier: int = 1) -> int:
-        """Weights, gradients, optimizer state and ``inflight`` micro-batches of stash."""
-        return self.param_bytes * (2 + optimizer_state_multiplier) + self.stash_bytes * inflight
+        """Weights, gradients, optimizer state and ``inflight`` micro-batches of
+        stash (with recomputation: their inputs, one of them in full)."""
+        held = (inflight - 1) * self.held_bytes + self.full_stash_bytes if inflight > 0 else 0
+        return self.param_bytes * (2 + optimizer_state_multiplier) + held
 
 
 def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
@@ -117,7 +141,20 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         param_bytes=sum(la.param_bytes for la in layers),
         activation_bytes=layers[-1].activation_bytes,
         stash_bytes=sum(la.stash_bytes for la in layers),
+        input_bytes=profile.layers[first - 1].activation_bytes if first else 0,
     )
+
+
+def recomputed(costs: Sequence[StageCost]) -> list[StageCost]:
+    """``costs`` with activation recomputation (idempotent): every backward
+    first re-runs its stage's forward, so the backward (and, split, its
+    input-gradient half, which needs the recomputed activations) takes
+    ``forward_s`` longer, and a micro-batch stashes only its stage input
+    until then (see :class:`StageCost`). Expressed in stage costs, so the
+    engine, the trackers and the cost model need nothing else."""
+    return [c if c.recompute else replace(c, backward_s=c.backward_s + c.forward_s,
+                                          backward_input_s=c.backward_input_s + c.forward_s, recompute=True)
+            for c in costs]
 
 
 def split_at(profile: Profile, starts: Sequence[int]) -> list[StageCost]:

@@ -16,7 +16,9 @@ Memory of a device, per category (see :data:`~pipesim.sim.results.MEMORY_CATEGOR
 * gradients |W| and optimizer state (1x for SGD momentum, 2x for Adam), held
   throughout;
 * activations: a micro-batch's stash from the start of its forward to the
-  end of its backward (of W when that micro-batch's backward is split);
+  end of its backward (of W when that micro-batch's backward is split); with
+  activation recomputation only its stage input until its backward starts,
+  the full stash from then on;
 * comm_buffers: a send buffer for the duration of the transfer, a receive
   buffer from the start of the transfer until its consumer starts;
 * prediction: one |W| buffer for the predicted weights of a stage that
@@ -202,13 +204,22 @@ def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: di
 
 def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     """A micro-batch's stash, from the start of its forward to the end of the
-    backward that makes its weight gradient (B, or W when split)."""
+    backward that makes its weight gradient (B, or W when split). With
+    activation recomputation (``StageCost.recompute``) only its stage input
+    from the forward on, and the rest of its stash from the start of its
+    backward (B, or I when split), which recomputes it."""
     compute = result.by_stream()["compute"]
-    stash = [c.stash_bytes for c in stage_costs]
+    held = [c.held_bytes for c in stage_costs]
+    full = [c.full_stash_bytes for c in stage_costs]
     fwd = [s for s in compute if s.action.op is F]
-    events.add([s.device for s in fwd], [s.start for s in fwd], [stash[s.action.stage] for s in fwd], "activations")
+    events.add([s.device for s in fwd], [s.start for s in fwd], [held[s.action.stage] for s in fwd], "activations")
+    if any(c.recompute for c in stage_costs):
+        again = [s for s in compute
+                 if s.action.op in INPUT_GRADIENT_OPS and full[s.action.stage] > held[s.action.stage]]
+        events.add([s.device for s in again], [s.start for s in again],
+                   [full[s.action.stage] - held[s.action.stage] for s in again], "activations")
     freed = [s for s in compute if s.action.op in WEIGHT_GRADIENT_OPS]
-    events.add([s.device for s in freed], [s.end for s in freed], [-stash[s.action.stage] for s in freed],
+    events.add([s.device for s in freed], [s.end for s in freed], [-full[s.action.stage] for s in freed],
                "activations")
 
 

@@ -46,7 +46,9 @@ Memory
     the strategy keeps, gradients, optimizer state, the stash of the
     micro-batches in flight, weight-sized buffers (prediction, averaging),
     and a send and a receive buffer for each boundary tensor in each
-    direction.
+    direction. With activation recomputation a micro-batch in flight keeps
+    only its stage input, and one of them its full stash while its backward
+    recomputes it (:func:`held_activations`).
 
 Not modelled: queueing on a shared link beyond its average load (a transfer
 delayed behind another can stall a pass, which the engine sees), and
@@ -63,6 +65,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..engine import CostModel
 from ..hardware import Hardware
@@ -225,17 +229,21 @@ def update_seconds(param_bytes, optimizer: str, mem_bandwidth: float):
     return 0.0 * param_bytes if math.isinf(mem_bandwidth) else traffic * param_bytes / mem_bandwidth
 
 
-def held_activations(stash_bytes, inflight):
-    """Activation bytes one stage replica holds: the whole stash of each of
-    the ``inflight`` micro-batches (numbers or arrays).
+def held_activations(stash_bytes, inflight, input_bytes=None):
+    """Activation bytes one stage replica holds at most: the whole stash of
+    each of the ``inflight`` micro-batches (numbers or arrays).
 
-    The hook for activation recomputation: a stage that recomputes its
-    forward in the backward keeps only its input per micro-batch (plus one
-    micro-batch's full stash while it recomputes); a planner that offers it
-    passes that choice here, and both memory checks (:func:`stage_memory`,
-    :func:`.search.memory_terms`) follow (the engine's tracker,
-    :mod:`pipesim.sim.trackers`, counts stashes on its own)."""
-    return stash_bytes * inflight
+    With activation recomputation (``input_bytes`` given: the stage's input
+    per micro-batch) a micro-batch keeps only its input until its backward,
+    which re-runs the forward and holds its full stash (its input among it)
+    while it runs: ``inflight - 1`` inputs and one full stash. Both memory
+    checks (:func:`stage_memory`, :func:`.search.memory_terms`) call this,
+    and the engine's tracker (:mod:`pipesim.sim.trackers`) holds the same
+    bytes over time."""
+    if input_bytes is None:
+        return stash_bytes * inflight
+    full = np.maximum(stash_bytes, input_bytes)
+    return np.where(np.asarray(inflight) > 0, (np.asarray(inflight) - 1) * input_bytes + full, 0 * full)
 
 
 def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int,
@@ -244,8 +252,8 @@ def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, op
     extra weight-sized buffers, stashed micro-batches, and a send and a receive
     buffer for each tensor across its boundaries (``boundary_bytes``: the
     activations in and out)."""
-    return (cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers)
-            + held_activations(cost.stash_bytes, inflight) + 2 * boundary_bytes)
+    held = held_activations(cost.stash_bytes, inflight, cost.input_bytes if cost.recompute else None)
+    return int(cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers) + held + 2 * boundary_bytes)
 
 
 def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimizer: str,

@@ -210,6 +210,14 @@ class Plan:
     memory_limit_bytes: float
     planner_seconds: float
     profile: str | None = None
+    #: which planner answered (``Strategy.planners``), and what it fixes
+    #: beyond the stages: width x depth (``width``: pipelines of the chosen
+    #: configuration; None when each stage has its own replicas), activation
+    #: recomputation, the global batch it planned for
+    planner: str = "replicas"
+    width: int | None = None
+    recompute: bool = False
+    batch_size: int | None = None
 
     @property
     def best(self) -> Candidate:
@@ -254,7 +262,10 @@ class Plan:
             "planner_seconds": round(self.planner_seconds, 3),
             "chosen": self.chosen,
             "candidates": [c.to_json() for c in self.candidates],
-        }
+            "planner": self.planner,
+            "recompute": bool(self.recompute),
+        } | ({} if self.width is None else {"width": self.width}) | (
+            {} if self.batch_size is None else {"batch_size": self.batch_size})
 
 
 def dumps(plan: Plan | dict) -> str:
@@ -284,16 +295,22 @@ class PlanFile:
     profile: str | None
     hardware: str
     predicted_samples_per_s: float
+    width: int | None = None
+    recompute: bool = False
+    name: str | None = None
 
     @property
     def config(self) -> str:
-        return notation(self.replicas)
+        return self.name or notation(self.replicas)
 
     def spec(self, microbatches: int | None = None, iterations: int | None = None) -> ScheduleSpec:
-        """The spec that runs the plan (the planned run unless told otherwise)."""
+        """The spec that runs the plan (the planned run unless told otherwise):
+        ``width`` pipelines of the stages when the plan has a width (then
+        ``microbatches`` are per pipeline), else each stage's replicas."""
+        shape = {"replicas": self.replicas} if self.width is None else {"width": self.width}
         try:
             return ScheduleSpec(self.strategy, len(self.replicas), microbatches or self.microbatches,
-                                iterations=iterations or self.iterations, replicas=self.replicas, **self.options)
+                                iterations=iterations or self.iterations, **shape, **self.options)
         except TypeError as e:  # an option no spec has
             raise PlanError(f"plan options {sorted(self.options)} are not all schedule options: {e}") from None
 
@@ -353,6 +370,15 @@ def plan_file(d: Any) -> PlanFile:
     for key, v in (("model", model), ("profile", profile)):
         if v is not None and not isinstance(v, str):
             raise PlanError(f"{key!r} must be a string or null, got {v!r}")
+    width = _field(d, "width", int, "a whole number >= 1") if "width" in d else None
+    if width is not None and any(r != width for r in reps):
+        raise PlanError(f"a plan of width {width} runs every stage on {width} replicas, got {reps}")
+    recompute = d.get("recompute", False)
+    if not isinstance(recompute, bool):
+        raise PlanError(f"'recompute' must be true or false, got {recompute!r}")
+    name = d.get("config")
+    if name is not None and not isinstance(name, str):
+        raise PlanError(f"'config' must be a string, got {name!r}")
     return PlanFile(
         strategy=strategy, starts=tuple(starts), replicas=tuple(reps), layers=expected,
         microbatches=_field(d, "microbatches", int, "a whole number >= 1"),
@@ -361,6 +387,7 @@ def plan_file(d: Any) -> PlanFile:
         options=dict(options), model=model, profile=profile,
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
+        width=width, recompute=recompute, name=name,
     )
 
 
@@ -431,6 +458,7 @@ class PlanRequest:
     memory_limit_bytes: float | None = None
     model: str | None = None
     profile_path: str | None = None
+    recompute: bool = False
 
 
 def check_request(req: PlanRequest) -> None:
@@ -446,6 +474,8 @@ def check_request(req: PlanRequest) -> None:
     if req.microbatches is not None and (isinstance(req.microbatches, bool) or not isinstance(req.microbatches, int)
                                          or req.microbatches < 1):
         raise PlanError(f"microbatches must be a whole number >= 1, got {req.microbatches!r}")
+    if not isinstance(req.recompute, bool):
+        raise PlanError(f"recompute must be True or False, got {req.recompute!r}")
     if isinstance(req.confirm, bool) or not isinstance(req.confirm, int) or req.confirm < 0:
         raise PlanError(f"confirm must be a whole number >= 0, got {req.confirm!r}")
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
@@ -464,7 +494,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     check_request(req)
     m = req.microbatches or req.gpus
     limit = req.hardware.device.memory_bytes if req.memory_limit_bytes is None else req.memory_limit_bytes
-    planner = Planner(tables=Tables(req.profile), traits=traits_of(req.strategy, req.recv_lookahead),
+    planner = Planner(tables=Tables(req.profile, req.recompute), traits=traits_of(req.strategy, req.recv_lookahead),
                       microbatches=m, iterations=req.iterations, devices=req.gpus,
                       setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
     say("searching splits and replicas")
@@ -485,7 +515,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                 microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
                 options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, profile=req.profile_path)
+                planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute)
 
 
 def _candidates(planner: Planner) -> list[Candidate]:
@@ -585,7 +615,7 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
             note = f"not simulated: {e}"
             continue
         result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
-                                   starts=cand.starts)
+                                   starts=cand.starts, recompute=req.recompute)
         peak = max(t.peak_bytes for t in result.memory)
         oom = any(t.out_of_memory for t in result.memory)
         return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=mb, iterations=k,
@@ -600,7 +630,8 @@ def _data_parallel(req: PlanRequest, m: int) -> float | None:
     n = req.gpus
     spec = ScheduleSpec(DATA_PARALLEL, n, -(-m // n) * n, iterations=req.iterations)
     try:
-        result = simulate(spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead)
+        result = simulate(spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead,
+                          recompute=req.recompute)
     except InputError:
         return None
     return steady_throughput(result)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hardware import Hardware
-from ..partition import StageCost, balanced, stage_cost
+from ..partition import StageCost, balanced, recomputed, stage_cost
 from ..workload import Profile
 from .cost import (
     Estimate,
@@ -72,13 +72,20 @@ SERVER = 8
 
 class Tables:
     """Per-range sums of a profile as (layers + 1)² arrays: entry [i, j] is
-    the stage of layers i .. j-1 (inf / 0 below the diagonal)."""
+    the stage of layers i .. j-1 (inf / 0 below the diagonal).
 
-    def __init__(self, profile: Profile) -> None:
+    ``recompute``: activation recomputation (:func:`~pipesim.sim.partition.recomputed`):
+    a stage's time counts its forward twice, and :meth:`split` gives
+    recomputing stage costs; memory then counts stage inputs (``cut``)."""
+
+    def __init__(self, profile: Profile, recompute: bool = False) -> None:
         self.profile = profile
+        self.recompute = recompute
         layers = profile.layers
         n = self.n = len(layers)
         overhead = profile.overhead_forward_s + profile.overhead_backward_s
+        if recompute:
+            overhead += profile.overhead_forward_s
 
         def ranges(values) -> np.ndarray:
             prefix = np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=float))))
@@ -86,7 +93,9 @@ class Tables:
 
         idx = np.arange(n + 1)
         self.valid = idx[:, None] < idx[None, :]
-        self.time = np.where(self.valid, ranges([la.forward_s + la.backward_s for la in layers]) + overhead, np.inf)
+        again = 2 if recompute else 1  # the backward re-runs the forward first
+        self.time = np.where(self.valid, ranges([again * la.forward_s + la.backward_s for la in layers]) + overhead,
+                             np.inf)
         self.params = np.where(self.valid, ranges([la.param_bytes for la in layers]), 0.0)
         self.stash = np.where(self.valid, ranges([la.stash_bytes for la in layers]), 0.0)
         # bytes crossing the cut before layer i (nothing before layer 0 or after the last)
@@ -99,9 +108,17 @@ class Tables:
         for a, b in zip(starts, [*starts[1:], self.n]):
             c = self._costs.get((a, b))
             if c is None:
-                c = self._costs[(a, b)] = stage_cost(self.profile, a, b - 1)
+                c = stage_cost(self.profile, a, b - 1)
+                c = self._costs[(a, b)] = recomputed([c])[0] if self.recompute else c
             out.append(c)
         return out
+
+    def held(self, inflight: int) -> np.ndarray:
+        """Activation bytes a stage replica holds with ``inflight``
+        micro-batches in flight, for every layer range (the stage of layers
+        i .. j-1 receives ``cut[i]`` bytes)."""
+        inputs = np.broadcast_to(self.cut[:, None], self.stash.shape) if self.recompute else None
+        return held_activations(self.stash, inflight, inputs)
 
 
 def line_of(line: tuple[float, float], nbytes: np.ndarray) -> np.ndarray:
@@ -126,8 +143,7 @@ def memory_terms(tables: Tables, *, inflight: int, versions: int, buffers: int, 
     """Bytes one replica of a stage holds, for every layer range (see
     :func:`.cost.stage_memory`: the same terms, as arrays)."""
     boundary = tables.cut[:, None] + tables.cut[None, :]
-    return (tables.params * (versions + 1 + optimizer_multiplier + buffers) + held_activations(tables.stash, inflight)
-            + 2 * boundary)
+    return tables.params * (versions + 1 + optimizer_multiplier + buffers) + tables.held(inflight) + 2 * boundary
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Activation recomputation: the backward re-runs the stage's forward, and a
+micro-batch stashes only its stage input until then (analytic values on a
+uniform model; the engine's trackers and the planner's cost model agree)."""
+
+import pytest
+
+from pipesim.sim.api import simulate, simulate_schedule
+from pipesim.sim.errors import InputError
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.partition import recomputed, split_at
+from pipesim.sim.planning.cost import held_activations
+from pipesim.sim.planning.layout import layout_of
+from pipesim.sim.planning.search import CostSetting, Tables, memory_terms
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workload import LayerCost, Profile
+
+F, B = 1e-3, 2e-3
+A, S, W = 1 << 18, 1 << 20, 1 << 20  # sent per micro-batch, stashed per micro-batch, weights
+
+
+def uniform(p: int) -> Profile:
+    return Profile("u", tuple(LayerCost(f"l{i}", F, B, W, A, S) for i in range(p)))
+
+
+def run(strategy: str, p: int, m: int, recompute: bool, iterations: int = 2):
+    return simulate_schedule(build_schedule(ScheduleSpec(strategy, p, m, iterations=iterations)), uniform(p),
+                             "ideal", recompute=recompute)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 5), (2, 2)])
+def test_one_f_one_b_time_and_memory(p, m):
+    plain, rc = run("1f1b", p, m, False), run("1f1b", p, m, True)
+    # every pass F + B becomes F + (F + B): makespan (m + p - 1)(2F + B) per iteration
+    assert plain.makespan == pytest.approx(2 * (m + p - 1) * (F + B))
+    assert rc.makespan == pytest.approx(2 * (m + p - 1) * (2 * F + B))
+    for k in range(p):
+        inflight = min(p - k, m)
+        assert plain.memory[k].peak_breakdown["activations"] == inflight * S
+        # the inputs of the others in flight (stage 0's input is the data: 0), one full stash
+        assert rc.memory[k].peak_breakdown["activations"] == (inflight - 1) * (A if k else 0) + S
+        assert rc.memory[k].peak_bytes < plain.memory[k].peak_bytes or inflight == 1
+
+
+def test_gpipe_keeps_every_input():
+    p, m = 3, 6
+    plain, rc = run("gpipe", p, m, False), run("gpipe", p, m, True)
+    assert rc.makespan / plain.makespan == pytest.approx((2 * F + B) / (F + B))
+    for k in range(p):
+        assert plain.memory[k].peak_breakdown["activations"] == m * S
+        assert rc.memory[k].peak_breakdown["activations"] == (m - 1) * (A if k else 0) + S
+
+
+def test_split_backward_recomputes_before_the_input_gradient():
+    costs = recomputed(split_at(uniform(2), [0, 1]))
+    c = costs[1]
+    assert c.backward_input_s == pytest.approx(B / 2 + F) and c.backward_weight_s == pytest.approx(B / 2)
+    assert c.backward_s == pytest.approx(B + F) and c.held_bytes == A and c.full_stash_bytes == S
+    assert recomputed(costs) == costs  # idempotent
+
+
+def test_summary_records_it_and_bad_values_are_refused():
+    rc = simulate(ScheduleSpec("1f1b", 2, 4), "uniform", recompute=True)
+    assert rc.meta["recompute"] is True
+    assert "recompute" not in simulate(ScheduleSpec("1f1b", 2, 4), "uniform").meta
+    with pytest.raises(InputError, match="recompute must be True or False"):
+        simulate(ScheduleSpec("1f1b", 2, 4), "uniform", recompute="no")
+
+
+@pytest.mark.parametrize("strategy", ["1f1b", "gpipe", "pipedream-2bw"])
+def test_cost_model_memory_matches_the_engine(strategy):
+    """Both memory checks (the full model's stage_memory and the search's
+    memory_terms) count what the engine's tracker holds at its peak."""
+    p, m = 4, 8
+    prof = uniform(p)
+    hw = load_hardware("ideal")
+    for recompute in (False, True):
+        schedule = build_schedule(ScheduleSpec(strategy, p, m, iterations=2))
+        result = simulate_schedule(schedule, prof, hw, recompute=recompute, starts=range(p))
+        tables = Tables(prof, recompute)
+        layout = layout_of(schedule)
+        est = CostSetting.of(prof, hw).estimate(tables.split(tuple(range(p))), layout)
+        for k in range(p):
+            engine_acts = result.memory[k].peak_breakdown["activations"]
+            terms = memory_terms(tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0,
+                                 optimizer_multiplier=1)
+            weights = W * (layout.versions[k] + 2)
+            boundary = 2 * (A if k else 0) + 2 * (A if k + 1 < p else 0)
+            assert terms[k, k + 1] == est.memory_bytes[k] == weights + engine_acts + boundary, (strategy, k)
+
+
+def test_held_activations_hook():
+    assert held_activations(S, 3) == 3 * S
+    assert held_activations(S, 3, A) == 2 * A + S
+    assert held_activations(S, 0, A) == 0
+    assert held_activations(A // 2, 2, A) == 2 * A  # a stash smaller than its input: the input counts
