@@ -505,7 +505,7 @@ def _compare_plans(args, strategies: list[str], out: Path) -> dict:
     profile = _plan_profile(args, hw, args.stages)
     planned = {}
     for name in strategies:
-        if name not in plannable():
+        if name not in plannable("replicas"):  # compare plans splits and replicas
             continue
         print(f"planning {name} on {args.stages} devices ...", file=sys.stderr, flush=True)
         options = {k: v for k, v in _strategy_options(args, name).items() if k not in ("replicas", "width")}
@@ -536,7 +536,7 @@ def _plan_profile(args, hardware, devices: int):
 
 def cmd_plan(args) -> int:
     from pipesim.sim.api import resolve_hardware
-    from pipesim.sim.planning.plan import PlanRequest, dumps, plan
+    from pipesim.sim.planning.plan import dumps
 
     from .plans import render_plan, write_plan
 
@@ -544,14 +544,10 @@ def cmd_plan(args) -> int:
     gpus = args.gpus or hw.num_devices
     if gpus is None:
         raise UsageError(f"pipesim plan: {hw.name} has no fixed device count; give --gpus N")
+    planner = _planner(args)
     out = _output_dir(args.out)
-    profile = _plan_profile(args, hw, gpus)
-    options = {"stashing": False} if args.no_stashing else {}
-    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
-    request = PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
-                          recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile, **given)
     with _plan_progress() as say:
-        record = plan(request, progress=say).to_json()
+        record = _PLANNERS[planner](args, hw, gpus, say).to_json()
     written = write_plan(record, out)
     if args.json:
         sys.stdout.write(dumps(record))
@@ -559,6 +555,90 @@ def cmd_plan(args) -> int:
         print(render_plan(record))
         print(f"wrote {', '.join(p.name for p in written)} to {out} (pipesim simulate --plan {out}/plan.json)")
     return 0
+
+
+def _planner(args) -> str:
+    """The planner the strategy uses (``Strategy.planners``; ``--planner``
+    picks another it allows), and the flags that planner takes checked."""
+    from pipesim.sim.planning.plan import PlanError, plannable
+    from pipesim.sim.strategies import get_strategy
+
+    strategy = get_strategy(args.strategy)
+    if not strategy.planners:
+        raise PlanError(f"{args.strategy} takes no per-stage replicas and has no planner, so there is nothing to "
+                        f"plan; plannable: {', '.join(plannable())}")
+    planner = args.planner or strategy.planner
+    if planner not in strategy.planners:
+        raise PlanError(f"{args.strategy} is planned by {' or '.join(strategy.planners)}, not {planner}")
+    if planner == "replicas" and args.batch_size is not None:
+        raise UsageError("pipesim plan: --batch-size is for the width-depth and tuner planners; the replicas planner "
+                         "takes --microbatches (per iteration) and --microbatch-size")
+    if planner != "replicas" and (args.microbatches is not None or args.no_stashing):
+        flag = "--microbatches" if args.microbatches is not None else "--no-stashing"
+        raise UsageError(f"pipesim plan: {flag} is not an option of the {planner} planner "
+                         "(it chooses the micro-batches from --batch-size)")
+    return planner
+
+
+def _plan_replicas(args, hw, gpus: int, say):
+    """PipeDream's planner: splits and per-stage replicas."""
+    from pipesim.sim.planning.plan import PlanRequest, plan
+
+    profile = _plan_profile(args, hw, gpus)
+    options = {"stashing": False} if args.no_stashing else {}
+    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
+    return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
+                            recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
+                            recompute=args.recompute, **given), progress=say)
+
+
+def _profile_for(args, hw, gpus: int):
+    """(the model at micro-batch size b, the sizes the planner may try: None
+    for any, a measured profile's own, or --microbatch-size), and the
+    batch size: --batch-size, else 4 micro-batches of the model's size per GPU."""
+    from dataclasses import replace
+
+    from pipesim.sim.models import model_profile
+
+    default = _plan_profile(args, hw, gpus)
+    batch = args.batch_size or 4 * gpus * default.microbatch_size
+    if args.profile:  # measured at one size: not rescaled
+        return (lambda b: replace(default, microbatch_size=b)), (default.microbatch_size,), batch
+    model = args.model or "uniform"
+    layers = gpus if model == "uniform" else None
+    sizes = None if args.microbatch_size is None else (args.microbatch_size,)
+    return (lambda b: model_profile(model, hw.device, b, layers=layers)), sizes, batch
+
+
+def _plan_width_depth(args, hw, gpus: int, say):
+    """PipeDream-2BW's planner: width, depth, micro-batch size, recomputation."""
+    from pipesim.sim.planning.grid import GridRequest, plan_grid
+
+    profile_for, sizes, batch = _profile_for(args, hw, gpus)
+    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
+    return plan_grid(GridRequest(args.strategy, profile_for, hw, gpus, batch, microbatch_sizes=sizes,
+                                 recompute=(True,) if args.recompute else (False, True),
+                                 recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
+                                 **given), progress=say)
+
+
+def _plan_tuner(args, hw, gpus: int, say):
+    """AvgPipe's tuner: pipelines and micro-batches, by simulation."""
+    from pipesim.sim.planning.tuner import TuneRequest, tune
+
+    if args.confirm is not None:
+        raise UsageError("pipesim plan: the tuner simulates every candidate; leave out --confirm")
+    profile_for, sizes, batch = _profile_for(args, hw, gpus)
+    microbatches = None if sizes is None else tuple(m for m in range(1, batch + 1)
+                                                     if batch % m == 0 and batch // m in sizes)
+    given = {"iterations": args.iterations} if args.iterations is not None else {}
+    return tune(TuneRequest(args.strategy, profile_for, hw, gpus, batch, microbatches=microbatches or None,
+                            recv_lookahead=args.recv_lookahead, recompute=args.recompute, model=args.model,
+                            profile_path=args.profile, **given), progress=say)
+
+
+#: What each planner (``Strategy.planners``) runs.
+_PLANNERS = {"replicas": _plan_replicas, "width-depth": _plan_width_depth, "tuner": _plan_tuner}
 
 
 @contextmanager
@@ -815,7 +895,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Search layer splits and per-stage replicas (PipeDream's planner, "
                                    "communication-aware), confirm the best with the engine, print the plan.")
     list_choices(p.add_argument("--strategy", default="pipedream",
-                                help="a strategy that takes per-stage replicas"), _plannable)
+                                help="a strategy some planner serves (its first planner by default: pipedream, "
+                                     "gpipe, 1f1b replicas; pipedream-2bw width-depth; avgpipe tuner)"), _plannable)
+    p.add_argument("--planner", choices=("replicas", "width-depth", "tuner"), default=None,
+                   help="replicas: splits and per-stage replicas (PipeDream); width-depth: width, depth, micro-batch "
+                        "size and recomputation for --batch-size (PipeDream-2BW; also gpipe, 1f1b); tuner: "
+                        "pipelines and micro-batches by simulation (AvgPipe) (default: the strategy's)")
+    p.add_argument("--batch-size", type=positive, default=None,
+                   help="width-depth: global batch B per update (m = B / (width x micro-batch size)); tuner: "
+                        "samples per pipeline per iteration (default: 4 micro-batches of the model's size per GPU)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: replicas and tuner plan with it; width-depth searches it anyway "
+                        "and with this flag only configurations that recompute")
     g = p.add_mutually_exclusive_group()
     list_choices(g.add_argument("--model", default=COMPARE_MODEL, help="catalog model"), _catalog_models)
     g.add_argument("--profile", default=None, help="per-layer cost profile (JSON or PipeDream's graph.txt)")
@@ -828,11 +919,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iterations of each confirming simulation (steady state is measured on all but the "
                         "first and the last) (default: 3)")
     p.add_argument("--microbatch-size", type=positive, default=None,
-                   help="samples per micro-batch (default: the model's)")
+                   help="samples per micro-batch (default: the model's; width-depth and tuner: every power of two "
+                        "that divides the batch, or only this one)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
     p.add_argument("--confirm", type=nonnegative, default=None,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
-                        "(0: the cost model alone) (default: 8)")
+                        "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the summary")

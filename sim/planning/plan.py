@@ -101,9 +101,10 @@ def notation(replicas) -> str:
     return "-".join(map(str, replicas))
 
 
-def plannable() -> list[str]:
-    """The strategies :func:`plan` serves: those that take per-stage replicas."""
-    return [s.name for s in strategies() if "replicas" in s.options]
+def plannable(planner: str | None = None) -> list[str]:
+    """The strategies some planner serves (``Strategy.planners``), or, given
+    ``planner``, those that one serves (:func:`plan`: ``"replicas"``)."""
+    return [s.name for s in strategies() if (planner in s.planners if planner else s.planners)]
 
 
 # ---------------------------------------------------------------------------
@@ -464,9 +465,9 @@ class PlanRequest:
 def check_request(req: PlanRequest) -> None:
     """One-line errors for a request that cannot be planned."""
     strategy = get_strategy(req.strategy)
-    if "replicas" not in strategy.options:
+    if "replicas" not in strategy.planners or "replicas" not in strategy.options:
         raise PlanError(f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
-                        f"{', '.join(plannable())}")
+                        f"{', '.join(plannable('replicas'))}")
     for name in ("gpus", "iterations"):
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -204,6 +204,12 @@ class Strategy:
       of a simulation, for limits and progress.
     * ``ring_transfers(spec)``: the transfers of the ring all-reduces its
       collectives run (the engine simulates each), for progress.
+    * ``planners``: the planners (:mod:`pipesim.sim.planning`) that choose
+      its configuration, the one ``pipesim plan`` uses by default first:
+      ``"replicas"`` (PipeDream's search over splits and per-stage
+      replicas), ``"width-depth"`` (PipeDream-2BW's over width, depth,
+      micro-batch size and recomputation), ``"tuner"`` (AvgPipe's, over
+      pipelines and micro-batches by simulation); empty: nothing to plan.
     """
 
     name: str
@@ -217,6 +223,12 @@ class Strategy:
     torch_equivalent: str | None = None
     stage_passes: Callable[[ScheduleSpec], int] = field(default=pipeline_passes)
     ring_transfers: Callable[[ScheduleSpec], int] = field(default=replica_ring_transfers)
+    planners: tuple[str, ...] = ()
+
+    @property
+    def planner(self) -> str | None:
+        """The planner ``pipesim plan`` uses by default (None: none)."""
+        return self.planners[0] if self.planners else None
 
     def option_defaults(self) -> dict[str, object]:
         """The default of every option this strategy reads."""

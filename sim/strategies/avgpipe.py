@@ -93,4 +93,5 @@ STRATEGY = Strategy(
     name=NAME, build=build, options=("width", "alpha", "tau", "advance", "placement"), default_width=2,
     ring_transfers=ring_transfers,
     summary="N_p pipelines with elastic averaging every tau iterations and advance forward propagation",
+    planners=("tuner",),
 )

@@ -95,4 +95,5 @@ STRATEGY = Strategy(
     name=NAME, build=build, options=("stashing", "replicas"), asynchronous=True, weight_versions=weight_versions,
     ring_transfers=ring_transfers,
     summary="asynchronous 1F1B, an update after every backward; weight stashing, or vanilla without",
+    planners=("replicas",),
 )

@@ -91,4 +91,5 @@ STRATEGY = Strategy(
     name=NAME, build=build, options=("width", "replicas"), asynchronous=True, needs_m_ge_p=True,
     weight_versions=weight_versions,
     summary="1F1B without flush, one update per m micro-batches, double-buffered weights (staleness 1)",
+    planners=("width-depth", "replicas"),
 )
