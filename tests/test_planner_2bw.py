@@ -1,0 +1,180 @@
+"""The width x depth planner (PipeDream-2BW's; also 1F1B and GPipe) and
+AvgPipe's tuner: memory, choice, recomputation, and their command line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipesim.experiments.cli import main
+from pipesim.sim.api import simulate
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid
+from pipesim.sim.planning.plan import PlanError, plan_file, steady_throughput
+from pipesim.sim.planning.tuner import TuneRequest, tune
+from pipesim.sim.strategies import ScheduleSpec, get_strategy, strategies
+from pipesim.sim.workload import LayerCost, Profile
+
+MIB = 1 << 20
+IDEAL = load_hardware("ideal")
+PCIE = load_hardware("pcie-4gpu")
+
+
+def model(layers: int = 4, f: float = 1e-3, weights: int = 8 * MIB, sent: int = MIB, stash: int = 16 * MIB):
+    """Identical layers costed per sample; ``profile_for(b)`` scales time and activations with b."""
+
+    def profile_for(b: int) -> Profile:
+        return Profile("toy", tuple(LayerCost(f"l{i}", f * b, 2 * f * b, weights, sent * b, stash * b)
+                                    for i in range(layers)), microbatch_size=b)
+
+    return profile_for
+
+
+def with_memory(hw, limit: float):
+    return replace(hw, device=replace(hw.device, memory_bytes=limit))
+
+
+def test_planners_are_facts_of_the_strategies() -> None:
+    assert get_strategy("pipedream-2bw").planner == "width-depth"
+    assert get_strategy("avgpipe").planner == "tuner"
+    assert {s.name for s in strategies() if "width-depth" in s.planners} == {"gpipe", "1f1b", "pipedream-2bw"}
+    assert get_strategy("spectrain").planner is None
+
+
+@pytest.mark.parametrize("strategy", ["1f1b", "pipedream-2bw"])
+def test_closed_form_is_the_papers_on_a_uniform_model(strategy) -> None:
+    """Free links, 4 stages of F = 1 ms, B = 2 ms: 2BW takes m periods per
+    update, a flushed 1F1B m + d - 1; the engine agrees in steady state."""
+    req = GridRequest(strategy, model(), IDEAL, 4, 16, microbatch_sizes=(1,), recompute=(False,), confirm=0)
+    grid = _Grid(req, float("inf"))
+    shape = Shape(1, 4, 1, 16, False)
+    cand = grid.candidate(shape)
+    periods = 16 if strategy == "pipedream-2bw" else 16 + 3
+    assert cand.analytic_samples_per_s == pytest.approx(16 / (periods * 3e-3))
+    confirmed = grid.confirm(cand)
+    assert confirmed.simulated_samples_per_s == pytest.approx(cand.analytic_samples_per_s, rel=1e-6)
+    rc = grid.candidate(replace(shape, recompute=True))  # every backward re-runs the forward: 4 ms a pass
+    assert rc.analytic_samples_per_s == pytest.approx(16 / (periods * 4e-3))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(strategy=st.sampled_from(["gpipe", "1f1b", "pipedream-2bw"]), limit_mib=st.integers(60, 400),
+       batch=st.sampled_from([8, 16]))
+def test_choice_fits_and_is_the_fastest_confirmed(strategy, limit_mib, batch) -> None:
+    rec = plan_grid(GridRequest(strategy, model(), with_memory(PCIE, limit_mib * MIB), 4, batch,
+                                microbatch_sizes=(1, 2, 4), confirm=3, iterations=3)).to_json()
+    cands, best = rec["candidates"], rec["candidates"][rec["chosen"]]
+    fitting = [c for c in cands if not c["out_of_memory"]]
+    if not fitting:
+        assert best["out_of_memory"]
+        return
+    assert not best["out_of_memory"] and best["peak_memory_bytes"] <= limit_mib * MIB
+    confirmed = [c for c in fitting if c["simulated_samples_per_s"] is not None]
+    assert best["simulated_samples_per_s"] == max(c["simulated_samples_per_s"] for c in confirmed)
+    p = best["params"]
+    assert p["width"] * p["depth"] == 4 and p["width"] * p["microbatch_size"] * p["microbatches"] == batch
+    assert (rec["width"], rec["microbatch_size"], rec["recompute"]) == (p["width"], p["microbatch_size"],
+                                                                      p["recompute"])
+
+
+def _largest_fitting_b(strategy: str, recompute: bool, limit: float) -> int:
+    rec = plan_grid(GridRequest(strategy, model(layers=8), with_memory(PCIE, limit), 4, 64,
+                                microbatch_sizes=(1, 2, 4, 8, 16), recompute=(recompute,), confirm=2)).to_json()
+    fits = [c["params"]["microbatch_size"] for c in rec["candidates"] if not c["out_of_memory"]]
+    return max(fits, default=0)
+
+
+def test_recomputation_lets_a_larger_microbatch_fit() -> None:
+    limit = 300 * MIB  # weights about 100 MiB per stage; whole stashes of 16 MiB x b per layer do not fit
+    plain, rc = _largest_fitting_b("pipedream-2bw", False, limit), _largest_fitting_b("pipedream-2bw", True, limit)
+    assert 0 < plain < rc
+
+
+def test_gpipe_fits_fewer_microbatches_than_1f1b() -> None:
+    """GPipe stashes all m micro-batches, 1F1B at most d - k: with a fixed
+    micro-batch, the largest batch that fits is smaller for GPipe."""
+    limit = 250 * MIB
+
+    def largest_m(strategy: str) -> int:
+        req = GridRequest(strategy, model(), with_memory(PCIE, limit), 4, 64, microbatch_sizes=(1,),
+                          recompute=(False,), confirm=0)
+        grid = _Grid(req, limit)
+        return max((m for m in range(1, 65) if not grid.candidate(Shape(1, 4, 1, m, False)).out_of_memory),
+                   default=0)
+
+    gpipe, one_f_one_b = largest_m("gpipe"), largest_m("1f1b")
+    assert 0 < gpipe < one_f_one_b
+    # and the engine holds GPipe's m stashes: one more micro-batch, one more stash per stage
+    peaks = [max(t.peak_bytes for t in simulate(ScheduleSpec("gpipe", 4, m), profile=model()(1),
+                                                hardware=IDEAL, recv_lookahead=1).memory) for m in (4, 5)]
+    assert peaks[1] - peaks[0] == 16 * MIB  # a stage (one layer here) holds one more stash
+
+
+def test_tuner_picks_the_best_of_a_brute_force_grid() -> None:
+    hw = with_memory(PCIE, 150 * MIB)  # the fastest, 3 pipelines of 8, needs about 161 MiB
+    profile_for = model()
+    rec = tune(TuneRequest("avgpipe", profile_for, hw, 4, 8, pipelines=(1, 2, 3), microbatches=(2, 4, 8))).to_json()
+    brute = {}
+    for n in (1, 2, 3):
+        for m in (2, 4, 8):
+            r = simulate(ScheduleSpec("avgpipe", 4, m, iterations=3, width=n), profile=profile_for(8 // m),
+                         hardware=hw)
+            brute[(n, m)] = (not any(t.out_of_memory for t in r.memory), steady_throughput(r))
+    assert any(not fits for fits, _ in brute.values()) and any(fits for fits, _ in brute.values())
+    best = max(brute, key=lambda k: brute[k])
+    p = rec["candidates"][rec["chosen"]]["params"]
+    assert (p["pipelines"], p["microbatches"]) == best
+    assert rec["predicted_samples_per_s"] == pytest.approx(brute[best][1])
+    assert len(rec["candidates"]) == 9
+
+
+def test_plan_runs_with_simulate_plan(tmp_path, capsys) -> None:
+    out = tmp_path / "plan"
+    assert main(["plan", "--strategy", "pipedream-2bw", "--model", "bert-large", "--hardware", "dgx1-v100",
+                 "--batch-size", "32", "--recompute", "--confirm", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rec = json.loads((out / "plan.json").read_text())
+    assert (out / "pareto.html").exists() and "chosen: " in text and rec["recompute"] is True
+    pf = plan_file(rec)
+    spec = pf.spec()
+    assert spec.width == rec["width"] and spec.replicas is None and spec.stages == len(rec["stages"])
+    assert main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json",
+                 "--out", str(tmp_path / "sim")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["meta"]["recompute"] is True and summary["microbatch_size"] == rec["microbatch_size"]
+    assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
+
+
+def test_same_inputs_same_plan() -> None:
+    req = GridRequest("1f1b", model(), PCIE, 4, 8, microbatch_sizes=(1, 2), confirm=2)
+    a, b = plan_grid(req).to_json(), plan_grid(req).to_json()
+    a.pop("planner_seconds"), b.pop("planner_seconds")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--strategy", "pipedream", "--batch-size", "8"], "--batch-size is for the width-depth"),
+        (["--strategy", "pipedream", "--planner", "tuner"], "pipedream is planned by replicas, not tuner"),
+        (["--strategy", "pipedream-2bw", "--batch-size", "3"], "no width x depth configuration"),
+        (["--strategy", "pipedream-2bw", "--microbatches", "4"], "--microbatches is not an option"),
+        (["--strategy", "avgpipe", "--confirm", "2"], "leave out --confirm"),
+        (["--strategy", "pipedream-2bw", "--batch-size", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
+    code = main(["plan", "--model", "uniform", "--hardware", "pcie-4gpu", *argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_library_errors() -> None:
+    with pytest.raises(PlanError, match="not planned by width x depth"):
+        plan_grid(GridRequest("pipedream", model(), PCIE, 4, 8))
+    with pytest.raises(PlanError, match="not a tuning option"):
+        tune(TuneRequest("avgpipe", model(), PCIE, 4, 8, options={"width": 2}))
