@@ -892,8 +892,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("plan", help="choose the fastest configuration (stages, splits, replicas) for a strategy",
-                       description="Search layer splits and per-stage replicas (PipeDream's planner, "
-                                   "communication-aware), confirm the best with the engine, print the plan.")
+                       description="Run the strategy's planner (PipeDream's splits and per-stage replicas; "
+                                   "PipeDream-2BW's width, depth, micro-batch size and recomputation; AvgPipe's "
+                                   "tuner), confirm the best with the engine, print the plan and write plan.json "
+                                   "and pareto.html.")
     list_choices(p.add_argument("--strategy", default="pipedream",
                                 help="a strategy some planner serves (its first planner by default: pipedream, "
                                      "gpipe, 1f1b replicas; pipedream-2bw width-depth; avgpipe tuner)"), _plannable)

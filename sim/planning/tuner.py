@@ -143,7 +143,8 @@ def measure(req: TuneRequest, pipelines: int, microbatches: int, profiles: dict)
     stages = tuple(Stage(c.first_layer, c.last_layer, pipelines) for c in result.stage_costs)
     return Candidate(config=name, stages=stages, source="tuner", analytic_samples_per_s=rate,
                      simulated_samples_per_s=rate, microbatches=microbatches, iterations=req.iterations,
-                     peak_memory_bytes=peak, out_of_memory=peak > limit, params=params | {"depth": schedule.num_stages})
+                     peak_memory_bytes=peak, out_of_memory=peak > limit, bottleneck="measured by the engine",
+                     params=params | {"depth": schedule.num_stages})
 
 
 def _limit(req: TuneRequest) -> float:
