@@ -47,11 +47,12 @@ def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_siz
     return model_profile(model, hardware.device, microbatch_size, layers=layers)
 
 
-#: How many splits a small simulation runs to pick the fastest (the cost
-#: model's best ones; see :func:`split_candidates`).
+#: A simulation is small enough to confirm its split when this many runs of
+#: it fit in :data:`CONFIRM_ACTIONS`; it then runs as many of the cost model's
+#: best splits as fit there (see :func:`split_candidates`).
 CONFIRM_SPLITS = 4
-#: A simulation is small enough to confirm its split when that many runs of
-#: it hold at most this many actions (a few tens of milliseconds).
+#: The actions all confirming runs of one simulation hold together (a few
+#: tens of milliseconds).
 CONFIRM_ACTIONS = 4000
 
 
@@ -74,10 +75,10 @@ def simulate_schedule(
 
     ``starts`` gives the split (the first layer of every stage, e.g. a
     plan's). By default the split is :func:`split_for`'s; a small run
-    (:data:`CONFIRM_ACTIONS`) instead runs the :data:`CONFIRM_SPLITS` splits
-    the cost model ranks best and keeps the fastest that fits in memory (the
-    first on a tie), so the model's misjudgements cost nothing where checking
-    them is cheap.
+    (:data:`CONFIRM_ACTIONS`) instead runs as many of the splits the cost
+    model ranks best as that budget holds (every split of a small model) and
+    keeps the fastest that fits in memory (the first on a tie), so the
+    model's misjudgements cost nothing where checking them is cheap.
     """
     check_run_options(recv_lookahead=recv_lookahead)
     check_recompute(recompute)
@@ -95,7 +96,9 @@ def simulate_schedule(
     if starts is not None:
         return run(_given_split(profile, starts, schedule))
     actions = sum(map(len, schedule.programs))
-    limit = CONFIRM_SPLITS if actions * CONFIRM_SPLITS <= CONFIRM_ACTIONS else 1
+    # as many of the model's best splits as the budget holds (every split of a
+    # small model), so a small run's split is the engine's choice, not the model's
+    limit = max(1, CONFIRM_ACTIONS // actions) if actions * CONFIRM_SPLITS <= CONFIRM_ACTIONS else 1
     results = [run(c) for c in split_candidates(schedule, profile, hw, limit, recv_lookahead, recompute)]
     return min(results, key=lambda r: (any(t.out_of_memory for t in r.memory), r.makespan))
 
