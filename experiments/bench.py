@@ -130,7 +130,8 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
-    "sim": Bench("pipesim.sim.bench", "simulated actions/s, the ratio to raw SimPy, the 131k-action target, memory per action",
+    "sim": Bench("pipesim.sim.bench",
+                 "simulated actions/s, the ratio to raw SimPy, the 131k-action target, memory per action",
                  main=_sim_with_console_script),
     "plan": Bench("pipesim.sim.planning.bench", "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
                   main=_plan_with_console_script),

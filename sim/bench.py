@@ -183,7 +183,8 @@ def render(report: dict) -> str:
                      f"{r['ratio_to_raw_simpy']:>7.3f}")
     target = report["target"]
     if target:
-        lines.append(f"target, 1f1b p=64 m=1024 ({target['compute_actions']:,} compute actions), library path of --summary-only: best "
+        lines.append(f"target, 1f1b p=64 m=1024 ({target['compute_actions']:,} compute actions), "
+                     f"library path of --summary-only: best "
                      f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
                      f"(target {target['seconds']:.1f} s end to end); best as a rate: "
                      f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)")
