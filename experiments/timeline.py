@@ -24,8 +24,12 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from operator import attrgetter
+
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
+from _plotly_utils.utils import to_typed_array_spec
 
 from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op
 from pipesim.sim.metrics import bubble_fractions
@@ -83,25 +87,31 @@ def _hovertemplate(op: Op, all_versions: bool, comm: bool) -> str:
     return "<br>".join(lines) + "<extra>%{fullData.name}</extra>"
 
 
-def apply_timeline_layout(fig: go.Figure, *, title: str, tickvals: list, ticktext: list, x_max_ms: float) -> None:
-    """The look every timeline shares: rows top to bottom on an idle-coloured
-    background, time in ms, the legend of actions on top."""
+def timeline_layout(*, title: str, tickvals: list, ticktext: list, x_max_ms: float) -> dict:
+    """The look every timeline shares, as ``update_layout`` arguments: rows
+    top to bottom on an idle-coloured background, time in ms, the legend of
+    actions on top."""
     n_rows = len(tickvals)
-    fig.update_layout(
-        title={"text": title},
-        barmode="overlay",
-        plot_bgcolor=IDLE_COLOR,
-        paper_bgcolor="white",
-        height=int(170 + 34 * max(n_rows, 1)),
-        margin={"l": 10, "r": 10, "t": 80, "b": 50},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
-                "title": {"text": "action"}},
-        hoverlabel={"align": "left"},
-        xaxis={"title": {"text": "time (ms)"}, "range": [0, x_max_ms if x_max_ms > 0 else 1],
-               "showgrid": False, "zeroline": False},
-        yaxis={"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
-               "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
-    )
+    return {
+        "title": {"text": title},
+        "barmode": "overlay",
+        "plot_bgcolor": IDLE_COLOR,
+        "paper_bgcolor": "white",
+        "height": int(170 + 34 * max(n_rows, 1)),
+        "margin": {"l": 10, "r": 10, "t": 80, "b": 50},
+        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
+                   "title": {"text": "action"}},
+        "hoverlabel": {"align": "left"},
+        "xaxis": {"title": {"text": "time (ms)"}, "range": [0, x_max_ms if x_max_ms > 0 else 1],
+                  "showgrid": False, "zeroline": False},
+        "yaxis": {"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
+                  "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
+    }
+
+
+def apply_timeline_layout(fig: go.Figure, *, title: str, tickvals: list, ticktext: list, x_max_ms: float) -> None:
+    """Give ``fig`` the look every timeline shares (:func:`timeline_layout`)."""
+    fig.update_layout(**timeline_layout(title=title, tickvals=tickvals, ticktext=ticktext, x_max_ms=x_max_ms))
 
 
 def timeline_figure(
@@ -116,6 +126,44 @@ def timeline_figure(
     ``show_comm``: draw the ``device N comm`` rows; ``None`` (default) draws
     them unless the result has more than ``max_spans`` spans in all.
     """
+    bars, fig = _timeline_parts(result, title, show_comm, max_spans)
+    for props in bars:
+        fig.add_trace(go.Bar(**props))
+    return fig
+
+
+def timeline_dict(
+    result: SimResult,
+    title: str | None = None,
+    *,
+    show_comm: bool | None = None,
+    max_spans: int = DEFAULT_MAX_SPANS,
+) -> dict:
+    """``timeline_figure(...).to_dict()``, without plotly's validation.
+
+    A figure object checks and copies every element of every array it is
+    given, and again when it is written: over a second for 131k bars. The
+    bar properties built here are valid by construction, so they go straight
+    into the dict, arrays encoded as plotly's typed-array specs exactly as
+    the figure would encode them; only the small layout goes through plotly.
+    """
+    bars, fig = _timeline_parts(result, title, show_comm, max_spans)
+    layout = fig.to_dict()["layout"]
+    return {"data": [_plain_bar(props) for props in bars], "layout": layout}
+
+
+def _plain_bar(props: dict) -> dict:
+    """A bar trace as ``Figure.to_dict()`` spells it: properties in plotly's
+    (alphabetical) order, numpy arrays as typed-array specs, then its type."""
+    out = {k: to_typed_array_spec(v) if isinstance(v, np.ndarray) else v for k, v in sorted(props.items())}
+    out["type"] = "bar"
+    return out
+
+
+def _timeline_parts(result: SimResult, title: str | None, show_comm: bool | None,
+                    max_spans: int) -> tuple[list[dict], go.Figure]:
+    """The bar properties of every trace (in trace order) and a figure with
+    no traces that holds the layout."""
     spans = result.spans
     bubbles = device_bubbles(result)
     comm_spans = sum(1 for s in spans if s.stream != "compute")
@@ -126,9 +174,8 @@ def timeline_figure(
     rows_per_dev = 2 if has_comm else 1
     t0 = min((s.start for s in spans), default=0.0)
 
+    bars = [_op_bar(op, items, rows_per_dev, t0) for op, items in _spans_by_op(spans, has_comm)]
     fig = go.Figure()
-    for op, items in _spans_by_op(spans, has_comm):
-        fig.add_trace(_op_trace(op, items, rows_per_dev, t0))
     tickvals, ticktext = _rows(bubbles, has_comm)
     makespan_ms = result.makespan * 1e3
     apply_timeline_layout(fig, title=title if title is not None else _title(result, bubbles),
@@ -140,7 +187,7 @@ def timeline_figure(
             xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top", xanchor="left",
             showarrow=False, font={"size": 11, "color": "#555555"},
         )
-    return fig
+    return bars, fig
 
 
 def _rows(bubbles: list[float], has_comm: bool) -> tuple[list[int], list[str]]:
@@ -158,60 +205,81 @@ def _rows(bubbles: list[float], has_comm: bool) -> tuple[list[int], list[str]]:
 
 
 def _spans_by_op(spans, has_comm: bool) -> list[tuple[Op, list]]:
-    """``(op, [(span, is_comm), ...])`` in trace order, each list sorted by
-    device and time; communication spans only when their rows are drawn."""
+    """``(op, [span, ...])`` in trace order, each list sorted by device and
+    time (:func:`_sort_spans`); communication spans only when their rows
+    are drawn."""
     groups: dict[Op, list] = defaultdict(list)
     for s in spans:
-        is_comm = s.stream != "compute"
-        if is_comm and not has_comm:
-            continue
-        groups[s.action.op].append((s, is_comm))
+        if has_comm or s.stream == "compute":
+            groups[s.action.op].append(s)
     out = []
     for op in OP_ORDER + tuple(sorted(set(groups) - set(OP_ORDER), key=lambda o: o.value)):
         items = groups.get(op)
         if items:
-            items.sort(key=lambda it: (it[0].device, it[0].start, it[0].end, str(it[0].action)))
-            out.append((op, items))
+            out.append((op, _sort_spans(items)))
     return out
 
 
-def _op_trace(op: Op, items: list, rows_per_dev: int, t0: float) -> go.Bar:
-    """One bar trace holding every span of one action type, as binary arrays."""
-    comm = items[0][1]
-    n = len(items)
-    y = np.empty(n, dtype=np.int32)
-    base = np.empty(n, dtype=np.float64)
-    dur = np.empty(n, dtype=np.float64)
+def _sort_spans(items: list) -> list:
+    """``items`` sorted by (device, start, end, action name).
+
+    Spelling every action to sort 131k spans costs more than the sort, and
+    only ties on (device, start, end) need it: so sort without it (stably),
+    then order each run of ties by name, which gives the same order."""
+    items.sort(key=attrgetter("device", "start", "end"))
+    keys = [(s.device, s.start, s.end) for s in items]
+    i, n = 0, len(items)
+    while i < n:
+        j = i + 1
+        while j < n and keys[j] == keys[i]:
+            j += 1
+        if j - i > 1:
+            items[i:j] = sorted(items[i:j], key=lambda s: str(s.action))
+        i = j
+    return items
+
+
+def _op_bar(op: Op, items: list, rows_per_dev: int, t0: float) -> dict:
+    """The ``go.Bar`` properties of one trace holding every span of one
+    action type, numbers as numpy arrays (binary in the page)."""
+    comm = items[0].stream != "compute"
+    actions = [s.action for s in items]
+    starts = np.fromiter((s.start for s in items), dtype=np.float64, count=len(items))
+    ends = np.fromiter((s.end for s in items), dtype=np.float64, count=len(items))
+    y = np.fromiter((s.device for s in items), dtype=np.int32, count=len(items)) * np.int32(rows_per_dev)
+    if rows_per_dev > 1:  # the comm row under each device
+        y += np.fromiter((s.stream != "compute" for s in items), dtype=np.int32, count=len(items))
+    base = (starts - t0) * 1e3
+    dur = (ends - starts) * 1e3
+    columns = [[a.stage for a in actions],
+               [-1 if a.microbatch is None else a.microbatch for a in actions],
+               [-1 if a.version is None else a.version for a in actions]]
+    all_versions = all(a.version is not None for a in actions)
+    if comm:
+        columns += [[-1 if s.peer is None else s.peer for s in items], [s.nbytes for s in items]]
     # compute traces: float32 is exact for ids below 2**24 and ample for
     # hover durations, and halves the HTML; comm keeps float64 for bytes.
-    custom = np.empty((n, 6 if comm else 4), dtype=np.float64 if comm else np.float32)
-    text = []
-    all_versions = True
-    for k, (s, is_comm) in enumerate(items):
-        a = s.action
-        y[k] = s.device * rows_per_dev + (1 if is_comm else 0)
-        base[k] = (s.start - t0) * 1e3
-        dur[k] = dur_ms = (s.end - s.start) * 1e3
-        if a.version is None:
-            all_versions = False
-        row = (a.stage, -1 if a.microbatch is None else a.microbatch, -1 if a.version is None else a.version, dur_ms)
-        custom[k] = row + (-1 if s.peer is None else s.peer, s.nbytes) if comm else row
-        text.append(str(a))
-    return go.Bar(
-        name=op.value,
-        orientation="h",
-        y=y,
-        base=np.round(base, 9).tolist(),
-        x=np.round(dur, 9),
-        width=_COMM_WIDTH if comm else _COMPUTE_WIDTH,
-        marker={"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
-        opacity=0.85 if comm else 1.0,
-        text=text,
-        textposition="none",
-        customdata=np.round(custom, 9) if comm else custom,
-        hovertemplate=_hovertemplate(op, all_versions, comm),
-        legendrank=OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER),
-    )
+    custom = np.empty((len(items), 6 if comm else 4), dtype=np.float64 if comm else np.float32)
+    for k, col in enumerate(columns[:3]):
+        custom[:, k] = col
+    custom[:, 3] = dur
+    for k, col in enumerate(columns[3:], 4):
+        custom[:, k] = col
+    return {
+        "name": op.value,
+        "orientation": "h",
+        "y": y,
+        "base": np.round(base, 9).tolist(),
+        "x": np.round(dur, 9),
+        "width": _COMM_WIDTH if comm else _COMPUTE_WIDTH,
+        "marker": {"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
+        "opacity": 0.85 if comm else 1.0,
+        "text": [str(a) for a in actions],
+        "textposition": "none",
+        "customdata": np.round(custom, 9) if comm else custom,
+        "hovertemplate": _hovertemplate(op, all_versions, comm),
+        "legendrank": OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER),
+    }
 
 
 def _title(result: SimResult, bubbles: list[float]) -> str:
@@ -232,7 +300,8 @@ def write_timeline_html(result: SimResult, path: str | Path, title: str | None =
     :func:`timeline_figure`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig = timeline_figure(result, title=title, **kwargs)
-    fig.write_html(path, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
-                   config={"displaylogo": False, "scrollZoom": True})
+    fig = timeline_dict(result, title=title, **kwargs)
+    html = pio.to_html(fig, validate=False, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
+                       config={"displaylogo": False, "scrollZoom": True})
+    path.write_text(html, "utf-8")
     return path

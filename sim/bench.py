@@ -12,7 +12,10 @@ Prints, measured in one process so the ratios hold on a noisy machine:
   library calls that command makes (build, cost, partition, simulate,
   summarise, write summary.json), timed in this process. ``pipesim bench
   sim`` adds the console script's end-to-end time (interpreter start and
-  imports included), which only the command-line layer can measure.
+  imports included), which only the command-line layer can measure;
+* peak memory of that path for m = 256 ... 2048 at p = 64, each in a fresh
+  interpreter, as bytes per compute action: a flat column means memory grows
+  linearly with the actions.
 
 Nothing here asserts: the figures are for the reader (and the issue note).
 """
@@ -20,7 +23,9 @@ Nothing here asserts: the figures are for the reader (and the issue note).
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,17 +72,76 @@ def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardwar
             "compute_actions": actions, "seconds": round(elapsed, 4), "actions_per_s": round(actions / elapsed)}
 
 
-def target_seconds(repeat: int = 3) -> list[float]:
-    """Wall times of what ``pipesim simulate`` does for the target, in this process."""
+def target_seconds(repeat: int = 3, outputs=None) -> tuple[list[float], int]:
+    """Sorted wall times of what ``pipesim simulate`` does for the target, in
+    this process, and its compute actions. ``outputs(result, folder)``, if
+    given, writes what the command writes besides summary.json (the trace
+    and timeline live in layers above this one)."""
     times = []
     spec = ScheduleSpec(TARGET["strategy"], TARGET["stages"], TARGET["microbatches"])
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeat):
             start = time.perf_counter()
             with gc_paused():
-                write_summary(summarize(simulate(spec)), Path(out) / "summary.json")
+                result = simulate(spec)
+                summary = summarize(result)
+                write_summary(summary, Path(out) / "summary.json")
+                if outputs is not None:
+                    outputs(result, Path(out))
             times.append(time.perf_counter() - start)
-    return sorted(times)
+            del result
+    return sorted(times), summary["compute_actions"]
+
+
+#: Micro-batch counts (at p = 64) whose peak memory shows how it grows.
+MEMORY_SIZES = (256, 512, 1024, 2048)
+
+#: What a fresh interpreter runs to measure one size: the peak resident set
+#: after the imports, then after the simulation.
+_PEAK_RSS_CHILD = """
+import sys
+from pipesim.sim.bench import peak_rss_child
+peak_rss_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+"""
+
+
+def peak_rss_child(strategy: str, p: int, m: int) -> None:
+    """In a fresh interpreter: print the peak resident set in bytes after
+    the imports and after ``simulate`` and ``summarize`` of (strategy, p, m)."""
+    from .metrics import summarize as summarize_
+
+    before = peak_rss_bytes()
+    with gc_paused():
+        summary = summarize_(simulate(ScheduleSpec(strategy, p, m)))
+    print(before, peak_rss_bytes(), summary["compute_actions"])
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: Linux's VmHWM, which starts afresh
+    in a new program (ru_maxrss keeps the parent's peak across exec, so a
+    child started by a big benchmark would report the benchmark's)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def memory_rows(strategy: str = "1f1b", p: int = 64, sizes=MEMORY_SIZES) -> list[dict]:
+    """Peak memory of ``simulate`` + ``summarize`` per size, each in a fresh
+    interpreter (the peak resident set only ever grows within a process)."""
+    rows = []
+    for m in sizes:
+        out = subprocess.run([sys.executable, "-c", _PEAK_RSS_CHILD, strategy, str(p), str(m)], check=True,
+                             capture_output=True, text=True).stdout.split()
+        before, after, actions = map(int, out[-3:])
+        rows.append({"strategy": strategy, "stages": p, "microbatches": m, "compute_actions": actions,
+                     "peak_rss_bytes": after, "imports_rss_bytes": before,
+                     "bytes_per_action": round((after - before) / actions)})
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +163,13 @@ def run(args: argparse.Namespace) -> dict:
     if not args.quick:
         print("[target] 1f1b p=64 m=1024, as pipesim simulate --summary-only does it, 3 times ...",
               file=sys.stderr, flush=True)
-        times = target_seconds()
-        report["target"] = {**TARGET, "library_best_s": round(times[0], 3),
-                            "library_median_s": round(statistics.median(times), 3)}
+        times, actions = target_seconds()
+        report["target"] = {**TARGET, "compute_actions": actions, "library_best_s": round(times[0], 3),
+                            "library_median_s": round(statistics.median(times), 3),
+                            "ratio_to_raw_simpy": round(actions / times[0] / raw, 4)}
+        print(f"[memory] peak resident set for m = {', '.join(map(str, MEMORY_SIZES))} at p = 64, "
+              "each in a fresh interpreter ...", file=sys.stderr, flush=True)
+        report["memory"] = memory_rows()
     return report
 
 
@@ -115,9 +183,18 @@ def render(report: dict) -> str:
                      f"{r['ratio_to_raw_simpy']:>7.3f}")
     target = report["target"]
     if target:
-        lines.append(f"target, 1f1b p=64 m=1024 (131,072 compute actions), library path of --summary-only: best "
+        lines.append(f"target, 1f1b p=64 m=1024 ({target['compute_actions']:,} compute actions), "
+                     f"library path of --summary-only: best "
                      f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
-                     f"(target {target['seconds']:.1f} s end to end)")
+                     f"(target {target['seconds']:.1f} s end to end); best as a rate: "
+                     f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)")
+    if report.get("memory"):
+        lines.append(f"{'peak memory':<12} {'m':>5} {'actions':>8} {'peak RSS':>10} {'after imports':>14} "
+                     f"{'bytes/action':>13}")
+        for r in report["memory"]:
+            lines.append(f"{'1f1b p=64':<12} {r['microbatches']:>5} {r['compute_actions']:>8} "
+                         f"{r['peak_rss_bytes'] / 2**20:>7.0f} MiB {r['imports_rss_bytes'] / 2**20:>10.0f} MiB "
+                         f"{r['bytes_per_action']:>13,}")
     return "\n".join(lines)
 
 

@@ -281,6 +281,8 @@ class _Layout:
         self.lines: list[str] = []
         line = self.lines.append
         ends = _FlowEnds()
+        send_at, recv_at, not_pairs = ends.send_at, ends.recv_at, ends.not_pairs
+        flow_end, op_value, cat_durs, action_type = _FLOW_END, _OP_VALUE, _CAT_DUR, Action
         for i, s in enumerate(spans):
             start = round(s.start * 1e9)
             end = round(s.end * 1e9)
@@ -297,15 +299,54 @@ class _Layout:
                 entry[2] = start
                 entry[3] = end
                 tail = entry[1]
+            flow = s.flow
             if text:
-                line(_span_text(s, start, end, tail))
-            if s.flow is not None:
-                ends.add(i, s, key, start + (end - start) // 2)
+                # _span_text's two common shapes, inlined: this runs per span
+                a = s.action
+                if type(a) is action_type and (v := op_value.get(a[0])) is not None:
+                    op, stage, mb, ver, dist, rep = a
+                    nb = s.nbytes
+                    peer = s.peer
+                    if (rep == 0 == dist and type(mb) is int and type(stage) is int and type(nb) is int
+                            and type(rep) is int and type(dist) is int):
+                        dur = end - start
+                        us = dur // 1000 if dur % 1000 == 0 else dur / 1000
+                        ts = start // 1000 if start % 1000 == 0 else start / 1000
+                        if flow is None and peer is None and type(ver) is int:
+                            mb, stage, ver = str(mb), str(stage), str(ver)
+                            line(f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
+                                 f'"stage":{stage},"version":{ver}{cat_durs[op]}{us},'
+                                 f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
+                        elif type(flow) is type(peer) is int and ver is None:
+                            mb, stage = str(mb), str(stage)
+                            line(f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
+                                 f'"peer":{peer},"replica":0,"stage":{stage}{cat_durs[op]}{us},'
+                                 f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
+                        else:
+                            line(_span_text(s, start, end, tail))
+                    else:
+                        line(_span_text(s, start, end, tail))
+                else:
+                    line(_span_text(s, start, end, tail))
+            if flow is not None:
+                # _FlowEnds.add, inlined
+                op = s.action.op
+                is_send = flow_end.get(op)
+                if is_send is None:  # an action of no transfer type: its stream says which end
+                    if key[1] not in ("send", "recv"):
+                        continue
+                    is_send = key[1] == "send"
+                side = send_at if is_send else recv_at
+                if flow in side:
+                    not_pairs.add(flow)
+                else:
+                    side[flow] = (i, key, start + (end - start) // 2, op)
         return tracks, unusual, ends
 
 
 class _FlowEnds:
-    """The send and receive ends of each flow id, as the spans are scanned."""
+    """The send and receive ends of each flow id, as the spans are scanned
+    (filled by :meth:`_Layout._scan`)."""
 
     __slots__ = ("not_pairs", "recv_at", "send_at")
 
@@ -313,19 +354,6 @@ class _FlowEnds:
         self.send_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
         self.recv_at: dict[int, tuple[int, tuple[int, str], int, object]] = {}
         self.not_pairs: set[int] = set()  # flow ids with several sends or receives
-
-    def add(self, i: int, s: Span, key: tuple[int, str], middle: int) -> None:
-        op = s.action.op
-        is_send = _FLOW_END.get(op)
-        if is_send is None:  # an action of no transfer type: its stream says which end
-            if key[1] not in ("send", "recv"):
-                return
-            is_send = key[1] == "send"
-        side = self.send_at if is_send else self.recv_at
-        if s.flow in side:
-            self.not_pairs.add(s.flow)
-        else:
-            side[s.flow] = (i, key, middle, op)
 
 
 def _span_text(s: Span, start: int, end: int, tail: str) -> str:

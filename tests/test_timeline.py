@@ -139,6 +139,40 @@ def test_html_self_contained_and_byte_identical(tmp_path):
     assert "device 1 (bubble 64.3%)" in html
 
 
+def _plotly_written(result, path, **kwargs):
+    """The page as plotly writes a validated figure: the reference
+    write_timeline_html must match byte for byte."""
+    timeline_figure(result, **kwargs).write_html(path, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
+                                                 config={"displaylogo": False, "scrollZoom": True})
+
+
+@pytest.mark.parametrize("case", [
+    {"spec": ("1f1b", 4, 8), "model": "uniform", "hardware": "ideal"},
+    {"spec": ("pipedream", 2, 12, {"replicas": (3, 1)}), "model": "vgg16", "hardware": "pcie-4gpu"},
+    {"spec": ("zb-h1", 4, 8), "model": "gpt-1.3b", "hardware": "dgx-h100", "max_spans": 50},
+    {"spec": ("avgpipe", 2, 4), "model": "uniform", "hardware": "pcie-4gpu"},
+])
+def test_html_without_validation_is_what_plotly_writes(tmp_path, case):
+    from pipesim.sim.api import simulate
+    from pipesim.sim.strategies import ScheduleSpec
+
+    strategy, p, m, *options = case["spec"]
+    res = simulate(ScheduleSpec(strategy, p, m, **(options[0] if options else {})), case["model"],
+                   case["hardware"])
+    kwargs = {"max_spans": case["max_spans"]} if "max_spans" in case else {}
+    ours, ref = tmp_path / "ours.html", tmp_path / "ref.html"
+    write_timeline_html(res, ours, **kwargs)
+    _plotly_written(res, ref, **kwargs)
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+def test_html_of_a_synthetic_result_is_what_plotly_writes(tmp_path):
+    ours, ref = tmp_path / "ours.html", tmp_path / "ref.html"
+    write_timeline_html(make_result(), ours, title="t")
+    _plotly_written(make_result(), ref, title="t")
+    assert ours.read_bytes() == ref.read_bytes()
+
+
 # ---------------------------------------------------------------------------
 # PNG export guard
 # ---------------------------------------------------------------------------
