@@ -71,6 +71,11 @@ Architectures and defaults (``model_names()`` lists them):
   sequence 1024, vocabulary 51200. Micro-batch 1, Adam.
 * ``gpt-13b``: GPT-3 13B: 40 layers, hidden 5120, 40 heads, sequence 2048,
   vocabulary 50257. Micro-batch 1, Adam.
+* ``2bw-gpt-355m``, ``2bw-gpt-1.3b``, ``2bw-gpt-2.2b``, ``2bw-gpt-3.8b`` and
+  ``2bw-bert-*`` of the same four sizes: PipeDream-2BW's models (Narayanan
+  et al. 2021; sizes from the authors' sweep script: 24 x 1024 x 16 heads,
+  24 x 2048 x 16, 32 x 2304 x 32, 32 x 3072 x 32), sequence 512, vocabulary
+  50257 (GPT) or 30522 (BERT). Micro-batch 1 (2BW's planner chooses it), Adam.
 * ``uniform``: for analytic checks; see :func:`uniform_profile`.
 
 Measured profiles (:func:`measured_model_names`): ``pipedream-vgg16``,
@@ -387,6 +392,30 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
     return layers
 
 
+#: PipeDream-2BW's transformer sizes, (name, blocks, hidden, heads), from the
+#: authors' sweep script (Narayanan et al. 2021): 355M, 1.3B, 2.2B and 3.8B.
+TWO_BW_SIZES = (("355m", 24, 1024, 16), ("1.3b", 24, 2048, 16), ("2.2b", 32, 2304, 32), ("3.8b", 32, 3072, 32))
+
+
+def _two_bw_models() -> list[_Model]:
+    """GPT and BERT at 2BW's sizes, sequence 512 as the paper ran them.
+
+    Separate names (``2bw-gpt-1.3b``) rather than new defaults of the
+    existing ``gpt-1.3b``, whose sequence 2048 other figures use. The paper
+    trained them in fp16 with fp32 master weights and Adam, which is what
+    every catalog profile already prices (see the module doc); the
+    micro-batch defaults to 1 because 2BW's planner chooses it."""
+    out = []
+    for size, blocks, d, heads in TWO_BW_SIZES:
+        out.append(_Model(f"2bw-gpt-{size}", f"GPT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
+                          1, "adam", lambda seq_len, blocks, d=d, heads=heads: _gpt(seq_len, blocks, d, heads, 50257),
+                          seq_len=512, blocks=blocks))
+        out.append(_Model(f"2bw-bert-{size}", f"BERT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
+                          1, "adam", lambda seq_len, blocks, d=d, heads=heads: _bert(seq_len, blocks, d, heads, 30522),
+                          seq_len=512, blocks=blocks))
+    return out
+
+
 _MODELS: dict[str, _Model] = {
     m.name: m
     for m in (
@@ -401,6 +430,7 @@ _MODELS: dict[str, _Model] = {
                lambda seq_len, blocks: _bert(seq_len, blocks), seq_len=512, blocks=24),
         _Model("gpt-1.3b", "GPT 1.3B (24 x 2048, 16 heads)", 4, "adam",
                lambda seq_len, blocks: _gpt(seq_len, blocks, 2048, 16, 50257), seq_len=2048, blocks=24),
+        *_two_bw_models(),
         _Model("gpt-8.3b", "GPT 8.3B, Megatron-LM (72 x 3072, 32 heads)", 1, "adam",
                lambda seq_len, blocks: _gpt(seq_len, blocks, 3072, 32, 51200), seq_len=1024, blocks=72),
         _Model("gpt-13b", "GPT-3 13B (40 x 5120, 40 heads)", 1, "adam",
