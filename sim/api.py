@@ -22,7 +22,7 @@ from .models import model_profile
 from .partition import StageCost, check_split, partition, recomputed, split_at
 from .results import SimResult
 from .size import check_size
-from .strategies import ScheduleSpec, build_schedule
+from .strategies import ScheduleSpec, build_schedule, find_strategy
 from .workload import Profile, WorkloadError, check_microbatch_size
 
 
@@ -88,7 +88,12 @@ def simulate_schedule(
         info["recompute"] = True
     info.update(meta or {})
 
+    strategy = find_strategy(schedule.strategy)  # None for an imported schedule
+    shard = strategy.device_costs if strategy is not None else None
+
     def run(stage_costs: list[StageCost]) -> SimResult:
+        if shard is not None:  # devices split each stage's layers (tensor parallelism)
+            stage_costs = shard(profile, stage_costs, schedule.options)
         return run_engine(schedule, recomputed(stage_costs) if recompute else stage_costs, hw,
                           microbatch_size=profile.microbatch_size, optimizer=profile.optimizer,
                           recv_lookahead=recv_lookahead, meta=info)

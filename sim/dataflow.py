@@ -33,6 +33,7 @@ from collections import defaultdict
 from typing import NamedTuple, Union
 
 from .ir import (
+    ALLREDUCE,
     AVERAGE,
     FLOW,
     PASS_OPS,
@@ -279,6 +280,9 @@ def _collective_waits(op: Op, rep: int, stage: int, last_coll: dict) -> tuple:
     avg = last_coll.pop((AVERAGE, rep, stage), None)
     if avg is not None:
         waits += (avg,)
+    act = last_coll.pop((ALLREDUCE, rep, stage), None)  # tensor parallelism: the next pass needs the sum
+    if act is not None:
+        waits += (act,)
     if op is UPDATE:
         red = last_coll.pop((REDUCE_GRAD, rep, stage), None)
         if red is not None:

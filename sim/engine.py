@@ -33,6 +33,7 @@ from ._gc import gc_paused
 from .checks import describe_wait_cycle, providers, validate
 from .dataflow import Arrival, compile_plan
 from .ir import (
+    ALLREDUCE,
     AVERAGE,
     PREDICT,
     REDUCE_GRAD,
@@ -379,10 +380,14 @@ class _Run:
             first.setdefault(d, act)
             local[d] += 1
         devices = sorted(first)
-        nbytes = self.costs.stage_costs[stage].param_bytes
+        cost = self.costs.stage_costs[stage]
+        # ALLREDUCE: the stage's activation all-reduces of one pass, one after the other
+        buffers = cost.allreduce_bytes if op is ALLREDUCE else (cost.param_bytes,)
+        nbytes = sum(buffers)
         start = self.env.now
         if len(devices) > 1:
-            yield from self.ring_allreduce(devices, nbytes)
+            for size in buffers:
+                yield from self.ring_allreduce(devices, size)
         if op is AVERAGE:
             dur = self.costs.averaging(stage, max(local.values()))
             if dur:
@@ -419,5 +424,5 @@ class _Run:
 #: How each kind of post that is not a transfer is posted. A table on the
 #: class, not of bound methods on the run: those would form a reference cycle
 #: that keeps a finished simulation's million objects for the cyclic collector.
-_POST = {REDUCE_GRAD: _Run.post_collective, AVERAGE: _Run.post_collective,
+_POST = {REDUCE_GRAD: _Run.post_collective, AVERAGE: _Run.post_collective, ALLREDUCE: _Run.post_collective,
          UNSHARD: _Run.post_shard, RESHARD: _Run.post_shard}

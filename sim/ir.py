@@ -26,9 +26,12 @@ posted; ``RECV_*`` is posted when reached and completes when the data has
 arrived. ``REDUCE_GRAD`` (gradient all-reduce across replicas) and ``AVERAGE``
 (elastic averaging of the replicas with their centre) are collectives: posted
 like a receive, they run on the collective stream once every replica of the
-stage has posted them (replicas may share a device). The next ``UPDATE`` of
-that (replica, stage) waits for its ``REDUCE_GRAD``; the next compute action
-of that (replica, stage) waits for its ``AVERAGE``. A compute action waits
+stage has posted them (replicas may share a device). ``ALLREDUCE`` (tensor
+parallelism) is one too: the activation all-reduces of one pass of the
+stage, summed across its replicas (the tensor-parallel group). The next
+``UPDATE`` of that (replica, stage) waits for its ``REDUCE_GRAD``; the next
+compute action of that (replica, stage) waits for its ``AVERAGE`` and its
+``ALLREDUCE``. A compute action waits
 for the data it consumes (a receive, or a producer on the same device).
 
 A micro-batch's backward on a stage is either one full ``B`` or an ``I``
@@ -99,6 +102,7 @@ class Op(str, Enum):
     UNSHARD = "UNSHARD"  # FSDP: gather a stage's sharded parameters
     RESHARD = "RESHARD"  # FSDP: free the gathered parameters
     OVERLAP_F_B = "OVERLAP_F_B"  # marker: the next F and B run as one overlapped unit
+    ALLREDUCE = "ALLREDUCE"  # tensor parallelism: all-reduce of activations; pipesim only
 
     def __str__(self) -> str:
         return self.value
@@ -116,6 +120,7 @@ W = Op.BACKWARD_WEIGHT
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 REDUCE_GRAD, UPDATE, PREDICT, AVERAGE = Op.REDUCE_GRAD, Op.UPDATE, Op.PREDICT, Op.AVERAGE
 UNSHARD, RESHARD, OVERLAP_F_B = Op.UNSHARD, Op.RESHARD, Op.OVERLAP_F_B
+ALLREDUCE = Op.ALLREDUCE
 
 #: Passes over a micro-batch. These read a weight version.
 PASS_OPS = frozenset({F, B, I, W})
@@ -123,7 +128,7 @@ PASS_OPS = frozenset({F, B, I, W})
 COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT})
 #: Collectives across the replicas of a stage: posted without blocking, run
 #: once every replica has posted them.
-COLLECTIVE_OPS = frozenset({REDUCE_GRAD, AVERAGE})
+COLLECTIVE_OPS = frozenset({REDUCE_GRAD, AVERAGE, ALLREDUCE})
 #: Point-to-point communication, added by :func:`pipesim.sim.lowering.lower`.
 P2P_OPS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
 #: FSDP's parameter gathering and freeing, posted without blocking.
@@ -198,7 +203,7 @@ class Action(NamedTuple):
 
 _ACTION_RE = re.compile(
     r"^(?:r(?P<replica>\d+)\.)?(?P<stage>\d+)"
-    r"(?P<op>SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UPDATE|PREDICT|AVERAGE|UNSHARD|RESHARD|F|B|I|W)"
+    r"(?P<op>SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UPDATE|PREDICT|AVERAGE|ALLREDUCE|UNSHARD|RESHARD|F|B|I|W)"
     r"(?P<mb>\d+)?(?:@v(?P<version>\d+))?(?:\+p(?P<distance>\d+))?$"
 )
 #: A compound cell as torch writes it: ``(0F7;7B3)OVERLAP_F_B``.
@@ -212,7 +217,7 @@ _OP_OF = {op.value: op for op in Op}
 #: cell by cell to name it.
 _ROW_CELL_RE = re.compile(
     r"(?:^|,)(?:r(\d+)\.)?(\d+)"
-    r"(?:(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)|(PREDICT)(\d*)|(REDUCE_GRAD|UPDATE|AVERAGE|UNSHARD|RESHARD))"
+    r"(?:(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)|(PREDICT)(\d*)|(REDUCE_GRAD|UPDATE|AVERAGE|ALLREDUCE|UNSHARD|RESHARD))"
     r"(?:@v(\d+))?(?:\+p(\d+))?(?=,|$)"
 )
 

@@ -58,7 +58,9 @@ def summarize(result: SimResult) -> dict:
     makespan = result.makespan
     busy = device_busy(result)
     bubbles = bubble_fractions(result, busy, makespan)
-    samples = s.total_microbatches * result.microbatch_size  # ids are global over replicas
+    found = find_strategy(s.strategy)
+    shards = found.shards(s.options) if found is not None else 1  # tensor parallelism: d ids per micro-batch
+    samples = s.total_microbatches * result.microbatch_size // shards  # ids are global over replicas
     compute_actions = len(result.by_stream()["compute"])
 
     devices = []

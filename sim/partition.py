@@ -95,6 +95,10 @@ class StageCost:
     stash_bytes: int
     input_bytes: int = 0
     recompute: bool = False
+    #: Tensor parallelism: the activation all-reduces one forward (or one
+    #: backward) of the stage runs, in bytes each, in order (the
+    #: strategy's costs set them; empty for every other strategy).
+    allreduce_bytes: tuple[int, ...] = ()
 
     @property
     def held_bytes(self) -> int:

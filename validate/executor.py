@@ -33,6 +33,7 @@ import torch
 from pipesim.kernels import elastic_average
 from pipesim.sim.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir import (
+    ALLREDUCE,
     AVERAGE,
     FSDP_OPS,
     OVERLAP_F_B,
@@ -55,6 +56,7 @@ from pipesim.sim.ir import (
 )
 from pipesim.sim.lowering import plan
 from pipesim.sim.strategies import schedule_option
+from pipesim.sim.strategies._common import check_executable
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import Tensor
@@ -468,10 +470,11 @@ def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
 #: OVERLAP_F_B's forward waits for its backward's inputs too, which
 #: :meth:`DeviceExecutor.compute` would take as the forward's own input, and
 #: FSDP's actions need sharded stages.
-UNSUPPORTED_OPS = FSDP_OPS | {OVERLAP_F_B}
+UNSUPPORTED_OPS = FSDP_OPS | {OVERLAP_F_B, ALLREDUCE}
 
 
 def compiled(schedule: Schedule, recv_lookahead: int = 1) -> list[list]:
+    check_executable(schedule.strategy, "real-tensor executors")
     for dev, prog in enumerate(schedule.programs):
         for a in prog:
             if a.op in UNSUPPORTED_OPS:

@@ -37,6 +37,7 @@ from pipesim.sim.metrics import round_sig
 from pipesim.sim.partition import partition
 from pipesim.sim.results import SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
 from .executor import emulate, iteration_losses
 from .models import RealModel, build_model
@@ -109,6 +110,7 @@ def check_machine(cfg: ValidateConfig, schedule: Schedule) -> None:
 
 
 def build(cfg: ValidateConfig) -> Schedule:
+    check_executable(cfg.strategy, "real-tensor executors")  # before anything is launched
     opts = dict(cfg.strategy_options)
     if cfg.replicas != 1:
         opts["width"] = cfg.replicas

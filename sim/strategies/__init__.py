@@ -23,6 +23,7 @@ from . import (
     pipedream,
     pipedream_2bw,
     spectrain,
+    tensor_parallel,
     zero_bubble,
 )
 from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError
@@ -36,7 +37,7 @@ __all__ = [
 _REGISTRY: dict[str, Strategy] = {
     mod.STRATEGY.name: mod.STRATEGY
     for mod in (gpipe, one_f_one_b, interleaved, zero_bubble, pipedream, pipedream_2bw, spectrain, avgpipe,
-                data_parallel)
+                data_parallel, tensor_parallel)
 }
 
 

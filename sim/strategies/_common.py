@@ -210,6 +210,15 @@ class Strategy:
       replicas), ``"width-depth"`` (PipeDream-2BW's over width, depth,
       micro-batch size and recomputation), ``"tuner"`` (AvgPipe's, over
       pipelines and micro-batches by simulation); empty: nothing to plan.
+    * ``device_costs(profile, stage_costs, options)``: what one device's
+      share of each model stage costs, when devices split a stage's layers
+      among them (tensor parallelism: 1/d of the work, plus the activation
+      all-reduces of each pass); None: a device runs the whole stage.
+    * ``shards(options)``: how many micro-batch ids make up one micro-batch
+      (the shards of the devices that split it); metrics count samples
+      once per micro-batch.
+    * ``executable``: the emulator and the runtime can run its schedules
+      on real tensors; False: they refuse it (:func:`check_executable`).
     """
 
     name: str
@@ -224,6 +233,9 @@ class Strategy:
     stage_passes: Callable[[ScheduleSpec], int] = field(default=pipeline_passes)
     ring_transfers: Callable[[ScheduleSpec], int] = field(default=replica_ring_transfers)
     planners: tuple[str, ...] = ()
+    device_costs: Callable[..., list] | None = None
+    shards: Callable[[Mapping[str, object]], int] = field(default=lambda options: 1)
+    executable: bool = True
 
     @property
     def planner(self) -> str | None:
@@ -233,6 +245,16 @@ class Strategy:
     def option_defaults(self) -> dict[str, object]:
         """The default of every option this strategy reads."""
         return {name: (self.default_width if name == "width" else OPTION_DEFAULTS[name]) for name in self.options}
+
+
+def check_executable(strategy_name: str, executor: str) -> None:
+    """Refuse, in one line, a schedule whose strategy says real tensors cannot run it."""
+    from . import find_strategy  # the registry imports this module
+
+    found = find_strategy(strategy_name)
+    if found is not None and not found.executable:
+        raise StrategyError(f"the {executor} cannot run {strategy_name}: it needs layers split across devices "
+                            f"on real tensors, which only the simulator models")
 
 
 def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:

@@ -1,0 +1,107 @@
+"""Tensor model parallelism in Megatron-LM's style (Shoeybi et al. 2019).
+
+Each of ``d = stages * width`` devices (the CLI's ``--stages d``) holds 1/d
+of every layer: the attention heads and the MLP's hidden units are split
+across devices, so every device runs every micro-batch on its shard of the
+weights. The partial results meet in all-reduces of the full activation:
+two per transformer layer in the forward (after attention and after the
+MLP) and their two conjugates in the backward, over the group, which spans
+servers when d exceeds one.
+
+How it is expressed in the IR: one model stage replicated d times, replica
+r on device r, as data parallelism lays devices out; micro-batch l of
+iteration t is the d ids ``(t*m + l)*d + r``, one shard per device (so
+``num_microbatches`` is m*d and :attr:`Strategy.shards` tells metrics to
+count each micro-batch once). Each device runs ``F ALLREDUCE B ALLREDUCE``
+per micro-batch (one at a time, as Megatron without pipelining does), then
+``UPDATE`` of its own shard: no gradient all-reduce, since no weight is
+replicated. One ``ALLREDUCE`` action stands for all of a pass's all-reduces
+(2 per layer: :func:`device_costs` lists them), which the engine runs one
+after another over the group's devices on the real topology; the next pass
+waits for it. This keeps the action count at four per micro-batch and
+device while charging every all-reduce, latency included. Within one pass
+the all-reduces follow all of its compute instead of sitting between
+layers; on one device the sum is the same.
+
+Simplifications: the compute, weights and stash of every layer are divided
+by d (Megatron replicates LayerNorm and dropout inputs, so the real stash
+is somewhat larger); embedding and output layers all-reduce their hidden
+state like a block; activation recomputation does not repeat the forward's
+all-reduces. Combining it with data parallelism (a gradient all-reduce
+across groups) or with pipelining is out of scope. The emulator and runtime
+cannot run it (it needs split layers on real tensors) and refuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ..ir import ALLREDUCE, Action, B, F, Schedule
+from ._common import ScheduleSpec, Strategy, check_spec, flush_iteration, ring_steps, schedule_of
+
+NAME = "tensor-parallel"
+
+#: Activation all-reduces per layer in each pass (after attention and after the MLP).
+ALLREDUCES_PER_LAYER = 2
+
+
+def build(spec: ScheduleSpec) -> Schedule:
+    check_spec(spec, uses=STRATEGY.options)
+    d = spec.stages * spec.width
+    m = spec.microbatches
+    programs = []
+    for r in range(d):
+        prog: list[Action] = []
+        for t in range(spec.iterations):
+            order = []
+            for local in range(m):
+                mb = (t * m + local) * d + r
+                order += [Action(F, 0, mb, replica=r), Action(ALLREDUCE, 0, replica=r),
+                          Action(B, 0, mb, replica=r), Action(ALLREDUCE, 0, replica=r)]
+            prog.extend(flush_iteration(order, t, reduce=False))
+        programs.append(tuple(prog))
+    return schedule_of(spec, programs, num_stages=1, num_microbatches=m * d, replicas=d,
+                       options={"devices": d, "tensor_parallel": d, "width": 1, "depth": 1})
+
+
+def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
+    """One device's share of the (single) stage: compute, weights and stash
+    divided by d, and the stage's activation all-reduces of one pass: two
+    per layer, each of the layer's hidden state (the larger of its input and
+    its output, so the loss layer, which outputs nothing, still counts)."""
+    d = int(options.get("tensor_parallel", 1))
+    out = []
+    for c in stage_costs:
+        buffers = []
+        for k in range(c.first_layer, c.last_layer + 1):
+            hidden = max(profile.layers[k].activation_bytes, profile.layers[k - 1].activation_bytes if k else 0)
+            buffers += [hidden] * ALLREDUCES_PER_LAYER
+        out.append(replace(
+            c, forward_s=c.forward_s / d, backward_s=c.backward_s / d, backward_input_s=c.backward_input_s / d,
+            backward_weight_s=c.backward_weight_s / d, param_bytes=-(-c.param_bytes // d),
+            stash_bytes=-(-c.stash_bytes // d), allreduce_bytes=tuple(buffers) if d > 1 else ()))
+    return out
+
+
+def shards(options: Mapping[str, object]) -> int:
+    """Every micro-batch runs as d ids, one shard per device."""
+    return int(options.get("tensor_parallel", 1))
+
+
+def stage_passes(spec: ScheduleSpec) -> int:
+    """Every device runs every micro-batch (on its shard)."""
+    return spec.microbatches * spec.stages * spec.width * spec.iterations
+
+
+def ring_transfers(spec: ScheduleSpec) -> int:
+    """At least one all-reduce per pass (the layer count is not known before
+    the model is: two per layer in fact), for progress."""
+    return 2 * spec.microbatches * spec.iterations * ring_steps(spec.stages * spec.width)
+
+
+STRATEGY = Strategy(
+    name=NAME, build=build, options=("width",), stage_passes=stage_passes, ring_transfers=ring_transfers,
+    device_costs=device_costs, shards=shards, executable=False,
+    summary="every layer split over stages x width devices, 2+2 activation all-reduces per layer (Megatron)",
+)

@@ -1,0 +1,32 @@
+"""The papers' machines and workloads: presets with their sources, 2BW's models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.sim.hardware import load_hardware, preset_names
+from pipesim.sim.models import model_parameters
+
+
+def test_p3_presets_resolve_and_share_one_calibration():
+    one, eight = load_hardware("p3.16xlarge"), load_hardware("p3.16xlarge-x8")
+    assert (one.num_devices, eight.num_devices, eight.nodes) == (8, 64, 8)
+    assert one.device == eight.device and one.device.flops == 45e12 and one.device.dtype_bytes == 2
+    assert one.intra_node.kind == "mesh" and eight.inter_node.bandwidth == 25e9 / 8
+    assert load_hardware("p3.16xlarge-x8").to_json() == one.with_nodes(8).to_json() | {"notes": eight.notes}
+
+
+@pytest.mark.parametrize("name", ["p3.16xlarge", "p3.16xlarge-x8", "spectrain-4gpu"])
+def test_every_section_names_its_source(name):
+    from importlib.resources import files
+
+    d = json.loads(files("pipesim.sim").joinpath("presets", f"{name}.json").read_text())
+    assert name in preset_names() and d["notes"] and d["device"]["notes"] and d["intra_node"]["notes"]
+
+
+@pytest.mark.parametrize("model,billions", [("2bw-gpt-355m", 0.355), ("2bw-gpt-1.3b", 1.3), ("2bw-gpt-2.2b", 2.2),
+                                            ("2bw-gpt-3.8b", 3.8), ("2bw-bert-3.8b", 3.8)])
+def test_2bw_models_have_their_sizes(model, billions):
+    assert model_parameters(model) / 1e9 == pytest.approx(billions, rel=0.07)

@@ -1,0 +1,77 @@
+"""Tensor parallelism (Megatron-style): closed form against the engine, structure, refusal by executors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.sim.api import simulate, simulate_schedule
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.ir import ALLREDUCE, B, F, UPDATE, REDUCE_GRAD, parse_action
+from pipesim.sim.metrics import summarize
+from pipesim.sim.models import uniform_profile
+from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
+from pipesim.sim.workload import Profile
+from dataclasses import replace
+
+ACT = 1 << 20  # bytes of each layer's hidden state in the closed-form test
+
+
+def _profile(layers: int) -> Profile:
+    p = uniform_profile(layers)
+    return replace(p, layers=tuple(replace(c, activation_bytes=ACT) for c in p.layers))
+
+
+@pytest.mark.parametrize("hw,d", [("dgx1-v100", 2), ("dgx1-v100", 4), ("p3.16xlarge-x2", 16)])
+def test_closed_form_on_uniform_layers(hw, d):
+    """time = m * (F + B) / d + 4 * layers * allreduce(activation) per micro-batch, and the update."""
+    layers, m = 6, 3
+    sched = build_schedule(ScheduleSpec("tensor-parallel", d, m))
+    res = simulate_schedule(sched, _profile(layers), hw)
+    hwm = load_hardware(hw)
+    ar = hwm.ring_allreduce_time(list(range(d)), ACT)
+    compute = layers * (1e-3 + 2e-3) / d
+    update = 5 * (-(-layers * (1 << 20) // d)) / hwm.device.mem_bandwidth
+    expected = m * (compute + 4 * layers * ar) + update
+    assert res.makespan == pytest.approx(expected, rel=1e-9)
+
+
+def test_structure():
+    s = build_schedule(ScheduleSpec("tensor-parallel", 4, 2, iterations=2))
+    assert s.num_devices == 4 and s.num_stages == 1 and s.replicas == (4,)
+    assert s.options["tensor_parallel"] == 4
+    for r, prog in enumerate(s.programs):
+        ops = [a.op for a in prog]
+        assert REDUCE_GRAD not in ops  # sharded weights: nothing to reduce
+        assert ops.count(F) == ops.count(B) == 4 and ops.count(ALLREDUCE) == 8 and ops.count(UPDATE) == 2
+        # every device runs every micro-batch, on its own shard id
+        assert sorted(a.microbatch // 4 for a in prog if a.op is F) == [0, 1, 2, 3]
+        assert all(a.microbatch % 4 == r for a in prog if a.op is F)
+    assert parse_action("r2.0ALLREDUCE") == s.programs[2][1]
+
+
+def test_throughput_counts_each_microbatch_once():
+    one = summarize(simulate(ScheduleSpec("tensor-parallel", 1, 4), "uniform", "ideal"))
+    four = summarize(simulate(ScheduleSpec("tensor-parallel", 4, 4), "uniform", "ideal"))
+    assert one["throughput_samples_per_s"] == pytest.approx(four["throughput_samples_per_s"])
+
+
+def test_across_servers_is_slower_than_within():
+    prof = _profile(4)
+    within = simulate_schedule(build_schedule(ScheduleSpec("tensor-parallel", 8, 2)), prof, "p3.16xlarge-x2")
+    across = simulate_schedule(build_schedule(ScheduleSpec("tensor-parallel", 16, 2)), prof, "p3.16xlarge-x2")
+    assert across.makespan > within.makespan / 2
+
+
+def test_facts_and_real_model_run():
+    st = get_strategy("tensor-parallel")
+    assert not st.executable and st.device_costs is not None
+    res = simulate(ScheduleSpec("tensor-parallel", 8, 2), "2bw-gpt-355m", "p3.16xlarge", microbatch_size=2)
+    assert res.makespan > 0 and not any(t.out_of_memory for t in res.memory)
+
+
+def test_executors_refuse():
+    from pipesim.sim.strategies._common import check_executable
+
+    with pytest.raises(StrategyError, match="cannot run tensor-parallel"):
+        check_executable("tensor-parallel", "emulator")
+    check_executable("gpipe", "emulator")  # runs
