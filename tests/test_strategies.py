@@ -564,7 +564,7 @@ def test_flush_update_right_after_last_backward():
                        if a.op in (B, W) and a.microbatch // 6 == t)
             assert prog[last + 1] == Action(UPDATE, k, version=t + 1)
     assert strategy_names() == list(ALL[:4]) + ["pipedream", "pipedream-2bw", "spectrain",
-                                                "avgpipe", "data-parallel"]
+                                                "avgpipe", "data-parallel", "tensor-parallel"]
 
 
 # --------------------------------------------------------------------------

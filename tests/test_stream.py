@@ -78,7 +78,7 @@ def assert_same_state(got_stages, got_versions, want_stages, want_out):
             assert torch.equal(a, b), key
 
 
-NAMES = [s.name for s in strategies()] + ["pipedream-vanilla"]
+NAMES = [s.name for s in strategies() if s.executable] + ["pipedream-vanilla"]  # the emulator runs them
 
 
 @pytest.mark.parametrize("name", NAMES)
