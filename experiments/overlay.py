@@ -264,8 +264,6 @@ def _rename_processes(events: list[dict], label: str, pid_offset: int, flow_offs
             ev["args"] = {"sort_index": 2 * dev + sort_bias}
         elif ev.get("ph") in ("s", "f") and flow_offset:
             ev["id"] = ev["id"] + flow_offset
-        elif ev.get("ph") == "X" and flow_offset and "flow" in ev.get("args", {}):
-            ev["args"] = {**ev["args"], "flow": ev["args"]["flow"] + flow_offset}
         out.append(ev)
     return out
 

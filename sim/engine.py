@@ -282,10 +282,13 @@ class _Run:
             dur = cache.get(key)
             if dur is None:
                 dur = cache[key] = compute_cost(a)
-            start = env.now
+            start = end = env.now
             if dur:
                 yield env.timeout(dur)
-            spans.append(Span(dev, "compute", a, start, env.now))
+                # SimPy's clock is now exactly start + dur (the float sum it
+                # scheduled the timeout by): no second read of its property
+                end = start + dur
+            spans.append(Span(dev, "compute", a, start, end))
             if token in awaited:
                 fire(token)
         self.blocked.pop(dev, None)

@@ -13,13 +13,16 @@ format"):
   slices on one track ever overlap and the track nests trivially;
 * one complete event (``ph: "X"``) per span: ``name`` is the action spelling
   (``"1F3@v0"``), ``cat`` the op type (``"F"``, ``"SEND_F"``, ...), ``ts`` and
-  ``dur`` in microseconds with nanosecond resolution, ``args`` holding stage,
-  replica, distance, bytes and, when they apply, micro-batch, version and
-  peer device;
+  ``dur`` in microseconds with nanosecond resolution. The name already spells
+  stage, micro-batch, replica, weight version and prediction distance and the
+  track names the device, so ``args`` holds only what nothing else shows: the
+  bytes moved (left out when 0) and the peer device of a transfer; a span with
+  neither has no ``args``. Leaving out what the name and track already say
+  cuts the file by a third (97 to 67 MB for 1F1B with p = 64, m = 1,024);
 * a flow arrow (``ph: "s"`` at the send, ``ph: "f"`` with ``"bp": "e"`` at the
   receive, same ``id``, ``cat`` and ``name``) for every send/receive pair that
   shares a ``flow`` id; both ends sit at the middle of their slice so viewers
-  bind them to it;
+  bind them to it (the arrow carries the id, so the slices do not repeat it);
 * a counter (``ph: "C"``, name ``"memory"``, ``args {"bytes": ...}``) per
   device from its :class:`~pipesim.sim.results.MemoryTrack`.
 
@@ -131,8 +134,8 @@ _OP_VALUE: dict[object, str] = {op: op.value for op in Op}
 #: JSON text of each op value (all from the alphabet [A-Z_]).
 _OP_JSON: dict[object, str] = {op: json.dumps(v) for op, v in _OP_VALUE.items()}
 _FLOW_CAT_JSON = json.dumps(FLOW_CAT)
-#: Text of a complete event from the end of its args to its duration.
-_CAT_DUR: dict[object, str] = {op: f'}},"cat":{cat},"dur":' for op, cat in _OP_JSON.items()}
+#: Text of a complete event from its category to its duration.
+_CAT_DUR: dict[object, str] = {op: f'"cat":{cat},"dur":' for op, cat in _OP_JSON.items()}
 
 
 def _op_value(op) -> str:
@@ -141,21 +144,14 @@ def _op_value(op) -> str:
 
 
 def _span_args(span: Span) -> dict:
-    a = span.action
-    args: dict[str, object] = {
-        "stage": a.stage,
-        "replica": a.replica,
-        "distance": a.distance,
-        "bytes": int(span.nbytes),
-    }
-    if a.microbatch is not None:
-        args["microbatch"] = a.microbatch
-    if a.version is not None:
-        args["version"] = a.version
+    """What a slice shows beyond its name, category and track (see the
+    module doc): bytes moved, unless 0, and the peer device."""
+    args: dict[str, object] = {}
+    nbytes = int(span.nbytes)
+    if nbytes:
+        args["bytes"] = nbytes
     if span.peer is not None:
         args["peer"] = span.peer
-    if span.flow is not None:
-        args["flow"] = span.flow
     return args
 
 
@@ -312,16 +308,11 @@ class _Layout:
                         dur = end - start
                         us = dur // 1000 if dur % 1000 == 0 else dur / 1000
                         ts = start // 1000 if start % 1000 == 0 else start / 1000
-                        if flow is None and peer is None and type(ver) is int:
-                            mb, stage, ver = str(mb), str(stage), str(ver)
-                            line(f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
-                                 f'"stage":{stage},"version":{ver}{cat_durs[op]}{us},'
-                                 f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
+                        if flow is None and peer is None and nb == 0 and type(ver) is int:
+                            line(f'{{{cat_durs[op]}{us},"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
                         elif type(flow) is type(peer) is int and ver is None:
-                            mb, stage = str(mb), str(stage)
-                            line(f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
-                                 f'"peer":{peer},"replica":0,"stage":{stage}{cat_durs[op]}{us},'
-                                 f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
+                            args = f'"bytes":{nb},"peer":{peer}' if nb else f'"peer":{peer}'
+                            line(f'{{"args":{{{args}}},{cat_durs[op]}{us},"name":"{stage}{v}{mb}"{tail}{ts}}}')
                         else:
                             line(_span_text(s, start, end, tail))
                     else:
@@ -376,17 +367,12 @@ def _span_text(s: Span, start: int, end: int, tail: str) -> str:
     # The two shapes of nearly every span first, a pass and a transfer,
     # with each number turned into text once.
     if rep == 0 == dist and type(mb) is int:
-        if flow is None and peer is None and type(ver) is int:
-            mb, stage, ver = str(mb), str(stage), str(ver)
-            return (f'{{"args":{{"bytes":{nb},"distance":0,"microbatch":{mb},"replica":0,'
-                    f'"stage":{stage},"version":{ver}{cat_dur}{us},'
-                    f'"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}')
+        if flow is None and peer is None and nb == 0 and type(ver) is int:
+            return f'{{{cat_dur}{us},"name":"{stage}{v}{mb}@v{ver}"{tail}{ts}}}'
         if type(flow) is type(peer) is int and ver is None:
-            mb, stage = str(mb), str(stage)
-            return (f'{{"args":{{"bytes":{nb},"distance":0,"flow":{flow},"microbatch":{mb},'
-                    f'"peer":{peer},"replica":0,"stage":{stage}{cat_dur}{us},'
-                    f'"name":"{stage}{v}{mb}"{tail}{ts}}}')
-    return _x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us, _action_name(a), tail, ts)
+            args = f'"bytes":{nb},"peer":{peer}' if nb else f'"peer":{peer}'
+            return f'{{"args":{{{args}}},{cat_dur}{us},"name":"{stage}{v}{mb}"{tail}{ts}}}'
+    return _x_text(nb, flow, mb, peer, ver, cat_dur, us, _action_name(a), tail, ts)
 
 
 def _lanes(tracks: dict, unusual: set, spans: list[Span]) -> tuple[dict, dict[int, int]]:
@@ -466,27 +452,21 @@ def _counters(memory) -> list[tuple[int, list[int], list[int]]]:
     return out
 
 
-def _x_text(nb, flow, mb, peer, rep, stage, ver, dist, cat_dur, us, name, tail, ts) -> str:
-    """The text of a complete event of any shape (see :class:`_Layout`)."""
-    args = f'{{"args":{{"bytes":{nb},"distance":{dist}'
-    if flow is not None:
-        if type(flow) is not int:
+def _x_text(nb, flow, mb, peer, ver, cat_dur, us, name, tail, ts) -> str:
+    """The text of a complete event of any shape (see :class:`_Layout`).
+    The flow id, micro-batch and version are not written here but checked:
+    the flow events and the name spell them, and :func:`dumps` would not
+    write a value that is not an exact int the same way."""
+    for v in (flow, mb, peer, ver):
+        if v is not None and type(v) is not int:
             raise _Fallback
-        args = f'{args},"flow":{flow}'
-    if mb is not None:
-        if type(mb) is not int:
-            raise _Fallback
-        args = f'{args},"microbatch":{mb}'
+    args = []
+    if nb:
+        args.append(f'"bytes":{nb}')
     if peer is not None:
-        if type(peer) is not int:
-            raise _Fallback
-        args = f'{args},"peer":{peer}'
-    args = f'{args},"replica":{rep},"stage":{stage}'
-    if ver is not None:
-        if type(ver) is not int:
-            raise _Fallback
-        args = f'{args},"version":{ver}'
-    return f'{args}{cat_dur}{us},"name":"{name}"{tail}{ts}}}'
+        args.append(f'"peer":{peer}')
+    head = f'{{"args":{{{",".join(args)}}},' if args else "{"
+    return f'{head}{cat_dur}{us},"name":"{name}"{tail}{ts}}}'
 
 
 def _other_data(result: SimResult) -> dict:
@@ -538,7 +518,7 @@ def _chrome_trace(result: SimResult) -> dict:
         for i in items:
             s = spans[i]
             start = _ns(s.start)
-            events.append({
+            event = {
                 "ph": "X",
                 "pid": dev,
                 "tid": tid,
@@ -546,8 +526,11 @@ def _chrome_trace(result: SimResult) -> dict:
                 "dur": _us(_ns(s.end) - start),
                 "name": _action_name(s.action),
                 "cat": _op_value(s.action.op),
-                "args": _span_args(s),
-            })
+            }
+            args = _span_args(s)
+            if args:
+                event["args"] = args
+            events.append(event)
     for flow_id, name, spid, stid, sts, fpid, ftid, fts in lay.flows:
         events.append({"ph": "s", "id": flow_id, "pid": spid, "tid": stid, "ts": _us(sts),
                        "cat": FLOW_CAT, "name": name})

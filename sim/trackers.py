@@ -69,34 +69,36 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     held_max: dict[tuple[int, int], int] = {}
     changes: dict[int, list] = defaultdict(list)
     reads = PASS_OPS | {PREDICT}
+    # Actions are unpacked as (op, stage, microbatch, version, distance,
+    # replica) tuples: this visits every action, and a field access costs
+    # more than the unpacking.
     for dev, prog in enumerate(schedule.programs):
-        last_read = {(a.replica, a.stage, a.version): pos for pos, a in enumerate(prog) if a.op in reads}
+        last_read = {(rep, stage, ver): pos for pos, (op, stage, _, ver, _, rep) in enumerate(prog) if op in reads}
         last_positions = set(last_read.values())  # cheap first test: most reads are not a last read
         current: dict[tuple[int, int], int] = defaultdict(int)
         extra: dict[tuple[int, int], int] = defaultdict(int)
         awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
-        for pos, a in enumerate(prog):
-            op = a.op
+        for pos, (op, stage, mb, ver, dist, rep) in enumerate(prog):
             if op is UPDATE:
-                rs = (a.replica, a.stage)
-                for mb in awaiting.pop(rs, ()):
-                    upd[(a.replica, a.stage, mb)] = current[rs]
+                rs = (rep, stage)
+                for m in awaiting.pop(rs, ()):
+                    upd[(rep, stage, m)] = current[rs]
                 old = current[rs]
-                current[rs] = a.version
-                if last_read.get((a.replica, a.stage, old), -1) > pos:
+                current[rs] = ver
+                if last_read.get((rep, stage, old), -1) > pos:
                     extra[rs] += 1
                     changes[dev].append((pos, +1, rs))
                     held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
                 continue
             if op is F:
-                fwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
+                fwd[(rep, stage, mb)] = (ver, dist)
             elif op in INPUT_GRADIENT_OPS:  # the backward's read: B, or I when split
-                bwd[(a.replica, a.stage, a.microbatch)] = (a.version, a.distance)
+                bwd[(rep, stage, mb)] = (ver, dist)
             if op in WEIGHT_GRADIENT_OPS:  # the gradient the next UPDATE consumes: B, or W when split
-                awaiting[(a.replica, a.stage)].append(a.microbatch)
+                awaiting[(rep, stage)].append(mb)
             if pos in last_positions:
-                rs = (a.replica, a.stage)
-                if a.version < current[rs]:  # the last read of an older version frees it
+                rs = (rep, stage)
+                if ver < current[rs]:  # the last read of an older version frees it
                     extra[rs] -= 1
                     changes[dev].append((pos, -1, rs))
     for rs in schedule.placement():

@@ -248,10 +248,8 @@ def test_merged_trace_flow_ids_do_not_collide(measured, predicted):
     # every id has exactly one start and one finish, both in the same half
     per_id = Counter((e["id"], e["ph"]) for e in flows)
     assert set(per_id.values()) == {1} and len(per_id) == 2 * len(m_ids | p_ids)
-    # the flow id in a simulated slice's args follows its arrow
-    x_flows = {e["args"]["flow"] for e in tr["traceEvents"]
-               if e["ph"] == "X" and e["pid"] >= SIMULATED_PID_OFFSET and "flow" in e["args"]}
-    assert x_flows == p_ids
+    # slices do not repeat the flow id (the arrow carries it), so none can go stale
+    assert not any("flow" in e.get("args", {}) for e in tr["traceEvents"] if e["ph"] == "X")
 
 
 def test_merged_trace_is_valid_byte_stable_json(tmp_path, measured, predicted):
