@@ -100,7 +100,7 @@ def comparison_table(comparisons: Sequence[Comparison]) -> str:
     for c in comparisons:
         err = c.ratio_error
         rows.append("| {} | {} | {} | {} | {} | {} | {} |".format(
-            c.experiment, c.label, _num(c.predicted, c.unit), _num(c.published, c.unit),
+            c.experiment, c.label.replace(" | ", " · "), _num(c.predicted, c.unit), _num(c.published, c.unit),
             "" if err is None else f"{err:+.0%}",
             {True: "yes", False: "**no**", None: ""}[c.within], c.note))
     return "\n".join(rows)
