@@ -1,24 +1,26 @@
-"""What every paper's reproduction shares: its shape, the comparison with the
-published values, and the figure of predicted bars beside published ones.
+"""What every paper's reproduction shares: its shape, the published values
+kept apart from the predictions, and the figure of predicted bars beside
+published ones.
 
 A paper's module (``pipesim.experiments.reproduce.<paper>``) defines one
 :class:`Paper`. Prediction and comparison are kept apart on purpose:
-``predict`` computes every figure from the presets, the models and the
-simulator alone and must not read ``published``; ``compare`` then pairs each
-prediction with its published value. A test replaces ``published`` with
-nonsense and checks that ``predict`` gives the same results, so no published
-number can leak into a prediction.
+``predict`` computes every :class:`Row` and :class:`Claim` from the presets,
+the models and the simulator alone, with ``published`` left None, and must
+not read the paper's published values; :func:`with_published` then fills
+them in from the module's table, keyed by :func:`row_key` (rows) and ``id``
+(claims). A test replaces the table with nonsense and checks that the
+predictions do not move, so no published number can leak into one.
 
-``results.json`` of a paper is ``{"paper", "title", "predicted",
-"comparisons"}``: ``predicted`` is whatever the paper's ``predict`` returns
-(JSON values only), ``comparisons`` the :class:`Comparison` records.
+``DIR/<paper>/results.json`` is ``{"rows": [...], "claims": [...]}``, each
+record as its ``to_json`` writes it (the issue's keys, plus ``note``,
+``tolerance`` and ``ratio_error``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 #: ``progress(done, total, what)``: a paper's prediction reports its steps.
@@ -29,104 +31,154 @@ def no_progress(done: int, total: int, what: str) -> None:
     """The progress callback of a run that shows none."""
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """One predicted figure beside its published value.
+def _ratio_error(predicted: float | None, published: float | None) -> float | None:
+    """predicted / published − 1, or None when either is missing."""
+    if predicted is None or not published:
+        return None
+    return predicted / published - 1.0
 
-    ``experiment`` names the published figure or table ("fig6a", "table1");
-    ``label`` the bar or cell ("PipeDream-2BW, batch 64"); ``tolerance`` the
-    relative error the issue allows for it (0.2 for ±20%); ``note`` says why
-    a gap is what it is (required reading when the figure is outside its
-    tolerance).
+
+@dataclass(frozen=True)
+class Row:
+    """One predicted figure of a paper's figure or table.
+
+    ``figure`` is the paper's label ("6a", "7", "table1"); ``technique`` one
+    of inter-layer, tensor, gpipe, pipedream-flush, pipedream-2bw, pipedream,
+    data-parallel, spectrain; ``metric`` one of throughput_seq_s, memory_gb
+    (None predicted: out of memory), max_params_b, speedup_vs_dp; ``config``
+    the configuration run, ``{"w", "d", "b", "recompute", "replicas"}``;
+    ``tolerance`` the relative error the issue allows (0.2 for ±20%);
+    ``note`` why a gap is what it is (the report prints it for gaps over 20%).
     """
 
-    experiment: str
-    label: str
+    paper: str
+    figure: str
+    model: str
+    hardware: str
+    gpus: int
+    global_batch: int | None
+    technique: str
+    metric: str
     predicted: float | None
-    published: float | None
-    unit: str
-    tolerance: float
+    published: float | None = None
+    config: dict | None = None
+    tolerance: float = 0.2
     note: str = ""
 
     @property
     def ratio_error(self) -> float | None:
-        """predicted / published − 1, or None when either is missing."""
-        if self.predicted is None or not self.published:
-            return None
-        return self.predicted / self.published - 1.0
-
-    @property
-    def within(self) -> bool | None:
-        err = self.ratio_error
-        return None if err is None else abs(err) <= self.tolerance + 1e-12
+        return _ratio_error(self.predicted, self.published)
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        out["ratio_error"] = self.ratio_error
-        out["within_tolerance"] = self.within
-        return out
+        return {**asdict(self), "ratio_error": self.ratio_error}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A ratio a paper states in its text ("2BW up to 1.3x faster than tensor MP")."""
+
+    id: str
+    text: str
+    predicted: float | None
+    published: float | None = None
+    tolerance: float = 0.2
+    note: str = ""
+
+    @property
+    def ratio_error(self) -> float | None:
+        return _ratio_error(self.predicted, self.published)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio_error": self.ratio_error}
+
+
+def row_key(row: Row) -> tuple:
+    """How a published value is found for a row."""
+    return (row.figure, row.model, row.global_batch, row.technique, row.metric)
+
+
+def with_published(rows: Sequence[Row], claims: Sequence[Claim], published_rows: Mapping[tuple, float],
+                   published_claims: Mapping[str, float]) -> tuple[list[Row], list[Claim]]:
+    """The predictions with their published values filled in (None where the
+    paper gives none)."""
+    return ([replace(r, published=published_rows.get(row_key(r))) for r in rows],
+            [replace(c, published=published_claims.get(c.id)) for c in claims])
 
 
 @dataclass(frozen=True)
 class Paper:
     """One paper's reproduction.
 
-    * ``predict(progress)`` -> the predicted figures (JSON values; no
-      published value read);
-    * ``published``: the values read off the paper, as the paper's module
-      keeps them (any JSON-like mapping);
-    * ``compare(predicted, published)`` -> the :class:`Comparison` records;
-    * ``figures(predicted, comparisons, out_dir)`` -> the files written (a
-      figure per published figure: HTML, PNG when a browser exists);
-    * ``report(predicted, comparisons)`` -> ``report.md``'s text.
+    * ``predict(progress)`` -> (rows, claims), every ``published`` None;
+    * ``published_rows`` (``row_key`` -> value) and ``published_claims``
+      (claim id -> value): the values read off the paper;
+    * ``figures(rows, claims, out_dir)`` -> the files written (a figure per
+      published figure: HTML, PNG when a browser exists);
+    * ``steps``: how many progress steps ``predict`` reports (the bar's total).
     """
 
     name: str
     title: str
-    predict: Callable[[Progress], dict]
-    published: Mapping
-    compare: Callable[[dict, Mapping], list[Comparison]]
-    figures: Callable[[dict, list[Comparison], Path], list[Path]]
-    report: Callable[[dict, list[Comparison]], str]
-    steps: int = 1  # how many progress steps ``predict`` reports, for the bar's total
+    predict: Callable[[Progress], tuple[list[Row], list[Claim]]]
+    published_rows: Mapping[tuple, float]
+    published_claims: Mapping[str, float]
+    figures: Callable[[list[Row], list[Claim], Path], list[Path]]
+    steps: int = 1
     sources: tuple[str, ...] = field(default_factory=tuple)  # the papers, as cited in the report
 
 
-def comparison_table(comparisons: Sequence[Comparison]) -> str:
-    """A markdown table: predicted against published, the ratio error, whether
-    it is within tolerance, and the note."""
-    rows = ["| experiment | what | predicted | published | error | within | note |",
-            "|---|---|---|---|---|---|---|"]
-    for c in comparisons:
-        err = c.ratio_error
-        rows.append("| {} | {} | {} | {} | {} | {} | {} |".format(
-            c.experiment, c.label.replace(" | ", " · "), _num(c.predicted, c.unit), _num(c.published, c.unit),
-            "" if err is None else f"{err:+.0%}",
-            {True: "yes", False: "**no**", None: ""}[c.within], c.note))
-    return "\n".join(rows)
+def comparison_table(rows: Sequence[Row]) -> str:
+    """A markdown table of rows: predicted against published, the ratio error,
+    whether it is within tolerance, and the note."""
+    out = ["| figure | model | technique | batch | metric | predicted | published | error | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.figure} | {r.model} | {r.technique} | {r.global_batch or ''} | {r.metric} | "
+                   f"{_num(r.predicted)} | {_num(r.published)} | {_error(r)} | {_note(r)} |")
+    return "\n".join(out)
 
 
-def _num(v: float | None, unit: str) -> str:
+def claims_table(claims: Sequence[Claim]) -> str:
+    out = ["| claim | predicted | published | error | note |", "|---|---|---|---|---|"]
+    for c in claims:
+        out.append(f"| {c.text} | {_num(c.predicted)} | {_num(c.published)} | {_error(c)} | {_note(c)} |")
+    return "\n".join(out)
+
+
+def _error(r: Row | Claim) -> str:
+    err = r.ratio_error
+    if err is None:
+        return ""
+    return f"{err:+.0%}" + ("" if abs(err) <= r.tolerance + 1e-12 else " **outside**")
+
+
+def _note(r: Row | Claim) -> str:
+    err = r.ratio_error
+    return r.note if err is not None and abs(err) > 0.2 else ""
+
+
+def _num(v: float | None) -> str:
     if v is None:
         return "—"
     if math.isinf(v):
         return "∞"
-    return f"{v:.3g} {unit}".strip()
+    return f"{v:.3g}"
 
 
-def bars_beside_published(comparisons: Sequence[Comparison], title: str, yaxis: str):
-    """Grouped bars, one group per ``label``'s prefix before " | " (or one
-    group), predicted as filled bars with the published value beside it as an
-    outlined bar, the ratio error written on each predicted bar."""
+def bars_beside_published(rows: Sequence[Row], title: str, yaxis: str, group: Callable[[Row], str]):
+    """Grouped bars as in the papers: one group per ``group(row)`` (e.g. the
+    batch size), one bar per technique, the predicted bar filled with its
+    ratio error written on it and the published value beside it as an
+    outlined bar (out of memory: no bar, "OOM" written)."""
     import plotly.graph_objects as go
 
-    groups = [c.label.split(" | ")[0] if " | " in c.label else "" for c in comparisons]
-    series = [c.label.split(" | ", 1)[1] if " | " in c.label else c.label for c in comparisons]
+    x = [[group(r) for r in rows], [r.technique for r in rows]]
     fig = go.Figure()
-    fig.add_bar(x=[groups, series], y=[c.predicted for c in comparisons], name="pipesim (predicted)",
-                text=["" if c.ratio_error is None else f"{c.ratio_error:+.0%}" for c in comparisons],
+    fig.add_bar(x=x, y=[r.predicted for r in rows], name="pipesim (predicted)",
+                text=["OOM" if r.predicted is None else ("" if r.ratio_error is None else f"{r.ratio_error:+.0%}")
+                      for r in rows],
                 textposition="outside", marker={"color": "#1f77b4"})
-    fig.add_bar(x=[groups, series], y=[c.published for c in comparisons], name="published",
+    fig.add_bar(x=x, y=[r.published for r in rows], name="published",
                 marker={"color": "rgba(0,0,0,0)", "line": {"color": "#d62728", "width": 2}})
     fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", template="plotly_white",
                       width=1100, height=520)
