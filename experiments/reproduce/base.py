@@ -98,10 +98,12 @@ def row_key(row: Row) -> tuple:
 
 
 def with_published(rows: Sequence[Row], claims: Sequence[Claim], published_rows: Mapping[tuple, float],
-                   published_claims: Mapping[str, float]) -> tuple[list[Row], list[Claim]]:
+                   published_claims: Mapping[str, float],
+                   key: Callable[[Row], tuple] = row_key) -> tuple[list[Row], list[Claim]]:
     """The predictions with their published values filled in (None where the
-    paper gives none)."""
-    return ([replace(r, published=published_rows.get(row_key(r))) for r in rows],
+    paper gives none); ``key`` finds a row's value (:func:`row_key`, or a
+    paper's own where two rows differ only in their hardware)."""
+    return ([replace(r, published=published_rows.get(key(r))) for r in rows],
             [replace(c, published=published_claims.get(c.id)) for c in claims])
 
 
@@ -114,7 +116,9 @@ class Paper:
       (claim id -> value): the values read off the paper;
     * ``figures(rows, claims, out_dir)`` -> the files written (a figure per
       published figure: HTML, PNG when a browser exists);
-    * ``steps``: how many progress steps ``predict`` reports (the bar's total).
+    * ``steps``: how many progress steps ``predict`` reports (the bar's total);
+    * ``key``: how ``published_rows`` is keyed; ``notes``: the report's text
+      after its tables.
     """
 
     name: str
@@ -125,15 +129,24 @@ class Paper:
     figures: Callable[[list[Row], list[Claim], Path], list[Path]]
     steps: int = 1
     sources: tuple[str, ...] = field(default_factory=tuple)  # the papers, as cited in the report
+    #: how ``published_rows`` is keyed (:func:`row_key` unless a paper's rows
+    #: need more, e.g. the hardware)
+    key: Callable[[Row], tuple] = row_key
+    #: ``notes(rows, claims)`` -> markdown the report adds after its tables
+    #: (the rows carry their published values by then); None for none
+    notes: Callable[[list[Row], list[Claim]], str] | None = None
 
 
-def comparison_table(rows: Sequence[Row]) -> str:
+def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
     """A markdown table of rows: predicted against published, the ratio error,
-    whether it is within tolerance, and the note."""
-    out = ["| figure | model | technique | batch | metric | predicted | published | error | note |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    whether it is within tolerance, and the note (``hardware``: a column for
+    each row's hardware and GPUs too)."""
+    hw = "hardware | GPUs | " if hardware else ""
+    out = [f"| figure | model | {hw}technique | batch | metric | predicted | published | error | note |",
+           "|---|---|" + ("---|---|" if hardware else "") + "---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.figure} | {r.model} | {r.technique} | {r.global_batch or ''} | {r.metric} | "
+        where = f"{r.hardware} | {r.gpus} | " if hardware else ""
+        out.append(f"| {r.figure} | {r.model} | {where}{r.technique} | {r.global_batch or ''} | {r.metric} | "
                    f"{_num(r.predicted)} | {_num(r.published)} | {_error(r)} | {_note(r)} |")
     return "\n".join(out)
 
