@@ -862,6 +862,20 @@ def cmd_converge(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    """Predict a paper's published figures, write results.json, report.md and
+    the figures to ``--out``/<paper>/, and print the report."""
+    from .reproduce.runner import papers_for, run
+
+    papers_for(args.paper)  # an unknown or missing paper fails in one line before any work
+    out = _output_dir(args.out)
+    started = time.perf_counter()
+    outcomes = run(args.paper, out)
+    if len(outcomes) > 1:
+        print(f"reproduced {', '.join(o.paper.name for o in outcomes)} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pipesim", description="Simulate, validate and plot pipeline-parallel training schedules.")
     parser.add_argument("--version", action=_Version, help="print pipesim's version and exit")
@@ -1015,6 +1029,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=seconds, default=d.timeout_s, help="seconds one gloo run may take")
     p.add_argument("--out", default="out/converge", help="output folder")
     p.set_defaults(func=cmd_converge)
+
+    p = sub.add_parser("reproduce", help="predict the papers' published figures and compare (PipeDream, "
+                       "PipeDream-2BW, SpecTrain)")
+    p.add_argument("paper", choices=("pipedream", "2bw", "spectrain", "all"),
+                   help="the paper (all: every one this build reproduces)")
+    p.add_argument("--out", default="out/reproduce", help="output folder (one subfolder per paper)")
+    p.set_defaults(func=cmd_reproduce)
 
     p = sub.add_parser("figure", help="paper-style figures")
     p.add_argument("name", choices=("bubbles",))
