@@ -110,3 +110,15 @@ def test_tensor_closed_form(uniform):
 
 def test_paper_is_a_paper():
     assert isinstance(twobw.PAPER, Paper) and twobw.PAPER.name == "2bw" and twobw.PAPER.steps == twobw._steps()
+
+
+def test_figures_one_per_published_figure(tmp_path):
+    cfg = {"w": 1, "d": 8, "b": 1, "recompute": False, "replicas": None}
+    rows = [twobw._row("6a", "gpt-2.2b", "p3.16xlarge", 8, 64, "pipedream-2bw", "throughput_seq_s", 44.0, cfg),
+            twobw._row("7", "gpt-2.2b", "p3.16xlarge", 8, 64, "gpipe", "memory_gb", None, cfg),
+            twobw._row("9", "gpt", "p3.16xlarge-x8", 64, 64, "pipedream-2bw", "max_params_b", 6.4, cfg),
+            twobw._row("12", "gpt-1.3b", "p3.16xlarge", 8, 256, "pipedream-2bw", "throughput_seq_s", 69.7,
+                       cfg | {"recompute": True})]
+    written = twobw.figures(rows, [], tmp_path)
+    assert {p.name for p in written if p.suffix == ".html"} == {"figure6.html", "figure7_11.html", "figure9.html",
+                                                                "figure12.html"}
