@@ -55,6 +55,15 @@ def test_throughput_counts_each_microbatch_once():
     assert one["throughput_samples_per_s"] == pytest.approx(four["throughput_samples_per_s"])
 
 
+def test_steady_throughput_counts_each_microbatch_once():
+    """The planner's steady state counts a sharded micro-batch once, as the metrics do."""
+    from pipesim.sim.planning.plan import steady_throughput
+
+    one = steady_throughput(simulate(ScheduleSpec("tensor-parallel", 1, 4, iterations=3), "uniform", "ideal"))
+    four = steady_throughput(simulate(ScheduleSpec("tensor-parallel", 4, 4, iterations=3), "uniform", "ideal"))
+    assert one == pytest.approx(four)
+
+
 def test_across_servers_is_slower_than_within():
     prof = _profile(4)
     within = simulate_schedule(build_schedule(ScheduleSpec("tensor-parallel", 8, 2)), prof, "p3.16xlarge-x2")

@@ -409,7 +409,8 @@ def steady_throughput(result: SimResult) -> float:
     and a later one, leaving out the last m, over the time between, the
     window a whole number of bursts (the replica counts' least common
     multiple) so it starts and ends at the same point of one. Runs too short
-    for a window: their whole-run throughput.
+    for a window: their whole-run throughput. A micro-batch run as several
+    ids (tensor parallelism's shards, ``Strategy.shards``) counts once.
     """
     s = result.schedule
     k, m = s.num_iterations, s.num_microbatches
@@ -428,10 +429,11 @@ def steady_throughput(result: SimResult) -> float:
         done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
         span = (k - 2) * m
         first, end = 0, k - 2
+    shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
     if span <= 0 or done[end] <= done[first]:
         whole = result.makespan
-        return s.total_microbatches * result.microbatch_size / whole if whole > 0 else 0.0
-    return span * result.microbatch_size / (done[end] - done[first])
+        return s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0
+    return span * result.microbatch_size / shards / (done[end] - done[first])
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""PipeDream-2BW's reproduction (experiments/reproduce/twobw.py): the rows'
+shape, predictions that never read the published values, and the
+baselines' closed forms on uniform layers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipesim.experiments.reproduce import twobw
+from pipesim.experiments.reproduce.base import Paper, row_key, with_published
+from pipesim.sim.models import uniform_profile
+
+KEYS = {"paper", "figure", "model", "hardware", "gpus", "global_batch", "technique", "metric", "predicted",
+        "published", "config"}
+MODELS = {"gpt-1.3b", "gpt-2.2b", "gpt-3.8b", "bert-2.2b", "bert-3.8b", "gpt"}
+TECHNIQUES = {"inter-layer", "tensor", "gpipe", "pipedream-flush", "pipedream-2bw", "pipedream", "data-parallel",
+              "spectrain"}
+METRICS = {"throughput_seq_s", "memory_gb", "max_params_b", "speedup_vs_dp"}
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """Every figure, each reduced to one small case (the whole run takes minutes)."""
+    monkeypatch.setattr(twobw, "PANELS", (("a", "2.2b", "p3.16xlarge", 8, 8, (64,)),))
+    monkeypatch.setattr(twobw, "FAMILIES", (("gpt", "6"),))
+    monkeypatch.setattr(twobw, "MEMORY_FIGURES", (("bert", "11"),))
+    monkeypatch.setattr(twobw, "MEMORY_BATCHES", (256,))
+    monkeypatch.setattr(twobw, "FIG9_DEPTHS", (2,))
+    monkeypatch.setattr(twobw, "FIG12_SIZES", ("1.3b",))
+    monkeypatch.setattr(twobw, "MICROBATCH_SIZES", (1, 2))
+
+
+def _predict() -> tuple[list, list]:
+    steps = []
+    rows, claims = twobw.PAPER.predict(lambda done, total, what: steps.append((done, total)))
+    assert steps[-1][0] == steps[-1][1] == len(steps) - 1  # every step reported, then done
+    return rows, claims
+
+
+def test_rows_have_the_issues_shape(small):
+    rows, claims = _predict()
+    rows, claims = with_published(rows, claims, twobw.PAPER.published_rows, twobw.PAPER.published_claims)
+    assert {r.figure for r in rows} == {"6a", "11", "9", "12"}
+    for r in rows:
+        d = r.to_json()
+        assert KEYS <= set(d) and d["paper"] == "2bw"
+        assert d["model"] in MODELS and d["technique"] in TECHNIQUES and d["metric"] in METRICS
+        assert set(d["config"]) == {"w", "d", "b", "recompute", "replicas"}
+        assert d["predicted"] is None or d["predicted"] > 0
+    fig6 = [r for r in rows if r.figure == "6a"]
+    assert [r.technique for r in fig6] == list(twobw.TECHNIQUES)
+    assert all(r.published is not None for r in fig6) and all(r.published is None for r in rows if r not in fig6)
+    assert {c.id for c in claims} == set(twobw.PUBLISHED_CLAIMS)
+    json.dumps({"rows": [r.to_json() for r in rows], "claims": [c.to_json() for c in claims]}, allow_nan=False)
+    # the ratios come from the rows
+    flush_vs_inter = next(c for c in claims if c.id == "flush-vs-inter-small-batch")
+    by = {r.technique: r.predicted for r in fig6}
+    assert flush_vs_inter.predicted == pytest.approx(by["pipedream-flush"] / by["inter-layer"])
+    # Figure 11: GPipe holds all 256 micro-batches' stashes: out of memory; 2BW fits
+    mem = {r.technique: r.predicted for r in rows if r.figure == "11"}
+    assert mem["gpipe"] is None and mem["pipedream-2bw"] is not None
+    assert all(r.predicted is not None for r in rows if r.figure == "9")
+
+
+def test_published_values_are_keyed_like_the_rows():
+    assert all(len(k) == 5 and k[4] == "throughput_seq_s" for k in twobw.PUBLISHED_ROWS)
+    row = twobw._row("6c", "gpt-3.8b", "p3.16xlarge-x8", 64, 2048, "pipedream-2bw", "throughput_seq_s", 1.0, None)
+    assert twobw.PUBLISHED_ROWS[row_key(row)] == 135.0
+
+
+def test_predictions_do_not_read_published_values(small, monkeypatch):
+    monkeypatch.setattr(twobw, "FIG9_DEPTHS", ())
+    monkeypatch.setattr(twobw, "FIG12_SIZES", ())
+    before = _predict()
+    nonsense_rows = {k: -1e9 for k in twobw.PUBLISHED_ROWS}
+    nonsense_claims = {k: -1e9 for k in twobw.PUBLISHED_CLAIMS}
+    monkeypatch.setattr(twobw, "PUBLISHED_ROWS", nonsense_rows)
+    monkeypatch.setattr(twobw, "PUBLISHED_CLAIMS", nonsense_claims)
+    monkeypatch.setattr(twobw, "PAPER", replace(twobw.PAPER, published_rows=nonsense_rows,
+                                                published_claims=nonsense_claims))
+    after = _predict()
+    assert [r.to_json() for r in before[0]] == [r.to_json() for r in after[0]]
+    assert [c.to_json() for c in before[1]] == [c.to_json() for c in after[1]]
+    assert all(r.published is None for r in after[0]) and all(c.published is None for c in after[1])
+
+
+@pytest.fixture
+def uniform(monkeypatch):
+    """Uniform layers (F = 1 ms, B = 2 ms, nothing sent) on the ideal machine."""
+    monkeypatch.setattr(twobw, "_profile", lambda model, hardware, b, layers=None: uniform_profile(8, microbatch_size=b))
+    monkeypatch.setattr(twobw, "MICROBATCH_SIZES", (1, 2))
+
+
+def test_inter_layer_closed_form(uniform):
+    """One micro-batch in flight: b samples per sum of the stages' times (F + B each)."""
+    got = twobw.inter_layer("uniform", "ideal", gpus=4, depth=4, batch=8)
+    assert got["config"]["b"] == 2 and got["config"]["d"] == 4 and not got["config"]["recompute"]
+    assert got["throughput"] == pytest.approx(2 / (8 * (1e-3 + 2e-3)), rel=1e-9)
+
+
+def test_tensor_closed_form(uniform):
+    """d devices split every layer: B / (m L (F + B) / d), all-reduces free here."""
+    got = twobw.tensor("uniform", "ideal", gpus=4, depth=4, batch=8)
+    assert got["config"]["b"] == 2
+    assert got["throughput"] == pytest.approx(8 / (4 * 8 * (1e-3 + 2e-3) / 4), rel=1e-9)
+
+
+def test_paper_is_a_paper():
+    assert isinstance(twobw.PAPER, Paper) and twobw.PAPER.name == "2bw" and twobw.PAPER.steps == twobw._steps()
+
+
+def test_figures_one_per_published_figure(tmp_path):
+    cfg = {"w": 1, "d": 8, "b": 1, "recompute": False, "replicas": None}
+    rows = [twobw._row("6a", "gpt-2.2b", "p3.16xlarge", 8, 64, "pipedream-2bw", "throughput_seq_s", 44.0, cfg),
+            twobw._row("7", "gpt-2.2b", "p3.16xlarge", 8, 64, "gpipe", "memory_gb", None, cfg),
+            twobw._row("9", "gpt", "p3.16xlarge-x8", 64, 64, "pipedream-2bw", "max_params_b", 6.4, cfg),
+            twobw._row("12", "gpt-1.3b", "p3.16xlarge", 8, 256, "pipedream-2bw", "throughput_seq_s", 69.7,
+                       cfg | {"recompute": True})]
+    written = twobw.figures(rows, [], tmp_path)
+    assert {p.name for p in written if p.suffix == ".html"} == {"figure6.html", "figure7_11.html", "figure9.html",
+                                                                "figure12.html"}
