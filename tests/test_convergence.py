@@ -71,6 +71,21 @@ def test_micro_batch_sizes_follow_the_update_batch():
         plan(Run(Setup(update_batch=30), "1f1b", 4, 0.05, 0))
 
 
+@pytest.mark.parametrize("stages", [4, 8])
+def test_every_strategy_makes_exactly_the_same_updates(stages):
+    """PipeDream and SpecTrain update p times per iteration (m = p): a step
+    that rounded eval_every up to a multiple of p once gave them 320 updates
+    where the flushed schedules made 300, evaluated at other sample counts."""
+    setup = Setup(updates=400, eval_every=40)
+    for s in ALL:
+        p = plan(Run(setup, s, stages, 0.05, 0))
+        assert (p.updates, p.updates_per_step, p.steps) == (400, 40, 10), s
+    with pytest.raises(ConvergeError, match="eval-every 30 is not a multiple"):
+        plan(Run(Setup(updates=300, eval_every=30), "pipedream", 4, 0.05, 0))
+    with pytest.raises(ConvergeError, match="updates 300 is not a multiple of --eval-every 40"):
+        plan(Run(Setup(updates=300, eval_every=40), "1f1b", 4, 0.05, 0))
+
+
 def test_stage_starts_deal_layers_evenly():
     assert stage_starts(9, 4) == [0, 2, 4, 6]
     assert stage_starts(9, 8) == [0, 1, 2, 3, 4, 5, 6, 7]
@@ -134,11 +149,14 @@ def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
     (["--lr", "0"], "lr"),
     (["--model", "resnet"], "unknown model"),
     (["--seeds", "0", "0"], "repeats"),
+    (["--momentum", "1.5"], "momentum"),
+    (["--eval-every", "3"], "not a multiple"),
+    (["--updates", "6"], "not a multiple"),
 ])
 def test_bad_converge_arguments_are_one_line_errors(tmp_path, capsys, extra, fragment):
     assert main(ARGS + extra + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert fragment in err and "\n" not in err
+    assert fragment in err and "\n" not in err and "%|" not in err  # before any progress bar
 
 
 @pytest.mark.multiprocess

@@ -43,7 +43,6 @@ ten orders of magnitude more.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -135,11 +135,19 @@ def plan(run: Run) -> Plan:
         raise ConvergeError(f"{run.strategy} on {p} stages runs {micro} micro-batches per iteration and "
                             f"{per_iteration} updates: an update batch of {setup.update_batch} does not split "
                             f"into whole micro-batches (choose a multiple of {micro // math.gcd(micro, per_iteration)})")
-    iterations = max(1, round(setup.eval_every / per_iteration))
-    per_step = iterations * per_iteration
-    steps = math.ceil(setup.updates / per_step)
+    # Exactly U updates, evaluated after the same updates, for every strategy: a
+    # step rounded up (eval_every not a multiple of u) once gave PipeDream and
+    # SpecTrain 320 updates where the flushed schedules made 300.
+    if setup.eval_every % per_iteration:
+        raise ConvergeError(f"{run.strategy} on {p} stages makes {per_iteration} updates per iteration (m = p): "
+                            f"--eval-every {setup.eval_every} is not a multiple of that, so it could not be "
+                            f"evaluated after the same updates as the others (choose a multiple of {per_iteration})")
+    if setup.updates % setup.eval_every:
+        raise ConvergeError(f"--updates {setup.updates} is not a multiple of --eval-every {setup.eval_every}: "
+                            "every run makes exactly the same updates and is evaluated after each eval-every")
+    iterations = setup.eval_every // per_iteration
     spec = ScheduleSpec(strategy=strategy, stages=p, microbatches=p, iterations=iterations, **options)
-    return Plan(spec, b, per_step, steps)
+    return Plan(spec, b, setup.eval_every, setup.updates // setup.eval_every)
 
 
 def stage_starts(layers: int, stages: int) -> list[int]:
@@ -298,7 +306,7 @@ def describe(run: Run) -> dict:
     p = plan(run)
     return {"strategy": run.strategy, "stages": run.stages, "microbatches": p.spec.microbatches,
             "microbatch_size": p.microbatch_size, "iterations_per_step": p.spec.iterations,
-            "updates": p.updates, **{k: v for k, v in asdict(run.setup).items() if k != "model"}}
+            **{k: v for k, v in asdict(run.setup).items() if k != "model"}, "updates": p.updates}
 
 
 # ---------------------------------------------------------------- stability on a quadratic
