@@ -53,6 +53,32 @@ def test_every_strategy_trains_on_the_same_samples(strategy, samples_read):
     assert record["updates"] == SETUP.updates and not record["diverged"]
 
 
+def test_a_run_never_trains_on_what_it_evaluates(monkeypatch):
+    """Every image a run trains on comes from the training split, every
+    evaluation is of the whole held-out split, and no image is in both."""
+    import pipesim.validate.convergence as conv
+
+    trained, evaluated = set(), []
+    batch, evaluate = data_mod.Digits.batch, conv.evaluate
+
+    def spy_batch(self, index):
+        x, y = batch(self, index)
+        assert self.split == "train"
+        trained.update(bytes(r.numpy()) for r in x.reshape(len(x), -1))
+        return x, y
+
+    def spy_evaluate(parts, inputs, targets, loss_fn):
+        evaluated.append(inputs)
+        return evaluate(parts, inputs, targets, loss_fn)
+
+    monkeypatch.setattr(data_mod.Digits, "batch", spy_batch)
+    monkeypatch.setattr(conv, "evaluate", spy_evaluate)
+    train(Run(SETUP, "spectrain", 2, 0.05, 0))
+    held = data_mod.digits(1, split="heldout").heldout_set()[0]
+    assert len(evaluated) == 3 and all(x.shape[0] == len(held) == 359 for x in evaluated)
+    assert trained and not trained & {bytes(r.numpy()) for r in held.reshape(len(held), -1)}
+
+
 def test_synchronous_pipelines_and_data_parallelism_are_the_same_sgd():
     curves = {s: train(Run(SETUP, s, 2, 0.05, 0))["curve"] for s in ("data-parallel", "1f1b", "gpipe")}
     for s in ("1f1b", "gpipe"):
