@@ -1018,8 +1018,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=positive, default=d.updates, help="weight updates per run")
     p.add_argument("--update-batch", type=positive, default=d.update_batch,
                    help="samples per weight update, every strategy")
-    p.add_argument("--eval-every", type=positive, default=d.eval_every, help="updates between held-out evaluations")
-    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    p.add_argument("--eval-every", type=positive, default=d.eval_every,
+                   help="updates between held-out evaluations (a multiple of the depth for pipedream and spectrain, "
+                        "which update p times per iteration; --updates a multiple of it)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
     p.add_argument("--model-width", type=positive, default=None, help="model width (default: the model's for converge)")
     p.add_argument("--model-depth", type=positive, default=None,
                    help="model depth (default: the model's for converge, enough layers for 8 stages)")

@@ -85,9 +85,9 @@ class ConvergeConfig:
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     lrs: tuple[float, ...] = DEFAULT_LRS
     seeds: tuple[int, ...] = (0, 1)
-    updates: int = 300
+    updates: int = 400
     update_batch: int = 32
-    eval_every: int = 30
+    eval_every: int = 40  # a multiple of 4 and 8: PipeDream's and SpecTrain's updates per iteration (m = p)
     momentum: float = 0.9
     model_width: int | None = None
     model_depth: int | None = None
@@ -103,6 +103,7 @@ def _runs(cfg: ConvergeConfig) -> list:
     """Every run, each checked (sizes, fairness) before anything trains."""
     from pipesim.validate.convergence import Run, Setup, plan, resolve, stage_starts
     from pipesim.validate.models import build_model
+    from pipesim.validate.stage import OptimizerConfig
 
     if cfg.backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
@@ -117,6 +118,8 @@ def _runs(cfg: ConvergeConfig) -> list:
             raise InputError(f"learning rates must be finite numbers > 0, got {lr}")
     for name in cfg.strategies:
         resolve(name)
+    for lr in cfg.lrs:  # the optimizer's own checks (momentum in [0, 1)) before anything trains
+        OptimizerConfig(lr=float(lr), momentum=cfg.momentum)
     setup = Setup(model=cfg.model, updates=cfg.updates, update_batch=cfg.update_batch, eval_every=cfg.eval_every,
                   momentum=cfg.momentum, model_width=cfg.model_width, model_depth=cfg.model_depth)
     width, depth = setup.size()

@@ -53,6 +53,32 @@ def test_every_strategy_trains_on_the_same_samples(strategy, samples_read):
     assert record["updates"] == SETUP.updates and not record["diverged"]
 
 
+def test_a_run_never_trains_on_what_it_evaluates(monkeypatch):
+    """Every image a run trains on comes from the training split, every
+    evaluation is of the whole held-out split, and no image is in both."""
+    import pipesim.validate.convergence as conv
+
+    trained, evaluated = set(), []
+    batch, evaluate = data_mod.Digits.batch, conv.evaluate
+
+    def spy_batch(self, index):
+        x, y = batch(self, index)
+        assert self.split == "train"
+        trained.update(bytes(r.numpy()) for r in x.reshape(len(x), -1))
+        return x, y
+
+    def spy_evaluate(parts, inputs, targets, loss_fn):
+        evaluated.append(inputs)
+        return evaluate(parts, inputs, targets, loss_fn)
+
+    monkeypatch.setattr(data_mod.Digits, "batch", spy_batch)
+    monkeypatch.setattr(conv, "evaluate", spy_evaluate)
+    train(Run(SETUP, "spectrain", 2, 0.05, 0))
+    held = data_mod.digits(1, split="heldout").heldout_set()[0]
+    assert len(evaluated) == 3 and all(x.shape[0] == len(held) == 359 for x in evaluated)
+    assert trained and not trained & {bytes(r.numpy()) for r in held.reshape(len(held), -1)}
+
+
 def test_synchronous_pipelines_and_data_parallelism_are_the_same_sgd():
     curves = {s: train(Run(SETUP, s, 2, 0.05, 0))["curve"] for s in ("data-parallel", "1f1b", "gpipe")}
     for s in ("1f1b", "gpipe"):
@@ -69,6 +95,21 @@ def test_micro_batch_sizes_follow_the_update_batch():
                      "pipedream-nostash": 32, "spectrain": 32, "avgpipe": 4}
     with pytest.raises(ConvergeError, match="does not split"):
         plan(Run(Setup(update_batch=30), "1f1b", 4, 0.05, 0))
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+def test_every_strategy_makes_exactly_the_same_updates(stages):
+    """PipeDream and SpecTrain update p times per iteration (m = p): a step
+    that rounded eval_every up to a multiple of p once gave them 320 updates
+    where the flushed schedules made 300, evaluated at other sample counts."""
+    setup = Setup(updates=400, eval_every=40)
+    for s in ALL:
+        p = plan(Run(setup, s, stages, 0.05, 0))
+        assert (p.updates, p.updates_per_step, p.steps) == (400, 40, 10), s
+    with pytest.raises(ConvergeError, match="eval-every 30 is not a multiple"):
+        plan(Run(Setup(updates=300, eval_every=30), "pipedream", 4, 0.05, 0))
+    with pytest.raises(ConvergeError, match="updates 300 is not a multiple of --eval-every 40"):
+        plan(Run(Setup(updates=300, eval_every=40), "1f1b", 4, 0.05, 0))
 
 
 def test_stage_starts_deal_layers_evenly():
@@ -134,11 +175,14 @@ def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
     (["--lr", "0"], "lr"),
     (["--model", "resnet"], "unknown model"),
     (["--seeds", "0", "0"], "repeats"),
+    (["--momentum", "1.5"], "momentum"),
+    (["--eval-every", "3"], "not a multiple"),
+    (["--updates", "6"], "not a multiple"),
 ])
 def test_bad_converge_arguments_are_one_line_errors(tmp_path, capsys, extra, fragment):
     assert main(ARGS + extra + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert fragment in err and "\n" not in err
+    assert fragment in err and "\n" not in err and "%|" not in err  # before any progress bar
 
 
 @pytest.mark.multiprocess
@@ -148,3 +192,41 @@ def test_the_distributed_runtime_trains_the_same_bits(tmp_path):
     for strategy in ("spectrain", "pipedream-2bw"):
         run = Run(SETUP, strategy, 2, 0.05, 1)
         assert train_distributed(run, timeout_s=120) == train(run)
+
+
+def test_layer_curvature_is_each_blocks_top_hessian_eigenvalue():
+    """Power iteration against the explicit Hessian of each layer's block on a tiny mlp."""
+    import torch
+    from pipesim.validate.convergence import layer_curvature
+    from pipesim.validate.models import build_model
+
+    setup = Setup(model="mlp", update_batch=8, model_width=6, model_depth=2)
+    got = layer_curvature(setup, lr=0.05, updates=3, samples=16, iterations=200)
+    model = build_model("mlp", width=6, depth=2, seed=0)
+    net = model.sequential()
+    src = model.data(8, seed=0, split="train")
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for i in range(3):
+        x, y = src.batch(i)
+        opt.zero_grad()
+        model.loss_fn(net(x), y).backward()
+        opt.step()
+    x, y = model.data(16, seed=0, split="train").batch(2)
+    assert len(got) == len(model.layers)
+    for layer, lam in zip(model.layers, got):
+        params = list(layer.parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+
+        def loss(w, layer=layer, params=params):
+            chunks, i = {}, 0
+            for name, p in layer.named_parameters():
+                chunks[name] = w[i:i + p.numel()].reshape(p.shape)
+                i += p.numel()
+            h = x
+            for other in model.layers:
+                h = torch.func.functional_call(other, chunks, (h,)) if other is layer else other(h)
+            return model.loss_fn(h, y)
+
+        eig = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))
+        top = eig[eig.abs().argmax()].item()
+        assert lam == pytest.approx(top, rel=1e-3), (lam, top)

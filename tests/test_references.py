@@ -43,7 +43,6 @@ ten orders of magnitude more.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from pipesim.sim.engine import simulate

@@ -135,11 +135,19 @@ def plan(run: Run) -> Plan:
         raise ConvergeError(f"{run.strategy} on {p} stages runs {micro} micro-batches per iteration and "
                             f"{per_iteration} updates: an update batch of {setup.update_batch} does not split "
                             f"into whole micro-batches (choose a multiple of {micro // math.gcd(micro, per_iteration)})")
-    iterations = max(1, round(setup.eval_every / per_iteration))
-    per_step = iterations * per_iteration
-    steps = math.ceil(setup.updates / per_step)
+    # Exactly U updates, evaluated after the same updates, for every strategy: a
+    # step rounded up (eval_every not a multiple of u) once gave PipeDream and
+    # SpecTrain 320 updates where the flushed schedules made 300.
+    if setup.eval_every % per_iteration:
+        raise ConvergeError(f"{run.strategy} on {p} stages makes {per_iteration} updates per iteration (m = p): "
+                            f"--eval-every {setup.eval_every} is not a multiple of that, so it could not be "
+                            f"evaluated after the same updates as the others (choose a multiple of {per_iteration})")
+    if setup.updates % setup.eval_every:
+        raise ConvergeError(f"--updates {setup.updates} is not a multiple of --eval-every {setup.eval_every}: "
+                            "every run makes exactly the same updates and is evaluated after each eval-every")
+    iterations = setup.eval_every // per_iteration
     spec = ScheduleSpec(strategy=strategy, stages=p, microbatches=p, iterations=iterations, **options)
-    return Plan(spec, b, per_step, steps)
+    return Plan(spec, b, setup.eval_every, setup.updates // setup.eval_every)
 
 
 def stage_starts(layers: int, stages: int) -> list[int]:
@@ -298,7 +306,7 @@ def describe(run: Run) -> dict:
     p = plan(run)
     return {"strategy": run.strategy, "stages": run.stages, "microbatches": p.spec.microbatches,
             "microbatch_size": p.microbatch_size, "iterations_per_step": p.spec.iterations,
-            "updates": p.updates, **{k: v for k, v in asdict(run.setup).items() if k != "model"}}
+            **{k: v for k, v in asdict(run.setup).items() if k != "model"}, "updates": p.updates}
 
 
 # ---------------------------------------------------------------- stability on a quadratic
@@ -367,3 +375,49 @@ def stability_threshold(delay: int, distance: int = 0, momentum: float = 0.9) ->
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if radius(mid) < 1.0 else (lo, mid)
     return float(lo)
+
+
+def layer_curvature(setup: Setup, *, lr: float, updates: int = 40, seed: int = 0, samples: int = 128,
+                    iterations: int = 12) -> list[float]:
+    """Top Hessian eigenvalue of each layer's parameter block, after ``updates``
+    synchronous SGD updates (batch ``setup.update_batch``, ``setup.momentum``)
+    at ``lr`` from the seed's weights, on ``samples`` training samples the
+    run has not seen.
+
+    Why: a delayed update rule is stable on a direction of curvature h only
+    while lr·h stays under its threshold (:func:`stability_threshold`), and
+    the rules delay different stages (2BW every stage, PipeDream and SpecTrain
+    all but the last), so where the curvature sits decides which rule fails
+    first (README, "Convergence"). Power iteration with Hessian-vector
+    products (``iterations`` of them; the eigenvalue of largest magnitude).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    width, depth = setup.size()
+    model = build_model(setup.model, width=width, depth=depth, seed=seed)
+    net = model.sequential()
+    src = model.data(setup.update_batch, seed=seed, split="train")
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=setup.momentum)
+    for i in range(updates):
+        x, y = src.batch(i)
+        opt.zero_grad()
+        model.loss_fn(net(x), y).backward()
+        opt.step()
+    probe = model.data(samples, seed=seed, split="train")
+    x, y = probe.batch(math.ceil((updates + 1) * setup.update_batch / samples))  # past what trained
+    out = []
+    with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no double backward on CPU
+        for layer in model.layers:
+            params = [p for p in layer.parameters() if p.requires_grad]
+            g = torch.Generator().manual_seed(0)
+            v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+            lam = 0.0
+            for _ in range(iterations):
+                norm = torch.sqrt(sum((t * t).sum() for t in v))
+                v = [t / norm for t in v]
+                grads = torch.autograd.grad(model.loss_fn(net(x), y), params, create_graph=True)
+                hv = torch.autograd.grad(grads, params, grad_outputs=v)
+                lam = float(sum((a * b).sum() for a, b in zip(hv, v)))
+                v = [h.detach() for h in hv]
+            out.append(lam)
+    return out
