@@ -403,7 +403,9 @@ class _Run:
 
     def ring_allreduce(self, devices: list[int], nbytes: int):
         """2(n-1) steps; in each, every device sends 1/n of the buffer to its
-        ring neighbour, and the step lasts until the slowest transfer is done."""
+        ring neighbour, and the step lasts until the slowest transfer is done.
+        The ring follows :meth:`Hardware.ring_order`, as the closed form does."""
+        devices = list(self.hw.ring_order(devices))
         n = len(devices)
         chunk = math.ceil(nbytes / n)
         steps = 2 * (n - 1)

@@ -45,7 +45,9 @@ devices, a zero makespan.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
+import itertools
 import math
 import os
 import re
@@ -204,6 +206,7 @@ class Hardware:
     notes: str = ""
     _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _lanes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _rings: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, d = self.num_devices, self.devices_per_node
@@ -335,8 +338,49 @@ class Hardware:
         latency = math.fsum(link.latency for link in route)
         return latency + (0.0 if math.isinf(bandwidth) else nbytes / bandwidth)
 
+    def ring_order(self, devices: Sequence[int]) -> tuple[int, ...]:
+        """The order a ring all-reduce over ``devices`` visits them, as NCCL
+        builds its rings from the topology rather than from rank numbers.
+
+        Devices are grouped by node (node-major, so nodes in index order) and
+        each node's devices form one segment: the ring enters and leaves every
+        node once, so each NIC carries one chunk per step, not one per device.
+        Within a node only the ``mesh`` interconnect makes orders differ (a
+        bus is shared by every edge, a switch gives each device one port
+        each way, ``ideal`` is free), so every other kind keeps device order.
+        On a mesh the segment is the order whose busiest link carries the
+        least per step (then the least latency): a Hamiltonian cycle over
+        the node's devices when the ring stays in one node, a path when it
+        chains nodes. Ties keep the earliest order in device order, so where
+        device order is already optimal nothing moves. One ring, one
+        direction: NCCL's parallel channels over the links this ring leaves
+        idle are not modelled. The search is exhaustive for up to
+        :data:`RING_SEARCH_MAX` devices of a node; larger mesh groups keep
+        device order.
+        """
+        devs = tuple(sorted(set(devices)))
+        found = self._rings.get(devs)
+        if found is None:
+            for d in devs:
+                self._check_index(d)
+            found = self._rings[devs] = self._choose_ring(devs)
+        return found
+
+    def _choose_ring(self, devs: tuple[int, ...]) -> tuple[int, ...]:
+        """See :meth:`ring_order`; ``devs`` sorted, distinct, valid."""
+        if self.intra_node.kind != "mesh" or len(devs) < 3:
+            return devs
+        segments = [tuple(g) for _, g in itertools.groupby(devs, key=self.node_of)]
+        cycle = len(segments) == 1
+        out: list[int] = []
+        for seg in segments:
+            base = seg[0] - self._local(seg[0])
+            local = tuple(self._local(d) for d in seg)
+            out.extend(base + i for i in _mesh_segment(self.intra_node, int(self.local_devices), local, cycle))
+        return tuple(out)
+
     def ring_allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Estimate of a ring all-reduce of ``nbytes`` over ``devices`` (ring in the given order).
+        """Estimate of a ring all-reduce of ``nbytes`` over ``devices``, in :meth:`ring_order`.
 
         2(n-1) steps; in each every device sends ``nbytes/n`` to its ring
         successor. Transfers sharing a link serialise, so a step lasts as long
@@ -344,7 +388,7 @@ class Hardware:
         slowest transfer. The engine simulates the same steps event by event;
         this closed form is for planners and sanity checks.
         """
-        devs = list(devices)
+        devs = self.ring_order(devices)
         n = len(devs)
         if n < 2 or nbytes == 0:
             return 0.0
@@ -421,6 +465,74 @@ class Hardware:
             inter_node=self.inter_node,
             notes=self.notes,
         )
+
+
+#: Most devices of one node whose ring order is searched exhaustively: 8 is
+#: a DGX-1's mesh, 7! cycles or 8! paths, pruned, well under a second once.
+RING_SEARCH_MAX = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_segment(ic: Interconnect, per_node: int, local: tuple[int, ...], cycle: bool) -> tuple[int, ...]:
+    """The best order of ``local`` (sorted node-local indices) on mesh ``ic``
+    of ``per_node`` devices:
+    a ring over them (``cycle``) or a path that a multi-node ring passes
+    through. Cached per (interconnect, group), so every node and every
+    :class:`Hardware` built from one preset shares one search."""
+    if len(local) > RING_SEARCH_MAX:
+        return local
+    node = Hardware("ring-search", _SEARCH_DEVICE, per_node, None, ic)
+    edge = {(a, b): _edge_load(node.route(a, b)) for a in local for b in local if a != b}
+    best: list = [None, local]  # [key, order]
+
+    def extend(order: list[int], load: dict[str, list[float]], key: tuple[float, float]) -> None:
+        if best[0] is not None and key >= best[0]:
+            return  # loads only grow and ties keep the earlier order
+        if len(order) == len(local):
+            if cycle:
+                key = _add_edge(load, edge[(order[-1], order[0])], key)
+                if best[0] is not None and key >= best[0]:
+                    return
+            best[0], best[1] = key, tuple(order)
+            return
+        for nxt in local:
+            if nxt in order:
+                continue
+            grown = {k: v[:] for k, v in load.items()}
+            order.append(nxt)
+            extend(order, grown, _add_edge(grown, edge[(order[-2], nxt)], key))
+            order.pop()
+
+    # a cycle is the same from any start: fix the first device
+    for first in local[:1] if cycle else local:
+        extend([first], {}, (0.0, 0.0))
+    return best[1]
+
+
+#: Any device will do: the search only looks at routes.
+_SEARCH_DEVICE = DeviceSpec("ring-search", 1.0, 1.0, 1.0)
+
+
+def _edge_load(route: tuple[Link, ...]) -> tuple[float, float, tuple[str, ...]]:
+    """(seconds per byte, latency, link names) one ring edge puts on each link of its route."""
+    if not route:
+        return (0.0, 0.0, ())
+    bandwidth = min(link.bandwidth for link in route)
+    latency = math.fsum(link.latency for link in route)
+    return (0.0 if math.isinf(bandwidth) else 1 / bandwidth, latency, tuple(link.name for link in route))
+
+
+def _add_edge(load: dict[str, list[float]], edge: tuple[float, float, tuple[str, ...]],
+              key: tuple[float, float]) -> tuple[float, float]:
+    """Add one edge's load to ``load`` (in place); the new (busiest per byte, busiest latency) key."""
+    per_byte, latency, names = edge
+    worst_b, worst_l = key
+    for name in names:
+        acc = load.setdefault(name, [0.0, 0.0])
+        acc[0] += per_byte
+        acc[1] += latency
+        worst_b, worst_l = max(worst_b, acc[0]), max(worst_l, acc[1])
+    return (worst_b, worst_l)
 
 
 def _num_out(x: float) -> float | str:

@@ -369,3 +369,52 @@ def test_direct_construction_rejects_booleans_and_unbounded_counts():
     # unbounded bandwidth, memory and memory bandwidth stay valid (the ideal preset)
     ideal = load_hardware("ideal")
     assert math.isinf(ideal.device.mem_bandwidth) and math.isinf(ideal.device.memory_bytes)
+
+
+@pytest.mark.parametrize("name", ["p3.16xlarge", "dgx1-v100", "pipedream-cluster-b"])
+def test_cube_mesh_ring_uses_only_nvlink(name):
+    """NCCL's rings on the hybrid cube mesh: a Hamiltonian cycle of NVLink
+    edges exists (one of double links, in fact), so the chosen ring never
+    touches the host path and its all-reduce is the analytic ring time of
+    its slowest link."""
+    hw = load_hardware(name)
+    order = hw.ring_order(range(8))
+    assert sorted(order) == list(range(8))
+    routes = [hw.route(order[i], order[(i + 1) % 8]) for i in range(8)]
+    assert all(len(r) == 1 and r[0].name.endswith(".nvlink") for r in routes)
+    slowest = min(r[0].bandwidth for r in routes)
+    assert slowest == 2 * hw.intra_node.bandwidth  # every edge a double link
+    nbytes = 8 * 10**8
+    analytic = 2 * 7 / 8 * nbytes / slowest + 2 * 7 * hw.intra_node.latency
+    assert hw.ring_allreduce_time(range(8), nbytes) == pytest.approx(analytic, rel=1e-12)
+    # device order crosses 3->4 and 7->0, two pairs without NVLink sharing the host path
+    assert hw.ring_allreduce_time(range(8), nbytes) < hw.transfer_time(3, 4, nbytes / 8) * 14 / 2
+
+
+def test_mesh_subgroup_ring_avoids_the_host():
+    hw = load_hardware("p3.16xlarge")
+    assert hw.ring_order((0, 1, 4, 5)) == (0, 1, 5, 4)  # 1->4 and 5->0 have no NVLink
+    assert hw.ring_order((5, 4, 1, 0, 1)) == (0, 1, 5, 4)  # a set: duplicates and order given do not matter
+    assert hw.ring_order((0, 1, 2, 3)) == (0, 1, 2, 3)  # every ring has a single link: device order
+
+
+@pytest.mark.parametrize("name", ["ideal", "pcie-4gpu", "dgx-h100", "dgx-h100-x2", "pipedream-cluster-a-x4",
+                                  "spectrain-4gpu"])
+def test_uniform_links_keep_device_order(name):
+    """Where every order costs the same, the ring is the device order, so
+    results on these machines do not move."""
+    hw = load_hardware(name)
+    n = hw.num_devices or 16
+    assert hw.ring_order(range(n)) == tuple(range(n))
+    assert hw.ring_order(range(1, n, 2)) == tuple(range(1, n, 2))
+
+
+def test_multi_node_ring_enters_each_node_once():
+    hw = load_hardware("dgx1-v100-x4")
+    order = hw.ring_order(range(32))
+    nodes = [hw.node_of(d) for d in order]
+    assert nodes == sorted(nodes)  # node-local segments, chained in node order
+    crossings = [i for i in range(32) if nodes[i] != nodes[(i + 1) % 32]]
+    assert len(crossings) == 4
+    # inside a node the segment is a path of NVLink edges
+    assert all(hw.route(order[i], order[i + 1])[0].name.endswith(".nvlink") for i in range(31) if i not in crossings)

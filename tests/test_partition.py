@@ -355,11 +355,14 @@ def test_shared_links_are_summed():
     assert est.period_s == pytest.approx(4 * hw.transfer_time(0, 1, nbytes), rel=1e-9)
 
 
-@pytest.mark.parametrize("devices", [(0, 1), (0, 1, 2, 3), (2, 3, 4, 5, 6), tuple(range(15))])
-def test_ring_model_is_the_hardwares(devices):
+@pytest.mark.parametrize("name", ["pipedream-cluster-a-x4", "p3.16xlarge-x2"])
+@pytest.mark.parametrize("devices", [(0, 1), (0, 1, 2, 3), (2, 3, 4, 5, 6), (0, 1, 4, 5), tuple(range(15))])
+def test_ring_model_is_the_hardwares(name, devices):
+    """The planner's ring is the hardware's, on the cube mesh (where the ring
+    order is searched) as on uniform links."""
     from pipesim.sim.planning.cost import LinkModel
 
-    hw = load_hardware("pipedream-cluster-a-x4")
+    hw = load_hardware(name)
     nbytes = 60 * len(devices) * MiB  # a multiple of n: no rounding of the chunk
     assert LinkModel(hw).ring(devices).seconds(nbytes) == pytest.approx(hw.ring_allreduce_time(devices, nbytes),
                                                                           rel=1e-12)

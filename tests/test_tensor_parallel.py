@@ -21,7 +21,7 @@ def _profile(layers: int) -> Profile:
     return replace(p, layers=tuple(replace(c, activation_bytes=ACT) for c in p.layers))
 
 
-@pytest.mark.parametrize("hw,d", [("dgx1-v100", 2), ("dgx1-v100", 4), ("p3.16xlarge-x2", 16)])
+@pytest.mark.parametrize("hw,d", [("dgx1-v100", 2), ("dgx1-v100", 4), ("p3.16xlarge", 8), ("p3.16xlarge-x2", 16)])
 def test_closed_form_on_uniform_layers(hw, d):
     """time = m * (F + B) / d + 4 * layers * allreduce(activation) per micro-batch, and the update."""
     layers, m = 6, 3

@@ -162,11 +162,13 @@ class LinkModel:
         return found
 
     def ring(self, devices: tuple[int, ...]) -> Ring:
-        """The ring all-reduce the engine runs over ``devices`` (in sorted order):
+        """The ring all-reduce the engine runs over ``devices`` (in the
+        hardware's :meth:`~pipesim.sim.hardware.Hardware.ring_order`):
         2(n-1) steps, each moving bytes/n over every ring edge."""
-        devs = tuple(sorted(set(devices)))
-        found = self._rings.get(devs)
+        key = tuple(sorted(set(devices)))
+        found = self._rings.get(key)
         if found is None:
+            devs = self.hw.ring_order(key)
             n = len(devs)
             steps = 2 * (n - 1)
             edges: list[Line] = []
@@ -180,7 +182,7 @@ class LinkModel:
                     busy[name][0] += lat
                     busy[name][1] += per_byte / n
             time = tuple((steps * a, steps * b) for a, b in [*edges, *map(tuple, busy.values())])
-            found = self._rings[devs] = Ring(time, {k: (steps * v[0], steps * v[1]) for k, v in busy.items()})
+            found = self._rings[key] = Ring(time, {k: (steps * v[0], steps * v[1]) for k, v in busy.items()})
         return found
 
 
