@@ -81,6 +81,19 @@ def test_choice_fits_and_is_the_fastest_confirmed(strategy, limit_mib, batch) ->
                                                                       p["recompute"])
 
 
+def test_confirmations_go_to_every_shape_before_a_shapes_near_ties() -> None:
+    """Micro-batch sizes of one (width, depth, recompute) shape score alike;
+    the engine confirms the best of each shape first, so a shape the closed
+    form ranks just behind another's near-ties is still simulated."""
+    rec = plan_grid(GridRequest("pipedream-2bw", model(), PCIE, 4, 16, microbatch_sizes=(1, 2, 4),
+                                recompute=(False,), confirm=3, iterations=3)).to_json()
+    fitting = [c for c in rec["candidates"] if not c["out_of_memory"]]
+    shapes = {(c["params"]["width"], c["params"]["depth"]) for c in fitting}
+    confirmed = [c for c in fitting if c["simulated_samples_per_s"] is not None]
+    assert len(shapes) >= 3 and len(confirmed) == 3
+    assert len({(c["params"]["width"], c["params"]["depth"]) for c in confirmed}) == 3
+
+
 def _largest_fitting_b(strategy: str, recompute: bool, limit: float) -> int:
     rec = plan_grid(GridRequest(strategy, model(layers=8), with_memory(PCIE, limit), 4, 64,
                                 microbatch_sizes=(1, 2, 4, 8, 16), recompute=(recompute,), confirm=2)).to_json()

@@ -41,8 +41,9 @@ Memory (per device, stage k)
     Byte counts are the profile's: weights at 4 bytes (fp32 master
     weights), activations in the device's precision.
 
-The :data:`CONFIRM` configurations the model ranks first among those that
-fit are simulated with the engine (``ScheduleSpec(width=w)``, the chosen
+:data:`CONFIRM` configurations that fit are simulated with the engine, the
+model's best of every (width, depth, recompute) shape first
+(:func:`confirmation_order`) (``ScheduleSpec(width=w)``, the chosen
 split, ``recompute``), in steady state (:func:`.plan.steady_throughput`),
 and the fastest confirmed configuration that fits in the engine's memory
 accounting wins. The answer is a :class:`~.plan.Plan` whose candidates carry
@@ -291,6 +292,28 @@ class _Grid:
                        out_of_memory=any(t.out_of_memory for t in result.memory))
 
 
+def confirmation_order(ranked: list[Candidate]) -> list[int]:
+    """Indices of the candidates that fit, in the order the engine confirms
+    them: the model's best of every (width, depth, recompute) shape first,
+    best first, then the others by score.
+
+    Micro-batch sizes of one shape score within a fraction of a percent of
+    each other, while the closed form misjudges whole shapes (it assumes a
+    replicated stage's all-reduce overlaps, which the engine does not): by
+    score alone the confirmations would go to one shape's near-ties and never
+    test the shape that wins."""
+    fitting = [i for i, c in enumerate(ranked) if not c.out_of_memory]
+    seen: set[tuple] = set()
+    first = []
+    for i in fitting:
+        p = ranked[i].params
+        shape = (p["width"], p["depth"], p["recompute"])
+        if shape not in seen:
+            seen.add(shape)
+            first.append(i)
+    return first + [i for i in fitting if i not in set(first)]
+
+
 def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -> Plan:
     """Enumerate, score, confirm and choose (see the module doc)."""
     say = progress or (lambda msg: None)
@@ -303,7 +326,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
     say("scoring width x depth configurations")
     found = [grid.candidate(s) for s in shapes(req, layers)]
     ranked = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
-    for i in [i for i, c in enumerate(ranked) if not c.out_of_memory][:req.confirm]:
+    for i in confirmation_order(ranked)[:req.confirm]:
         say(f"confirming {ranked[i].config} with the engine")
         ranked[i] = grid.confirm(ranked[i])
     chosen = max(range(len(ranked)),
