@@ -38,8 +38,22 @@ def _ratio_error(predicted: float | None, published: float | None) -> float | No
     return predicted / published - 1.0
 
 
+class _Compared:
+    """What a predicted value beside a published one offers (rows and claims)."""
+
+    predicted: float | None
+    published: float | None
+
+    @property
+    def ratio_error(self) -> float | None:
+        return _ratio_error(self.predicted, self.published)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio_error": self.ratio_error}
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(_Compared):
     """One predicted figure of a paper's figure or table.
 
     ``figure`` is the paper's label ("6a", "7", "table1"); ``technique`` one
@@ -65,16 +79,9 @@ class Row:
     tolerance: float = 0.2
     note: str = ""
 
-    @property
-    def ratio_error(self) -> float | None:
-        return _ratio_error(self.predicted, self.published)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "ratio_error": self.ratio_error}
-
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(_Compared):
     """A ratio a paper states in its text ("2BW up to 1.3x faster than tensor MP")."""
 
     id: str
@@ -83,13 +90,6 @@ class Claim:
     published: float | None = None
     tolerance: float = 0.2
     note: str = ""
-
-    @property
-    def ratio_error(self) -> float | None:
-        return _ratio_error(self.predicted, self.published)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "ratio_error": self.ratio_error}
 
 
 def row_key(row: Row) -> tuple:

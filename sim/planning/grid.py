@@ -62,11 +62,12 @@ import numpy as np
 from ..errors import InputError
 from ..hardware import Hardware
 from ..partition import StageCost, balanced
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy, strategies
+from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
 from ..workload import Profile
 from .cost import LinkModel, stage_memory, update_seconds
 from .layout import traits_of
-from .plan import ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, steady_throughput
+from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
+                   steady_throughput)
 from .search import Tables, memory_terms
 
 PLANNER = "width-depth"
@@ -137,16 +138,10 @@ class Score:
 
 def check_grid_request(req: GridRequest) -> None:
     """One-line errors for a request the grid cannot plan."""
+    check_served(req.strategy, PLANNER, "width x depth")
     strategy = get_strategy(req.strategy)
-    if PLANNER not in strategy.planners:
-        users = [s.name for s in strategies() if PLANNER in s.planners]
-        raise PlanError(f"{req.strategy} is not planned by width x depth; it serves {', '.join(users)}")
-    for name in ("gpus", "batch_size", "iterations"):
-        v = getattr(req, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"{name} must be a whole number >= 1, got {v!r}")
-    if isinstance(req.confirm, bool) or not isinstance(req.confirm, int) or req.confirm < 0:
-        raise PlanError(f"confirm must be a whole number >= 0, got {req.confirm!r}")
+    check_counts(req, ("gpus", "batch_size", "iterations"))
+    check_counts(req, ("confirm",), minimum=0)
     if req.gpus > MAX_GPUS:
         raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:

@@ -107,6 +107,28 @@ def plannable(planner: str | None = None) -> list[str]:
     return [s.name for s in strategies() if (planner in s.planners if planner else s.planners)]
 
 
+def check_served(strategy: str, planner: str, what: str) -> None:
+    """``strategy`` must name ``planner`` among its planners (``what``: how
+    the error names the planner)."""
+    if planner not in get_strategy(strategy).planners:
+        raise PlanError(f"{strategy} is not planned by {what}; it serves {', '.join(plannable(planner))}")
+
+
+def check_counts(req, names, minimum: int = 1) -> None:
+    """Each of ``req``'s fields ``names`` must be a whole number >= ``minimum``
+    (None allowed where the field is optional and None)."""
+    for name in names:
+        v = getattr(req, name)
+        if v is None and name in OPTIONAL_COUNTS:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise PlanError(f"{name} must be a whole number >= {minimum}, got {v!r}")
+
+
+#: Request fields that may be None (the planner then chooses them).
+OPTIONAL_COUNTS = frozenset({"microbatches"})
+
+
 # ---------------------------------------------------------------------------
 # The record
 # ---------------------------------------------------------------------------
@@ -470,17 +492,10 @@ def check_request(req: PlanRequest) -> None:
     if "replicas" not in strategy.planners or "replicas" not in strategy.options:
         raise PlanError(f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
                         f"{', '.join(plannable('replicas'))}")
-    for name in ("gpus", "iterations"):
-        v = getattr(req, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"{name} must be a whole number >= 1, got {v!r}")
-    if req.microbatches is not None and (isinstance(req.microbatches, bool) or not isinstance(req.microbatches, int)
-                                         or req.microbatches < 1):
-        raise PlanError(f"microbatches must be a whole number >= 1, got {req.microbatches!r}")
+    check_counts(req, ("gpus", "iterations", "microbatches"))
+    check_counts(req, ("confirm",), minimum=0)
     if not isinstance(req.recompute, bool):
         raise PlanError(f"recompute must be True or False, got {req.recompute!r}")
-    if isinstance(req.confirm, bool) or not isinstance(req.confirm, int) or req.confirm < 0:
-        raise PlanError(f"confirm must be a whole number >= 0, got {req.confirm!r}")
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..hardware import Hardware
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy, strategies
+from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
 from ..workload import Profile
-from .plan import ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, steady_throughput
+from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
+                   steady_throughput)
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -68,14 +69,9 @@ class TuneRequest:
 
 def check_tune_request(req: TuneRequest) -> None:
     """One-line errors for a request the tuner cannot serve."""
+    check_served(req.strategy, PLANNER, "the tuner")
     strategy = get_strategy(req.strategy)
-    if PLANNER not in strategy.planners:
-        users = [s.name for s in strategies() if PLANNER in s.planners]
-        raise PlanError(f"{req.strategy} is not planned by the tuner; it serves {', '.join(users)}")
-    for name in ("gpus", "batch_size", "iterations"):
-        v = getattr(req, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"{name} must be a whole number >= 1, got {v!r}")
+    check_counts(req, ("gpus", "batch_size", "iterations"))
     for name in ("pipelines", "microbatches"):
         v = getattr(req, name)
         if v is not None and (not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)):
