@@ -67,7 +67,7 @@ from ..workload import Profile
 from .cost import LinkModel, stage_memory, update_seconds
 from .layout import traits_of
 from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
-                   steady_throughput)
+                   memory_limit, out_of_memory, steady_throughput)
 from .search import Tables, memory_terms
 
 PLANNER = "width-depth"
@@ -284,7 +284,7 @@ class _Grid:
         peak = max(t.peak_bytes for t in result.memory)
         return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=p["microbatches"],
                        iterations=req.iterations, peak_memory_bytes=peak,
-                       out_of_memory=any(t.out_of_memory for t in result.memory))
+                       out_of_memory=out_of_memory(result, self.limit))
 
 
 def confirmation_order(ranked: list[Candidate]) -> list[int]:
@@ -314,7 +314,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     check_grid_request(req)
-    limit = req.hardware.device.memory_bytes if req.memory_limit_bytes is None else req.memory_limit_bytes
+    limit = memory_limit(req.hardware, req.memory_limit_bytes)
     grid = _Grid(req, limit)
     sizes = req.microbatch_sizes or (1,)
     layers = grid.profile(sizes[0]).num_layers

@@ -107,6 +107,19 @@ def plannable(planner: str | None = None) -> list[str]:
     return [s.name for s in strategies() if (planner in s.planners if planner else s.planners)]
 
 
+def memory_limit(hardware: Hardware, requested: float | None) -> float:
+    """The bytes per device a plan must fit in: the request's limit, else the
+    device's memory. Every planner marks a candidate, costed or simulated,
+    out of memory against this one figure (the engine's own flag compares
+    with the device's memory, which a request may lower)."""
+    return hardware.device.memory_bytes if requested is None else requested
+
+
+def out_of_memory(result: SimResult, limit: float) -> bool:
+    """Whether a confirming run's peak on some device exceeds ``limit``."""
+    return max(t.peak_bytes for t in result.memory) > limit
+
+
 def check_served(strategy: str, planner: str, what: str) -> None:
     """``strategy`` must name ``planner`` among its planners (``what``: how
     the error names the planner)."""
@@ -511,7 +524,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     started = time.perf_counter()
     check_request(req)
     m = req.microbatches or req.gpus
-    limit = req.hardware.device.memory_bytes if req.memory_limit_bytes is None else req.memory_limit_bytes
+    limit = memory_limit(req.hardware, req.memory_limit_bytes)
     planner = Planner(tables=Tables(req.profile, req.recompute), traits=traits_of(req.strategy, req.recv_lookahead),
                       microbatches=m, iterations=req.iterations, devices=req.gpus,
                       setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
@@ -635,9 +648,10 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
         result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
                                    starts=cand.starts, recompute=req.recompute)
         peak = max(t.peak_bytes for t in result.memory)
-        oom = any(t.out_of_memory for t in result.memory)
         return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=mb, iterations=k,
-                       peak_memory_bytes=peak, out_of_memory=oom, note="")
+                       peak_memory_bytes=peak,
+                       out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
+                       note="")
     return replace(cand, note=note)
 
 

@@ -35,7 +35,7 @@ from ..hardware import Hardware
 from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
 from ..workload import Profile
 from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
-                   steady_throughput)
+                   memory_limit, out_of_memory, steady_throughput)
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -134,17 +134,17 @@ def measure(req: TuneRequest, pipelines: int, microbatches: int, profiles: dict)
     result = simulate_schedule(schedule, profiles[b], req.hardware, recv_lookahead=req.recv_lookahead,
                                recompute=req.recompute)
     rate = steady_throughput(result)
-    limit = _limit(req)
     peak = max(t.peak_bytes for t in result.memory)
     stages = tuple(Stage(c.first_layer, c.last_layer, pipelines) for c in result.stage_costs)
     return Candidate(config=name, stages=stages, source="tuner", analytic_samples_per_s=rate,
                      simulated_samples_per_s=rate, microbatches=microbatches, iterations=req.iterations,
-                     peak_memory_bytes=peak, out_of_memory=peak > limit, bottleneck="measured by the engine",
+                     peak_memory_bytes=peak, out_of_memory=out_of_memory(result, _limit(req)),
+                     bottleneck="measured by the engine",
                      params=params | {"depth": schedule.num_stages})
 
 
 def _limit(req: TuneRequest) -> float:
-    return req.hardware.device.memory_bytes if req.memory_limit_bytes is None else req.memory_limit_bytes
+    return memory_limit(req.hardware, req.memory_limit_bytes)
 
 
 def tune(req: TuneRequest, progress: Callable[[str], None] | None = None) -> Plan:
