@@ -838,7 +838,7 @@ def _positive_float(text: str) -> float:
 
 
 def cmd_converge(args) -> int:
-    from .converge import ConvergeConfig, _runs, converge, table
+    from .converge import ConvergeConfig, runs_of, converge, table
 
     out = _output_dir(args.out)
     cfg = ConvergeConfig(model=args.model, stages=tuple(args.stages), strategies=tuple(args.strategies),
@@ -846,7 +846,7 @@ def cmd_converge(args) -> int:
                          update_batch=args.update_batch, eval_every=args.eval_every, momentum=args.momentum,
                          model_width=args.model_width, model_depth=args.model_depth, backend=args.backend,
                          jobs=args.jobs, timeout_s=args.timeout)
-    total = len(_runs(cfg))  # every run checked before any trains
+    total = len(runs_of(cfg))  # every run checked before any trains
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()

@@ -99,7 +99,7 @@ class ConvergeConfig:
 BACKENDS = ("emulator", "gloo")
 
 
-def _runs(cfg: ConvergeConfig) -> list:
+def runs_of(cfg: ConvergeConfig) -> list:
     """Every run, each checked (sizes, fairness) before anything trains."""
     from pipesim.validate.convergence import Run, Setup, plan, resolve, stage_starts
     from pipesim.validate.models import build_model
@@ -152,7 +152,7 @@ def _cost(run) -> float:
 
 def train_all(cfg: ConvergeConfig, progress: Callable[[int, int, dict], None] | None = None) -> list[dict]:
     """Every run's record, in the configuration's order whatever order they finished in."""
-    runs = _runs(cfg)
+    runs = runs_of(cfg)
     order = sorted(range(len(runs)), key=lambda i: -_cost(runs[i]))
     records: list[dict | None] = [None] * len(runs)
     jobs = 1 if cfg.backend == "gloo" else max(1, min(cfg.jobs, len(runs)))
