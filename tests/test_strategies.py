@@ -666,3 +666,15 @@ def test_unknown_strategy_names_the_choices():
     for name in ("nope", None, ["1f1b"]):  # not even a name: still a one-line StrategyError
         with pytest.raises(StrategyError, match="choose one of gpipe, 1f1b"):
             build_schedule(ScheduleSpec(name, 2, 2))
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="avgpipe", stages=2, microbatches=2),
+                                dict(strategy="1f1b", stages=2, microbatches=4, replicas=(2, 1)),
+                                dict(strategy="pipedream-2bw", stages=2, microbatches=4, width=2),
+                                dict(strategy="pipedream", stages=2, microbatches=3, replicas=(3, 1))])
+def test_a_schedule_rebuilds_from_the_spec_read_off_it(kw):
+    """spec_of inverts the build: widths count m per pipeline, per-stage replicas m in all."""
+    from pipesim.sim.strategies import spec_of
+
+    sched = build_schedule(ScheduleSpec(**kw))
+    assert build_schedule(spec_of(sched)) == sched

@@ -52,7 +52,7 @@ from pipesim.sim.dataflow import compile_plan
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir import COMPUTE_OPS, PASS_OPS, PREDICT, UPDATE, Action, F, Schedule
 from pipesim.sim.lowering import group, lower
-from pipesim.sim.strategies import ScheduleSpec, find_strategy
+from pipesim.sim.strategies import find_strategy, spec_of
 
 
 class StreamError(InputError):
@@ -60,22 +60,6 @@ class StreamError(InputError):
 
 
 # ---------------------------------------------------------------- building
-
-
-def _spec_of(schedule: Schedule) -> ScheduleSpec | None:
-    """The spec the schedule's strategy would rebuild it from, read off what
-    every schedule records (its options), or None if no strategy has its name."""
-    strategy = find_strategy(schedule.strategy)
-    if strategy is None:
-        return None
-    opts = {name: schedule.options[name] for name in strategy.options if name in schedule.options}
-    if "replicas" in opts:
-        opts["replicas"] = tuple(opts["replicas"])
-    # the inverse of iteration_microbatches: m per pipeline unless stages have their own replicas
-    per_pipeline = 1 if "replicas" in opts else schedule.options.get("width", 1)
-    return ScheduleSpec(strategy=schedule.strategy, stages=schedule.num_stages,
-                        microbatches=schedule.num_microbatches // per_pipeline, iterations=schedule.num_iterations,
-                        optimizer=schedule.options.get("optimizer", "sgd"), **opts)
 
 
 def moved(a: Action, microbatches: int, versions: dict) -> Action:
@@ -120,7 +104,7 @@ def stream_builder(schedule: Schedule) -> Callable[[int], Schedule]:
     repeated, and an asynchronous one that its strategy does not reproduce
     (an edited IR) is refused."""
     strategy = find_strategy(schedule.strategy)
-    spec = _spec_of(schedule)
+    spec = spec_of(schedule)
     if spec is not None:
         try:
             again = strategy.build(spec)

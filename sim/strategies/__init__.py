@@ -30,7 +30,7 @@ from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, Strate
 
 __all__ = [
     "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
-    "get_strategy", "schedule_option", "strategies", "strategy_names", "strategy_options",
+    "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
 ]
 
 #: Every strategy, in the order listings and comparisons use.
@@ -83,3 +83,21 @@ def schedule_option(schedule: Schedule, name: str) -> object:
 def build_schedule(spec: ScheduleSpec) -> Schedule:
     """The compute-only schedule ``spec`` asks for; StrategyError if it cannot be built."""
     return get_strategy(spec.strategy).build(spec)
+
+
+def spec_of(schedule: Schedule) -> ScheduleSpec | None:
+    """The spec the schedule's strategy would rebuild it from, read off what
+    every schedule records (its options), or None if no strategy has its
+    name. Micro-batches are the inverse of
+    :func:`~._common.iteration_microbatches`: m per pipeline, unless stages
+    have their own replicas (then m in all)."""
+    strategy = find_strategy(schedule.strategy)
+    if strategy is None:
+        return None
+    opts = {name: schedule.options[name] for name in strategy.options if name in schedule.options}
+    if "replicas" in opts:
+        opts["replicas"] = tuple(opts["replicas"])
+    per_pipeline = 1 if "replicas" in opts else schedule.options.get("width", 1)
+    return ScheduleSpec(strategy=schedule.strategy, stages=schedule.num_stages,
+                        microbatches=schedule.num_microbatches // per_pipeline, iterations=schedule.num_iterations,
+                        optimizer=schedule.options.get("optimizer", "sgd"), **opts)
