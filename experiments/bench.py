@@ -96,13 +96,16 @@ def _sim_with_console_script(argv: list[str]) -> int:
 
 
 def _write_outputs(result, out) -> None:
-    """trace.json and timeline.html, as ``pipesim simulate`` writes them."""
+    """trace.json and timeline.html, as ``pipesim simulate`` writes them (the
+    trace in a forked child where that pays, beside the timeline)."""
     from pipesim.sim.trace import write_trace
 
+    from .background import Background, worth_forking
     from .timeline import write_timeline_html
 
-    write_trace(result, out / "trace.json")
-    write_timeline_html(result, out / "timeline.html")
+    with Background(write_trace, result, out / "trace.json", fork=worth_forking(len(result.spans)),
+                    what="trace.json"):
+        write_timeline_html(result, out / "timeline.html")
 
 
 def _plan_with_console_script(argv: list[str]) -> int:

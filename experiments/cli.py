@@ -40,7 +40,7 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from .progress import no_progress, phase_bar
@@ -222,8 +222,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
 
     hw = resolve_hardware(args.hardware or "ideal")
     phases = ["simulating", "summarizing"]
-    if out is not None and outputs:
-        phases += ["writing trace.json", "writing timeline.html"]
+    if out is not None and outputs:  # in the order _simulate_one steps through them
+        phases = ["simulating", "writing trace.json", "summarizing", "writing timeline.html"]
     if getattr(args, "schedule", None):
         from pipesim.sim.interchange import load_schedule_csv
 
@@ -251,37 +251,50 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
                                    recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)))
         if keep and _KEEP_UNTIL_EXIT is not None:
             _KEEP_UNTIL_EXIT.append(result)  # see console_main
-        step("summarizing")
-        summary = summarize(result)
-        if plan is not None:
-            from pipesim.sim.metrics import round_sig
-            from pipesim.sim.planning.plan import steady_throughput
-
-            summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
-                               "steady_samples_per_s": round_sig(steady_throughput(result))}
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            write_summary(summary, out / "summary.json")
-            if outputs:
-                _write_outputs(result, out, step)
+        # trace.json, the slowest file, is written beside the summary and
+        # the timeline (pipesim.experiments.background)
+        with _trace_writer(result, out, step) if out is not None and outputs else nullcontext():
+            step("summarizing")
+            summary = summarize(result)
+            if plan is not None:
+                from pipesim.sim.metrics import round_sig
+                from pipesim.sim.planning.plan import steady_throughput
+
+                summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
+                                   "steady_samples_per_s": round_sig(steady_throughput(result))}
+            if out is not None:
+                write_summary(summary, out / "summary.json")
+                if outputs:
+                    _write_timeline(result, out, step)
     return summary
 
 
-def _write_outputs(result, out: Path, step) -> None:
-    """trace.json, timeline.html and, for small runs with a browser at hand, timeline.png."""
-    from .export import png_supported, write_png
-    from .timeline import timeline_figure, write_timeline_html
+def _trace_writer(result, out: Path, step):
+    """A :class:`~pipesim.experiments.background.Background` writing
+    trace.json: in a forked child for a big run (the caller goes on with the
+    summary and the timeline meanwhile), else at once."""
     from pipesim.sim.trace import write_trace
 
-    big = len(result.spans) > PROGRESS_SPANS
-    if big and step is no_progress:  # a progress bar names the phase itself
+    from .background import Background, worth_forking
+
+    if len(result.spans) > PROGRESS_SPANS and step is no_progress:  # a progress bar names the phase itself
         print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
               file=sys.stderr, flush=True)
     step("writing trace.json")
-    write_trace(result, out / "trace.json")
+    return Background(write_trace, result, out / "trace.json", fork=worth_forking(len(result.spans)),
+                      what=str(out / "trace.json"))
+
+
+def _write_timeline(result, out: Path, step) -> None:
+    """timeline.html and, for small runs with a browser at hand, timeline.png."""
+    from .export import png_supported, write_png
+    from .timeline import timeline_figure, write_timeline_html
+
     step("writing timeline.html")
     write_timeline_html(result, out / "timeline.html")
-    if not big and png_supported():  # a browser renders it; skip for huge timelines
+    if len(result.spans) <= PROGRESS_SPANS and png_supported():  # a browser renders it; skip for huge timelines
         write_png(timeline_figure(result), out / "timeline.png")
 
 
