@@ -751,11 +751,11 @@ def cmd_profile(args) -> int:
                          model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
     device = torch_device(args.backend)
     model = model_of(cfg)
-    _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
-    prof = profile(cfg, device, model=model)
-    save_profile(prof, out / "profile.json")
     _progress(f"measuring {args.backend} point-to-point links and the optimizer's bandwidth ...")
     hw = hardware_for(cfg, device, args.devices, model=model)
+    _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")
+    prof = profile(cfg, device, model=model, hardware=hw)
+    save_profile(prof, out / "profile.json")
     (out / "hardware.json").write_text(json.dumps(hw.to_json(), indent=1) + "\n")
     rows = [[la.name, f"{la.forward_s * 1e3:.3f}", f"{la.backward_s * 1e3:.3f}", _fmt_bytes(la.param_bytes),
              _fmt_bytes(la.activation_bytes), _fmt_bytes(la.stash_bytes)] for la in prof.layers]

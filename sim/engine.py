@@ -81,13 +81,25 @@ class CostModel:
     stage_costs: tuple
     mem_bandwidth: float
     optimizer: str = "sgd"
+    #: UPDATE / PREDICT / averaging bandwidths where measured apart (None: ``mem_bandwidth``)
+    update_bandwidth: float | None = None
+    predict_bandwidth: float | None = None
+    average_bandwidth: float | None = None
+
+    @classmethod
+    def for_device(cls, stage_costs, device, optimizer: str = "sgd") -> CostModel:
+        """The cost model of ``device`` (a :class:`~pipesim.sim.hardware.DeviceSpec`),
+        with its per-kernel bandwidths."""
+        return cls(tuple(stage_costs), device.mem_bandwidth, optimizer, device.update_bandwidth,
+                   device.predict_bandwidth, device.average_bandwidth)
 
     def compute(self, a: Action) -> float:
         c = self.stage_costs[a.stage]
         pass_time = _PASS_TIME.get(a.op)
         if pass_time is not None:
             return pass_time(c)
-        return self._membound(self.traffic(a.op) * c.param_bytes)
+        bandwidth = self.update_bandwidth if a.op is UPDATE else self.predict_bandwidth
+        return self._membound(self.traffic(a.op) * c.param_bytes, bandwidth)
 
     def traffic(self, op) -> int:
         """Weight-sized passes over memory of an UPDATE or PREDICT."""
@@ -95,12 +107,14 @@ class CostModel:
         return {UPDATE: 5 if sgd else 7, PREDICT: 3 if sgd else 4}[op]
 
     def averaging(self, stage: int, local_replicas: int) -> float:
-        return self._membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes)
+        return self._membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes,
+                              self.average_bandwidth)
 
-    def _membound(self, nbytes: float) -> float:
-        if not nbytes or math.isinf(self.mem_bandwidth):
+    def _membound(self, nbytes: float, bandwidth: float | None = None) -> float:
+        bandwidth = self.mem_bandwidth if bandwidth is None else bandwidth
+        if not nbytes or math.isinf(bandwidth):
             return 0.0
-        return nbytes / self.mem_bandwidth
+        return nbytes / bandwidth
 
     def transfer_bytes(self, a: Action) -> int:
         """Bytes a SEND/RECV carries: the activation crossing the stage
@@ -182,8 +196,9 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         # Structure only: the dry run would cost as much as the simulation,
         # which stops by itself on a deadlock and names the same wait cycle.
         validate(schedule, deadlock=False)
-    costs = CostModel(tuple(stage_costs), hardware.device.mem_bandwidth, optimizer)
-    run = _Run(schedule, plan(schedule, recv_lookahead=recv_lookahead), costs, hardware)
+    costs = CostModel.for_device(stage_costs, hardware.device, optimizer)
+    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, plan(schedule, recv_lookahead=recv_lookahead),
+                                                      costs, hardware)
     run.execute()
     result = SimResult(
         schedule=schedule,
@@ -224,6 +239,8 @@ class _Run:
         self.finished = [False] * schedule.num_devices
         self.blocked: dict[int, tuple] = {}
         self.next_flow = 0
+        #: how a compute action runs when the device is a CPU core (_CpuRun)
+        self.on_core = None
 
     # -- tokens -----------------------------------------------------------
     def fire(self, token) -> None:
@@ -258,6 +275,7 @@ class _Run:
         compute_cost = self.costs.compute
         awaited, done, fire = self.awaited, self.done, self.fire
         transfers, start_transfer, post = self.transfers, self.start_transfer, _POST
+        on_core = self.on_core
         cache: dict[tuple, float] = {}
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
@@ -283,7 +301,10 @@ class _Run:
             if dur is None:
                 dur = cache[key] = compute_cost(a)
             start = end = env.now
-            if dur:
+            if on_core is not None:  # a CPU core, perhaps shared, that transfers interrupt
+                start = yield from on_core(dev, dur)
+                end = env.now
+            elif dur:
                 yield env.timeout(dur)
                 # SimPy's clock is now exactly start + dur (the float sum it
                 # scheduled the timeout by): no second read of its property
@@ -329,11 +350,13 @@ class _Run:
         self.record_transfer(ends, start, self.env.now)
         self.fire(token)
 
-    def occupy(self, route, duration: float):
+    def occupy(self, route, duration: float, before_end: tuple | None = None):
         """Hold every link of ``route`` for ``duration``; return the start time.
 
         Links are requested in name order, so two transfers never each hold a
-        link the other waits for."""
+        link the other waits for. ``before_end`` = (seconds, callback) calls
+        the callback that long before the end (at the start if the transfer
+        is shorter)."""
         requests = []
         for link in sorted(route, key=lambda lk: lk.name):
             res = self.links.get(link.name)
@@ -343,7 +366,16 @@ class _Run:
             requests.append((res, req))
             yield req
         start = self.env.now
-        yield self.env.timeout(duration)
+        if before_end is None:
+            yield self.env.timeout(duration)
+        else:
+            lead, callback = before_end
+            first = max(duration - lead, 0.0)
+            if first:
+                yield self.env.timeout(first)
+            callback()
+            if duration - first:
+                yield self.env.timeout(duration - first)
         for res, req in requests:
             res.release(req)
         return start
@@ -424,6 +456,100 @@ class _Run:
         for _ in range(steps):
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
 
+
+
+class _Core:
+    """One CPU core: the passes of the devices on it take turns (``slot``);
+    transfer work preempts them. ``free_at`` is when transfer work done
+    while no pass ran ends; ``stolen`` is the transfer work done during the
+    pass now running, which lengthens it."""
+
+    __slots__ = ("free_at", "running", "slot", "stolen")
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.slot = simpy.Resource(env, capacity=1)
+        self.free_at = 0.0
+        self.running = False
+        self.stolen = 0.0
+
+
+class _CpuRun(_Run):
+    """A run on devices that are CPU cores (:class:`~pipesim.sim.hardware.HostCpu`).
+
+    Two things differ from accelerators. Devices on one core take turns on
+    it, one pass at a time, in the order they ask (k ranks on c < k cores
+    stretch a compute-bound run by k / c). And a transfer costs CPU time on
+    both ends, which the communication threads take at higher priority than
+    the passes: the sender's share at the transfer's start, the receiver's
+    at its end (the transfer's last ``recv`` seconds are the receiver's
+    copy), each lengthening the pass running on that core, or, on an idle
+    core, delaying the next pass until it is done. The transfer's own timing
+    stays the link's: the measured one-way time already contains both copies.
+    """
+
+    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
+        super().__init__(schedule, plan_, costs, hardware)
+        cpu = hardware.cpu
+        self.core_of = cpu.cores
+        self.cores = {c: _Core(self.env) for c in sorted(set(cpu.cores))}
+        self.on_core = self.hold_core
+        self.cpu_cost = {}  # nbytes -> (send, recv) CPU seconds
+
+    def hold_core(self, dev: int, dur: float):
+        """Run a pass of ``dur`` seconds on ``dev``'s core; return its start."""
+        env = self.env
+        core = self.cores[self.core_of[dev]]
+        with core.slot.request() as turn:
+            yield turn
+            while core.free_at > env.now:  # transfer work on the idle core finishes first
+                yield env.timeout(core.free_at - env.now)
+            start = env.now
+            core.running, core.stolen = True, 0.0
+            if dur:
+                yield env.timeout(dur)
+            while core.stolen:  # transfers handled meanwhile took the core from the pass
+                extra, core.stolen = core.stolen, 0.0
+                yield env.timeout(extra)
+            core.running = False
+        return start
+
+    def charge(self, dev: int, seconds: float) -> None:
+        """Transfer work of ``seconds`` on ``dev``'s core, from now."""
+        if not seconds:
+            return
+        core = self.cores[self.core_of[dev]]
+        if core.running:
+            core.stolen += seconds
+        else:
+            core.free_at = max(core.free_at, self.env.now) + seconds
+
+    def transfer_cpu(self, nbytes: int) -> tuple[float, float]:
+        cost = self.cpu_cost.get(nbytes)
+        if cost is None:
+            cpu = self.hw.cpu
+            cost = self.cpu_cost[nbytes] = (cpu.send.seconds(nbytes), cpu.recv.seconds(nbytes))
+        return cost
+
+    def start_transfer(self, dev: int, a: Action, token, first: tuple) -> None:
+        """As for accelerators, and the sender's core pays its share now (a
+        transfer that takes no link time puts the receiver's on its core at
+        once too; otherwise :meth:`move` does, at the end)."""
+        src, send = (dev, a) if a.op in SEND_OPS else first
+        dst = first[0] if a.op in SEND_OPS else dev
+        send_s, recv_s = self.transfer_cpu(self.costs.transfer_bytes(send))
+        self.charge(src, send_s)
+        super().start_transfer(dev, a, token, first)
+        if token in self.done:  # it took no time on the link
+            self.charge(dst, recv_s)
+
+    def move(self, ends: tuple, route, duration: float, token):
+        """Hold the route for ``duration``; the receiver's core is busy with
+        the copy for the transfer's last ``recv`` seconds."""
+        dst, nbytes = ends[2], ends[4]
+        recv_s = self.transfer_cpu(nbytes)[1]
+        start = yield from self.occupy(route, duration, (recv_s, lambda: self.charge(dst, recv_s)))
+        self.record_transfer(ends, start, self.env.now)
+        self.fire(token)
 
 
 #: How each kind of post that is not a transfer is posted. A table on the

@@ -31,6 +31,15 @@ Latency is charged once per hop, on the sending side's link (the ``rx`` side
 of a port or NIC has zero latency), so :meth:`Hardware.transfer_time` =
 sum of latencies on the route + bytes / narrowest bandwidth.
 
+Devices that are CPU cores (``pipesim validate`` on gloo) carry a
+:class:`HostCpu`: which core each device computes on, and how much CPU time a
+transfer takes from its sender's and its receiver's core. A GPU's copy engines
+and NIC move data beside its kernels; a CPU's communication threads run on the
+very core the passes need, at higher priority, so every transfer stretches the
+pass it interrupts, and devices that share a core take turns on it. The
+engine applies both (:mod:`pipesim.sim.engine`); hardware without ``cpu``
+(every GPU preset) is untouched.
+
 Devices are numbered node-major: devices ``0 .. d-1`` on node 0, ``d .. 2d-1``
 on node 1, and so on.
 
@@ -75,6 +84,14 @@ class DeviceSpec:
     optimizer steps, weight prediction, elementwise layers.
     ``dtype_bytes`` is the size of one activation element in that precision
     (4 for fp32, 2 for fp16/bf16 mixed precision).
+
+    ``update_bandwidth``, ``predict_bandwidth`` and ``average_bandwidth``,
+    when given, price the optimizer step, SpecTrain's weight prediction and
+    AvgPipe's elastic averaging instead of ``mem_bandwidth``: measured per
+    kernel (``pipesim profile``), as the runtime runs each, since on a CPU
+    they reach very different fractions of the memory system (a step
+    touches its optimizer state cold, a prediction writes a scratch copy,
+    averaging flattens and copies back).
     """
 
     name: str
@@ -82,6 +99,17 @@ class DeviceSpec:
     mem_bandwidth: float
     memory_bytes: float
     dtype_bytes: int = 4
+    update_bandwidth: float | None = None
+    predict_bandwidth: float | None = None
+    average_bandwidth: float | None = None
+
+    #: kernel -> field of its own bandwidth (None: ``mem_bandwidth``)
+    KERNELS = {"update": "update_bandwidth", "predict": "predict_bandwidth", "average": "average_bandwidth"}
+
+    def kernel_bandwidth(self, kernel: str) -> float:
+        """Bytes/s of a memory-bound kernel: its own figure, else ``mem_bandwidth``."""
+        own = getattr(self, self.KERNELS[kernel])
+        return self.mem_bandwidth if own is None else own
 
     def __post_init__(self) -> None:
         # a device of infinite FLOP/s would make every layer free (a zero makespan)
@@ -101,6 +129,11 @@ class DeviceSpec:
             )
         if isinstance(self.dtype_bytes, bool) or self.dtype_bytes not in (1, 2, 4, 8):
             raise HardwareError(f"device {self.name!r}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+        for name in self.KERNELS.values():
+            v = getattr(self, name)
+            if v is not None and not _is_rate(v):
+                raise HardwareError(f"device {self.name!r}: {name} must be a positive number >= 1 (bytes/s) or "
+                                    f"\"inf\", got {shown(v)}")
 
 
 @dataclass(frozen=True)
@@ -188,6 +221,55 @@ _MAX_LANES = 1024
 
 
 @dataclass(frozen=True)
+class CpuCost:
+    """CPU time one end of a transfer costs its core: ``fixed_s`` per
+    message plus the bytes at ``bytes_per_s`` (the copy into or out of the
+    transport, which on one host is a memory copy through the kernel)."""
+
+    fixed_s: float = 0.0
+    bytes_per_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not _is_rate(self.bytes_per_s):
+            raise HardwareError(f"cpu transfer cost: bytes_per_s must be a positive number >= 1 or \"inf\", "
+                                f"got {shown(self.bytes_per_s)}")
+        if not _is_number(self.fixed_s) or not (0 <= self.fixed_s <= MAX_SECONDS):
+            raise HardwareError(f"cpu transfer cost: fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
+                                f"(seconds), got {shown(self.fixed_s)}")
+
+    def seconds(self, nbytes: float) -> float:
+        return self.fixed_s + (0.0 if math.isinf(self.bytes_per_s) else nbytes / self.bytes_per_s)
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """Devices that are cores of one host.
+
+    ``cores[d]`` is the core device d computes on: devices given the same
+    core share it, one pass at a time in the order they ask for it (ranks
+    pinned round-robin when there are more ranks than cores). ``send`` and
+    ``recv`` are the CPU time a transfer takes from the sender's and the
+    receiver's core. That time preempts: a transfer handled while a pass runs
+    on the core stretches the pass by it; on an idle core it delays the next
+    pass until it is done. The transfer's own duration stays the link's.
+    """
+
+    cores: tuple[int, ...]
+    send: CpuCost = field(default_factory=CpuCost)
+    recv: CpuCost = field(default_factory=CpuCost)
+
+    def __post_init__(self) -> None:
+        if not self.cores or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                     for c in self.cores):
+            raise HardwareError(f"cpu.cores must be a non-empty list of core numbers >= 0, got {list(self.cores)!r}")
+
+    @property
+    def shared(self) -> bool:
+        """Whether some devices share a core."""
+        return len(set(self.cores)) < len(self.cores)
+
+
+@dataclass(frozen=True)
 class Hardware:
     """Homogeneous devices in ``num_devices // devices_per_node`` nodes.
 
@@ -204,6 +286,7 @@ class Hardware:
     intra_node: Interconnect = field(default_factory=Interconnect)
     inter_node: NicSpec | None = None
     notes: str = ""
+    cpu: HostCpu | None = None
     _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _lanes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _rings: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -233,6 +316,8 @@ class Hardware:
                     )
         if self.inter_node is not None and self.inter_node.count > per_node:
             raise HardwareError(f"{self.name}: {self.inter_node.count} NICs for {per_node} devices per node")
+        if self.cpu is not None and (self.nodes > 1 or (n is not None and len(self.cpu.cores) < n)):
+            raise HardwareError(f"{self.name}: cpu.cores must name a core for each of the {n} devices of one host")
 
     # -- shape --------------------------------------------------------------
     @property
@@ -258,6 +343,8 @@ class Hardware:
         """Raise when a schedule needs more devices than the hardware has."""
         if self.num_devices is not None and n > self.num_devices:
             raise HardwareError(f"{self.name} has {self.num_devices} devices; the schedule needs {n}")
+        if self.cpu is not None and n > len(self.cpu.cores):
+            raise HardwareError(f"{self.name} names cores for {len(self.cpu.cores)} devices; the schedule needs {n}")
 
     def _check_index(self, device: int) -> None:
         if not isinstance(device, int) or device < 0 or (
@@ -417,6 +504,8 @@ class Hardware:
                 "mem_bandwidth": _num_out(self.device.mem_bandwidth),
                 "memory_bytes": _num_out(self.device.memory_bytes),
                 "dtype_bytes": self.device.dtype_bytes,
+                **{name: _num_out(getattr(self.device, name)) for name in DeviceSpec.KERNELS.values()
+                   if getattr(self.device, name) is not None},
             },
             "num_devices": self.num_devices,
             "devices_per_node": self.devices_per_node,
@@ -439,6 +528,10 @@ class Hardware:
                 "latency": nic.latency,
                 "label": nic.label,
             }
+        if self.cpu is not None:
+            d["cpu"] = {"cores": list(self.cpu.cores),
+                        **{end: {"fixed_s": cost.fixed_s, "bytes_per_s": _num_out(cost.bytes_per_s)}
+                           for end, cost in (("send", self.cpu.send), ("recv", self.cpu.recv))}}
         return d
 
     @classmethod
@@ -543,8 +636,11 @@ def _num_out(x: float) -> float | str:
 # Loading
 # ---------------------------------------------------------------------------
 
-_TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node"}
-_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "notes"}
+_TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node", "cpu"}
+_CPU_KEYS = {"cores", "send", "recv", "notes"}
+_CPU_COST_KEYS = {"fixed_s", "bytes_per_s", "notes"}
+_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "notes", "update_bandwidth",
+                "predict_bandwidth", "average_bandwidth"}
 _INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
 _NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
 
@@ -600,6 +696,7 @@ def _hardware_from_json(d: Any) -> Hardware:
         mem_bandwidth=_num(dev, "mem_bandwidth", "device"),
         memory_bytes=_num(dev, "memory_bytes", "device"),
         dtype_bytes=dtype,
+        **{name: _num(dev, name, "device") for name in DeviceSpec.KERNELS.values() if name in dev},
     )
     intra = _obj(d.get("intra_node", {"kind": "ideal"}), "intra_node", _INTRA_KEYS)
     kind = intra.get("kind")
@@ -645,7 +742,21 @@ def _hardware_from_json(d: Any) -> Hardware:
         intra_node=ic,
         inter_node=nic,
         notes=notes,
+        cpu=_cpu_from_json(d["cpu"]) if d.get("cpu") is not None else None,
     )
+
+
+def _cpu_from_json(d: Any) -> HostCpu:
+    d = _obj(d, "cpu", _CPU_KEYS)
+    cores = d.get("cores")
+    if not isinstance(cores, list):
+        raise HardwareError(f"cpu.cores must be a list of core numbers, got {cores!r}")
+    costs = {}
+    for end in ("send", "recv"):
+        c = _obj(d.get(end, {}), f"cpu.{end}", _CPU_COST_KEYS)
+        costs[end] = CpuCost(fixed_s=_num(c, "fixed_s", f"cpu.{end}", 0.0),
+                             bytes_per_s=_num(c, "bytes_per_s", f"cpu.{end}", math.inf))
+    return HostCpu(cores=tuple(cores), **costs)
 
 
 def _presets():

@@ -2,9 +2,11 @@
 
 ``pipesim bench validate`` (or ``python -m pipesim.validate.bench``) profiles a model once on this machine
 (per-layer costs, pass overhead, optimizer bandwidth, point-to-point links),
-then validates every strategy with 2 pipeline stages against that one
+then validates every strategy with 2 (``--stages``) pipeline stages against that one
 profile: each strategy is simulated and run for real (gloo, one process per
-device), and the steady-state iteration times are compared. It prints one
+device, each pinned to a core, round-robin when there are more devices than
+cores, as the measured hardware's ``cpu`` section tells the simulator), and
+the steady-state iteration times are compared. It prints one
 row per strategy and the median absolute error, the figure the validation
 target is stated in (median |error| <= 5%).
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main, list_choices, positive, run_command
-from pipesim.sim.strategies import strategy_names
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
 from pipesim.sim.workload import save_profile
 from .models import model_names
 
@@ -33,21 +35,25 @@ def _say(msg: str) -> None:
 
 
 def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
-        repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None) -> dict:
+        repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None,
+        stages: int = 2) -> dict:
     from .harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
 
-    base = ValidateConfig(strategy="1f1b", stages=2, microbatches=microbatches, model=model, backend=backend,
+    base = ValidateConfig(strategy="1f1b", stages=stages, microbatches=microbatches, model=model, backend=backend,
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
-                          model_depth=model_depth)
+                          model_depth=model_depth, oversubscribe=True)
     device = torch_device(backend)
     _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
     real = model_of(base)
-    hw = hardware_for(base, device, 2, model=real)
     rows = []
     chosen = strategy_names() if strategies is None else list(strategies)
+    # the most devices any chosen strategy needs (AvgPipe's pipelines, data
+    # parallelism's replicas), each pinned to its core
+    devices = max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_devices for name in chosen)
+    hw = hardware_for(base, device, devices, model=real)
     with tempfile.TemporaryDirectory(prefix="pipesim-bench-") as tmp:
         # every strategy is predicted from the same measurements
-        save_profile(profile(base, device, model=real), Path(tmp) / "profile.json")
+        save_profile(profile(base, device, model=real, hardware=hw), Path(tmp) / "profile.json")
         (Path(tmp) / "hardware.json").write_text(json.dumps(hw.to_json()))
         measured = replace(base, profile_path=str(Path(tmp) / "profile.json"),
                            hardware_path=str(Path(tmp) / "hardware.json"))
@@ -57,8 +63,9 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
                 _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
                 reports.append(run_validation(replace(measured, strategy=name)).report)
             rows.append(_row(name, reports))
-    return {"model": model, "microbatch_size": microbatch_size, "microbatches": microbatches,
-            "iterations": iterations, "backend": backend, "rows": rows,
+    return {"model": model, "stages": stages, "microbatch_size": microbatch_size, "microbatches": microbatches,
+            "iterations": iterations, "backend": backend, "rows": rows, "cores": list(hw.cpu.cores) if hw.cpu else None,
+            "transfer_cpu": hw.to_json().get("cpu"),
             "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
             "link_latency_s": hw.intra_node.latency, "link_bandwidth_Bps": hw.intra_node.bandwidth,
             "update_bandwidth_Bps": hw.device.mem_bandwidth}
@@ -77,6 +84,8 @@ def _row(strategy: str, reports: list[dict]) -> dict:
 def add_arguments(p) -> None:
     list_choices(p.add_argument("--model", default="mlp", help="real model to validate"), model_names)
     p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
+    p.add_argument("--stages", type=positive, default=2,
+                   help="pipeline stages (more devices than cores share them, as the simulator models)")
     p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
     p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
     p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
@@ -88,13 +97,13 @@ def add_arguments(p) -> None:
 def run_bench(args) -> dict:
     started = time.perf_counter()
     res = run(args.model, args.microbatch_size, args.microbatches, args.iterations, args.repeats, args.backend,
-              args.strategies.split(",") if args.strategies else None)
+              args.strategies.split(",") if args.strategies else None, stages=args.stages)
     res["seconds"] = round(time.perf_counter() - started, 1)
     return res
 
 
 def render(res: dict) -> str:
-    lines = [f"{res['model']}, micro-batch {res['microbatch_size']}, m={res['microbatches']}, "
+    lines = [f"{res['model']}, {res['stages']} stages, micro-batch {res['microbatch_size']}, m={res['microbatches']}, "
              f"{res['iterations']} iterations, {res['backend']}; link {res['link_latency_s'] * 1e6:.0f} us + "
              f"{res['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {res['update_bandwidth_Bps'] / 1e9:.1f} GB/s",
              f"{'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  {'runs':18} {'bubble m/p':>12}"]

@@ -77,10 +77,28 @@ class P2PProfile:
     bandwidth_Bps: float
     repeats: int
     device: str
+    #: CPU seconds one message of each size cost the sending and the receiving
+    #: process (all its threads: the caller's posting and the backend's
+    #: copying), medians per size; with gloo only (a GPU's copies run beside
+    #: its kernels), else None. See :func:`measure_transfer_cpu`.
+    send_cpu_s: tuple[float, ...] | None = None
+    recv_cpu_s: tuple[float, ...] | None = None
 
     def predict(self, nbytes: float) -> float:
         """The fitted model's one-way time, the simulator's ``transfer_time`` for a switch link."""
         return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def cpu_costs(self) -> dict[str, dict[str, float]] | None:
+        """``{"send": {"fixed_s", "bytes_per_s"}, "recv": ...}`` fitted to the
+        CPU times (as latency + bytes / bandwidth), the hardware file's
+        ``cpu`` costs; None when not measured."""
+        if self.send_cpu_s is None or self.recv_cpu_s is None:
+            return None
+        out = {}
+        for end, times in (("send", self.send_cpu_s), ("recv", self.recv_cpu_s)):
+            fixed, rate = fit_latency_bandwidth(self.sizes, [max(t, 1e-9) for t in times])
+            out[end] = {"fixed_s": fixed, "bytes_per_s": rate}
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,7 +156,7 @@ def measure_p2p(
         # measured the way the runtime runs: a core per rank, kept awake
         pin_cores=backend == "gloo", keep_cores_awake=backend == "gloo",
     )
-    one_way, fastest, device = results[0]
+    one_way, fastest, device, send_cpu, recv_cpu = results[0]
     nbytes = [n * _F32 for n in elems]
     latency, bandwidth = fit_latency_bandwidth(nbytes, one_way)
     return P2PProfile(
@@ -150,6 +168,8 @@ def measure_p2p(
         bandwidth_Bps=bandwidth,
         repeats=repeats,
         device=device,
+        send_cpu_s=None if send_cpu is None else tuple(send_cpu),
+        recv_cpu_s=None if recv_cpu is None else tuple(recv_cpu),
     )
 
 
@@ -199,11 +219,59 @@ def _p2p_worker(ctx: LaunchContext, elems: list[int], repeats: int, warmup: int)
         samples = [max(x, 0.0) for x in samples]
         medians.append(statistics.median(samples) if samples else None)
         fastest.append(min(samples) if samples else None)
+    cpu = measure_transfer_cpu(ctx, elems, repeats) if not cuda else None
     out = (medians, fastest, _device_name(ctx.device))
     # rank 1 measured; hand its numbers to rank 0, whose result launch returns first
     box = [out]
     dist.broadcast_object_list(box, src=1)
-    return box[0]
+    medians, fastest, device = box[0]
+    # rank 0 measured the sender's CPU, rank 1 the receiver's
+    box = [cpu]
+    dist.broadcast_object_list(box, src=1)
+    recv_cpu = box[0]
+    return medians, fastest, device, cpu, recv_cpu
+
+
+#: How long the sender pauses before each message of the CPU-time
+#: measurement: the receiver has posted its next receive and gone idle, as
+#: a pipeline stage waiting for its input has.
+CPU_GAP_S = 0.001
+
+
+def measure_transfer_cpu(ctx: LaunchContext, elems: list[int], repeats: int) -> list[float]:
+    """CPU seconds per message of each size, for this rank's end: rank 0
+    sends, rank 1 receives (called on both).
+
+    The runtime's pattern again (a receive posted ahead, an ``isend`` of a
+    freshly written tensor), but timed by the process's CPU clock, which
+    counts every thread: the caller posting and waiting, and the backend's
+    own threads copying the bytes into or out of the transport. On a CPU
+    that is time taken from the core the passes run on, which is what the
+    simulator's ``Hardware.cpu`` charges. The sender's pause between
+    messages is spent asleep and costs nothing; the tensor write before each
+    send is left out of the sender's count.
+    """
+    peer = 1 - ctx.rank
+    per_size = []
+    for n in elems:
+        buf = torch.ones(n, dtype=torch.float32)
+        dist.barrier()
+        spent = 0
+        for i in range(repeats):
+            if ctx.rank == 1:
+                work = dist.irecv(buf, peer, tag=1000 + i)
+                t0 = time.process_time_ns()
+                work.wait()
+                spent += time.process_time_ns() - t0
+            else:
+                time.sleep(CPU_GAP_S)
+                buf.add_(1.0)
+                t0 = time.process_time_ns()
+                dist.isend(buf, peer, tag=1000 + i).wait()
+                spent += time.process_time_ns() - t0
+        dist.barrier()
+        per_size.append(spent * 1e-9 / repeats)
+    return per_size
 
 
 def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -369,8 +437,13 @@ def hardware_json(
     *,
     dtype_bytes: int = 4,
     device_notes: str = "",
+    cores: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A preset-file dict for one node of ``world_size`` ranks linked as ``p2p`` measured.
+
+    With ``cores`` (the core each rank is pinned to) and CPU times in
+    ``p2p``, the dict has a ``cpu`` section: ranks on one core share it, and
+    each transfer costs its ends the CPU time fitted to ``p2p``'s.
 
     The interconnect is a ``switch``: each device has its own tx/rx port, so
     disjoint pairs do not contend. That is how separate processes on one
@@ -410,6 +483,12 @@ def hardware_json(
     }
     if device_notes:
         d["device"]["notes"] = device_notes
+    cpu = p2p.cpu_costs()
+    if cores is not None and cpu is not None:
+        d["cpu"] = {"cores": list(cores)[:world_size], **cpu,
+                    "notes": ("core each rank is pinned to; CPU seconds per message on each end (process CPU "
+                              "time of the sender around isend + wait, of the receiver around wait, receivers "
+                              "idle before each message), fitted as fixed + bytes / rate")}
     Hardware.from_json(d, source=f"measured hardware {name!r}")
     return d
 

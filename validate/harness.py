@@ -40,9 +40,10 @@ from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
 from .executor import emulate, iteration_losses
+from .launch import core_assignment
 from .models import RealModel, build_model
 from .numerics import EXECUTOR_THREADS, intra_op_threads
-from .profiler import ProfileSettings, profile_model, update_bandwidth
+from .profiler import ProfileSettings, kernel_bandwidths, profile_model
 from .reconcile import compare, measured_result
 from .runtime import Job, build_stages, run_distributed
 from .stage import OptimizerConfig
@@ -130,11 +131,14 @@ def model_of(cfg: ValidateConfig) -> RealModel:
     return build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
 
 
-def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: RealModel | None = None) -> Profile:
+def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: RealModel | None = None,
+            hardware: Hardware | None = None) -> Profile:
     """The model's per-layer costs on ``device``; with a distributed backend,
     the per-pass overhead is the runtime's measured cost per pass when
     passing tensors of the model's typical boundary size
-    (:func:`~pipesim.validate.profiler.measure_dispatch`)."""
+    (:func:`~pipesim.validate.profiler.measure_dispatch`), less the CPU time
+    ``hardware.cpu`` charges the pass's send separately (on a CPU the
+    period of those passes contains it)."""
     model = model or model_of(cfg)
     settings = ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=cfg.profile_repeats)
     with intra_op_threads(_executor_threads(device)):
@@ -144,10 +148,12 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
 
         boundary = int(statistics.median(la.activation_bytes for la in prof.layers[:-1] or prof.layers))
         o_f, o_b = measure_dispatch(cfg.backend, boundary, timeout_s=min(cfg.timeout_s, 120.0))
-        prof = replace(prof, overhead_forward_s=max(prof.overhead_forward_s, o_f),
-                       overhead_backward_s=max(prof.overhead_backward_s, o_b),
+        send = hardware.cpu.send.seconds(boundary) if hardware is not None and hardware.cpu is not None else 0.0
+        prof = replace(prof, overhead_forward_s=max(prof.overhead_forward_s, o_f - send),
+                       overhead_backward_s=max(prof.overhead_backward_s, o_b - send),
                        notes=prof.notes + f"; per-pass overhead measured in the {cfg.backend} runtime passing "
-                                          f"{boundary} bytes")
+                                          f"{boundary} bytes" + (f", less the send's {send * 1e6:.1f} us of CPU "
+                                                                 "the simulator charges apart" if send else ""))
     return prof
 
 
@@ -158,12 +164,14 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
 
     model = model or model_of(cfg)
     with intra_op_threads(_executor_threads(device)):
-        bw = update_bandwidth(model, device=device,
-                              settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7))
+        kernels = kernel_bandwidths(model, device=device, optimizer=cfg.optimizer,
+                                    settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7))
+    bw = kernels["update"]
     if cfg.backend == "single" or num_devices == 1:
         p2p = None
     else:
         p2p = measure_p2p(backend=cfg.backend, timeout_s=min(cfg.timeout_s, 120.0))
+    cores = core_assignment(num_devices) if cfg.backend == "gloo" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -173,8 +181,12 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
              "device": {"name": name, "flops": 1e12, "mem_bandwidth": bw, "memory_bytes": float(memory)},
              "num_devices": n, "devices_per_node": n, "intra_node": {"kind": "ideal"}}
     else:
-        d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n)
+        d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n, cores=cores)
     # flops is unused: the measured profile gives every layer's time directly
+    d["device"].update({f"{k}_bandwidth": v for k, v in kernels.items()})
+    d["device"]["notes"] = (d["device"].get("notes", "") + " mem_bandwidth is the in-place optimizer step's; "
+                            "update/predict/average_bandwidth are each kernel's, measured as the runtime runs it "
+                            "(pipesim.validate.profiler.kernel_bandwidths)").strip()
     return Hardware.from_json(d)
 
 
@@ -244,18 +256,19 @@ def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device,
                   say) -> tuple[Profile, Hardware]:
     """The profile and hardware to simulate with: given files, or measured
     here; checked against the schedule and the model."""
+    # the hardware first: the profile's per-pass overhead leaves out what it charges transfers
+    if cfg.hardware_path:
+        hw = load_hardware(cfg.hardware_path)
+    else:
+        say(f"measuring {cfg.backend} links and the optimizer's bandwidth ...")
+        hw = hardware_for(cfg, device, schedule.num_devices, model=model)
     if cfg.profile_path:
         prof = load_profile(cfg.profile_path)
         if prof.microbatch_size != cfg.microbatch_size:
             prof = replace(prof, microbatch_size=cfg.microbatch_size)
     else:
         say(f"profiling {cfg.model} layers on {device} ...")
-        prof = profile(cfg, device, model=model)
-    if cfg.hardware_path:
-        hw = load_hardware(cfg.hardware_path)
-    else:
-        say(f"measuring {cfg.backend} links and the optimizer's bandwidth ...")
-        hw = hardware_for(cfg, device, schedule.num_devices, model=model)
+        prof = profile(cfg, device, model=model, hardware=hw)
     if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
         raise ValidateError(f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs "
                             f"{schedule.num_devices}")

@@ -273,10 +273,11 @@ def launch(
     below ``timeout_s`` to have a hung collective raise, with its traceback,
     inside the worker. ``devices`` maps ranks to CUDA indices (NCCL only).
     ``pin_cores`` binds rank r (all its threads, the backend's included) to
-    the r-th core this process may use, when there are at least as many
-    cores as ranks: timed CPU runs then measure each rank on a core of its
-    own instead of one rank's communication threads preempting another
-    rank's compute. ``keep_cores_awake`` (with ``pin_cores``) runs a spinning
+    the r-th core this process may use (:func:`core_assignment`;
+    round-robin when there are more ranks than cores): timed CPU runs then
+    measure each rank on a core of its own, or, oversubscribed, on a core
+    shared with known ranks, which the simulator models, instead of
+    wherever the OS scheduler moves it. ``keep_cores_awake`` (with ``pin_cores``) runs a spinning
     process at the lowest priority on each rank's core, which yields the core
     to the rank at once but keeps it from idling while the rank waits for a
     message: a virtual CPU that halts comes back slower (on the CI machine a
@@ -296,7 +297,7 @@ def launch(
         args_path = os.path.join(tmpdir, "args.pkl")
         _write_args(args_path, args)
         if pin_cores and keep_cores_awake:
-            heaters = _start_heaters([_core_for(r, world_size) for r in range(world_size)])
+            heaters = _start_heaters(sorted(set(core_assignment(world_size) or ())))
         mp = torch_mp.get_context("spawn")
         start = time.monotonic()
         deadline = start + float(timeout_s)
@@ -545,11 +546,21 @@ def _stop_heaters(heaters) -> None:
         p.wait()
 
 
-def _core_for(rank: int, world_size: int) -> int | None:
+def core_assignment(world_size: int) -> list[int] | None:
+    """The core each rank is pinned to (``pin_cores``): rank r on the r-th
+    core this process may use, round-robin when there are more ranks than
+    cores (so ranks that share a core are known, and the simulator's
+    ``Hardware.cpu`` can give the same ranks the same core). None where
+    affinity cannot be set."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    return cores[rank] if world_size <= len(cores) else None
+    return [cores[r % len(cores)] for r in range(world_size)]
+
+
+def _core_for(rank: int, world_size: int) -> int | None:
+    cores = core_assignment(world_size)
+    return None if cores is None else cores[rank]
 
 
 def _worker(spec: _WorkerSpec, fn: Callable[..., Any]) -> None:

@@ -17,10 +17,13 @@ and not an idealised kernel timeline:
   layers charges it once per *layer*; it is measured on an empty stage,
   subtracted from every layer and written to the profile as ``overhead``,
   which the simulator charges once per *stage* pass.
-* **update bandwidth**: the optimizer steps in the same sequence are
-  expressed as the memory bandwidth at which the simulator's byte count for
-  an update (5 |W| for SGD with momentum) takes that long; it goes into the
-  hardware JSON as the device's ``mem_bandwidth``.
+* **kernel bandwidths** (:func:`kernel_bandwidths`): the optimizer step,
+  SpecTrain's prediction and AvgPipe's averaging, each run by the runtime's
+  code on the whole model right after its forward and backward, expressed
+  as the bandwidth at which the simulator's byte count for that kernel (an
+  SGD step 5 |W|, a prediction 3 |W|, ...) takes that long; they go into the
+  hardware JSON as the device's ``update_bandwidth``, ``predict_bandwidth``
+  and ``average_bandwidth`` (the step's also as ``mem_bandwidth``).
 
 Every time is the median over repeated training steps after a warm-up,
 measured with the code path the runtime executes, on one thread when the
@@ -200,35 +203,79 @@ def _fresh(model: RealModel) -> RealModel:
     return dataclasses.replace(model, layers=copy.deepcopy(model.layers))
 
 
-def update_bandwidth(model: RealModel, *, device: torch.device | str = "cpu",
-                     settings: ProfileSettings = ProfileSettings(), optimizer: OptimizerConfig = OptimizerConfig()
-                     ) -> float:
-    """Bytes/s at which the simulator's update traffic (5 |W|, SGD) matches the measured steps.
+#: Local replicas in the averaging measurement (AvgPipe's pipelines on one device).
+AVERAGE_REPLICAS = 2
 
-    The whole model is one stage here, stepped right after its own forward
-    and backward, as a runtime steps a stage after its last backward (the
-    gradients just accumulated are still warm in cache, the optimizer state
-    is not), and in one call: timing each layer's step alone would charge
-    the per-call cost once per layer instead.
+
+def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
+                      settings: ProfileSettings = ProfileSettings(),
+                      optimizer: OptimizerConfig = OptimizerConfig()) -> dict[str, float]:
+    """Bytes/s at which the simulator's byte count for each memory-bound
+    kernel (:class:`pipesim.sim.engine.CostModel`) matches the time the
+    runtime's own code takes for it, the whole model as one stage, each
+    right after a forward and backward (the gradients warm, the rest not):
+
+    * ``update``: the optimizer step in place (flush schedules; stashing
+      writes the next version into a recycled buffer of the same size),
+      5 |W| for SGD with momentum, 7 |W| for Adam;
+    * ``predict``: SpecTrain's PREDICT into its scratch buffer, 3 |W| (4 |W|);
+    * ``average``: AvgPipe's AVERAGE of :data:`AVERAGE_REPLICAS` replicas
+      held on one device (flatten, elastic averaging, copy back),
+      (2n + 2) |W|.
+
+    One figure per kernel, not one for all: on a CPU they reach very
+    different fractions of the memory system (SpecTrain's update ran three
+    times as long as one bandwidth for all predicted).
     """
+    from pipesim.sim.engine import CostModel
+    from pipesim.sim.ir import AVERAGE, PREDICT
+
+    from .executor import run_collective
+
     device = torch.device(device)
     fresh = _fresh(model)
-    whole = _stage(nn.Sequential(*copy.deepcopy(fresh.layers)), True, True, fresh.loss_fn, device, optimizer)
+    replicas = [_whole(fresh, device, optimizer) for _ in range(AVERAGE_REPLICAS)]
+    stage = replicas[0]
     data = fresh.data(settings.microbatch_size)
-    times = []
-    repeats = max(3 * settings.repeats, 30)  # a step is short, and noisy
+    centre = torch.cat([w.detach().reshape(-1) for w in stage.weights()]).clone()
+    times: dict[str, list[int]] = {"update": [], "predict": [], "average": []}
+    repeats = max(3 * settings.repeats, 30)  # each kernel is short, and noisy
     for step in range(settings.warmup + repeats):
-        x, y = data.batch(step)
-        whole.forward(Action(F, 0, 0, 0), x.to(device), y.to(device))
-        whole.backward(Action(B, 0, 0, 0), None)
-        whole.accumulated = 4  # as after a mini-batch of micro-batches: scaled once
+        timed = step >= settings.warmup
+        for st in replicas:
+            x, y = data.batch(step)
+            v = st.pool.expect(st.pool.version, 2)  # the forward and backward read it, then let it go
+            st.forward(Action(F, 0, 0, v), x.to(device), y.to(device))
+            st.backward(Action(B, 0, 0, v), None)
+            st.accumulated = 4  # as after a mini-batch of micro-batches: scaled once
         t0 = _now(device)
-        whole.update(Action(UPDATE, 0, None, whole.pool.version + 1))
-        if step >= settings.warmup:
-            times.append(_now(device) - t0)
-        whole.pool.expect(whole.pool.version, 10 ** 9)
-    params = sum(t.numel() * t.element_size() for t in whole.weights())
-    return 5 * params / (statistics.median(times) / 1e9)
+        stage.update(Action(UPDATE, 0, None, stage.pool.version + 1))
+        t1 = _now(device)
+        stage.scratch_key = None  # predict afresh, as after each update
+        stage.pool.expect(stage.pool.version, 1)
+        stage.predict(Action(PREDICT, 0, None, stage.pool.version, 1))
+        t2 = _now(device)
+        run_collective(Action(AVERAGE, 0), replicas, {0: centre}, 0.5)
+        t3 = _now(device)
+        for other in replicas[1:]:
+            other.update(Action(UPDATE, 0, None, other.pool.version + 1))
+        if timed:
+            times["update"].append(t1 - t0)
+            times["predict"].append(t2 - t1)
+            times["average"].append(t3 - t2)
+    params = sum(t.numel() * t.element_size() for t in stage.weights())
+    costs = CostModel((), 1.0, optimizer.kind)
+    moved = {"update": costs.traffic(UPDATE) * params, "predict": costs.traffic(PREDICT) * params,
+             "average": (2 * AVERAGE_REPLICAS + 2) * params}
+    return {k: moved[k] / (statistics.median(v) / 1e9) for k, v in times.items()}
+
+
+def _whole(model: RealModel, device: torch.device, optimizer: OptimizerConfig) -> PipelineStage:
+    """The whole model as one stage whose updates are in place (no reader
+    holds an old version)."""
+    stage = PipelineStage(nn.Sequential(*copy.deepcopy(model.layers)), 0, 1, device, loss_fn=model.loss_fn)
+    stage.optim = optimizer
+    return stage
 
 
 # ---------------------------------------------------------------- runtime dispatch

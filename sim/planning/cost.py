@@ -224,11 +224,11 @@ class Estimate:
         return self.peak_memory_bytes > self.memory_limit_bytes
 
 
-def update_seconds(param_bytes, optimizer: str, mem_bandwidth: float):
+def update_seconds(param_bytes, optimizer: str, bandwidth: float):
     """One optimizer step over ``param_bytes`` of weights (a number or an
-    array), as the engine costs it."""
-    traffic = CostModel((), mem_bandwidth, optimizer).traffic(UPDATE)
-    return 0.0 * param_bytes if math.isinf(mem_bandwidth) else traffic * param_bytes / mem_bandwidth
+    array) at the device's update ``bandwidth``, as the engine costs it."""
+    traffic = CostModel((), bandwidth, optimizer).traffic(UPDATE)
+    return 0.0 * param_bytes if math.isinf(bandwidth) else traffic * param_bytes / bandwidth
 
 
 def held_activations(stash_bytes, inflight, input_bytes=None):
@@ -264,7 +264,7 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
     hw = links.hw
     m = layout.microbatches
     p = len(costs)
-    engine_costs = CostModel(tuple(costs), hw.device.mem_bandwidth, optimizer)
+    engine_costs = CostModel.for_device(costs, hw.device, optimizer)
     boundaries = [links.boundary(layout.devices[k], layout.devices[k + 1]) for k in range(p - 1)]
     transfer = [b.transfer[0] + b.transfer[1] * costs[k].activation_bytes if costs[k].activation_bytes else 0.0
                 for k, b in enumerate(boundaries)]  # mean uncontended one-way time per boundary

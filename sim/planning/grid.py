@@ -233,7 +233,7 @@ class _Grid:
         for k, c in enumerate(costs):
             comm = (hw.transfer_time(k - 1, k, costs[k - 1].activation_bytes) if k else 0.0) + (
                 hw.transfer_time(k + 1, k, c.activation_bytes) if k + 1 < d else 0.0)
-            step = update_seconds(c.param_bytes, profile.optimizer, hw.device.mem_bandwidth)
+            step = update_seconds(c.param_bytes, profile.optimizer, hw.device.kernel_bandwidth("update"))
             ring = self.links.ring(tuple(r * d + k for r in range(w))).seconds(c.param_bytes) if w > 1 else 0.0
             per_mb.append((c.forward_s + c.backward_s + comm, step))
             reduce_s.append(ring)

@@ -133,7 +133,7 @@ def stage_terms(tables: Tables, devices: tuple[int, ...], links: LinkModel, *, p
     ``devices`` is busy, for every layer range: its passes, and its steps,
     each after an all-reduce over the replicas when there are several."""
     hw = links.hw
-    step = update_seconds(1.0, optimizer, hw.device.mem_bandwidth) * tables.params
+    step = update_seconds(1.0, optimizer, hw.device.kernel_bandwidth("update")) * tables.params
     if len(devices) > 1:
         step = step + line_of(envelope(links.ring(devices).time), tables.params)
     return (passes * tables.time + steps * step) / microbatches

@@ -1,0 +1,120 @@
+"""The engine on CPU cores (``Hardware.cpu``): shared cores and the CPU time
+transfers take, each against a case worked out by hand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.hardware import CpuCost, Hardware, HardwareError, HostCpu, load_hardware
+from pipesim.sim.ir import F
+from pipesim.sim.partition import StageCost
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+F_S, B_S = 0.010, 0.020  # every stage's forward and backward
+
+
+def _costs(stages: int, nbytes: int = 1_000_000) -> list[StageCost]:
+    return [StageCost(k, k, F_S, B_S, B_S / 2, B_S / 2, 0, nbytes, 0) for k in range(stages)]
+
+
+def _host(n: int, cores, *, send=CpuCost(), recv=CpuCost(), latency=0.0, bandwidth=float("inf")) -> Hardware:
+    base = {"name": "host", "device": {"name": "core", "flops": 1e12, "mem_bandwidth": "inf", "memory_bytes": 1e12},
+            "num_devices": n, "devices_per_node": n,
+            "intra_node": {"kind": "switch" if latency or bandwidth != float("inf") else "ideal",
+                           "bandwidth": "inf" if bandwidth == float("inf") else bandwidth, "latency": latency}}
+    return replace(Hardware.from_json(base), cpu=HostCpu(tuple(cores), send, recv))
+
+
+def _passes(result, dev):
+    return sorted((s for s in result.spans if s.stream == "compute" and s.device == dev), key=lambda s: s.start)
+
+
+def test_without_transfer_costs_own_cores_change_nothing():
+    """One core per device and free transfers: the same timeline as a GPU."""
+    s = build_schedule(ScheduleSpec("1f1b", 4, 8))
+    cpu_hw = _host(4, [0, 1, 2, 3])
+    cpu = run_engine(s, _costs(4), cpu_hw)
+    gpu = run_engine(s, _costs(4), replace(cpu_hw, cpu=None))
+
+    def passes(result):
+        return sorted((x.device, x.start, x.end, str(x.action)) for x in result.spans if x.stream == "compute")
+
+    assert passes(cpu) == passes(gpu)
+
+
+@given(fixed=st.floats(1e-6, 5e-3), per_mb=st.floats(0.0, 5e-3))
+@settings(max_examples=30, deadline=None)
+def test_a_send_delays_the_senders_next_pass_by_exactly_its_cost(fixed, per_mb):
+    """GPipe, 2 stages, 2 micro-batches, free links: stage 0 sends micro-batch
+    0's activation as its forward ends, so its second forward starts exactly
+    the send's CPU time later (the core was idle; nothing else differs)."""
+    nbytes = 1_000_000
+    send = CpuCost(fixed, 1e6 / per_mb if per_mb else float("inf"))
+    s = build_schedule(ScheduleSpec("gpipe", 2, 2))
+    plain = run_engine(s, _costs(2, nbytes), _host(2, [0, 1]))
+    taxed = run_engine(s, _costs(2, nbytes), _host(2, [0, 1], send=send))
+    f0, f1 = _passes(taxed, 0)[:2]
+    assert (f0.action.op, f1.action.op) == (F, F)
+    assert f1.start - f0.end == pytest.approx(send.seconds(nbytes), rel=1e-12, abs=1e-15)
+    assert _passes(plain, 0)[1].start == pytest.approx(f0.end)
+    assert f1.end - f1.start == pytest.approx(F_S)  # the pass itself is not stretched
+
+
+def test_a_receive_during_a_pass_stretches_it_by_exactly_its_cost():
+    """Stage 1 is running micro-batch 0's forward when micro-batch 1's
+    activation arrives (a link of 3 ms, the last 2 of which are the
+    receiver's copy; stage 0's second forward ends 10 ms after its first):
+    the copy preempts the pass, which ends ``recv`` seconds late; the
+    arrivals themselves are not delayed (the link time contains the copy)."""
+    recv = CpuCost(0.002, float("inf"))
+    s = build_schedule(ScheduleSpec("gpipe", 2, 2))
+    hw = _host(2, [0, 1], recv=recv, latency=0.003)
+    result = run_engine(s, _costs(2), hw)
+    first = _passes(result, 1)[0]
+    assert first.action.op is F and first.action.microbatch == 0
+    assert first.start == pytest.approx(F_S + 0.003)  # the first copy found the core idle
+    assert first.end - first.start == pytest.approx(F_S + recv.fixed_s)
+    arrivals = sorted(x.end for x in result.spans if x.stream == "recv" and x.device == 1)
+    assert arrivals == pytest.approx([F_S + 0.003, 2 * F_S + 0.003])  # the second inside the pass
+
+
+@given(k=st.sampled_from([2, 4, 6]), c=st.sampled_from([1, 2, 3]), m=st.integers(1, 6))
+@settings(max_examples=25, deadline=None)
+def test_k_ranks_on_c_cores_stretch_a_compute_bound_run_by_k_over_c(k, c, m):
+    """Data parallelism (no pipeline dependencies, free collectives) is
+    compute-bound: k devices on c < k cores, round-robin, take k / c times as
+    long as on k cores, when c divides k."""
+    if c >= k or k % c:
+        return
+    s = build_schedule(ScheduleSpec("data-parallel", k, k * m))
+    own = run_engine(s, _costs(1), _host(k, range(k)))
+    shared = run_engine(s, _costs(1), _host(k, [d % c for d in range(k)]))
+    assert shared.makespan == pytest.approx(own.makespan * k / c)
+
+
+def test_devices_sharing_a_core_never_overlap():
+    s = build_schedule(ScheduleSpec("1f1b", 4, 8))
+    result = run_engine(s, _costs(4), _host(4, [0, 1, 0, 1], send=CpuCost(1e-4, 1e9), recv=CpuCost(1e-4, 1e9)))
+    for core in (0, 1):
+        spans = sorted((x.start, x.end) for x in result.spans if x.stream == "compute" and x.device % 2 == core)
+        assert all(b[0] >= a[1] - 1e-12 for a, b in zip(spans, spans[1:]))
+
+
+def test_cpu_section_round_trips_and_is_checked():
+    hw = _host(2, [0, 0], send=CpuCost(1e-5, 2e9), recv=CpuCost(2e-5, 3e9))
+    again = Hardware.from_json(hw.to_json())
+    assert again.cpu == hw.cpu and again.cpu.shared
+    with pytest.raises(HardwareError, match="cores for 2 devices"):
+        replace(again, num_devices=None, devices_per_node=None,
+                intra_node=load_hardware("ideal").intra_node).check_devices(3)
+    for bad in ({"cores": []}, {"cores": [0, -1]}, {"cores": [0, 1], "send": {"fixed_s": -1}},
+                {"cores": [0, 1], "recv": {"bytes_per_s": 0}}, {"cores": [0, 1], "speed": 1}):
+        with pytest.raises(HardwareError):
+            Hardware.from_json({**hw.to_json(), "cpu": bad})
+    with pytest.raises(HardwareError, match="each of the 4 devices"):
+        Hardware.from_json({**load_hardware("pcie-4gpu").to_json(), "cpu": {"cores": [0, 1]}})
