@@ -118,3 +118,27 @@ def test_cpu_section_round_trips_and_is_checked():
             Hardware.from_json({**hw.to_json(), "cpu": bad})
     with pytest.raises(HardwareError, match="each of the 4 devices"):
         Hardware.from_json({**load_hardware("pcie-4gpu").to_json(), "cpu": {"cores": [0, 1]}})
+
+
+def test_each_memory_bound_kernel_runs_at_its_own_bandwidth():
+    """An UPDATE costs 5 |W| (SGD) at the device's update bandwidth, a
+    PREDICT 3 |W| at its predict bandwidth; a device without them prices
+    both at mem_bandwidth."""
+    from pipesim.sim.engine import CostModel
+    from pipesim.sim.ir import PREDICT, UPDATE, Action
+
+    plain = load_hardware("pcie-4gpu").device
+    device = replace(plain, update_bandwidth=2e9, predict_bandwidth=3e9, average_bandwidth=4e9)
+    cost = StageCost(0, 0, 1.0, 2.0, 1.0, 1.0, 6_000_000, 0, 0)
+    own = CostModel.for_device([cost], device)
+    assert own.compute(Action(UPDATE, 0, version=1)) == pytest.approx(5 * 6e6 / 2e9)
+    assert own.compute(Action(PREDICT, 0, version=0, distance=1)) == pytest.approx(3 * 6e6 / 3e9)
+    assert own.averaging(0, 2) == pytest.approx(6 * 6e6 / 4e9)
+    shared = CostModel.for_device([cost], plain)
+    assert shared.compute(Action(UPDATE, 0, version=1)) == pytest.approx(5 * 6e6 / plain.mem_bandwidth)
+    again = Hardware.from_json({**load_hardware("pcie-4gpu").to_json(),
+                                "device": {**load_hardware("pcie-4gpu").to_json()["device"], "predict_bandwidth": 3e9}})
+    assert again.device.predict_bandwidth == 3e9 and again.device.kernel_bandwidth("update") == plain.mem_bandwidth
+    assert Hardware.from_json(again.to_json()) == again
+    with pytest.raises(HardwareError, match="average_bandwidth"):
+        replace(plain, average_bandwidth=0.5)

@@ -317,6 +317,24 @@ def test_hardware_json_round_trips():
         hardware_json("bad", "cpu", -1, 8e9, 1 << 34, p2p, 2)
 
 
+def test_hardware_json_cpu_section_from_measured_cpu_times():
+    """CPU seconds per message fitted as fixed + bytes / rate per end, and
+    the ranks' cores: the simulator's Hardware.cpu."""
+    sizes = (4, 1 << 16, 1 << 20)
+    send = tuple(3e-5 + n / 3e9 for n in sizes)
+    recv = tuple(4e-5 + n / 6e9 for n in sizes)
+    p2p = commprofile.P2PProfile(
+        backend="gloo", sizes=sizes, one_way_s=(1e-4, 1.2e-4, 6e-4), min_one_way_s=(9e-5, 1e-4, 5e-4),
+        latency_s=1e-4, bandwidth_Bps=2e9, repeats=10, device="cpu", send_cpu_s=send, recv_cpu_s=recv,
+    )
+    hw = Hardware.from_json(hardware_json("loopback-4", "cpu", 1e12, 8e9, 1 << 34, p2p, 4, cores=[0, 1, 0, 1]))
+    assert hw.cpu.cores == (0, 1, 0, 1) and hw.cpu.shared
+    assert hw.cpu.send.fixed_s == pytest.approx(3e-5, rel=1e-6) and hw.cpu.send.bytes_per_s == pytest.approx(3e9, rel=1e-6)
+    assert hw.cpu.recv.seconds(1 << 20) == pytest.approx(recv[2], rel=1e-6)
+    unmeasured = commprofile.P2PProfile(**{**p2p.to_json(), "send_cpu_s": None, "recv_cpu_s": None})
+    assert Hardware.from_json(hardware_json("x", "cpu", 1e12, 8e9, 1 << 34, unmeasured, 4, cores=[0, 1, 0, 1])).cpu is None
+
+
 def test_memory_bandwidth_is_positive():
     bw = commprofile.measure_memory_bandwidth("cpu", nbytes=1 << 20, repeats=3, warmup=1)
     assert 0 < bw < math.inf
