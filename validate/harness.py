@@ -44,7 +44,7 @@ from .launch import core_assignment
 from .models import RealModel, build_model
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .profiler import ProfileSettings, kernel_bandwidths, profile_model
-from .reconcile import compare, measured_result
+from .reconcile import compare, iteration_time, measured_result
 from .runtime import Job, build_stages, run_distributed
 from .stage import OptimizerConfig
 
@@ -246,6 +246,14 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     report = _run_facts(cfg, schedule, model, device, starts, prof, hw)
     report.update(compare(reference, measured, losses=iteration_losses(out.losses, schedule.num_microbatches),
                           versions_used=out.versions_used, peak_memory=out.peak_memory or None))
+    if hw.cpu is not None and cfg.backend != "single":
+        # what the prediction would be without the cores' model: its share of the result
+        plain = run_engine(schedule, costs, replace(hw, cpu=None), microbatch_size=cfg.microbatch_size,
+                           optimizer=prof.optimizer, recv_lookahead=cfg.recv_lookahead)
+        t = iteration_time(plain)
+        report["iteration_time_predicted_without_cpu_model_s"] = round_sig(t)
+        report["iteration_time_error_without_cpu_model"] = round_sig(
+            (t - report["iteration_time_measured_s"]) / report["iteration_time_measured_s"])
     if cfg.backend == "single" and out.peak_memory:
         report["peak_memory_note"] = "single-device mode holds every stage on one device: measured is their sum"
     report["unscheduled_predictions"] = out.unscheduled_predictions
