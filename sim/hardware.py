@@ -75,6 +75,13 @@ class DeviceSpec:
     optimizer steps, weight prediction, elementwise layers.
     ``dtype_bytes`` is the size of one activation element in that precision
     (4 for fp32, 2 for fp16/bf16 mixed precision).
+    ``kernel_overhead_s`` is the fixed time one kernel launch adds to a
+    layer pass whatever its size (the launch latency between one kernel and
+    the next): catalog profiles charge it once per kernel a layer launches
+    (:mod:`pipesim.sim.models`), so a pass costs a fixed part plus a part
+    proportional to the micro-batch. 0 (the default) prices layers by the
+    roofline alone, as a preset whose ``flops`` is an average sustained rate
+    does; measured profiles never see it (their times include it).
     """
 
     name: str
@@ -82,6 +89,7 @@ class DeviceSpec:
     mem_bandwidth: float
     memory_bytes: float
     dtype_bytes: int = 4
+    kernel_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         # a device of infinite FLOP/s would make every layer free (a zero makespan)
@@ -101,6 +109,12 @@ class DeviceSpec:
             )
         if isinstance(self.dtype_bytes, bool) or self.dtype_bytes not in (1, 2, 4, 8):
             raise HardwareError(f"device {self.name!r}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+        k = self.kernel_overhead_s
+        if not _is_number(k) or not (0 <= k <= MAX_SECONDS):
+            raise HardwareError(
+                f"device {self.name!r}: kernel_overhead_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
+                f"(seconds), got {shown(k)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -417,6 +431,8 @@ class Hardware:
                 "mem_bandwidth": _num_out(self.device.mem_bandwidth),
                 "memory_bytes": _num_out(self.device.memory_bytes),
                 "dtype_bytes": self.device.dtype_bytes,
+                # only when set, so presets without it keep their exact form
+                **({"kernel_overhead_s": self.device.kernel_overhead_s} if self.device.kernel_overhead_s else {}),
             },
             "num_devices": self.num_devices,
             "devices_per_node": self.devices_per_node,
@@ -544,7 +560,7 @@ def _num_out(x: float) -> float | str:
 # ---------------------------------------------------------------------------
 
 _TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node"}
-_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "notes"}
+_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "kernel_overhead_s", "notes"}
 _INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
 _NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
 
@@ -600,6 +616,7 @@ def _hardware_from_json(d: Any) -> Hardware:
         mem_bandwidth=_num(dev, "mem_bandwidth", "device"),
         memory_bytes=_num(dev, "memory_bytes", "device"),
         dtype_bytes=dtype,
+        kernel_overhead_s=_num(dev, "kernel_overhead_s", "device", 0.0),
     )
     intra = _obj(d.get("intra_node", {"kind": "ideal"}), "intra_node", _INTRA_KEYS)
     kind = intra.get("kind")
