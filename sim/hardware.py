@@ -92,6 +92,14 @@ class DeviceSpec:
     they reach very different fractions of the memory system (a step
     touches its optimizer state cold, a prediction writes a scratch copy,
     averaging flattens and copies back).
+
+    ``kernel_overhead_s`` is the fixed time one kernel launch adds to a
+    layer pass whatever its size (the launch latency between one kernel and
+    the next): catalog profiles charge it once per kernel a layer launches
+    (:mod:`pipesim.sim.models`), so a pass costs a fixed part plus a part
+    proportional to the micro-batch. 0 (the default) prices layers by the
+    roofline alone, as a preset whose ``flops`` is an average sustained rate
+    does; measured profiles never see it (their times include it).
     """
 
     name: str
@@ -110,6 +118,7 @@ class DeviceSpec:
         """Bytes/s of a memory-bound kernel: its own figure, else ``mem_bandwidth``."""
         own = getattr(self, self.KERNELS[kernel])
         return self.mem_bandwidth if own is None else own
+    kernel_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         # a device of infinite FLOP/s would make every layer free (a zero makespan)
@@ -134,6 +143,12 @@ class DeviceSpec:
             if v is not None and not _is_rate(v):
                 raise HardwareError(f"device {self.name!r}: {name} must be a positive number >= 1 (bytes/s) or "
                                     f"\"inf\", got {shown(v)}")
+        k = self.kernel_overhead_s
+        if not _is_number(k) or not (0 <= k <= MAX_SECONDS):
+            raise HardwareError(
+                f"device {self.name!r}: kernel_overhead_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
+                f"(seconds), got {shown(k)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -506,6 +521,8 @@ class Hardware:
                 "dtype_bytes": self.device.dtype_bytes,
                 **{name: _num_out(getattr(self.device, name)) for name in DeviceSpec.KERNELS.values()
                    if getattr(self.device, name) is not None},
+                # only when set, so presets without it keep their exact form
+                **({"kernel_overhead_s": self.device.kernel_overhead_s} if self.device.kernel_overhead_s else {}),
             },
             "num_devices": self.num_devices,
             "devices_per_node": self.devices_per_node,
@@ -639,8 +656,8 @@ def _num_out(x: float) -> float | str:
 _TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node", "cpu"}
 _CPU_KEYS = {"cores", "send", "recv", "notes"}
 _CPU_COST_KEYS = {"fixed_s", "bytes_per_s", "notes"}
-_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "notes", "update_bandwidth",
-                "predict_bandwidth", "average_bandwidth"}
+_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "kernel_overhead_s", "notes",
+                "update_bandwidth", "predict_bandwidth", "average_bandwidth"}
 _INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
 _NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
 
@@ -697,6 +714,7 @@ def _hardware_from_json(d: Any) -> Hardware:
         memory_bytes=_num(dev, "memory_bytes", "device"),
         dtype_bytes=dtype,
         **{name: _num(dev, name, "device") for name in DeviceSpec.KERNELS.values() if name in dev},
+        kernel_overhead_s=_num(dev, "kernel_overhead_s", "device", 0.0),
     )
     intra = _obj(d.get("intra_node", {"kind": "ideal"}), "intra_node", _INTRA_KEYS)
     kind = intra.get("kind")

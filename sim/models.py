@@ -6,15 +6,23 @@ counts and tensor sizes taken from its published architecture; a
 measured, so the profiles are only as good as two assumptions, stated here
 once:
 
-Time (a roofline per layer and pass)
-    ``time = max(FLOPs / device.flops, bytes moved / device.mem_bandwidth)``.
+Time (a roofline per layer and pass, plus its kernel launches)
+    ``time = kernels * device.kernel_overhead_s
+    + max(FLOPs / device.flops, bytes moved / device.mem_bandwidth)``.
     ``device.flops`` is *sustained* throughput, which already prices the
     elementwise work around big GEMMs, so GEMM-heavy layers are compute-bound
     and layers without weights (pooling, embedding lookups) come out
     memory-bound instead of free. Bytes moved in the forward: the weights
     (not for embedding lookups, which read only the rows they gather) plus
     the layer's input, output and stashed intermediates; the backward moves
-    twice that.
+    twice that. ``kernels`` is what the pass launches (each layer's
+    :attr:`ArchLayer.kernels`; a Megatron transformer layer launches 15
+    kernels forward and 43 backward, :data:`TRANSFORMER_KERNELS`), and each
+    launch costs a fixed time whatever the micro-batch, so on a device with
+    ``kernel_overhead_s`` > 0 a pass costs ``fixed + b * per-sample``: the
+    per-sample rate is the same at every micro-batch size b, the fixed part
+    makes small micro-batches dearer per sample. A device without it (0,
+    every preset but ``p3.16xlarge``) prices the roofline alone.
 Backward FLOPs
     The input gradient of a product with weights costs its forward FLOPs
     again, and so does the weight gradient, so ``B ~= 2 F`` and the
@@ -110,6 +118,89 @@ UNIFORM_PARAM_BYTES = 1 << 20
 UNIFORM_STASH_BYTES = 1 << 20
 UNIFORM_DEFAULT_LAYERS = 64
 
+# ---------------------------------------------------------------------------
+# Kernel launches per pass: (forward, backward input gradient, backward
+# weight gradient). A device's kernel_overhead_s charges each once.
+# ---------------------------------------------------------------------------
+
+#: A Megatron-LM transformer layer, counted from ParallelTransformerLayer in
+#: the code PipeDream-2BW's authors ran (msr-fiddle/pipedream,
+#: megatron/megatron/model/transformer.py: apex's fused LayerNorm, the fused
+#: scale-mask-softmax, TorchScript-fused bias-GeLU and bias-dropout-add, no
+#: tensor parallelism). Forward 15: 2 LayerNorms, the QKV GEMM and its bias
+#: add (``F.linear`` on a 3-D input), scores (``baddbmm``), softmax,
+#: attention dropout, context (``bmm``), the ``permute().contiguous()``
+#: copy, 3 GEMMs (projection, h->4h, 4h->h), bias-GeLU and 2
+#: bias-dropout-adds. Backward input gradient 19: a data-gradient GEMM for
+#: each of the 4 linear layers and 2 for each of the 2 batched products, the
+#: backward of the 8 elementwise kernels (2 bias-dropout-adds, GeLU,
+#: dropout, softmax, the copy, 2 LayerNorms' input gradients), the q/k/v
+#: gradients' concatenation and the 2 residual sums. Backward weight
+#: gradient 24: 4 weight-gradient GEMMs, 4 bias reductions, the 2
+#: LayerNorms' gamma/beta gradients (2 kernels each) and an accumulation
+#: into ``.grad`` for each of the 12 parameter tensors (every micro-batch of
+#: an update but the first accumulates).
+TRANSFORMER_KERNELS = (15, 19, 24)
+#: GPT's input embedding: word and position lookups, the position ids, their
+#: sum, dropout, the [b, s] -> [s, b] copy; backward: dropout, the copy, two
+#: embedding backwards (sort, segment and sum: about 6 kernels each in
+#: PyTorch's CUDA ``embedding_dense_backward``) and 2 accumulations.
+GPT_EMBED_KERNELS = (6, 0, 16)
+#: GPT's last layer: final LayerNorm, the copy back to [b, s], the logits
+#: GEMM and Megatron's vocabulary cross-entropy (max, subtract, 5 target-mask
+#: operations, the gather of the targets' logits, exp, sum, log, subtract,
+#: the loss mask: 16); backward: the loss (4), the data-gradient GEMM, the
+#: copy, LayerNorm's input gradient; the weight-gradient GEMM, LayerNorm's
+#: gamma/beta (2) and 3 accumulations.
+GPT_HEAD_KERNELS = (19, 7, 6)
+#: BERT's embedding: 3 lookups, the position ids, 2 sums, LayerNorm, dropout,
+#: the copy; backward: the copy, dropout, LayerNorm (3), 3 embedding
+#: backwards (about 6 each) and 5 accumulations.
+BERT_EMBED_KERNELS = (9, 0, 28)
+#: BERT's pre-training heads: the LM transform (GEMM + bias, GeLU,
+#: LayerNorm), the logits (GEMM + bias), pooler (GEMM + bias, tanh), NSP
+#: (GEMM + bias), two cross-entropies (2 each), their sum, the copy: 17;
+#: backward: the losses (4), 4 data-gradient GEMMs, tanh, LayerNorm, GeLU,
+#: the branches' sum (12); 4 weight-gradient GEMMs, 4 bias reductions,
+#: LayerNorm's gamma/beta (2), 10 accumulations (20).
+BERT_HEADS_KERNELS = (17, 12, 20)
+# The CNN and LSTM counts below are estimates from PyTorch's and cuDNN's
+# usual decomposition (one kernel per convolution, bias, activation, pooling
+# and batch norm; cuDNN's LSTM launches a recurrent GEMM and an elementwise
+# kernel per time step), not read from a paper's code: no preset that sets
+# kernel_overhead_s runs them in a reproduction.
+#: a linear layer with bias, ReLU and dropout (classifier: bias, log-softmax, NLL)
+FC_KERNELS = (4, 3, 4)
+#: a bottleneck block: 3 convolutions, 3 batch norms, 3 ReLUs, the residual
+#: add; backward their inverses and the residual sum, 3 weight-gradient
+#: convolutions and 9 accumulations (the projection shortcut adds a
+#: convolution and a batch norm each way and 3 accumulations)
+BOTTLENECK_KERNELS = (10, 10, 12)
+BOTTLENECK_DOWN_KERNELS = (12, 12, 16)
+#: an embedding lookup: its backward (about 6 kernels) and 1 accumulation
+LOOKUP_KERNELS = (1, 0, 7)
+
+
+def _conv_kernels(pooled: bool, first: bool) -> tuple[int, int, int]:
+    """A VGG convolution with bias and ReLU (and max-pool): forward conv,
+    bias, ReLU (pool); backward ReLU (pool) and the data-gradient
+    convolution; the weight-gradient convolution, the bias reduction and 2
+    accumulations. The first layer needs no input gradient, only the
+    elementwise backwards in front of its weight gradient."""
+    act = 2 if pooled else 1
+    if first:
+        return (2 + act, 0, 4 + act)
+    return (2 + act, act + 1, 4)
+
+
+def _lstm_kernels(steps: int, directions: int) -> tuple[int, int, int]:
+    """cuDNN's LSTM over ``steps`` time steps, per direction: one GEMM for
+    every step's input projection, then per step a recurrent GEMM and an
+    elementwise kernel; backward per step the elementwise backward and the
+    recurrent data-gradient GEMM plus one input data-gradient GEMM; 2
+    weight-gradient GEMMs and 4 accumulations (2 matrices, 2 biases)."""
+    return (directions * (1 + 2 * steps), directions * (2 * steps + 1), directions * 6)
+
 
 @dataclass(frozen=True)
 class ArchLayer:
@@ -119,7 +210,9 @@ class ArchLayer:
     forward FLOPs of products without weights (attention). Element counts are
     in the device precision; ``stash_elems`` excludes the output (see the
     module doc). ``tied_params`` are parameters that duplicate another
-    layer's (the pipeline copy of tied embeddings).
+    layer's (the pipeline copy of tied embeddings). ``kernels``: the kernels
+    one pass launches, (forward, backward input gradient, backward weight
+    gradient), whatever the micro-batch (see :data:`TRANSFORMER_KERNELS`).
     """
 
     name: str
@@ -132,6 +225,7 @@ class ArchLayer:
     input_grad: bool = True
     param_traffic: bool = True
     tied_params: int = 0
+    kernels: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -176,6 +270,7 @@ def _vgg16(image: int, classifier: tuple[int, ...]) -> list[ArchLayer]:
                 # output the max-pool backward needs when pooled
                 stash_elems=c * h * h + (conv_out if pooled else 0),
                 input_grad=bool(layers),
+                kernels=_conv_kernels(pooled, first=not layers),
             )
         )
         c, h = cout, ho
@@ -191,6 +286,7 @@ def _vgg16(image: int, classifier: tuple[int, ...]) -> list[ArchLayer]:
                 in_elems=width,
                 out_elems=0 if last else nout,  # the last layer ends in the loss
                 stash_elems=width + (nout if last else nout / 2),  # logits / dropout mask
+                kernels=FC_KERNELS,
             )
         )
         width = nout
@@ -208,6 +304,7 @@ def _resnet50() -> list[ArchLayer]:
             # input, conv output (BN input), ReLU output (max-pool input)
             stash_elems=3 * 224 * 224 + 2 * 64 * 112 * 112,
             input_grad=False,
+            kernels=(4, 0, 7),  # conv, BN, ReLU, max-pool; their backwards, 3 accumulations
         )
     ]
     cin, h = 64, 56
@@ -232,6 +329,7 @@ def _resnet50() -> list[ArchLayer]:
                     in_elems=cin * h * h,
                     out_elems=out * ho * ho,
                     stash_elems=stash,
+                    kernels=BOTTLENECK_DOWN_KERNELS if down else BOTTLENECK_KERNELS,
                 )
             )
             cin, h = out, ho
@@ -243,6 +341,7 @@ def _resnet50() -> list[ArchLayer]:
             in_elems=2048 * 7 * 7,
             out_elems=0,
             stash_elems=2048 + 1000,
+            kernels=(5, 4, 4),  # average pool, then the classifier (FC_KERNELS's)
         )
     )
     return layers
@@ -265,7 +364,8 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
     h, v, s = _GNMT_HIDDEN, _GNMT_VOCAB, seq_len
     t = s  # target length = source length
     layers = [
-        ArchLayer("enc.embed", 0.0, v * h, s, s * h, 0.0, input_grad=False, param_traffic=False)
+        ArchLayer("enc.embed", 0.0, v * h, s, s * h, 0.0, input_grad=False, param_traffic=False,
+                  kernels=LOOKUP_KERNELS)
     ]
     # Encoder. Per LSTM layer keep the input and, per direction, the four
     # gates and the cell state (5h per token).
@@ -280,13 +380,15 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
                 in_elems=s * inp,
                 out_elems=s * h * dirs,
                 stash_elems=s * (inp + dirs * 5 * h),
+                kernels=_lstm_kernels(s, dirs),
             )
         )
     enc_out = s * h
     # The decoder embedding is tied with the encoder's (MLPerf shares them);
     # on another stage it is a copy. It passes the encoder output along.
     layers.append(
-        ArchLayer("dec.embed", 0.0, v * h, enc_out, t * h + enc_out, 0.0, param_traffic=False, tied_params=v * h)
+        ArchLayer("dec.embed", 0.0, v * h, enc_out, t * h + enc_out, 0.0, param_traffic=False, tied_params=v * h,
+                  kernels=LOOKUP_KERNELS)
     )
     # Bottom decoder layer with attention over the encoder output.
     attn_params = 2 * h * h + 2 * h
@@ -299,6 +401,9 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
             in_elems=t * h + enc_out,
             out_elems=2 * t * h,  # output and context
             stash_elems=t * h + enc_out + 5 * t * h + s * h + 2 * t * s + t * h,
+            # the LSTM, then attention: 2 GEMMs, add, tanh, score, mask, softmax,
+            # context bmm, concatenation, and their backwards; 3 accumulations more
+            kernels=tuple(k + a for k, a in zip(_lstm_kernels(t, 1), (10, 10, 5))),
         )
     )
     for i in range(1, depth):
@@ -311,6 +416,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
                 in_elems=2 * t * h,
                 out_elems=t * h if last else 2 * t * h,  # upper layers carry the context
                 stash_elems=t * (2 * h + 5 * h),
+                kernels=_lstm_kernels(t, 1),
             )
         )
     layers.append(
@@ -321,6 +427,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
             in_elems=t * h,
             out_elems=0,
             stash_elems=t * h + t * v,  # input and logits for the softmax loss
+            kernels=FC_KERNELS,
         )
     )
     return layers
@@ -342,6 +449,7 @@ def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLaye
         in_elems=s * d,
         out_elems=s * d,
         stash_elems=stash_bytes16 / 2,
+        kernels=TRANSFORMER_KERNELS,
     )
 
 
@@ -350,7 +458,7 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
     layers = [
         ArchLayer(
             "embed", 0.0, (vocab + 512 + 2) * d + 2 * d, s, s * d, 1.5 * s * d,  # LN input + dropout mask
-            input_grad=False, param_traffic=False,
+            input_grad=False, param_traffic=False, kernels=BERT_EMBED_KERNELS,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=True) for i in range(blocks)]
@@ -364,6 +472,7 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
             out_elems=0,
             stash_elems=3 * s * d + s * vocab,
             tied_params=d * vocab,
+            kernels=BERT_HEADS_KERNELS,
         )
     )
     return layers
@@ -374,7 +483,7 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
     layers = [
         ArchLayer(
             "embed", 0.0, vocab * d + s * d, s, s * d, 0.5 * s * d,  # dropout mask
-            input_grad=False, param_traffic=False,
+            input_grad=False, param_traffic=False, kernels=GPT_EMBED_KERNELS,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=False) for i in range(blocks)]
@@ -387,6 +496,7 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
             out_elems=0,
             stash_elems=2 * s * d + s * vocab,  # LN input/output and the logits
             tied_params=d * vocab,
+            kernels=GPT_HEAD_KERNELS,
         )
     )
     return layers
@@ -543,7 +653,9 @@ def model_profile(
 
 
 def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> LayerCost:
-    """Roofline times and sizes of one architecture layer for one micro-batch."""
+    """Times and sizes of one architecture layer for one micro-batch: each
+    pass is its kernel launches (``kernels * device.kernel_overhead_s``,
+    the same at every micro-batch size) plus the roofline of its work."""
     mb = microbatch_size
     dt = device.dtype_bytes
     fwd_flops = mb * (la.gemm_flops + la.other_flops)
@@ -561,14 +673,19 @@ def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> Layer
         backward_input_s = 0.0
     else:
         backward_input_s = backward_s if la.params == 0 else backward_s / 2
+    k_f, k_bi, k_bw = la.kernels
+    launch = device.kernel_overhead_s
+    fixed_f, fixed_bi, fixed_bw = k_f * launch, (k_bi if la.input_grad else 0) * launch, k_bw * launch
     return LayerCost(
         name=la.name,
-        forward_s=forward_s,
-        backward_s=backward_s,
+        forward_s=fixed_f + forward_s,
+        backward_s=fixed_bi + fixed_bw + backward_s,
         param_bytes=PARAM_BYTES * la.params,
         activation_bytes=round(dt * mb * la.out_elems),
         stash_bytes=round(dt * mb * la.stash_elems),
-        backward_input_s=backward_input_s,
+        backward_input_s=fixed_bi + backward_input_s,
+        fixed_forward_s=fixed_f,
+        fixed_backward_s=fixed_bi + fixed_bw,
     )
 
 

@@ -88,6 +88,13 @@ class LayerCost:
     input-gradient and weight-gradient GEMMs of a linear or convolutional
     layer cost the same FLOPs) and all-input for a layer without parameters
     (it has no weight gradient).
+
+    ``fixed_forward_s`` / ``fixed_backward_s`` say how much of ``forward_s`` /
+    ``backward_s`` is fixed per pass whatever the layer's work (kernel
+    launches: :attr:`DeviceSpec.kernel_overhead_s` times the kernels the
+    layer launches, :mod:`pipesim.sim.models`). They are already inside the
+    two times; they only tell a strategy that splits a layer's work over
+    devices (tensor parallelism) which part every device still pays in full.
     """
 
     name: str
@@ -97,6 +104,8 @@ class LayerCost:
     activation_bytes: int
     stash_bytes: int
     backward_input_s: float | None = None
+    fixed_forward_s: float = 0.0
+    fixed_backward_s: float = 0.0
 
     def __post_init__(self) -> None:
         problem = _layer_problem(self)
@@ -123,6 +132,8 @@ class LayerCost:
         }
         if self.backward_input_s is not None:
             d["backward_input_s"] = self.backward_input_s
+        if self.fixed_forward_s or self.fixed_backward_s:
+            d.update(fixed_forward_s=self.fixed_forward_s, fixed_backward_s=self.fixed_backward_s)
         d.update(
             param_bytes=self.param_bytes,
             activation_bytes=self.activation_bytes,
@@ -178,6 +189,10 @@ def _layer_problem(layer: LayerCost) -> str | None:
     bi = layer.backward_input_s
     if bi is not None and (not _is_num(bi) or not (0 <= bi <= layer.backward_s)):
         return f"backward_input_s must be between 0 and backward_s ({layer.backward_s}), got {bi!r}"
+    for fixed, total in (("fixed_forward_s", "forward_s"), ("fixed_backward_s", "backward_s")):
+        v, most = getattr(layer, fixed), getattr(layer, total)
+        if not _is_num(v) or not (0 <= v <= most):
+            return f"{fixed} must be between 0 and {total} ({most}), got {shown(v)}"
     return None
 
 
@@ -318,7 +333,7 @@ class Profile:
 
 _PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
-_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s"}
+_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s"}
 
 
 def load_profile(path) -> Profile:

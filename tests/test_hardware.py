@@ -418,3 +418,16 @@ def test_multi_node_ring_enters_each_node_once():
     assert len(crossings) == 4
     # inside a node the segment is a path of NVLink edges
     assert all(hw.route(order[i], order[i + 1])[0].name.endswith(".nvlink") for i in range(31) if i not in crossings)
+
+
+def test_kernel_overhead_is_read_checked_and_written_only_when_set(tmp_path):
+    d = _with("device", "kernel_overhead_s", 5e-6)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(d))
+    hw = load_hardware(str(path))
+    assert hw.device.kernel_overhead_s == 5e-6 and hw.to_json()["device"]["kernel_overhead_s"] == 5e-6
+    assert "kernel_overhead_s" not in load_hardware("pcie-4gpu").to_json()["device"]
+    for bad in (-1e-6, "inf", True, 1e300):
+        path.write_text(json.dumps(_with("device", "kernel_overhead_s", bad)))
+        with pytest.raises(HardwareError, match="kernel_overhead_s"):
+            load_hardware(str(path))

@@ -18,8 +18,8 @@ ROW_KEYS = {"paper", "figure", "model", "hardware", "gpus", "global_batch", "tec
             "published", "config"}
 CLAIM_KEYS = {"id", "text", "predicted", "published"}
 TECHNIQUES = {"inter-layer", "tensor", "gpipe", "pipedream-flush", "pipedream-2bw", "pipedream", "data-parallel",
-              "spectrain"}
-METRICS = {"throughput_seq_s", "memory_gb", "max_params_b", "speedup_vs_dp"}
+              "spectrain", "pipedream-nostash"}
+METRICS = {"throughput_seq_s", "memory_gb", "max_params_b", "speedup_vs_dp", "accuracy_gap_pts"}
 CONFIG_KEYS = {"w", "d", "b", "recompute", "replicas"}
 
 

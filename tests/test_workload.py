@@ -379,3 +379,68 @@ def test_memory_the_tracker_cannot_count_is_refused_by_name():
     # GPipe keeps all 2048 of them: 2**63 bytes would wrap int64 to a negative peak
     with pytest.raises(WorkloadError, match="memory accounting overflows on device 0"):
         simulate(ScheduleSpec("gpipe", 2, 2048), profile=prof)
+
+
+# ---------------------------------------------------------------------------
+# Kernel launches: a fixed part per pass (DeviceSpec.kernel_overhead_s)
+# ---------------------------------------------------------------------------
+
+#: FLOPS_ONLY with 5 us per kernel launch.
+LAUNCHING = DeviceSpec("launching", flops=1e15, mem_bandwidth=math.inf, memory_bytes=math.inf, dtype_bytes=2,
+                       kernel_overhead_s=5e-6)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 8, 32])
+def test_layer_time_is_launches_plus_b_times_per_sample(b):
+    """A transformer block on a compute-bound device: time(b) = kernels x
+    overhead + b x per-sample time, forward (15 kernels) and backward (43:
+    19 for the input gradient, 24 for the weight gradient), in closed form."""
+    from pipesim.sim.models import TRANSFORMER_KERNELS
+
+    s, h = 512, 1024
+    per_sample_fwd = (24 * s * h * h + 4 * s * s * h) / LAUNCHING.flops
+    t = LAUNCHING.kernel_overhead_s
+    k_f, k_bi, k_bw = TRANSFORMER_KERNELS
+    assert TRANSFORMER_KERNELS == (15, 19, 24)
+    block = model_profile("2bw-gpt-355m", LAUNCHING, b).layers[1]
+    assert block.forward_s == pytest.approx(k_f * t + b * per_sample_fwd, rel=1e-12)
+    assert block.backward_s == pytest.approx((k_bi + k_bw) * t + 2 * b * per_sample_fwd, rel=1e-12)
+    # the input gradient: its own launches and the products' input-gradient FLOPs (24sh^2 + 8s^2h)
+    assert block.backward_input == pytest.approx(k_bi * t + b * (24 * s * h * h + 8 * s * s * h) / LAUNCHING.flops,
+                                                 rel=1e-12)
+    assert (block.fixed_forward_s, block.fixed_backward_s) == pytest.approx((k_f * t, (k_bi + k_bw) * t))
+    # without launches it is the roofline alone, exactly as before
+    plain = model_profile("2bw-gpt-355m", FLOPS_ONLY, b).layers[1]
+    assert plain.forward_s == b * model_profile("2bw-gpt-355m", FLOPS_ONLY, 1).layers[1].forward_s
+    assert (plain.fixed_forward_s, plain.fixed_backward_s) == (0.0, 0.0)
+
+
+def test_launches_make_small_microbatches_dearer_per_sample_only():
+    """Per-sample time falls with b toward the roofline's, never below it;
+    the first layer (no input gradient) pays no input-gradient launches."""
+    per_sample = [model_profile("2bw-gpt-2.2b", LAUNCHING, b) for b in (1, 2, 4, 8, 16)]
+    times = [(p.forward_s + p.backward_s) / p.microbatch_size for p in per_sample]
+    assert times == sorted(times, reverse=True)
+    roofline = model_profile("2bw-gpt-2.2b", FLOPS_ONLY, 1)
+    assert times[-1] > roofline.forward_s + roofline.backward_s
+    embed = per_sample[0].layers[0]
+    assert embed.backward_input == 0.0 and embed.fixed_backward_s == pytest.approx(16 * 5e-6)
+
+
+def test_measured_profiles_never_pay_launches():
+    """PipeDream's profiles are measured times (launches included): a device
+    with kernel_overhead_s leaves them exactly as they are."""
+    assert model_profile("pipedream-vgg16", LAUNCHING) == model_profile("pipedream-vgg16", FLOPS_ONLY)
+    assert model_profile("uniform", LAUNCHING) == model_profile("uniform", FLOPS_ONLY)
+
+
+def test_fixed_parts_round_trip_and_are_checked(tmp_path):
+    prof = model_profile("2bw-gpt-355m", LAUNCHING, 2, layers=2)
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+    assert "fixed_forward_s" not in json.dumps(model_profile("2bw-gpt-355m", FLOPS_ONLY, layers=2).to_json())
+    with pytest.raises(WorkloadError, match="fixed_forward_s must be between 0 and forward_s"):
+        LayerCost("l", 1.0, 2.0, 1, 1, 1, fixed_forward_s=1.5)
+    with pytest.raises(WorkloadError, match="fixed_backward_s must be between"):
+        LayerCost("l", 1.0, 2.0, 1, 1, 1, fixed_backward_s=-1.0)

@@ -14,6 +14,12 @@ predictions do not move, so no published number can leak into one.
 ``DIR/<paper>/results.json`` is ``{"rows": [...], "claims": [...]}``, each
 record as its ``to_json`` writes it (the issue's keys, plus ``note``,
 ``tolerance`` and ``ratio_error``).
+
+A metric in :data:`DIFFERENCE_METRICS` is a difference in points
+(``accuracy_gap_pts``), not a rate: the ratio of two such gaps means
+nothing (a gap of -8.9 points against -0.5 is not "+1680%"), so its rows
+have no ``ratio_error`` (None) and the report compares them by
+predicted - published, in points.
 """
 
 from __future__ import annotations
@@ -52,14 +58,25 @@ class _Compared:
         return {**asdict(self), "ratio_error": self.ratio_error}
 
 
+#: Metrics that are differences in points, compared by difference, never by
+#: ratio: ``accuracy_gap_pts`` is a strategy's final held-out top-1 accuracy
+#: minus its synchronous baseline's (data parallelism; 2BW's paper: the same
+#: model trained with the vanilla, synchronous optimizer), in percentage
+#: points. Such a row's ``tolerance`` is unused: the gaps of different models
+#: are compared by sign and order, not held to a bound.
+DIFFERENCE_METRICS = frozenset({"accuracy_gap_pts"})
+
+
 @dataclass(frozen=True)
 class Row(_Compared):
     """One predicted figure of a paper's figure or table.
 
     ``figure`` is the paper's label ("6a", "7", "table1"); ``technique`` one
     of inter-layer, tensor, gpipe, pipedream-flush, pipedream-2bw, pipedream,
-    data-parallel, spectrain; ``metric`` one of throughput_seq_s, memory_gb
-    (None predicted: out of memory), max_params_b, speedup_vs_dp; ``config``
+    pipedream-nostash (PipeDream without weight stashing), data-parallel,
+    spectrain; ``metric`` one of throughput_seq_s, memory_gb (None
+    predicted: out of memory), max_params_b, speedup_vs_dp,
+    accuracy_gap_pts (:data:`DIFFERENCE_METRICS`); ``config``
     the configuration run, ``{"w", "d", "b", "recompute", "replicas"}``;
     ``tolerance`` the relative error the issue allows (0.2 for ±20%);
     ``note`` why a gap is what it is (the report prints it for gaps over 20%).
@@ -78,6 +95,18 @@ class Row(_Compared):
     config: dict | None = None
     tolerance: float = 0.2
     note: str = ""
+
+    @property
+    def ratio_error(self) -> float | None:
+        """As :class:`_Compared`'s, but None for a difference in points."""
+        return None if self.metric in DIFFERENCE_METRICS else _ratio_error(self.predicted, self.published)
+
+    @property
+    def difference(self) -> float | None:
+        """predicted - published, for a metric of :data:`DIFFERENCE_METRICS`; else None."""
+        if self.metric not in DIFFERENCE_METRICS or self.predicted is None or self.published is None:
+            return None
+        return self.predicted - self.published
 
 
 @dataclass(frozen=True)
@@ -159,6 +188,9 @@ def claims_table(claims: Sequence[Claim]) -> str:
 
 
 def _error(r: Row | Claim) -> str:
+    diff = getattr(r, "difference", None)
+    if diff is not None:
+        return f"{diff:+.1f} pts"
     err = r.ratio_error
     if err is None:
         return ""
@@ -166,6 +198,8 @@ def _error(r: Row | Claim) -> str:
 
 
 def _note(r: Row | Claim) -> str:
+    if getattr(r, "difference", None) is not None:
+        return r.note  # compared qualitatively: always say how
     err = r.ratio_error
     return r.note if err is not None and abs(err) > 0.2 else ""
 

@@ -116,8 +116,10 @@ def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float
         out += ["Sources: " + "; ".join(paper.sources), ""]
     outside = [r for r in [*rows, *claims] if r.ratio_error is not None and abs(r.ratio_error) > r.tolerance + 1e-12]
     compared = [r for r in [*rows, *claims] if r.ratio_error is not None]
-    out += [f"{len(compared) - len(outside)} of {len(compared)} compared values within tolerance; "
-            f"{len(rows) + len(claims) - len(compared)} without a published value.", ""]
+    in_points = [r for r in rows if r.difference is not None]
+    points = f"; {len(in_points)} differences in points compared by their sign and size" if in_points else ""
+    out += [f"{len(compared) - len(outside)} of {len(compared)} compared values within tolerance{points}; "
+            f"{len(rows) + len(claims) - len(compared) - len(in_points)} without a published value.", ""]
     if rows:
         several = len({(r.hardware, r.gpus) for r in rows}) > 1
         out += ["## Predicted against published", "", comparison_table(rows, hardware=several), ""]

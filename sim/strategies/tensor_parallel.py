@@ -24,7 +24,9 @@ the all-reduces follow all of its compute instead of sitting between
 layers; on one device the sum is the same.
 
 Simplifications: the compute, weights and stash of every layer are divided
-by d (Megatron replicates LayerNorm and dropout inputs, so the real stash
+by d, except the fixed part of each pass (a layer's kernel launches,
+``LayerCost.fixed_forward_s`` / ``fixed_backward_s``, and the profile's
+per-pass overhead), which every device pays in full (Megatron replicates LayerNorm and dropout inputs, so the real stash
 is somewhat larger); embedding and output layers all-reduce their hidden
 state like a block; activation recomputation does not repeat the forward's
 all-reduces. Combining it with data parallelism (a gradient all-reduce
@@ -34,6 +36,7 @@ cannot run it (it needs split layers on real tensors) and refuse it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -67,19 +70,35 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
     """One device's share of the (single) stage: compute, weights and stash
-    divided by d, and the stage's activation all-reduces of one pass: two
-    per layer, each of the layer's hidden state (the larger of its input and
-    its output, so the loss layer, which outputs nothing, still counts)."""
+    divided by d, the fixed part of each pass (kernel launches, the
+    profile's per-pass overhead) not, since every device launches every
+    kernel on its shard; and the stage's activation all-reduces of one pass:
+    two per layer, each of the layer's hidden state (the larger of its input
+    and its output, so the loss layer, which outputs nothing, still
+    counts)."""
     d = int(options.get("tensor_parallel", 1))
     out = []
     for c in stage_costs:
         buffers = []
+        layers = profile.layers[c.first_layer:c.last_layer + 1]
         for k in range(c.first_layer, c.last_layer + 1):
             hidden = max(profile.layers[k].activation_bytes, profile.layers[k - 1].activation_bytes if k else 0)
             buffers += [hidden] * ALLREDUCES_PER_LAYER
+        o_b = profile.overhead_backward_s
+        fixed_f = math.fsum(la.fixed_forward_s for la in layers) + profile.overhead_forward_s
+        fixed_b = math.fsum(la.fixed_backward_s for la in layers) + o_b
+        # a layer's fixed backward splits between the two halves as its backward does
+        fixed_bi = math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s)
+                             for la in layers if la.backward_s) + o_b
+        fixed_bw = fixed_b - fixed_bi + o_b
+
+        def share(t: float, fixed: float) -> float:
+            return (t - fixed) / d + fixed
+
         out.append(replace(
-            c, forward_s=c.forward_s / d, backward_s=c.backward_s / d, backward_input_s=c.backward_input_s / d,
-            backward_weight_s=c.backward_weight_s / d, param_bytes=-(-c.param_bytes // d),
+            c, forward_s=share(c.forward_s, fixed_f), backward_s=share(c.backward_s, fixed_b),
+            backward_input_s=share(c.backward_input_s, fixed_bi),
+            backward_weight_s=share(c.backward_weight_s, fixed_bw), param_bytes=-(-c.param_bytes // d),
             stash_bytes=-(-c.stash_bytes // d), allreduce_bytes=tuple(buffers) if d > 1 else ()))
     return out
 
