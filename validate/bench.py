@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main, list_choices, positive, run_command
-from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.workload import save_profile
 from .models import model_names
 
@@ -46,7 +46,8 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
     real = model_of(base)
     rows = []
-    chosen = strategy_names() if strategies is None else list(strategies)
+    # every strategy real tensors can run (tensor parallelism is simulated only)
+    chosen = [n for n in strategy_names() if get_strategy(n).executable] if strategies is None else list(strategies)
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
     # parallelism's replicas), each pinned to its core
     devices = max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_devices for name in chosen)
