@@ -187,3 +187,14 @@ def test_cli_validate_gloo_writes_report_overlay_and_trace(tmp_path, capsys):
     html = (tmp_path / "overlay.html").read_text()
     assert "d0 measured" in html and "d1 simulated" in html
     assert "iteration time" in out.out
+
+
+def test_bench_validate_runs_every_executable_strategy():
+    """`pipesim bench validate` without --strategies runs what real tensors
+    can run, and nothing the runtime refuses (a refusal lost every row)."""
+    from pipesim.sim.strategies import get_strategy, strategy_names
+    from pipesim.validate.bench import default_strategies
+
+    chosen = default_strategies()
+    assert "tensor-parallel" not in chosen and {"gpipe", "1f1b", "spectrain", "avgpipe"} <= set(chosen)
+    assert set(chosen) == {n for n in strategy_names() if get_strategy(n).executable}

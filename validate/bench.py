@@ -46,8 +46,7 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
     real = model_of(base)
     rows = []
-    # every strategy real tensors can run (tensor parallelism is simulated only)
-    chosen = [n for n in strategy_names() if get_strategy(n).executable] if strategies is None else list(strategies)
+    chosen = default_strategies() if strategies is None else list(strategies)
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
     # parallelism's replicas), each pinned to its core
     devices = max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_devices for name in chosen)
@@ -70,6 +69,11 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
             "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
             "link_latency_s": hw.intra_node.latency, "link_bandwidth_Bps": hw.intra_node.bandwidth,
             "update_bandwidth_Bps": hw.device.mem_bandwidth}
+
+
+def default_strategies() -> list[str]:
+    """Every strategy real tensors can run (tensor parallelism is simulated only)."""
+    return [n for n in strategy_names() if get_strategy(n).executable]
 
 
 def _row(strategy: str, reports: list[dict]) -> dict:
