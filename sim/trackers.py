@@ -19,8 +19,9 @@ Memory of a device, per category (see :data:`~pipesim.sim.results.MEMORY_CATEGOR
   deferred update);
 * activations: a micro-batch's stash from the start of its forward to the
   end of its backward (of W when that micro-batch's backward is split); with
-  activation recomputation only its stage input until its backward starts,
-  the full stash from then on;
+  activation recomputation only its layers' inputs until its backward
+  starts, and from then on the most its backward holds while it
+  rematerialises layer after layer (``StageCost.full_stash_bytes``);
 * comm_buffers: a send buffer for the duration of the transfer, a receive
   buffer from the start of the transfer until its consumer starts;
 * prediction: one |W| buffer for the predicted weights of a stage that
@@ -229,9 +230,10 @@ def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: di
 def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     """A micro-batch's stash, from the start of its forward to the end of the
     backward that makes its weight gradient (B, or W when split). With
-    activation recomputation (``StageCost.recompute``) only its stage input
-    from the forward on, and the rest of its stash from the start of its
-    backward (B, or I when split), which recomputes it."""
+    activation recomputation (``StageCost.recompute``) only its layers'
+    inputs from the forward on (``held_bytes``), and from the start of its
+    backward (B, or I when split), which recomputes it, the most that
+    backward holds (``full_stash_bytes``)."""
     compute = result.by_stream()["compute"]
     held = [c.held_bytes for c in stage_costs]
     full = [c.full_stash_bytes for c in stage_costs]

@@ -67,7 +67,8 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
     """One device's share of the (single) stage: compute, weights and stash
-    divided by d, and the stage's activation all-reduces of one pass: two
+    (each layer's too) divided by d, its inputs whole (every rank holds the
+    hidden state the all-reduce made), and the stage's activation all-reduces of one pass: two
     per layer, each of the layer's hidden state (the larger of its input and
     its output, so the loss layer, which outputs nothing, still counts)."""
     d = int(options.get("tensor_parallel", 1))
@@ -80,7 +81,8 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
         out.append(replace(
             c, forward_s=c.forward_s / d, backward_s=c.backward_s / d, backward_input_s=c.backward_input_s / d,
             backward_weight_s=c.backward_weight_s / d, param_bytes=-(-c.param_bytes // d),
-            stash_bytes=-(-c.stash_bytes // d), allreduce_bytes=tuple(buffers) if d > 1 else ()))
+            stash_bytes=-(-c.stash_bytes // d), layer_stash_bytes=tuple(-(-x // d) for x in c.layer_stash_bytes),
+            allreduce_bytes=tuple(buffers) if d > 1 else ()))
     return out
 
 
