@@ -163,8 +163,8 @@ def _add_machine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--recompute", action="store_true",
-                   help="activation recomputation: every backward re-runs its stage's forward, and a micro-batch "
-                        "stashes only its stage input until then")
+                   help="activation recomputation, checkpointed per layer: every backward re-runs its stage's "
+                        "forward, and a micro-batch keeps only its layers' inputs until then")
 
 
 def _spec(args, strategy: str | None = None):

@@ -69,8 +69,9 @@ def simulate_schedule(
     """Split ``profile`` over the schedule's stages and run the engine.
 
     ``recompute``: activation recomputation (every backward re-runs its
-    stage's forward; a micro-batch stashes only its stage input until then:
-    :func:`~pipesim.sim.partition.recomputed`), for every strategy alike;
+    stage's forward; a micro-batch keeps only its layers' inputs until then,
+    checkpointed per layer: :func:`~pipesim.sim.partition.recomputed`), for
+    every strategy alike;
     the split is chosen for it and ``meta`` records it.
 
     ``starts`` gives the split (the first layer of every stage, e.g. a

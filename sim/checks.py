@@ -50,6 +50,7 @@ from .ir import (
     RECV_B,
     RECV_F,
     RECV_OF,
+    REDUCE_GRAD,
     RESHARD,
     SEND_B,
     SEND_F,
@@ -155,14 +156,17 @@ class _ProgramWalk:
         self.dev, self.prog = dev, prog
         self.current: dict[tuple[int, int], int] = defaultdict(int)  # version now
         self.pending: dict[tuple[int, int], Action] = {}  # first unconsumed gradient
+        # gradients a REDUCE_GRAD closed for the next UPDATE (None: it closed none)
+        self.closed: dict[tuple[int, int], Action | None] = {}
         self.predicted: dict[tuple[int, int], tuple[int, int]] = {}
         checks = _CHECKS
         for pos, a in enumerate(prog):
             check = checks.get(a.op)
             if check is not None:  # collectives are checked across replicas afterwards
                 check(self, a, pos)
-        if self.pending:
-            a = min(self.pending.values())
+        left = [a for a in (*self.pending.values(), *self.closed.values()) if a is not None]
+        if left:
+            a = min(left)
             raise ScheduleError(f"the gradient of {a} is never applied: no UPDATE of "
                                 f"stage {a.stage} follows it on device {dev}")
 
@@ -222,8 +226,21 @@ class _ProgramWalk:
             raise ScheduleError(f"{a} on device {self.dev}: stage {a.stage} is at version {self.current[rs]}, "
                                 f"so its next update produces version {self.current[rs] + 1}")
         self.current[rs] = a.version
-        self.pending.pop(rs, None)
+        if rs in self.closed:  # it applies what its REDUCE_GRAD closed; later gradients wait
+            del self.closed[rs]
+        else:
+            self.pending.pop(rs, None)
         self.predicted.pop(rs, None)
+
+    def reduce(self, a: Action, pos: int) -> None:
+        """REDUCE_GRAD closes the gradients accumulated so far for the next
+        UPDATE (see :mod:`pipesim.sim.ir`); one at a time. Its replicas are
+        checked across devices afterwards."""
+        rs = (a.replica, a.stage)
+        if rs in self.closed:
+            raise ScheduleError(f"{a} on device {self.dev}: the gradients the previous REDUCE_GRAD of stage "
+                                f"{a.stage} closed are not applied yet: an UPDATE must come between")
+        self.closed[rs] = self.pending.pop(rs, None)
 
     def predict(self, a: Action, pos: int) -> None:
         rs = (a.replica, a.stage)
@@ -243,7 +260,7 @@ class _ProgramWalk:
 _CHECKS = {F: _ProgramWalk.forward, B: _ProgramWalk.backward, I: _ProgramWalk.backward, W: _ProgramWalk.backward,
            SEND_F: _ProgramWalk.transfer_end, SEND_B: _ProgramWalk.transfer_end,
            RECV_F: _ProgramWalk.transfer_end, RECV_B: _ProgramWalk.transfer_end,
-           UPDATE: _ProgramWalk.update, PREDICT: _ProgramWalk.predict, OVERLAP_F_B: _ProgramWalk.overlap,
+           UPDATE: _ProgramWalk.update, REDUCE_GRAD: _ProgramWalk.reduce, PREDICT: _ProgramWalk.predict, OVERLAP_F_B: _ProgramWalk.overlap,
            UNSHARD: _ProgramWalk.shard, RESHARD: _ProgramWalk.shard}
 
 

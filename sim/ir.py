@@ -34,6 +34,18 @@ compute action of that (replica, stage) waits for its ``AVERAGE`` and its
 ``ALLREDUCE``. A compute action waits
 for the data it consumes (a receive, or a producer on the same device).
 
+Gradients: a (replica, stage) accumulates the weight gradient of every
+``B`` (or ``W``) into its gradient buffer, and an ``UPDATE`` applies the
+gradients accumulated since the previous one, unless a ``REDUCE_GRAD``
+came between: a ``REDUCE_GRAD`` *closes* the gradients accumulated so far
+(those are what it all-reduces and what the next ``UPDATE`` applies), and
+passes after it accumulate into a second buffer until that ``UPDATE``. So
+the update may come later than the all-reduce's post, with passes in
+between (PipeDream-2BW hides the all-reduce behind the next window this
+way); a second ``REDUCE_GRAD`` before that ``UPDATE`` is an error. Flush
+strategies place the ``UPDATE`` right after its ``REDUCE_GRAD``, where the
+two readings coincide.
+
 A micro-batch's backward on a stage is either one full ``B`` or an ``I``
 followed later by a ``W``; a stage may choose per micro-batch (DualPipeV
 does). Whichever pass it is produces the input gradient the previous stage

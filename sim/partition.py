@@ -77,11 +77,17 @@ class StageCost:
 
     ``input_bytes`` is what the stage receives per micro-batch (the previous
     layer's ``activation_bytes``; 0 for the first stage, whose input is the
-    data batch the loader holds). ``recompute``: activation recomputation
+    data batch the loader holds). ``layer_input_bytes`` and
+    ``layer_stash_bytes``: the same two facts per layer of the stage, in
+    order (empty for a stage built by hand: it then counts as one layer).
+
+    ``recompute``: activation recomputation, checkpointed per layer
     (:func:`recomputed`): between its forward and its backward a micro-batch
-    keeps only ``input_bytes`` (:attr:`held_bytes`), and its full stash
-    lives again only while its backward runs, which re-runs the forward
-    first (already included in ``backward_s``).
+    keeps only the input of every layer of the stage (:attr:`held_bytes`),
+    and its backward, which re-runs the forward first (already included in
+    ``backward_s``), rematerialises one layer at a time, from the last: while
+    it runs the micro-batch holds at most the inputs of the layers below one
+    layer plus that layer's full stash (:attr:`full_stash_bytes`).
     """
 
     first_layer: int
@@ -95,6 +101,8 @@ class StageCost:
     stash_bytes: int
     input_bytes: int = 0
     recompute: bool = False
+    layer_input_bytes: tuple[int, ...] = ()
+    layer_stash_bytes: tuple[int, ...] = ()
     #: Tensor parallelism: the activation all-reduces one forward (or one
     #: backward) of the stage runs, in bytes each, in order (the
     #: strategy's costs set them; empty for every other strategy).
@@ -103,14 +111,23 @@ class StageCost:
     @property
     def held_bytes(self) -> int:
         """Bytes a micro-batch keeps from its forward until its backward
-        starts: its whole stash, or with recomputation only its input."""
-        return self.input_bytes if self.recompute else self.stash_bytes
+        starts: its whole stash, or with recomputation only its layers'
+        inputs (the checkpoints)."""
+        if not self.recompute:
+            return self.stash_bytes
+        return sum(self.layer_input_bytes) if self.layer_input_bytes else self.input_bytes
 
     @property
     def full_stash_bytes(self) -> int:
-        """Bytes a micro-batch's activations take while its backward runs
-        (with recomputation its input is among them, so at least that)."""
-        return max(self.stash_bytes, self.input_bytes) if self.recompute else self.stash_bytes
+        """Bytes a micro-batch's activations take at most while its backward
+        runs: its stash, or with recomputation the checkpoints of the layers
+        below the one being rematerialised plus that layer's full stash (its
+        input among it, so at least that), the largest over the layers."""
+        if not self.recompute:
+            return self.stash_bytes
+        if not self.layer_input_bytes:
+            return max(self.stash_bytes, self.input_bytes)
+        return recompute_peak(self.layer_input_bytes, self.layer_stash_bytes)
 
     @property
     def num_layers(self) -> int:
@@ -123,7 +140,8 @@ class StageCost:
 
     def memory_bytes(self, inflight: int, optimizer_state_multiplier: int = 1) -> int:
         """Weights, gradients, optimizer state and ``inflight`` micro-batches of
-        stash (with recomputation: their inputs, one of them in full)."""
+        stash (with recomputation: their layers' inputs, one of them at its
+        backward's peak)."""
         held = (inflight - 1) * self.held_bytes + self.full_stash_bytes if inflight > 0 else 0
         return self.param_bytes * (2 + optimizer_state_multiplier) + held
 
@@ -146,16 +164,41 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         activation_bytes=layers[-1].activation_bytes,
         stash_bytes=sum(la.stash_bytes for la in layers),
         input_bytes=profile.layers[first - 1].activation_bytes if first else 0,
+        layer_input_bytes=tuple(profile.layers[k - 1].activation_bytes if k else 0 for k in range(first, last + 1)),
+        layer_stash_bytes=tuple(la.stash_bytes for la in layers),
     )
+
+
+def recompute_peak(inputs: Sequence[int], stashes: Sequence[int]) -> int:
+    """Most bytes a micro-batch's activations take while a backward with
+    per-layer recomputation runs over layers with these inputs and stashes:
+    max over layers j of (inputs of the layers before j) + max(stash_j, input_j)."""
+    below, peak = 0, 0
+    for x, st in zip(inputs, stashes, strict=True):
+        peak = max(peak, below + max(st, x))
+        below += x
+    return peak
 
 
 def recomputed(costs: Sequence[StageCost]) -> list[StageCost]:
     """``costs`` with activation recomputation (idempotent): every backward
     first re-runs its stage's forward, so the backward (and, split, its
     input-gradient half, which needs the recomputed activations) takes
-    ``forward_s`` longer, and a micro-batch stashes only its stage input
+    ``forward_s`` longer, and a micro-batch keeps only its layers' inputs
     until then (see :class:`StageCost`). Expressed in stage costs, so the
-    engine, the trackers and the cost model need nothing else."""
+    engine, the trackers and the cost model need nothing else.
+
+    Checkpoints are per layer of the profile, as Megatron-LM's
+    ``--checkpoint-activations --checkpoint-num-layers 1`` (which
+    PipeDream-2BW's GPipe, PipeDream-Flush and 2BW runs used) and
+    ``torch.utils.checkpoint`` around each block keep them. GPipe's paper
+    re-materialised per partition instead (only the stage input, the whole
+    stage's activations at once in the backward): for a stage of one layer
+    the two coincide; for a deep stage per-layer keeps more between the
+    passes (every layer's input, which is what makes GPipe, holding all m
+    micro-batches of a flush, fit fewer) and less during the backward (one
+    layer's activations at a time). pipesim models the per-layer form only.
+    """
     return [c if c.recompute else replace(c, backward_s=c.backward_s + c.forward_s,
                                           backward_input_s=c.backward_input_s + c.forward_s, recompute=True)
             for c in costs]
@@ -351,6 +394,8 @@ def stage_costs_uniform(
             param_bytes=param_bytes,
             activation_bytes=activation_bytes,
             stash_bytes=stash_bytes,
+            layer_input_bytes=(0,),  # as input_bytes: nothing counted in
+            layer_stash_bytes=(stash_bytes,),
         )
         for k in range(num_stages)
     ]

@@ -14,11 +14,14 @@ Memory of a device, per category (see :data:`~pipesim.sim.results.MEMORY_CATEGOR
   update keeps the old version alive only if a later pass reads it, and the
   last such read frees it;
 * gradients |W| and optimizer state (1x for SGD momentum, 2x for Adam), held
-  throughout;
+  throughout, and a second |W| of gradients while passes accumulate after a
+  REDUCE_GRAD closed the first for an UPDATE still to come (PipeDream-2BW's
+  deferred update);
 * activations: a micro-batch's stash from the start of its forward to the
   end of its backward (of W when that micro-batch's backward is split); with
-  activation recomputation only its stage input until its backward starts,
-  the full stash from then on;
+  activation recomputation only its layers' inputs until its backward
+  starts, and from then on the most its backward holds while it
+  rematerialises layer after layer (``StageCost.full_stash_bytes``);
 * comm_buffers: a send buffer for the duration of the transfer, a receive
   buffer from the start of the transfer until its consumer starts;
 * prediction: one |W| buffer for the predicted weights of a stage that
@@ -44,6 +47,7 @@ from .ir import (
     Action,
     PREDICT,
     RECV_F,
+    REDUCE_GRAD,
     UPDATE,
     F,
     Schedule,
@@ -61,7 +65,10 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     Returns the per-(replica, stage, micro-batch) versions, the most versions
     of each (replica, stage) held at once, and for the memory tracker the
     program positions where an extra version is created (at an update) and
-    freed (at its last read): ``{device: [(position, +1|-1, (replica, stage))]}``.
+    freed (at its last read), and where a second gradient buffer is taken (at
+    the first weight-gradient pass after a REDUCE_GRAD, which closed the first
+    one for its UPDATE: :mod:`pipesim.sim.ir`) and freed (at that UPDATE):
+    ``{device: [(position, +1|-1, (replica, stage), "weights"|"gradients")]}``.
     """
     fwd: dict = {}
     bwd: dict = {}
@@ -78,16 +85,24 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
         current: dict[tuple[int, int], int] = defaultdict(int)
         extra: dict[tuple[int, int], int] = defaultdict(int)
         awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
+        closed: dict[tuple[int, int], list] = {}  # what a REDUCE_GRAD closed for the next UPDATE
+        second: set[tuple[int, int]] = set()  # accumulating into a second buffer meanwhile
         for pos, (op, stage, mb, ver, dist, rep) in enumerate(prog):
+            if op is REDUCE_GRAD:
+                closed[(rep, stage)] = awaiting.pop((rep, stage), [])
+                continue
             if op is UPDATE:
                 rs = (rep, stage)
-                for m in awaiting.pop(rs, ()):
+                for m in closed.pop(rs) if rs in closed else awaiting.pop(rs, ()):
                     upd[(rep, stage, m)] = current[rs]
+                if rs in second:  # the closed buffer is applied: the second one is the only one again
+                    second.discard(rs)
+                    changes[dev].append((pos, -1, rs, "gradients"))
                 old = current[rs]
                 current[rs] = ver
                 if last_read.get((rep, stage, old), -1) > pos:
                     extra[rs] += 1
-                    changes[dev].append((pos, +1, rs))
+                    changes[dev].append((pos, +1, rs, "weights"))
                     held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
                 continue
             if op is F:
@@ -96,11 +111,14 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
                 bwd[(rep, stage, mb)] = (ver, dist)
             if op in WEIGHT_GRADIENT_OPS:  # the gradient the next UPDATE consumes: B, or W when split
                 awaiting[(rep, stage)].append(mb)
+                if closed and (rep, stage) in closed and (rep, stage) not in second:
+                    second.add((rep, stage))
+                    changes[dev].append((pos, +1, (rep, stage), "gradients"))
             if pos in last_positions:
                 rs = (rep, stage)
                 if ver < current[rs]:  # the last read of an older version frees it
                     extra[rs] -= 1
-                    changes[dev].append((pos, -1, rs))
+                    changes[dev].append((pos, -1, rs, "weights"))
     for rs in schedule.placement():
         held_max.setdefault(rs, 1)
     versions = []
@@ -187,8 +205,10 @@ def _resident_state(events: _Events, schedule: Schedule, stage_costs, optimizer:
 
 
 def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: dict) -> None:
-    """Older weight versions kept for a later read (``version_plan``'s
-    changes), timed by the end of the compute action at that position."""
+    """Older weight versions kept for a later read and second gradient
+    buffers (``version_plan``'s changes), timed by the compute action at
+    that position: its end, but the start of the pass that first needs a
+    second gradient buffer."""
     by_dev: dict[int, list] = defaultdict(list)
     for s in result.by_stream()["compute"]:
         by_dev[s.device].append(s)
@@ -199,17 +219,21 @@ def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: di
             raise ValueError(f"device {dev}: {len(dev_spans)} compute spans for {len(positions)} compute actions")
         if dev in changes:
             at = dict(zip(positions, dev_spans, strict=True))
-            rows = changes[dev]
-            events.add([dev] * len(rows), [at[pos].end for pos, _, _ in rows],
-                       [d * stage_costs[rs[1]].param_bytes for _, d, rs in rows], "weights")
+            for cat in ("weights", "gradients"):
+                rows = [r for r in changes[dev] if r[3] == cat]
+                if rows:
+                    events.add([dev] * len(rows),
+                               [at[pos].start if cat == "gradients" and d > 0 else at[pos].end for pos, d, _, _ in rows],
+                               [d * stage_costs[rs[1]].param_bytes for _, d, rs, _ in rows], cat)
 
 
 def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     """A micro-batch's stash, from the start of its forward to the end of the
     backward that makes its weight gradient (B, or W when split). With
-    activation recomputation (``StageCost.recompute``) only its stage input
-    from the forward on, and the rest of its stash from the start of its
-    backward (B, or I when split), which recomputes it."""
+    activation recomputation (``StageCost.recompute``) only its layers'
+    inputs from the forward on (``held_bytes``), and from the start of its
+    backward (B, or I when split), which recomputes it, the most that
+    backward holds (``full_stash_bytes``)."""
     compute = result.by_stream()["compute"]
     held = [c.held_bytes for c in stage_costs]
     full = [c.full_stash_bytes for c in stage_costs]

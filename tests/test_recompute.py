@@ -1,13 +1,15 @@
 """Activation recomputation: the backward re-runs the stage's forward, and a
-micro-batch stashes only its stage input until then (analytic values on a
-uniform model; the engine's trackers and the planner's cost model agree)."""
+micro-batch keeps only its layers' inputs until then, rematerialising one
+layer at a time (analytic values on uniform models, one layer per stage
+first, where per-layer and per-stage checkpointing coincide, then several;
+the engine's trackers and the planner's cost model agree)."""
 
 import pytest
 
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware import load_hardware
-from pipesim.sim.partition import recomputed, split_at
+from pipesim.sim.partition import recomputed, split_at, stage_cost
 from pipesim.sim.planning.cost import held_activations
 from pipesim.sim.planning.layout import layout_of
 from pipesim.sim.planning.search import CostSetting, Tables, memory_terms
@@ -93,3 +95,60 @@ def test_held_activations_hook():
     assert held_activations(S, 3, A) == 2 * A + S
     assert held_activations(S, 0, A) == 0
     assert held_activations(A // 2, 2, A) == 2 * A  # a stash smaller than its input: the input counts
+
+
+# ---------------------------------------------------------------- per-layer checkpoints
+
+
+def layered(p: int, per_stage: int) -> Profile:
+    return Profile("u", tuple(LayerCost(f"l{i}", F, B, W, A, S) for i in range(p * per_stage)))
+
+
+@pytest.mark.parametrize("strategy,p,m,layers", [("1f1b", 4, 8, 3), ("gpipe", 3, 6, 4), ("1f1b", 2, 2, 1)])
+def test_checkpoints_are_per_layer(strategy, p, m, layers):
+    """A stage of L uniform layers keeps every layer's input between the
+    passes (L inputs; stage 0's first input is the data: L - 1) and, in its
+    backward, one layer's full stash over the inputs below it: (L - 1)
+    inputs + S (stage 0: L - 2). With m in flight (GPipe: all of them) the
+    stage peaks at (m - 1) checkpoints + that, far above per-stage
+    checkpointing's (m - 1) inputs + L stashes when L A is large."""
+    sched = build_schedule(ScheduleSpec(strategy, p, m, iterations=2))
+    rc = simulate_schedule(sched, layered(p, layers), "ideal", recompute=True, starts=range(0, p * layers, layers))
+    for k in range(p):
+        inputs = layers * A if k else (layers - 1) * A
+        peak = (layers - 1) * A + S if k else max(layers - 2, 0) * A + S
+        inflight = m if strategy == "gpipe" else min(p - k, m)
+        assert rc.memory[k].peak_breakdown["activations"] == (inflight - 1) * inputs + peak, k
+
+
+def test_layer_tables_match_the_stage_costs():
+    """The search's per-range checkpoints and backward peaks (numpy tables)
+    are the stage costs' own, on layers of every size."""
+    sizes = [(7, 100), (0, 30), (50, 5), (3, 300), (20, 20), (0, 0), (90, 10)]  # (activation, stash)
+    prof = Profile("mixed", tuple(LayerCost(f"l{i}", F, B, W, a, s) for i, (a, s) in enumerate(sizes)))
+    t = Tables(prof, recompute=True)
+    for i in range(len(sizes)):
+        for j in range(i + 1, len(sizes) + 1):
+            c = recomputed([stage_cost(prof, i, j - 1)])[0]
+            assert (t.checkpoints[i, j], t.peak[i, j]) == (c.held_bytes, c.full_stash_bytes), (i, j)
+            for inflight in (0, 1, 3):
+                assert t.held(inflight)[i, j] == held_activations(c.stash_bytes, inflight, c.held_bytes,
+                                                                  c.full_stash_bytes)
+
+
+def test_multi_layer_memory_checks_match_the_engine():
+    p, m, layers = 4, 8, 3
+    prof, hw = layered(p, layers), load_hardware("ideal")
+    starts = tuple(range(0, p * layers, layers))
+    for strategy in ("1f1b", "gpipe", "pipedream-2bw"):
+        schedule = build_schedule(ScheduleSpec(strategy, p, m, iterations=2))
+        result = simulate_schedule(schedule, prof, hw, recompute=True, starts=starts)
+        tables, layout = Tables(prof, True), layout_of(schedule)
+        est = CostSetting.of(prof, hw).estimate(tables.split(starts), layout)
+        for k in range(p):
+            terms = memory_terms(tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0,
+                                 optimizer_multiplier=1)
+            weights = layers * W * (layout.versions[k] + 2)
+            boundary = 2 * (A if k else 0) + 2 * (A if k + 1 < p else 0)  # buffers; free links hold none
+            engine = weights + result.memory[k].peak_breakdown["activations"] + boundary
+            assert terms[starts[k], starts[k] + layers] == est.memory_bytes[k] == engine, (strategy, k)

@@ -89,14 +89,17 @@ def static_versions(s):
                 last_read[(a.replica, a.stage, a.version)] = pos
         current = defaultdict(int)
         pending = defaultdict(list)
+        closed = {}  # what a REDUCE_GRAD closed for the next UPDATE (later gradients wait for the one after)
         for pos, a in enumerate(prog):
             rs = (a.replica, a.stage)
             if a.op in PASS_OPS:
                 reads[(a.op, *rs, a.microbatch)] = (a.version, a.distance)
                 if a.op in (B, W):
                     pending[rs].append(a.microbatch)
+            elif a.op is REDUCE_GRAD:
+                closed[rs] = pending.pop(rs, [])
             elif a.op is UPDATE:
-                for mb in pending.pop(rs, []):
+                for mb in closed.pop(rs) if rs in closed else pending.pop(rs, []):
                     update_at[(*rs, mb)] = current[rs]
                 current[rs] = a.version
             alive = {current[rs]} | {
@@ -335,7 +338,14 @@ def check_versions(s, spec):
         # second iteration has begun (2BW reads the last iteration's version)
         assert h <= declared(s.options, k, p)
         if total >= 2 * sum(reps) and s.num_iterations >= 2:
-            assert h == declared(s.options, k, p), (name, k)
+            expect = declared(s.options, k, p)
+            if name == "pipedream-2bw" and reps[k] > 1 and (warmup(reps, k) == 0 or s.num_iterations < 3):
+                # a replicated stage defers its update to the first forward of
+                # the window after next (or the end): without warm-up that
+                # comes after the old version's last read, so it holds the
+                # closed gradient instead of a second version
+                expect = 1
+            assert h == expect, (name, k)
         if name in FLUSH + ("avgpipe", "data-parallel", "spectrain"):
             assert h == 1
         elif name == "pipedream":
@@ -365,17 +375,25 @@ def test_every_strategy_structure_and_versions(spec):
     assert get_strategy(spec.strategy).stage_passes(spec) == sum(1 for p in s.programs for a in p if a.op is F)
     check_structure(s)
     check_versions(s, spec)
-    # UPDATE versions run 1, 2, 3, ... per (replica, stage); REDUCE_GRAD right before each
-    # UPDATE whenever gradients are all-reduced across replicas
+    # UPDATE versions run 1, 2, 3, ... per (replica, stage); a REDUCE_GRAD before each
+    # UPDATE whenever gradients are all-reduced across replicas, right before it
+    # except in 2BW, which defers the update (test_2bw_defers_the_update)
     for prog in s.programs:
         produced = defaultdict(int)
+        last = {}  # (replica, stage) -> its last REDUCE_GRAD or UPDATE
         for pos, a in enumerate(prog):
+            rs = (a.replica, a.stage)
+            if a.op is REDUCE_GRAD:
+                assert last.get(rs) is not REDUCE_GRAD, "two REDUCE_GRADs without an UPDATE between"
+                last[rs] = REDUCE_GRAD
             if a.op is UPDATE:
-                produced[(a.replica, a.stage)] += 1
-                assert a.version == produced[(a.replica, a.stage)]
-                reduced = pos > 0 and prog[pos - 1].op is REDUCE_GRAD
+                produced[rs] += 1
+                assert a.version == produced[rs]
+                reduced = last.get(rs) is REDUCE_GRAD
+                last[rs] = UPDATE
                 assert reduced == (s.replicas[a.stage] > 1 and spec.strategy != "avgpipe")
-                if reduced:
+                if reduced and spec.strategy != "pipedream-2bw":
+                    assert prog[pos - 1].op is REDUCE_GRAD
                     assert (prog[pos - 1].stage, prog[pos - 1].replica) == (a.stage, a.replica)
 
 

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import UPDATE, WEIGHT_GRADIENT_OPS, F
+from pipesim.sim.ir import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from .models import build_model, split
 from .numerics import EXECUTOR_THREADS, intra_op_threads
@@ -327,7 +327,9 @@ def update_rule(strategy: str, stages: int) -> list[tuple[int, int]]:
         forwards = {a.microbatch: a for a in prog if a.op is F}
         mb = sorted(forwards)[len(forwards) // 2]  # a micro-batch of the steady state
         last = max(j for j, a in enumerate(prog) if a.op in WEIGHT_GRADIENT_OPS and a.microbatch == mb)
-        made = next(a.version for a in prog[last:] if a.op is UPDATE)
+        # the next UPDATE applies it, or the one after the REDUCE_GRAD that closes it (2BW defers that one)
+        closing = next(a for a in prog[last:] if a.op in (UPDATE, REDUCE_GRAD))
+        made = next(a.version for a in prog[prog.index(closing, last):] if a.op is UPDATE)
         out.append((made - 1 - forwards[mb].version, forwards[mb].distance))
     return out
 

@@ -251,15 +251,18 @@ def apply_collective(action: Action, flats: list[Tensor], centre: Tensor | None,
 
 
 def collective_input(action: Action, stage: PipelineStage) -> Tensor:
-    if action.op is REDUCE_GRAD and stage.grad_flat is not None:
-        return stage.grad_flat  # no copy: reduced in place
-    return flat(stage.grads if action.op is REDUCE_GRAD else stage.weights())
+    """REDUCE_GRAD: the gradients it closed (``PipelineStage.close_gradients``,
+    when it was posted); AVERAGE: the weights."""
+    if action.op is REDUCE_GRAD:
+        grad_flat, grads, _ = stage.closed
+        return grad_flat if grad_flat is not None else flat(grads)  # no copy: reduced in place
+    return flat(stage.weights())
 
 
 def write_back(action: Action, stage: PipelineStage, result: Tensor) -> None:
-    if action.op is REDUCE_GRAD and result is stage.grad_flat:
+    if action.op is REDUCE_GRAD and result is stage.closed[0]:
         return
-    dst = stage.grads if action.op is REDUCE_GRAD else stage.weights()
+    dst = stage.closed[1] if action.op is REDUCE_GRAD else stage.weights()
     with torch.no_grad():
         torch._foreach_copy_(dst, unflat(result, dst))
 
@@ -342,7 +345,10 @@ class DeviceExecutor:
 
     def _post_collective(self, x: Action, tok: CollectiveDone, t0) -> Record | None:
         rec = Record(self.device, "collective", x, t0) if self.clock else None
-        self.comm.collective(tok, x, self.stages[(x.replica, x.stage)], rec)
+        stage = self.stages[(x.replica, x.stage)]
+        if x.op is REDUCE_GRAD:
+            stage.close_gradients()
+        self.comm.collective(tok, x, stage, rec)
         return rec
 
     # -- compute -----------------------------------------------------------

@@ -140,16 +140,13 @@ class PipelineStage:
         self.pool = VersionPool(weights)
         # gradients live in one flat buffer when they can, so a collective
         # ships and reduces them in place, without gathering and scattering
-        self.grad_flat: Tensor | None = None
-        if weights and all(w.dtype == weights[0].dtype for w in weights):
-            self.grad_flat = torch.zeros(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=self.device)
-            self.grads, i = [], 0
-            for w in weights:
-                self.grads.append(self.grad_flat[i:i + w.numel()].view_as(w))
-                i += w.numel()
-        else:
-            self.grads = [torch.zeros_like(w) for w in weights]
+        self.grad_flat, self.grads = _gradient_buffer(weights, self.device)
         self.accumulated = 0  # micro-batches in self.grads since the last update
+        # (grad_flat, grads, accumulated) a REDUCE_GRAD closed for the next
+        # UPDATE; backwards meanwhile accumulate into a second buffer, made
+        # the first time one is needed and kept for the next time
+        self.closed: tuple | None = None
+        self._spare: tuple | None = None
         self.optim: OptimizerConfig | None = None
         self.state: dict[str, list[Tensor]] = {}
         self.steps = 0
@@ -303,6 +300,8 @@ class PipelineStage:
         dx = got[0] if want_x else None
         if want_w:
             wg = got[1:] if want_x else got
+            if self.closed is not None and self.grads is self.closed[1]:
+                self._second_gradient_buffer()
             with torch.no_grad():
                 for acc, g in zip(self.grads, wg):
                     if g is not None:
@@ -357,15 +356,33 @@ class PipelineStage:
         self._predict_into_scratch(a.version, a.distance)
         self._done_reading(a)
 
+    def close_gradients(self) -> None:
+        """REDUCE_GRAD: the gradients accumulated so far are the ones it
+        reduces and the next UPDATE applies; backwards before that UPDATE
+        accumulate into a second buffer (see :mod:`pipesim.sim.ir`)."""
+        if self.closed is not None:
+            raise RuntimeSemanticsError(f"stage {self.stage_index} replica {self.replica}: REDUCE_GRAD before the "
+                                        "UPDATE of the gradients the previous one closed")
+        self.closed = (self.grad_flat, self.grads, self.accumulated)
+        self.accumulated = 0
+
+    def _second_gradient_buffer(self) -> None:
+        if self._spare is None:
+            self._spare = _gradient_buffer(self.grads, self.device)
+        self.grad_flat, self.grads = self._spare
+        self._spare = None
+
     def update(self, a: Action) -> None:
-        """UPDATE: apply the accumulated gradient, producing version ``a.version``."""
+        """UPDATE: apply the accumulated gradient (what the last REDUCE_GRAD
+        closed, if one did), producing version ``a.version``."""
         if a.version != self.pool.version + 1:
             raise RuntimeSemanticsError(f"{a}: produces version {a.version} but the current one is {self.pool.version}")
         opt = self.optim
-        grads = self.grads
+        closed = self.closed
+        grads, accumulated = (closed[1], closed[2]) if closed is not None else (self.grads, self.accumulated)
         with torch.no_grad():
-            if opt.scale_grads and self.accumulated > 1:
-                torch._foreach_div_(grads, float(self.accumulated))
+            if opt.scale_grads and accumulated > 1:
+                torch._foreach_div_(grads, float(accumulated))
             self.steps += 1
             if opt.kind == "sgd":
                 self._sgd(grads)
@@ -375,7 +392,12 @@ class PipelineStage:
         self._announce(self.pool.version)
         with torch.no_grad():
             torch._foreach_zero_(grads)
-        self.accumulated = 0
+        if closed is None:
+            self.accumulated = 0
+        else:
+            self.closed = None
+            if grads is not self.grads:  # backwards ran meanwhile: the applied buffer is the spare now
+                self._spare = (closed[0], grads)
         if self.scratch_key is not None:
             self.scratch_key = None  # predictions were relative to the old weights
 
@@ -413,6 +435,20 @@ class PipelineStage:
         else:
             step, alpha = pending
             foreach.axpy(dst, src, step, alpha)
+
+
+def _gradient_buffer(like: list[Tensor], device) -> tuple[Tensor | None, list[Tensor]]:
+    """Zeroed gradients shaped like ``like``: views of one flat buffer when
+    the dtypes agree (a collective then ships and reduces them in place,
+    without gathering and scattering), else separate tensors."""
+    if like and all(w.dtype == like[0].dtype for w in like):
+        flat_ = torch.zeros(sum(w.numel() for w in like), dtype=like[0].dtype, device=device)
+        grads, i = [], 0
+        for w in like:
+            grads.append(flat_[i:i + w.numel()].view_as(w))
+            i += w.numel()
+        return flat_, grads
+    return None, [torch.zeros_like(w) for w in like]
 
 
 #: Action types a stage executes itself (collectives and transfers are the executor's).

@@ -47,8 +47,9 @@ Memory
     micro-batches in flight, weight-sized buffers (prediction, averaging),
     and a send and a receive buffer for each boundary tensor in each
     direction. With activation recomputation a micro-batch in flight keeps
-    only its stage input, and one of them its full stash while its backward
-    recomputes it (:func:`held_activations`).
+    only its layers' inputs, and one of them, while its backward recomputes
+    layer after layer, the inputs below one layer and that layer's full
+    stash at most (:func:`held_activations`).
 
 Not modelled: queueing on a shared link beyond its average load (a transfer
 delayed behind another can stall a pass, which the engine sees), and
@@ -231,21 +232,23 @@ def update_seconds(param_bytes, optimizer: str, bandwidth: float):
     return 0.0 * param_bytes if math.isinf(bandwidth) else traffic * param_bytes / bandwidth
 
 
-def held_activations(stash_bytes, inflight, input_bytes=None):
+def held_activations(stash_bytes, inflight, checkpoint_bytes=None, peak_bytes=None):
     """Activation bytes one stage replica holds at most: the whole stash of
     each of the ``inflight`` micro-batches (numbers or arrays).
 
-    With activation recomputation (``input_bytes`` given: the stage's input
-    per micro-batch) a micro-batch keeps only its input until its backward,
-    which re-runs the forward and holds its full stash (its input among it)
-    while it runs: ``inflight - 1`` inputs and one full stash. Both memory
-    checks (:func:`stage_memory`, :func:`.search.memory_terms`) call this,
-    and the engine's tracker (:mod:`pipesim.sim.trackers`) holds the same
-    bytes over time."""
-    if input_bytes is None:
+    With activation recomputation (``checkpoint_bytes`` given: what a
+    micro-batch keeps between its forward and its backward, the inputs of the
+    stage's layers) a micro-batch keeps only those until its backward, which
+    re-runs the forward and holds at most ``peak_bytes`` while it runs
+    (:attr:`~pipesim.sim.partition.StageCost.full_stash_bytes`; by default
+    that of a one-layer stage, max(stash, input)): ``inflight - 1``
+    checkpoints and one peak. Both memory checks (:func:`stage_memory`,
+    :func:`.search.memory_terms`) call this, and the engine's tracker
+    (:mod:`pipesim.sim.trackers`) holds the same bytes over time."""
+    if checkpoint_bytes is None:
         return stash_bytes * inflight
-    full = np.maximum(stash_bytes, input_bytes)
-    return np.where(np.asarray(inflight) > 0, (np.asarray(inflight) - 1) * input_bytes + full, 0 * full)
+    full = np.maximum(stash_bytes, checkpoint_bytes) if peak_bytes is None else peak_bytes
+    return np.where(np.asarray(inflight) > 0, (np.asarray(inflight) - 1) * checkpoint_bytes + full, 0 * full)
 
 
 def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int,
@@ -254,7 +257,8 @@ def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, op
     extra weight-sized buffers, stashed micro-batches, and a send and a receive
     buffer for each tensor across its boundaries (``boundary_bytes``: the
     activations in and out)."""
-    held = held_activations(cost.stash_bytes, inflight, cost.input_bytes if cost.recompute else None)
+    held = (held_activations(cost.stash_bytes, inflight, cost.held_bytes, cost.full_stash_bytes) if cost.recompute
+            else held_activations(cost.stash_bytes, inflight))
     return int(cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers) + held + 2 * boundary_bytes)
 
 

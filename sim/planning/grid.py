@@ -36,8 +36,9 @@ Memory (per device, stage k)
     optimizer), a send and a receive buffer per boundary tensor, and the
     activations of the micro-batches in flight at stage k (the 1F1B family
     d - k, GPipe all m: :func:`~.layout.traits_of` measures which), each
-    its full stash or, with recomputation, only its stage input and one
-    full stash while its backward recomputes it (:func:`.cost.held_activations`).
+    its full stash or, with recomputation (checkpointed per layer), only
+    its layers' inputs, and one of them its backward's peak while it
+    recomputes layer after layer (:func:`.cost.held_activations`).
     Byte counts are the profile's: weights at 4 bytes (fp32 master
     weights), activations in the device's precision.
 

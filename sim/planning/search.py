@@ -76,7 +76,10 @@ class Tables:
 
     ``recompute``: activation recomputation (:func:`~pipesim.sim.partition.recomputed`):
     a stage's time counts its forward twice, and :meth:`split` gives
-    recomputing stage costs; memory then counts stage inputs (``cut``)."""
+    recomputing stage costs; memory then counts the inputs of the stage's
+    layers (``checkpoints``) and the backward's peak (``peak``: the inputs
+    below one layer plus its full stash, the largest over the layers), as
+    :attr:`~pipesim.sim.partition.StageCost.full_stash_bytes` does."""
 
     def __init__(self, profile: Profile, recompute: bool = False) -> None:
         self.profile = profile
@@ -101,6 +104,17 @@ class Tables:
         # bytes crossing the cut before layer i (nothing before layer 0 or after the last)
         self.cut = np.array([0.0] + [float(la.activation_bytes) for la in layers[:-1]] + [0.0])
         self._costs: dict[tuple[int, int], StageCost] = {}
+        if recompute:
+            inputs = self.cut[:n]  # what layer l receives
+            self.checkpoints = np.where(self.valid, ranges(inputs), 0.0)
+            # peak[i, j] = max over l in i..j-1 of (P[l] - P[i] + max(stash_l, input_l)), P the inputs' prefix
+            below = np.concatenate(([0.0], np.cumsum(inputs)))
+            top = below[:n] + np.maximum([float(la.stash_bytes) for la in layers], inputs)
+            rows = np.where(idx[:n, None] <= idx[None, :n], top[None, :], -np.inf)
+            best = np.maximum.accumulate(rows, axis=1)  # best[i, l]: max over i..l
+            peak = np.zeros((n + 1, n + 1))
+            peak[:n, 1:] = best - below[:n, None]
+            self.peak = np.where(self.valid, peak, 0.0)
 
     def split(self, starts: tuple[int, ...]) -> list[StageCost]:
         """Stage costs of the split beginning at ``starts`` (cached per range)."""
@@ -116,9 +130,10 @@ class Tables:
     def held(self, inflight: int) -> np.ndarray:
         """Activation bytes a stage replica holds with ``inflight``
         micro-batches in flight, for every layer range (the stage of layers
-        i .. j-1 receives ``cut[i]`` bytes)."""
-        inputs = np.broadcast_to(self.cut[:, None], self.stash.shape) if self.recompute else None
-        return held_activations(self.stash, inflight, inputs)
+        i .. j-1 receives ``cut[i]`` bytes; its layer l receives ``cut[l]``)."""
+        if self.recompute:
+            return held_activations(self.stash, inflight, self.checkpoints, self.peak)
+        return held_activations(self.stash, inflight)
 
 
 def line_of(line: tuple[float, float], nbytes: np.ndarray) -> np.ndarray:

@@ -17,16 +17,34 @@ the paper requires m >= p and so does pipesim.
 Width w (w pipelines, devices ``r*p .. r*p+p-1``) or per-stage
 ``replicas``: a window's m micro-batches are the iteration's, over every
 replica (``m*w`` of them with width), shared round robin by each stage's
-replicas; each replica's UPDATE waits for a REDUCE_GRAD (all-reduce of the
-stage's coalesced gradient across its replicas). A replica's share of a
-window must cover its warm-up, the replicated form of m >= p.
+replicas. A replica's share of a window must cover its warm-up, the
+replicated form of m >= p.
+
+On a replicated stage the window's gradient is all-reduced across the
+replicas, and that all-reduce is hidden behind the next window, as 2BW's
+implementation and its planner's model (all-reduce / m per micro-batch,
+overlapped) have it: each replica posts ``REDUCE_GRAD`` right after the
+window's last backward (which closes the window's gradient: later
+backwards accumulate into a second buffer, see :mod:`pipesim.sim.ir`), and
+the ``UPDATE`` that applies it, the only action waiting for the
+all-reduce, is deferred to just before the first pass that reads the
+version it makes: the first forward of window t+2 for window t's update
+(or before the next window's ``REDUCE_GRAD`` where that comes first, on a
+stage without warm-up; after the stream's last backward for the last two
+windows). Versions read and staleness are those of the update right after
+the window: the version an update makes is first read a window after it
+would have run. Memory is unchanged in total: while the update waits the
+stage holds the closed gradient instead of the second weight version
+(weights + gradients stay at 3|W|; :mod:`pipesim.sim.trackers`). A stage
+with one replica has no all-reduce to hide and keeps its update right
+after the window's last backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..ir import REDUCE_GRAD, UPDATE, Action, B, Schedule
+from ..ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
 from ._common import (
     ScheduleSpec,
     Strategy,
@@ -49,9 +67,10 @@ def read_version(i: int, m: int) -> int:
 
 def stage_program(stage: int, replica: int, ids: list[range], warm: int, reduce: bool, m: int) -> list[Action]:
     """One stage replica over its micro-batches, ``ids[t]`` those of window
-    (iteration) t of ``m``: 1F1B after ``warm`` forwards across the windows,
-    the window's update right after its last backward on this replica (after
-    the replicas' REDUCE_GRAD when the stage has several)."""
+    (iteration) t of ``m``: 1F1B after ``warm`` forwards across the windows.
+    Without replicas to reduce over, the window's update right after its
+    last backward on this replica; with them, the window's REDUCE_GRAD
+    there and its update deferred (:func:`defer_updates`)."""
     closes = {batch[-1] for batch in ids if len(batch)}  # each window's last micro-batch here
     stream = [i for batch in ids for i in batch]
     out: list[Action] = []
@@ -61,7 +80,33 @@ def stage_program(stage: int, replica: int, ids: list[range], warm: int, reduce:
         if op is B and mb in closes:
             if reduce:
                 out.append(Action(REDUCE_GRAD, stage, replica=replica))
-            out.append(Action(UPDATE, stage, version=mb // m + 1, replica=replica))
+            else:
+                out.append(Action(UPDATE, stage, version=mb // m + 1, replica=replica))
+    return defer_updates(out, stage, replica, m) if reduce else out
+
+
+def defer_updates(program: list[Action], stage: int, replica: int, m: int) -> list[Action]:
+    """Insert the update of each window's REDUCE_GRAD (the t-th REDUCE_GRAD
+    makes version t+1) as late as 2BW allows: right before the first
+    forward that reads version t+1 (micro-batch (t+2)m on), or before the
+    next REDUCE_GRAD if that comes first (an update applies the gradient of
+    the REDUCE_GRAD before it, so they alternate), or at the end."""
+    out: list[Action] = []
+    due: int | None = None  # the version whose update is still to place
+    last_b = None
+    for a in program:
+        if a.op is REDUCE_GRAD:
+            if due is not None:
+                out.append(Action(UPDATE, stage, version=due, replica=replica))
+            due = last_b // m + 1  # the window of the backward it follows
+        elif a.op is F and due is not None and read_version(a.microbatch, m) >= due:
+            out.append(Action(UPDATE, stage, version=due, replica=replica))
+            due = None
+        elif a.op is B:
+            last_b = a.microbatch
+        out.append(a)
+    if due is not None:
+        out.append(Action(UPDATE, stage, version=due, replica=replica))
     return out
 
 

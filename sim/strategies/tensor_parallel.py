@@ -70,12 +70,13 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
     """One device's share of the (single) stage: compute, weights and stash
-    divided by d, the fixed part of each pass (kernel launches, the
-    profile's per-pass overhead) not, since every device launches every
-    kernel on its shard; and the stage's activation all-reduces of one pass:
-    two per layer, each of the layer's hidden state (the larger of its input
-    and its output, so the loss layer, which outputs nothing, still
-    counts)."""
+    divided by d (each layer's stash too), the fixed part of each pass
+    (kernel launches, the profile's per-pass overhead) not, since every
+    device launches every kernel on its shard; its inputs whole (every rank
+    holds the hidden state the all-reduce made); and the stage's activation
+    all-reduces of one pass: two per layer, each of the layer's hidden state
+    (the larger of its input and its output, so the loss layer, which
+    outputs nothing, still counts)."""
     d = int(options.get("tensor_parallel", 1))
     out = []
     for c in stage_costs:
@@ -99,7 +100,8 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
             c, forward_s=share(c.forward_s, fixed_f), backward_s=share(c.backward_s, fixed_b),
             backward_input_s=share(c.backward_input_s, fixed_bi),
             backward_weight_s=share(c.backward_weight_s, fixed_bw), param_bytes=-(-c.param_bytes // d),
-            stash_bytes=-(-c.stash_bytes // d), allreduce_bytes=tuple(buffers) if d > 1 else ()))
+            stash_bytes=-(-c.stash_bytes // d), layer_stash_bytes=tuple(-(-x // d) for x in c.layer_stash_bytes),
+            allreduce_bytes=tuple(buffers) if d > 1 else ()))
     return out
 
 
