@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from pipesim.sim.ir import PASS_OPS, Schedule
+from pipesim.sim.ir import COMPUTE_OPS, PASS_OPS, Schedule
 from pipesim.sim.metrics import bubble_fractions, round_sig
 from pipesim.sim.results import SimResult, Span
 
@@ -102,6 +102,22 @@ def _stats(values: list[float]) -> dict:
             "max": round_sig(max(values, default=0.0))}
 
 
+def steady_actions(schedule: Schedule) -> set[tuple[int, object]]:
+    """(device, action) of every compute action a device runs from its first
+    pass of the second iteration on, in program order: the same set on both
+    sides, whatever the timings."""
+    m = schedule.num_microbatches
+    out = set()
+    for dev, prog in enumerate(schedule.programs):
+        steady = False
+        for a in prog:
+            if a.op in PASS_OPS and a.microbatch >= m:
+                steady = True
+            if steady and a.op in COMPUTE_OPS:
+                out.add((dev, a))
+    return out
+
+
 def compare_actions(predicted: SimResult, measured: SimResult) -> tuple[dict, list[dict]]:
     """Per compute action of the steady state: start and duration errors,
     matched by (device, action).
@@ -126,7 +142,7 @@ def compare_actions(predicted: SimResult, measured: SimResult) -> tuple[dict, li
         m_first = iteration_ends(measured)[0]
         m0 += m_first
         span = (measured.makespan - m_first) or 1.0
-        steady = {k for k, s in meas.items() if s.start >= m0}
+        steady = steady_actions(predicted.schedule)
         pred = {k: v for k, v in pred.items() if k in steady}
     starts, durs, starts_rel = [], [], []
     rows = []

@@ -414,7 +414,7 @@ _ALLREDUCE_2BW = ("pipesim hides 2BW's gradient all-reduce behind the passes bef
                   "Megatron of the paper's time all-reduced the fp16 gradients (--fp32-allreduce off by default), "
                   "half the bytes, which the engine (REDUCE_GRAD moves param_bytes) does not model.")
 _ALLREDUCE_2BW_6B = (_ALLREDUCE_2BW + " At B = 2048 the all-reduce (4-4.7 s) fits behind a window (4.6-5.5 s) and "
-                     "2BW scales 8x from one server (354 against 44 seq/s); the published bar scales 3.8x and "
+                     "2BW scales 8x from one server (363 against 45 seq/s); the published bar scales 3.8x and "
                      "barely moves from B = 512 (160 to 168), a per-sample cost on 64 GPUs that pipesim does not "
                      "have (unexplained here; overlap is not free on a real GPU, whose NCCL kernels take SMs and "
                      "memory bandwidth from the compute they hide behind). Until the engine hid the all-reduce it "
@@ -422,7 +422,7 @@ _ALLREDUCE_2BW_6B = (_ALLREDUCE_2BW + " At B = 2048 the all-reduce (4-4.7 s) fit
 _ALLREDUCE_2BW_6C = (_ALLREDUCE_2BW + " On the 3.8B the overlapped rings and the pipeline's cross-server transfers "
                      "(16 stages span two servers) queue on the same NIC, each ring step holding it for a whole "
                      "1/4 chunk first come first served, which made hiding slightly slower than blocking at "
-                     "B = 512 (66.6 against 67.5 seq/s); at B = 2048 it is amortised (within).")
+                     "B = 512 (66.7 against 67.5 seq/s); at B = 2048 it is amortised (within).")
 _INTER_64 = ("pipesim's inter-layer MP on 64 GPUs is w data-parallel copies of the d-deep pipeline, each running one "
              "32-sequence micro-batch (the largest tried, at the calibrated rate: launches are 0.2% of it) then its "
              "all-reduce, and scales 5.4x from 6a to 6b; the paper's figure is only 1.6x its "
@@ -461,11 +461,11 @@ CLAIM_NOTES: dict[str, str] = {
                      "hidden; the published 2BW does not scale there) and GPipe 2x too fast: " + _GPIPE),
     "2bw-vs-flush-low-batch": ("At low batch the flush runs b = 1 at the cost of its launches only and 2BW on 64 GPUs "
                                "is bound by its fp32 all-reduce through each server's NIC; both narrow the gap."),
-    "2bw-vs-flush-2048": ("2BW at B = 2048 on 64 GPUs hides its all-reduce and scales 8x from one server (6b: 354 "
+    "2bw-vs-flush-2048": ("2BW at B = 2048 on 64 GPUs hides its all-reduce and scales 8x from one server (6b: 363 "
                           "seq/s, published 168) while the flush pays its all-reduce after each flush: the ratio is "
                           "2BW's unexplained 6b gap (see its row)."),
-    "flush-vs-inter-small-batch": "PipeDream-Flush at B = 64 is predicted 1.55x too fast: " + _SMALL_MB,
-    "flush-vs-inter-large-batch": "PipeDream-Flush at B = 256 is 14% fast and inter-layer 7% slow: " + _SMALL_MB,
+    "flush-vs-inter-small-batch": "PipeDream-Flush at B = 64 is predicted 1.5x too fast: " + _SMALL_MB,
+    "flush-vs-inter-large-batch": "PipeDream-Flush at B = 256 is 12% fast and inter-layer 4% slow: " + _SMALL_MB,
     "flush-vs-gpipe-low-batch": "GPipe is too fast: " + _GPIPE,
     "flush-vs-gpipe-high-batch": "GPipe is too fast: " + _GPIPE,
     "recompute-cost": ("pipesim charges recomputation exactly one more forward, with backward = 2 x forward: "
