@@ -438,9 +438,13 @@ class _Run:
         ring neighbour, and the step lasts until the slowest transfer is done.
         The ring follows :meth:`Hardware.ring_order`, as the closed form does."""
         devices = list(self.hw.ring_order(devices))
+        chunk = math.ceil(nbytes / len(devices))
+        yield from self.ring_steps(devices, chunk, 2 * (len(devices) - 1))
+
+    def ring_steps(self, devices: list[int], chunk: int, steps: int):
+        """``steps`` steps of a ring (``devices`` in ring order), each moving
+        ``chunk`` bytes over every edge at once."""
         n = len(devices)
-        chunk = math.ceil(nbytes / n)
-        steps = 2 * (n - 1)
         # every step moves a chunk over the same ring edges: look them up once
         edges = []
         for i, src in enumerate(devices):
@@ -550,6 +554,29 @@ class _CpuRun(_Run):
         start = yield from self.occupy(route, duration, (recv_s, lambda: self.charge(dst, recv_s)))
         self.record_transfer(ends, start, self.env.now)
         self.fire(token)
+
+    def ring_allreduce(self, devices: list[int], nbytes: int):
+        """As for accelerators, but each step is also CPU work on every
+        device's core: sending its chunk and receiving one (the host does
+        both copies), and, in the first n - 1 steps, adding the received
+        chunk into its own (reading two chunks, writing one, at the update
+        bandwidth). A step lasts until the slower of its link time and that
+        work is done, and the work is charged to the core (it lengthens a
+        pass running there)."""
+        devices = list(self.hw.ring_order(devices))
+        n = len(devices)
+        chunk = math.ceil(nbytes / n)
+        send_s, recv_s = self.transfer_cpu(chunk)
+        add_s = self.costs._membound(3 * chunk, self.costs.update_bandwidth)
+        for step in range(2 * (n - 1)):
+            work = send_s + recv_s + (add_s if step < n - 1 else 0.0)
+            start = self.env.now
+            for d in devices:
+                self.charge(d, work)
+            yield from self.ring_steps(devices, chunk, 1)
+            left = work - (self.env.now - start)
+            if left > 0:
+                yield self.env.timeout(left)
 
 
 #: How each kind of post that is not a transfer is posted. A table on the
