@@ -422,7 +422,7 @@ class _Run:
         start = self.env.now
         if len(devices) > 1:
             for size in buffers:
-                yield from self.ring_allreduce(devices, size)
+                yield from self.ring_allreduce(devices, size, op is not AVERAGE)
         if op is AVERAGE:
             dur = self.costs.averaging(stage, max(local.values()))
             if dur:
@@ -433,10 +433,12 @@ class _Run:
                                    nbytes=nbytes if len(devices) > 1 else 0))
         self.fire(token)
 
-    def ring_allreduce(self, devices: list[int], nbytes: int):
+    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True):
         """2(n-1) steps; in each, every device sends 1/n of the buffer to its
         ring neighbour, and the step lasts until the slowest transfer is done.
-        The ring follows :meth:`Hardware.ring_order`, as the closed form does."""
+        The ring follows :meth:`Hardware.ring_order`, as the closed form does.
+        (``reduce``: whether the buffers are summed, not only exchanged;
+        accelerators reduce inside the ring's steps at no extra time.)"""
         devices = list(self.hw.ring_order(devices))
         chunk = math.ceil(nbytes / len(devices))
         yield from self.ring_steps(devices, chunk, 2 * (len(devices) - 1))
@@ -555,28 +557,29 @@ class _CpuRun(_Run):
         self.record_transfer(ends, start, self.env.now)
         self.fire(token)
 
-    def ring_allreduce(self, devices: list[int], nbytes: int):
-        """As for accelerators, but each step is also CPU work on every
-        device's core: sending its chunk and receiving one (the host does
-        both copies), and, in the first n - 1 steps, adding the received
-        chunk into its own (reading two chunks, writing one, at the update
-        bandwidth). A step lasts until the slower of its link time and that
-        work is done, and the work is charged to the core (it lengthens a
-        pass running there)."""
-        devices = list(self.hw.ring_order(devices))
+    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True):
+        """On cores, a collective is what pipesim's gloo runtime does
+        (:mod:`pipesim.validate.runtime`: for bit-identical results every
+        replica sends its whole buffer to every other and each reduces them
+        all in replica order): CPU work on every device's core of n - 1
+        sends and receives of the whole buffer, and, for a gradient
+        all-reduce, n - 1 additions and a division (3(n - 1) + 2 buffers of
+        traffic at the update bandwidth; AVERAGE's arithmetic is the
+        averaging kernel, costed after). The collective lasts the longer of
+        the ring's link time and that work, which is charged to the cores
+        (it lengthens a pass running there)."""
         n = len(devices)
-        chunk = math.ceil(nbytes / n)
-        send_s, recv_s = self.transfer_cpu(chunk)
-        add_s = self.costs._membound(3 * chunk, self.costs.update_bandwidth)
-        for step in range(2 * (n - 1)):
-            work = send_s + recv_s + (add_s if step < n - 1 else 0.0)
-            start = self.env.now
-            for d in devices:
-                self.charge(d, work)
-            yield from self.ring_steps(devices, chunk, 1)
-            left = work - (self.env.now - start)
-            if left > 0:
-                yield self.env.timeout(left)
+        send_s, recv_s = self.transfer_cpu(nbytes)
+        work = (n - 1) * (send_s + recv_s)
+        if reduce:
+            work += self.costs._membound((3 * (n - 1) + 2) * nbytes, self.costs.update_bandwidth)
+        start = self.env.now
+        for d in devices:
+            self.charge(d, work)
+        yield from super().ring_allreduce(devices, nbytes)
+        left = work - (self.env.now - start)
+        if left > 0:
+            yield self.env.timeout(left)
 
 
 #: How each kind of post that is not a transfer is posted. A table on the

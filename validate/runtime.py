@@ -164,6 +164,7 @@ class DistComm:
         self.members = members  # stage -> devices of its collectives (stage_groups)
         self.p2p = {SEND_F: None, SEND_B: None}
         self.reaper = None
+        self.receive_buffers: dict[tuple, torch.Tensor] = {}  # see _receive_buffer
         self.failure: BaseException | None = None
 
     def _tag(self, token):
@@ -245,7 +246,7 @@ class DistComm:
             return
         mine = collective_input(action, stage)
         members = self.members[action.stage]
-        outs = [mine if d == self.device else torch.empty_like(mine) for d in members]
+        outs = [mine if d == self.device else self._receive_buffer(action, d, mine) for d in members]
         if dist.get_backend() == "nccl":
             outs = [torch.empty_like(mine) for _ in members]
             works = [dist.all_gather(outs, mine, group=group, async_op=True)]
@@ -258,6 +259,18 @@ class DistComm:
             works += [dist.irecv(outs[i], src=d, tag=tag, group=up if me > d else down)
                       for i, d in enumerate(members) if d != me]
         self.gathers[token] = (works, outs, action, stage, record)
+
+    def _receive_buffer(self, action, peer: int, like: torch.Tensor) -> torch.Tensor:
+        """Where ``peer``'s buffer of this stage's collective arrives: the same
+        tensor every time (a fresh 4 MiB buffer per all-reduce cost its pages'
+        first-touch faults on every iteration, inside the transfer)."""
+        key = (action.op, action.stage, action.replica, peer)
+        buf = self.receive_buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self.receive_buffers[key] = torch.empty_like(like)
+        if any(b is buf for _, outs, *_ in self.gathers.values() for b in outs):
+            return torch.empty_like(like)  # the last one's is still in flight
+        return buf
 
     def finish(self, token):
         got = self.gathers.pop(token, None)
