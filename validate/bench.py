@@ -94,6 +94,9 @@ def _row(strategy: str, reports: list[dict]) -> dict:
 def add_arguments(p) -> None:
     list_choices(p.add_argument("--model", default="mlp", help="real model to validate"), model_names)
     p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
+    p.add_argument("--model-width", type=positive, default=None, help="hidden width of the model (its default if unset)")
+    p.add_argument("--model-depth", type=positive, default=None,
+                   help="layers of the model (its default if unset; interleaved 1F1B needs 2 per stage)")
     p.add_argument("--stages", type=positive, default=2,
                    help="pipeline stages (more devices than cores share them, as the simulator models)")
     p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
@@ -107,7 +110,8 @@ def add_arguments(p) -> None:
 def run_bench(args) -> dict:
     started = time.perf_counter()
     res = run(args.model, args.microbatch_size, args.microbatches, args.iterations, args.repeats, args.backend,
-              args.strategies.split(",") if args.strategies else None, stages=args.stages)
+              args.strategies.split(",") if args.strategies else None, args.model_width, args.model_depth,
+              stages=args.stages)
     res["seconds"] = round(time.perf_counter() - started, 1)
     return res
 
