@@ -99,7 +99,7 @@ class CostModel:
         if pass_time is not None:
             return pass_time(c)
         bandwidth = self.update_bandwidth if a.op is UPDATE else self.predict_bandwidth
-        return self._membound(self.traffic(a.op) * c.param_bytes, bandwidth)
+        return self.membound(self.traffic(a.op) * c.param_bytes, bandwidth)
 
     def traffic(self, op) -> int:
         """Weight-sized passes over memory of an UPDATE or PREDICT."""
@@ -107,10 +107,11 @@ class CostModel:
         return {UPDATE: 5 if sgd else 7, PREDICT: 3 if sgd else 4}[op]
 
     def averaging(self, stage: int, local_replicas: int) -> float:
-        return self._membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes,
+        return self.membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes,
                               self.average_bandwidth)
 
-    def _membound(self, nbytes: float, bandwidth: float | None = None) -> float:
+    def membound(self, nbytes: float, bandwidth: float | None = None) -> float:
+        """Seconds a memory-bound kernel moving ``nbytes`` takes at ``bandwidth`` (default: the device's)."""
         bandwidth = self.mem_bandwidth if bandwidth is None else bandwidth
         if not nbytes or math.isinf(bandwidth):
             return 0.0
@@ -463,7 +464,6 @@ class _Run:
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
 
 
-
 class _Core:
     """One CPU core: the passes of the devices on it take turns (``slot``);
     transfer work preempts them. ``free_at`` is when transfer work done
@@ -572,7 +572,7 @@ class _CpuRun(_Run):
         send_s, recv_s = self.transfer_cpu(nbytes)
         work = (n - 1) * (send_s + recv_s)
         if reduce:
-            work += self.costs._membound((3 * (n - 1) + 2) * nbytes, self.costs.update_bandwidth)
+            work += self.costs.membound((3 * (n - 1) + 2) * nbytes, self.costs.update_bandwidth)
         start = self.env.now
         for d in devices:
             self.charge(d, work)
