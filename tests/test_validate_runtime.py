@@ -227,3 +227,37 @@ def test_every_executor_computes_with_the_workers_thread_count(monkeypatch):
         torch.set_num_threads(before)
     assert seen[:n] == [EXECUTOR_THREADS] * n and n > 0
     assert set(seen[n:]) == {EXECUTOR_THREADS + 1}
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt-small"])
+def test_split_backward_gives_the_full_backwards_gradients(model):
+    """I then W (the zero-bubble split, each module's weight gradient from
+    the gradient of its output that I kept) give the same input gradient and
+    weight gradients as one B, on a stage in the middle of a pipeline."""
+    import copy
+
+    from torch import nn
+
+    from pipesim.sim.ir import Action, B, F, I, W
+    from pipesim.validate.models import build_model
+    from pipesim.validate.stage import PipelineStage
+
+    m = build_model(model, seed=3)
+    body = nn.Sequential(*copy.deepcopy(m.layers[1:-1]))
+    x0, _ = m.data(4).batch(0)
+    with torch.no_grad():
+        h = m.layers[0](x0)
+    stages = [PipelineStage(copy.deepcopy(body), 1, 3) for _ in range(2)]
+    stages[1].split_backward = True
+    g = torch.randn_like(body(h))
+    dx = []
+    for st, ops in zip(stages, ((B,), (I, W))):
+        st.pool.expect(0, 1 + len(ops))
+        out = st.forward(Action(F, 1, 0, 0), h)
+        assert out.shape == g.shape
+        got = [st.backward(Action(op, 1, 0, 0), g) for op in ops]
+        dx.append(got[0])
+        assert got[1:] == [None] * (len(ops) - 1) and st.accumulated == 1 and not st.inflight
+    assert stages[1].inflight == {} and torch.equal(dx[0], dx[1])
+    for a, b in zip(stages[0].grads, stages[1].grads):
+        assert torch.equal(a, b)  # the same products on the same gradients

@@ -142,6 +142,7 @@ def time_in_model_order(model: RealModel, device: torch.device, settings: Profil
         h, target = x.to(device), y.to(device)
         timed = step // 2 >= settings.warmup
         for i, st in enumerate(stages):
+            st.split_backward = split  # I as the runtime splits it (its forward keeps what W needs)
             t0 = _now(device)
             h = st.forward(Action(F, st.stage_index, 0, 0), h, target if st.is_last else None)
             if timed and not split:

@@ -99,7 +99,12 @@ class _InFlight:
     buffer: list[Tensor]  # the storage those aliases share
     version: int
     distance: int
-    grad_out: Tensor | None = None  # kept between I and W
+    grad_out: Tensor | None = None  # kept between I and W when no outputs were captured
+    #: (owner index, output) of every module with parameters, in forward
+    #: order, when the stage splits its backward (see PipelineStage.split_backward)
+    captured: list | None = None
+    #: their gradients, from I, for W
+    captured_grads: tuple | None = None
 
 
 def _bind_targets(module: nn.Module) -> tuple[list[str], list[tuple[nn.Module, str]], list[Tensor]]:
@@ -135,6 +140,19 @@ class PipelineStage:
         if self.is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.names, self._slots, params = _bind_targets(self.module)
+        # the modules that own parameters, and which leaves each owns (see split_backward)
+        self._owners: list[nn.Module] = []
+        self._owned: list[list[int]] = []
+        for i, (owner, _) in enumerate(self._slots):
+            k = next((j for j, o in enumerate(self._owners) if o is owner), None)
+            if k is None:
+                self._owners.append(owner)
+                self._owned.append([])
+                k = len(self._owners) - 1
+            self._owned[k].append(i)
+        self._hooks: list | None = None
+        self._capture: list | None = None  # outputs of the forward running now, when splitting
+        self.split_backward = False
         with torch.no_grad():
             weights = [p.detach().clone() for p in params]
         self.pool = VersionPool(weights)
@@ -181,6 +199,8 @@ class PipelineStage:
         and reads of a version that exists already are announced to it at
         once (later versions get theirs when they are made)."""
         self.optim = optim
+        if any(a.op is I or a.op is W for a in actions):
+            self.split_backward = True
         new: Counter = Counter()
         for a in actions:
             if _reads_stored(a) and a not in self.pending:
@@ -251,13 +271,17 @@ class PipelineStage:
         buffer = self._read(a)
         if x.is_floating_point() and not self.is_first:
             x = x.detach().requires_grad_()
-        with torch.enable_grad():
-            leaves = self._bind(buffer)
-            out = self.module(x)
-            if self.is_last:
-                out = self.loss_fn(out, target)
+        captured = self._start_capture() if self.split_backward else None
+        try:
+            with torch.enable_grad():
+                leaves = self._bind(buffer)
+                out = self.module(x)
+                if self.is_last:
+                    out = self.loss_fn(out, target)
+        finally:
+            self._capture = None
         self._done_reading(a)
-        self.inflight[a.microbatch] = _InFlight(x, out, leaves, buffer, a.version, a.distance)
+        self.inflight[a.microbatch] = _InFlight(x, out, leaves, buffer, a.version, a.distance, captured=captured)
         self.versions_used.append(("F", a.microbatch, a.version, a.distance))
         if self.is_last:
             self.losses[a.microbatch] = out.detach()
@@ -286,6 +310,8 @@ class PipelineStage:
         """
         rec = self.inflight[a.microbatch]
         self._graph_reads(a, rec)
+        if rec.captured is not None and a.op is not B:
+            return self._split_pass(a, rec, grad_out)
         if a.op is W:
             grad_out = rec.grad_out
         with torch.enable_grad():
@@ -299,20 +325,74 @@ class PipelineStage:
                 got = ()
         dx = got[0] if want_x else None
         if want_w:
-            wg = got[1:] if want_x else got
-            if self.closed is not None and self.grads is self.closed[1]:
-                self._second_gradient_buffer()
-            with torch.no_grad():
-                for acc, g in zip(self.grads, wg):
-                    if g is not None:
-                        acc.add_(g)
-            self.accumulated += 1
+            self._accumulate(got[1:] if want_x else got)
             del self.inflight[a.microbatch]
         else:
             rec.grad_out = grad_out
+        return self._backward_done(a, dx)
+
+    def _backward_done(self, a: Action, dx: Tensor | None) -> Tensor | None:
         self._done_reading(a)
         self.versions_used.append((a.op.value, a.microbatch, a.version, a.distance))
         return dx
+
+    def _accumulate(self, weight_grads) -> None:
+        """Add one micro-batch's weight gradients (None: unused) to the buffer."""
+        if self.closed is not None and self.grads is self.closed[1]:
+            self._second_gradient_buffer()
+        with torch.no_grad():
+            for acc, g in zip(self.grads, weight_grads):
+                if g is not None:
+                    acc.add_(g)
+        self.accumulated += 1
+
+    # ------------------------------------------------- split backward (I, W)
+
+    def _start_capture(self) -> list:
+        """Record the output of every module that owns parameters during the
+        forward about to run (hooks installed the first time)."""
+        if self._hooks is None:
+            self._hooks = [m.register_forward_hook(self._make_hook(k)) for k, m in enumerate(self._owners)]
+        self._capture = []
+        return self._capture
+
+    def _make_hook(self, k: int):
+        def hook(_module, _inputs, output):
+            if self._capture is not None and isinstance(output, Tensor) and output.requires_grad:
+                self._capture.append((k, output))
+        return hook
+
+    def _split_pass(self, a: Action, rec: _InFlight, grad_out: Tensor | None) -> Tensor | None:
+        """I or W of a micro-batch whose forward captured its modules' outputs.
+
+        I runs the backward once for the input's gradient and the gradient
+        of each captured output; W turns each of those into its module's
+        weight gradients, a walk through that module's own operations only
+        (a linear layer's weight gradient is one product). So I and W split
+        one backward's work, as zero-bubble schedules assume, instead of W
+        walking the whole backward again from the stage's output."""
+        if a.op is I:
+            want_x = rec.x.requires_grad
+            inputs = ([rec.x] if want_x else []) + [out for _, out in rec.captured]
+            with torch.enable_grad():
+                got = torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out, retain_graph=True,
+                                          allow_unused=True) if inputs else ()
+            rec.captured_grads = got[1:] if want_x else got
+            return self._backward_done(a, got[0] if want_x else None)
+        sums: list[Tensor | None] = [None] * len(rec.leaves)
+        with torch.enable_grad():
+            for (k, out), g in zip(rec.captured, rec.captured_grads):
+                if g is None:
+                    continue
+                owned = self._owned[k]
+                grads = torch.autograd.grad(out, [rec.leaves[i] for i in owned], grad_outputs=g,
+                                            retain_graph=True, allow_unused=True)
+                for i, gi in zip(owned, grads):
+                    if gi is not None:
+                        sums[i] = gi if sums[i] is None else sums[i] + gi
+        self._accumulate(sums)
+        del self.inflight[a.microbatch]
+        return self._backward_done(a, None)
 
     def warm_up(self, x: Tensor, target: Tensor | None = None) -> None:
         """One forward and backward that change nothing: the first pass of a
