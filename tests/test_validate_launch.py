@@ -230,8 +230,13 @@ def test_measure_p2p_fits_a_link_the_simulator_accepts():
     assert all(lo <= med for lo, med in zip(p2p.min_one_way_s, p2p.one_way_s))
     assert 0 <= p2p.latency_s < 1 and math.isfinite(p2p.latency_s)
     assert 0 < p2p.bandwidth_Bps < math.inf
-    hw = Hardware.from_json(hardware_json("measured", "cpu", 1e10, 1e10, 1 << 34, p2p, 2))
+    hw = Hardware.from_json(hardware_json("measured", "cpu", 1e10, 1e10, 1 << 34, p2p, 2, cores=[0, 1]))
     assert hw.transfer_time(0, 1, 1 << 20) == pytest.approx(p2p.predict(1 << 20))
+    # each end's CPU time per message, measured on gloo, and the cpu section fitted to it
+    for times in (p2p.send_cpu_s, p2p.recv_cpu_s):
+        assert len(times) == 3 and all(0 < t < 1 for t in times)
+    assert times[2] > times[0]  # a 1 MiB message costs more CPU than 4 bytes
+    assert hw.cpu is not None and hw.cpu.cores == (0, 1) and hw.cpu.send.seconds(1 << 20) > 0
     assert multiprocessing.active_children() == []
 
 
