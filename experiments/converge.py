@@ -163,21 +163,28 @@ def train_all(cfg: ConvergeConfig, progress: Callable[[int, int, dict], None] | 
                 progress(done, len(runs), records[i])
         return records
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_one, runs[i], cfg.backend, cfg.timeout_s): i for i in order}
-        try:
-            for done, fut in enumerate(as_completed(futures), start=1):
-                records[futures[fut]] = fut.result()
-                if progress:
-                    progress(done, len(runs), records[futures[fut]])
-        except BaseException:  # a failed run or Ctrl-C: no worker goes on training
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.terminate()
-            raise
+    # a multiprocessing pool, not concurrent.futures: a failed run or Ctrl-C
+    # must stop the runs still training, which only Pool.terminate does
+    pool = multiprocessing.get_context("spawn").Pool(jobs)
+    try:
+        tasks = [(i, runs[i], cfg.backend, cfg.timeout_s) for i in order]  # the longest first
+        for done, (i, record) in enumerate(pool.imap_unordered(_one_indexed, tasks), start=1):
+            records[i] = record
+            if progress:
+                progress(done, len(runs), record)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
     return records
+
+
+def _one_indexed(task: tuple) -> tuple[int, dict]:
+    i, run, backend, timeout_s = task
+    return i, _one(run, backend, timeout_s)
 
 
 # ---------------------------------------------------------------- summary

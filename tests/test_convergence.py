@@ -230,3 +230,20 @@ def test_layer_curvature_is_each_blocks_top_hessian_eigenvalue():
         eig = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))
         top = eig[eig.abs().argmax()].item()
         assert lam == pytest.approx(top, rel=1e-3), (lam, top)
+
+
+@pytest.mark.multiprocess
+def test_runs_in_a_pool_give_the_serial_records_and_leave_no_process():
+    """--jobs 2 trains the runs in a pool of spawned workers, longest first:
+    the records are the serial run's, in the configuration's order, and no
+    worker outlives the call."""
+    import multiprocessing
+
+    from pipesim.experiments.converge import ConvergeConfig, train_all
+
+    cfg = ConvergeConfig(model="mlp", stages=(2,), strategies=("data-parallel", "1f1b", "pipedream"), lrs=(0.01,),
+                         seeds=(0,), updates=4, eval_every=2, model_width=16, model_depth=3, jobs=2)
+    pooled = train_all(cfg)
+    assert [r["strategy"] for r in pooled] == ["data-parallel", "1f1b", "pipedream"]
+    assert pooled == train_all(ConvergeConfig(**{**cfg.__dict__, "jobs": 1}))
+    assert multiprocessing.active_children() == []
