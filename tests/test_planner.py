@@ -166,6 +166,37 @@ def test_layout_for_agrees_with_the_schedule_it_predicts() -> None:
             assert predicted.versions == built.versions, (strategy, reps)
             assert predicted.updates == built.updates, (strategy, reps)
             assert predicted.waits[1:] == built.waits[1:], (strategy, reps)
+            assert predicted.hidden_reduce == built.hidden_reduce, (strategy, reps)
+            # only 2BW runs a replicated stage's all-reduce behind later passes
+            assert any(built.hidden_reduce) == (strategy == "pipedream-2bw" and reps[0] > 1), (strategy, reps)
+
+
+def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
+    """'2-1' on uniform layers whose all-reduce fits behind a window: a
+    stage-0 replica is busy 8 passes of 30 ms and one update per iteration
+    of 16 micro-batches; 1F1B's device also waits for the all-reduce, 2BW's
+    does not (it runs behind the next window's passes), in the cost model as
+    in the engine, which the model follows within 10%."""
+    from pipesim.sim.engine import CostModel
+    from pipesim.sim.engine import simulate as run_engine
+    from pipesim.sim.ir import UPDATE, Action
+    from pipesim.sim.partition import StageCost
+    from pipesim.sim.planning.cost import LinkModel, estimate
+    from pipesim.sim.planning.plan import steady_throughput
+
+    costs = [StageCost(0, 0, 0.01, 0.02, 0.01, 0.01, 50_000_000, 0, 0),
+             StageCost(1, 1, 0.005, 0.01, 0.005, 0.005, 50_000_000, 0, 0)]
+    hw = load_hardware("pcie-4gpu")  # 50 MB over the shared bridge: a few ms, a window is 8 x 30 ms
+    m, reps = 16, (2, 1)
+    update = CostModel.for_device(costs, hw.device).compute(Action(UPDATE, 0))
+    reduce_s = LinkModel(hw).ring((0, 1)).seconds(50_000_000)
+    assert reduce_s > 1e-3
+    for strategy, waits in (("pipedream-2bw", 0.0), ("1f1b", reduce_s)):
+        layout = layout_for(traits_of(strategy), reps, m, 4)
+        est = estimate(costs, layout, LinkModel(hw), optimizer="sgd", optimizer_multiplier=1, microbatch_size=1)
+        assert est.period_s == pytest.approx((8 * 0.03 + update + waits) / m, rel=1e-9), strategy
+        result = run_engine(build_schedule(ScheduleSpec(strategy, 2, m, iterations=4, replicas=reps)), costs, hw)
+        assert est.samples_per_s == pytest.approx(steady_throughput(result), rel=0.1), strategy
 
 
 def test_compare_planned_puts_pipedream_at_or_above_data_parallelism(tmp_path, capsys) -> None:

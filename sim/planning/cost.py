@@ -15,7 +15,10 @@ Resources
       just before goes first on a link the two share), and its optimizer
       steps, each after a blocking all-reduce of the stage's gradients over
       its replicas when it has several (the engine's UPDATE waits for its
-      REDUCE_GRAD, so the device idles through it). A replicated stage that
+      REDUCE_GRAD, so the device idles through it), except where the
+      strategy hides the all-reduce behind the next window's passes (2BW:
+      ``Layout.hidden_reduce``), where the device waits only for what of it
+      outlasts them. A replicated stage that
       steps after every pass (PipeDream) runs in lock-step: a step's
       all-reduce waits for the last of its replicas' micro-batches, which
       the neighbouring stages hand over one at a time, so each step also
@@ -278,10 +281,18 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
     step_s = []  # per stage: one step (all-reduce + update)
     for k, (c, devs) in enumerate(zip(costs, layout.devices, strict=True)):
         ring = links.ring(devs)
-        step = engine_costs.compute(Action(UPDATE, k)) + (ring.seconds(c.param_bytes) if len(devs) > 1 else 0.0)
-        step_s.append(step)
+        reduce_s = ring.seconds(c.param_bytes) if len(devs) > 1 else 0.0
+        update_s = engine_costs.compute(Action(UPDATE, k))
         exposed = sum(exposed_receive(k, kind, layout.waits[k][kind], boundaries, transfer, engine_costs)
                       for kind in (FORWARD, BACKWARD))
+        if layout.hidden_reduce and layout.hidden_reduce[k] and layout.updates[k]:
+            # 2BW: the all-reduce runs behind the passes of the next window;
+            # the device waits only for what outlasts them
+            window = layout.passes[k] / layout.updates[k] * (c.time_s + exposed)
+            step = update_s + max(0.0, reduce_s - window)
+        else:  # the update waits for the all-reduce, and the device with it
+            step = update_s + reduce_s
+        step_s.append(step)
         for d in devs:
             busy[d] += layout.passes[k] * (c.time_s + exposed) + layout.updates[k] * step
         if len(devs) > 1 and c.param_bytes:

@@ -38,12 +38,14 @@ from ..ir import (
     INPUT_GRADIENT_OPS,
     PASS_OPS,
     PREDICT,
+    REDUCE_GRAD,
     UPDATE,
     WEIGHT_GRADIENT_OPS,
     F,
     Op,
     Schedule,
 )
+from ..errors import InputError
 from ..strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
 from ..strategies._common import warmup
 
@@ -93,6 +95,10 @@ class Layout:
     versions: tuple[int, ...]
     buffers: tuple[int, ...]
     waits: tuple[tuple[Wait, Wait], ...]
+    #: per stage: its replicas' gradient all-reduce runs behind later passes
+    #: (the UPDATE that waits for it comes after them: 2BW) instead of
+    #: holding the device until the update
+    hidden_reduce: tuple[bool, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -125,10 +131,18 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
     peak: dict[tuple[int, int], int] = defaultdict(int)
     predicts: set[tuple[int, int]] = set()
     averages: set[tuple[int, int]] = set()
+    hidden: set[int] = set()  # stages with a pass between a REDUCE_GRAD and its UPDATE
     for prog in schedule.programs:
         live: dict[tuple[int, int], int] = defaultdict(int)
+        reducing: set[tuple[int, int]] = set()
         for a in prog:
             op = a.op
+            if op is REDUCE_GRAD:
+                reducing.add((a.replica, a.stage))
+            elif op is UPDATE:
+                reducing.discard((a.replica, a.stage))
+            elif op in PASS_OPS and (a.replica, a.stage) in reducing:
+                hidden.add(a.stage)
             if op is F:
                 rs = (a.replica, a.stage)
                 passes[rs] += 1
@@ -163,7 +177,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
         devices=tuple(devices), microbatches=schedule.num_microbatches, iterations=k_iter,
         streamed=bool(strategy is not None and strategy.asynchronous), passes=tuple(per_pass),
         inflight=tuple(stashed), updates=tuple(per_update), versions=tuple(versions), buffers=tuple(extra),
-        waits=_waits(schedule, recv_lookahead),
+        waits=_waits(schedule, recv_lookahead), hidden_reduce=tuple(k in hidden for k in range(p)),
     )
 
 
@@ -204,6 +218,7 @@ class Traits:
     holds_share: bool
     steps_each_pass: bool
     waits: tuple[Wait, Wait]
+    hides_reduce: bool = False  # a replicated stage's all-reduce runs behind later passes
 
     def share(self, replicas: int, microbatches: int) -> float:
         """Passes one replica runs per iteration: ``m / r`` over a stream
@@ -235,7 +250,20 @@ def traits_of(strategy: str, recv_lookahead: int = 1) -> Traits:
     probe = layout_of(build_schedule(ScheduleSpec(strategy, _PROBE_STAGES, _PROBE_MICROBATCHES)), recv_lookahead)
     one_f_one_b = probe.inflight[0] == warmup((1,) * _PROBE_STAGES, 0) + 1
     return Traits(strategy=strategy, streamed=found.asynchronous, holds_share=not one_f_one_b,
-                  steps_each_pass=probe.updates[0] >= _PROBE_MICROBATCHES, waits=probe.waits[0])
+                  steps_each_pass=probe.updates[0] >= _PROBE_MICROBATCHES, waits=probe.waits[0],
+                  hides_reduce=_hides_reduce(strategy, recv_lookahead))
+
+
+def _hides_reduce(strategy: str, recv_lookahead: int) -> bool:
+    """Whether a replicated first stage's all-reduce runs behind later
+    passes, read off a probe of three iterations with two replicas of it
+    (False where the strategy takes no replicas)."""
+    try:
+        probe = build_schedule(ScheduleSpec(strategy, _PROBE_STAGES, _PROBE_MICROBATCHES, iterations=3,
+                                            replicas=(2,) + (1,) * (_PROBE_STAGES - 1)))
+    except InputError:
+        return False
+    return layout_of(probe, recv_lookahead).hidden_reduce[0]
 
 
 def consecutive_devices(replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -264,4 +292,5 @@ def layout_for(traits: Traits, replicas: tuple[int, ...], microbatches: int, ite
         updates=tuple(traits.steps(r, microbatches) for r in replicas),
         versions=tuple(strategy.weight_versions(opts, k, p) for k in range(p)),
         buffers=(0,) * p, waits=(traits.waits,) * p,
+        hidden_reduce=tuple(traits.hides_reduce and r > 1 for r in replicas),
     )
