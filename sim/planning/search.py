@@ -143,14 +143,19 @@ def line_of(line: tuple[float, float], nbytes: np.ndarray) -> np.ndarray:
 
 
 def stage_terms(tables: Tables, devices: tuple[int, ...], links: LinkModel, *, passes: float, steps: float,
-                microbatches: int, optimizer: str) -> np.ndarray:
+                microbatches: int, optimizer: str, hidden: bool = False) -> np.ndarray:
     """Seconds per micro-batch of the pipeline that one replica of a stage on
     ``devices`` is busy, for every layer range: its passes, and its steps,
-    each after an all-reduce over the replicas when there are several."""
+    each after an all-reduce over the replicas when there are several (with
+    ``hidden``, as 2BW runs it, only what outlasts a window's passes:
+    :func:`.cost.estimate`)."""
     hw = links.hw
     step = update_seconds(1.0, optimizer, hw.device.kernel_bandwidth("update")) * tables.params
     if len(devices) > 1:
-        step = step + line_of(envelope(links.ring(devices).time), tables.params)
+        reduce = line_of(envelope(links.ring(devices).time), tables.params)
+        if hidden and steps:
+            reduce = np.maximum(0.0, reduce - passes / steps * tables.time)
+        step = step + reduce
     return (passes * tables.time + steps * step) / microbatches
 
 
@@ -272,7 +277,8 @@ def _layout_terms(tables: Tables, layout: Layout, setting: CostSetting, *, memor
             term = tables.time.copy()
         else:
             term = stage_terms(tables, devs, links, passes=layout.passes[k], steps=layout.updates[k],
-                               microbatches=layout.microbatches, optimizer=setting.optimizer)
+                               microbatches=layout.microbatches, optimizer=setting.optimizer,
+                               hidden=bool(layout.hidden_reduce and layout.hidden_reduce[k]))
         if k and shared is not None:
             line = envelope((users[name] * a, users[name] * b) for name, (a, b) in boundaries[k - 1].links.items())
             term = np.maximum(term, line_of(line, tables.cut)[:, None])
@@ -421,7 +427,8 @@ class Planner:
         devs = tuple(range(first_device, first_device + r))
         suffix = self.devices - first_device - r
         term = stage_terms(t, devs, self.setting.links, passes=self.traits.share(r, m),
-                           steps=self.traits.steps(r, m), microbatches=m, optimizer=self.setting.optimizer)
+                           steps=self.traits.steps(r, m), microbatches=m, optimizer=self.setting.optimizer,
+                           hidden=self.traits.hides_reduce)
         if memory and self.setting.memory_limit_bytes is not None:
             probe = self.layout((r, suffix) if suffix else (r,))
             mem = memory_terms(t, inflight=probe.inflight[0], versions=probe.versions[0], buffers=0,
