@@ -21,6 +21,7 @@ from pipesim.validate.schedule import PipelineSchedule, _timeline
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
 from pipesim.validate.stream import StreamError, moved_on, updates
 from torch import nn
+from toy import SeededData, tanh_layers
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -30,21 +31,11 @@ OPT = OptimizerConfig(lr=0.1, momentum=0.9)
 
 
 def layers(n=4):
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for i in range(n):
-        lin = nn.Linear(D, D if i < n - 1 else CLASSES)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.5)
-            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-        out.append(nn.Sequential(lin, nn.Tanh()) if i < n - 1 else lin)
-    return out
+    return tanh_layers(n, D, CLASSES, seed=3, weight_scale=0.5)
 
 
-class Data:
-    def batch(self, i):
-        g = torch.Generator().manual_seed(50 + i)
-        return torch.randn(BATCH, D, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+def Data():  # noqa: N802 (a data source, as the tests construct it)
+    return SeededData(BATCH, D, CLASSES, first_seed=50)
 
 
 def stages_for(sched):

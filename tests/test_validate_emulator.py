@@ -20,6 +20,7 @@ from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 from torch import nn
+from toy import SeededData, tanh_layers
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -30,21 +31,11 @@ loss_fn = nn.CrossEntropyLoss()
 
 
 def make_layers(n=4):
-    g = torch.Generator().manual_seed(1)
-    layers = []
-    for i in range(n):
-        lin = nn.Linear(D, D if i < n - 1 else CLASSES)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.4)
-            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-        layers.append(nn.Sequential(lin, nn.Tanh()) if i < n - 1 else lin)
-    return layers
+    return tanh_layers(n, D, CLASSES, seed=1, weight_scale=0.4)
 
 
-class Data:
-    def batch(self, i):
-        g = torch.Generator().manual_seed(100 + i)
-        return torch.randn(BATCH, D, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+def Data():  # noqa: N802 (a data source, as the tests construct it)
+    return SeededData(BATCH, D, CLASSES, first_seed=100)
 
 
 def run(strategy, *, stages=2, m=4, iters=3, optim=None, **kw):
