@@ -347,9 +347,14 @@ class _Run:
             self.env.process(self.move((src, send, dst, recv, nbytes, flow), route, duration, token))
 
     def move(self, ends: tuple, route, duration: float, token):
-        start = yield from self.occupy(route, duration)
+        start = yield from self.occupy(route, duration, self.receiver_copy(ends))
         self.record_transfer(ends, start, self.env.now)
         self.fire(token)
+
+    def receiver_copy(self, ends: tuple) -> tuple | None:
+        """Work the receiving device does at the end of a transfer, as
+        :meth:`occupy`'s ``before_end``: none on an accelerator."""
+        return None
 
     def occupy(self, route, duration: float, before_end: tuple | None = None):
         """Hold every link of ``route`` for ``duration``; return the start time.
@@ -539,7 +544,7 @@ class _CpuRun(_Run):
     def start_transfer(self, dev: int, a: Action, token, first: tuple) -> None:
         """As for accelerators, and the sender's core pays its share now (a
         transfer that takes no link time puts the receiver's on its core at
-        once too; otherwise :meth:`move` does, at the end)."""
+        once too; otherwise :meth:`receiver_copy` does, at the end)."""
         src, send = (dev, a) if a.op in SEND_OPS else first
         dst = first[0] if a.op in SEND_OPS else dev
         send_s, recv_s = self.transfer_cpu(self.costs.transfer_bytes(send))
@@ -548,14 +553,12 @@ class _CpuRun(_Run):
         if token in self.done:  # it took no time on the link
             self.charge(dst, recv_s)
 
-    def move(self, ends: tuple, route, duration: float, token):
-        """Hold the route for ``duration``; the receiver's core is busy with
-        the copy for the transfer's last ``recv`` seconds."""
+    def receiver_copy(self, ends: tuple) -> tuple:
+        """The receiver's core is busy with the copy for the transfer's last
+        ``recv`` seconds."""
         dst, nbytes = ends[2], ends[4]
         recv_s = self.transfer_cpu(nbytes)[1]
-        start = yield from self.occupy(route, duration, (recv_s, lambda: self.charge(dst, recv_s)))
-        self.record_transfer(ends, start, self.env.now)
-        self.fire(token)
+        return recv_s, lambda: self.charge(dst, recv_s)
 
     def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True):
         """On cores, a collective is what pipesim's gloo runtime does
