@@ -39,6 +39,7 @@ from pipesim.sim.results import SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
+from .allocator import keep_freed_memory
 from .executor import emulate, iteration_losses
 from .launch import core_assignment
 from .models import RealModel, build_model
@@ -222,6 +223,7 @@ class Validation:
 def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     """Profile, simulate, run and compare (see the module doc)."""
     say = progress or (lambda msg: None)
+    keep_freed_memory()  # single-device runs execute here, as the profiler measures (allocator.py)
     schedule = build(cfg)
     check_machine(cfg, schedule)
     device = torch_device(cfg.backend)
@@ -321,6 +323,7 @@ def _run_facts(cfg: ValidateConfig, schedule: Schedule, model: RealModel, device
         "backend": cfg.backend,
         "mode": "single-device (serialized)" if cfg.backend == "single" else "one process per device",
         "device": str(device),
+        "freed_memory": keep_freed_memory(),
         "partition_starts": list(starts),
         "optimizer": asdict(cfg.optimizer),
         "hardware": {"name": hw.name, "mem_bandwidth_Bps": round_sig(hw.device.mem_bandwidth),

@@ -109,6 +109,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from pipesim.sim.errors import InputError, RunError
+from .allocator import keep_freed_memory
 
 __all__ = ["BACKENDS", "LaunchContext", "LaunchError", "LaunchTimeout", "MAX_TIMEOUT_S", "WorkerError", "launch"]
 
@@ -565,6 +566,7 @@ def _core_for(rank: int, world_size: int) -> int | None:
 
 def _worker(spec: _WorkerSpec, fn: Callable[..., Any]) -> None:
     _die_with_parent(spec.parent_pid)
+    keep_freed_memory()  # as the profiler measured: no page faults for reused memory
     failed = False
     try:
         if spec.core is not None:  # before any thread exists: they inherit it

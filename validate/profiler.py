@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from pipesim.sim.ir import Action, B, F, I, UPDATE
 from pipesim.sim.workload import LayerCost, Profile
+from .allocator import keep_freed_memory
 from .models import RealModel, layer_stats
 from .stage import OptimizerConfig, PipelineStage
 from torch import nn
@@ -173,6 +174,7 @@ def profile_model(model: RealModel, *, device: torch.device | str = "cpu",
                   settings: ProfileSettings = ProfileSettings(), progress=None) -> Profile:
     """Per-layer costs of ``model`` for one micro-batch on ``device``, as a simulator Profile."""
     device = torch.device(device)
+    allocator = keep_freed_memory()  # as the runtime's workers run (see allocator.py)
     b = settings.microbatch_size
     stats = layer_stats(model, b, device=device)
     # the runtime's fixed cost per pass: an empty stage in the middle of a pipeline
@@ -203,7 +205,8 @@ def profile_model(model: RealModel, *, device: torch.device | str = "cpu",
         overhead_backward_s=o_b,
         notes=(f"measured by pipesim profile on {device} ({torch.get_num_threads()} thread(s)), "
                f"{model.description}; per layer, means of {settings.repeats} training steps with every "
-               "layer in turn; pass overheads measured on an empty stage and charged once per stage"),
+               "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
+               f"freed memory {allocator}"),
     )
 
 
@@ -245,6 +248,7 @@ def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
     from .executor import run_collective
 
     device = torch.device(device)
+    keep_freed_memory()
     fresh = _fresh(model)
     replicas = [_whole(fresh, device, optimizer) for _ in range(AVERAGE_REPLICAS)]
     stage = replicas[0]
