@@ -204,3 +204,39 @@ def test_bench_validate_runs_every_executable_strategy():
     chosen = default_strategies()
     assert "tensor-parallel" not in chosen and {"gpipe", "1f1b", "spectrain", "avgpipe"} <= set(chosen)
     assert set(chosen) == {n for n in strategy_names() if get_strategy(n).executable}
+
+
+def test_bench_validate_deepens_the_model_for_interleaved_stages():
+    """4 stages of interleaved 1F1B are 8 virtual stages: the bench's model gets a layer for each."""
+    from pipesim.validate.bench import _depth_for
+    from pipesim.validate.models import build_model
+
+    for name in ("mlp", "gpt-small"):
+        default = build_model(name)
+        assert _depth_for(name, 2) == default.config["depth"]  # already enough layers
+        deep = _depth_for(name, 8)
+        assert build_model(name, depth=deep).num_layers == 8
+
+
+def test_bench_validate_prints_every_configuration_in_one_table():
+    from pipesim.validate.bench import render
+
+    def row(strategy, error):
+        return {"strategy": strategy, "errors": [error], "error": error, "error_without_cpu_model": None,
+                "start_error_p90": 0.04, "measured_s": 0.1, "predicted_s": 0.1 * (1 + error),
+                "bubble_measured": 0.2, "bubble_predicted": 0.2}
+
+    def config(model, stages, rows):
+        return {"model": model, "model_depth": 4, "stages": stages, "microbatch_size": 32, "microbatches": 8,
+                "iterations": 4, "backend": "gloo", "link_latency_s": 3e-5, "link_bandwidth_Bps": 4e9,
+                "update_bandwidth_Bps": 2e10, "rows": rows}
+
+    res = {"configs": [config("mlp", 2, [row("gpipe", -0.02), row("1f1b", -0.2)]),
+                       config("gpt-small", 4, [row("gpipe", 0.01), row("1f1b", -0.03)])],
+           "median_abs_error": 0.025, "seconds": 60}
+    text = render(res)
+    table = [line for line in text.splitlines() if line.startswith(("mlp  ", "gpt-small  "))]
+    assert len(table) == 4 and "-20.0%" in table[1]
+    assert "mlp, 2 stages: median |error| 11.0% (target 5%), worst 1f1b -20.0%, 1 of 2 within 15%" in text
+    assert "gpt-small, 4 stages: median |error| 2.0%" in text
+    assert "all: median |error| 2.5% (target 5%), worst 1f1b -20.0%, 3 of 4 within 15%" in text

@@ -13,10 +13,16 @@ target is stated in (median |error| <= 5%).
 Runs are repeated (``--repeats``) and the median error of each strategy is
 reported, because a shared 2-core machine is noisy; every figure comes from
 runs made in this one invocation.
+
+``--model`` and ``--stages`` take comma-separated lists (``--model
+mlp,gpt-small --stages 2,4``, the issue's whole grid): each model and stage
+count is profiled and validated in turn, and everything is printed as one
+table, with the median and worst error per configuration and over all rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from dataclasses import replace
@@ -25,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipesim.sim.cliargs import bench_main, list_choices, positive, run_command
+from pipesim.sim.cliargs import bench_main, positive, run_command
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.workload import save_profile
 from .models import model_names
@@ -39,14 +45,17 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
         stages: int = 2) -> dict:
     from .harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
 
+    chosen = default_strategies() if strategies is None else list(strategies)
+    if model_depth is None:
+        model_depth = _depth_for(model, max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_stages
+                                            for name in chosen))
     base = ValidateConfig(strategy="1f1b", stages=stages, microbatches=microbatches, model=model, backend=backend,
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
                           model_depth=model_depth, oversubscribe=True)
     device = torch_device(backend)
-    _say(f"profiling {model} (micro-batch {microbatch_size}) on {device} ...")
+    _say(f"profiling {model} (micro-batch {microbatch_size}, depth {model_depth}) on {device} ...")
     real = model_of(base)
     rows = []
-    chosen = default_strategies() if strategies is None else list(strategies)
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
     # parallelism's replicas), each pinned to its core
     devices = max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_devices for name in chosen)
@@ -63,12 +72,22 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
                 _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
                 reports.append(run_validation(replace(measured, strategy=name)).report)
             rows.append(_row(name, reports))
-    return {"model": model, "stages": stages, "microbatch_size": microbatch_size, "microbatches": microbatches,
+    return {"model": model, "model_depth": model_depth, "stages": stages, "microbatch_size": microbatch_size,
+            "microbatches": microbatches,
             "iterations": iterations, "backend": backend, "rows": rows, "cores": list(hw.cpu.cores) if hw.cpu else None,
             "transfer_cpu": hw.to_json().get("cpu"),
             "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
             "link_latency_s": hw.intra_node.latency, "link_bandwidth_Bps": hw.intra_node.bandwidth,
             "update_bandwidth_Bps": hw.device.mem_bandwidth}
+
+
+def _depth_for(model: str, stages: int) -> int:
+    """The model's default depth, deepened until it has a layer for each of
+    ``stages`` (interleaved 1F1B's virtual stages: two per device)."""
+    from .models import build_model
+
+    default = build_model(model)
+    return default.config["depth"] + max(0, stages - default.num_layers)
 
 
 def default_strategies() -> list[str]:
@@ -91,49 +110,97 @@ def _row(strategy: str, reports: list[dict]) -> dict:
             "bubble_predicted": reports[-1]["bubble_fraction_predicted"]}
 
 
+#: Micro-batch size per model when none is given: gpt-small's passes are long enough at 32.
+DEFAULT_MICROBATCH_SIZE = {"gpt-small": 32}
+
+
+def _names_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in model_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(model_names())}")
+    return names
+
+
+def _positive_list(text: str) -> list[int]:
+    return [positive(v) for v in text.split(",")]
+
+
 def add_arguments(p) -> None:
-    list_choices(p.add_argument("--model", default="mlp", help="real model to validate"), model_names)
-    p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
+    p.add_argument("--model", type=_names_list, default="mlp",
+                   help="real model(s) to validate, comma-separated (mlp, gpt-small, lstm, vgg-small)")
+    p.add_argument("--microbatch-size", type=positive, default=None,
+                   help="samples per micro-batch (default: 32 for gpt-small, 64 otherwise)")
     p.add_argument("--model-width", type=positive, default=None, help="hidden width of the model (its default if unset)")
     p.add_argument("--model-depth", type=positive, default=None,
                    help="layers of the model (its default if unset; interleaved 1F1B needs 2 per stage)")
-    p.add_argument("--stages", type=positive, default=2,
-                   help="pipeline stages (more devices than cores share them, as the simulator models)")
+    p.add_argument("--stages", type=_positive_list, default="2",
+                   help="pipeline stages, comma-separated (more devices than cores share them, as the simulator models)")
     p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
     p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
     p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"), help="how the devices run")
-    list_choices(p.add_argument("--strategies", default=None, help="comma-separated subset (default: all)"),
-                 strategy_names)
+    p.add_argument("--strategies", type=_strategy_list, default=None, help="comma-separated subset (default: all)")
+
+
+def _strategy_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in strategy_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(strategy_names())}")
+    return names
 
 
 def run_bench(args) -> dict:
     started = time.perf_counter()
-    res = run(args.model, args.microbatch_size, args.microbatches, args.iterations, args.repeats, args.backend,
-              args.strategies.split(",") if args.strategies else None, args.model_width, args.model_depth,
-              stages=args.stages)
-    res["seconds"] = round(time.perf_counter() - started, 1)
-    return res
+    configs = []
+    for model in args.model:
+        b = args.microbatch_size or DEFAULT_MICROBATCH_SIZE.get(model, 64)
+        for stages in args.stages:
+            configs.append(run(model, b, args.microbatches, args.iterations, args.repeats, args.backend,
+                               args.strategies, args.model_width, args.model_depth, stages=stages))
+    rows = [r for c in configs for r in c["rows"]]
+    return {"configs": configs, "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 def render(res: dict) -> str:
-    lines = [f"{res['model']}, {res['stages']} stages, micro-batch {res['microbatch_size']}, m={res['microbatches']}, "
-             f"{res['iterations']} iterations, {res['backend']}; link {res['link_latency_s'] * 1e6:.0f} us + "
-             f"{res['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {res['update_bandwidth_Bps'] / 1e9:.1f} GB/s",
-             f"{'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  {'runs':24} "
-             f"{'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"]
-    for r in res["rows"]:
-        runs = " ".join(f"{e:+.1%}" for e in r["errors"])
-        plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
-        lines.append(f"{r['strategy']:18} {r['measured_s'] * 1e3:12.2f} {r['predicted_s'] * 1e3:13.2f} "
-                     f"{r['error']:+8.1%}  {runs:24} {plain:>12} {r['start_error_p90']:9.1%} "
-                     f"{r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}")
-    worst = max(res["rows"], key=lambda r: abs(r["error"]))
-    lines.append(f"median |error| over {len(res['rows'])} strategies: {res['median_abs_error']:.1%}, worst "
-                 f"{worst['strategy']} {worst['error']:+.1%} (targets 5% and 15%); per-action start error p90 "
-                 f"median {statistics.median(r['start_error_p90'] for r in res['rows']):.1%} of the steady "
-                 f"makespan (target 5%) ({res['seconds']:.0f} s)")
+    """Every configuration's rows in one table, a verdict per configuration and over all."""
+    lines = [_measured_line(c) for c in res["configs"]]
+    lines.append(f"{'model':10} {'p':>2} {'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  "
+                 f"{'runs':24} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}")
+    for c in res["configs"]:
+        for r in c["rows"]:
+            runs = " ".join(f"{e:+.1%}" for e in r["errors"])
+            plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
+            lines.append(f"{c['model']:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
+                         f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {plain:>12} "
+                         f"{r['start_error_p90']:9.1%} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}")
+    for c in res["configs"]:
+        lines.append(f"{c['model']}, {c['stages']} stages: " + _verdict(c["rows"]))
+    if len(res["configs"]) > 1:
+        lines.append("all: " + _verdict([r for c in res["configs"] for r in c["rows"]]))
+    lines.append(f"({res['seconds']:.0f} s)")
     return "\n".join(lines)
+
+
+def _measured_line(c: dict) -> str:
+    return (f"{c['model']} depth {c['model_depth']}, {c['stages']} stages, micro-batch {c['microbatch_size']}, m={c['microbatches']}, "
+            f"{c['iterations']} iterations, {c['backend']}; link {c['link_latency_s'] * 1e6:.0f} us + "
+            f"{c['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {c['update_bandwidth_Bps'] / 1e9:.1f} GB/s")
+
+
+def _verdict(rows: list[dict]) -> str:
+    """Median |error|, the worst strategy and the start-error p90 against the targets."""
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    median = statistics.median(abs(r["error"]) for r in rows)
+    starts = statistics.median(r["start_error_p90"] for r in rows)
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    return (f"median |error| {median:.1%} (target 5%), worst {worst['strategy']} {worst['error']:+.1%}, "
+            f"{within} of {len(rows)} within 15%; start error p90 median {starts:.1%} of the steady makespan "
+            f"(target 5%)")
 
 
 def main(argv=None, prog: str = "python -m pipesim.validate.bench") -> int:
