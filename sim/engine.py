@@ -470,32 +470,102 @@ class _Run:
 
 
 class _Core:
-    """One CPU core: the passes of the devices on it take turns (``slot``);
-    transfer work preempts them. ``free_at`` is when transfer work done
-    while no pass ran ends; ``stolen`` is the transfer work done during the
-    pass now running, which lengthens it."""
+    """One CPU core, shared by the passes of the devices on it as the OS
+    shares it: by processor sharing. Each of n passes running there
+    progresses at 1/n of the core's speed. Linux time-slices runnable
+    threads of equal priority every few milliseconds (4 ms measured on this
+    project's machine) and wakes a thread whose data arrived at once, so
+    over passes of a few milliseconds and more two ranks on a core each run
+    at half speed (a 3 ms pass beside a spinning rank took 5.9 ms, a 10 ms
+    one 19.8 ms); turn-taking, one pass to completion after another, would
+    finish the first pass early and the second late.
 
-    __slots__ = ("free_at", "running", "slot", "stolen")
+    Transfer work preempts every pass on the core: it blocks the core until
+    ``blocked_until`` (from now, or after the block already there), which
+    stretches each running pass by its length and, on an idle core, delays
+    the next pass. ``jobs`` maps each running pass's completion event to the
+    work it has left; ``last`` is when that was last brought up to date.
+    """
+
+    __slots__ = ("blocked_until", "env", "generation", "jobs", "last")
+
+    #: Work left (seconds) below which a pass counts as finished: float
+    #: sums of shares leave ~1e-17 s behind.
+    DONE = 1e-12
 
     def __init__(self, env: simpy.Environment) -> None:
-        self.slot = simpy.Resource(env, capacity=1)
-        self.free_at = 0.0
-        self.running = False
-        self.stolen = 0.0
+        self.env = env
+        self.jobs: dict = {}
+        self.last = 0.0
+        self.blocked_until = 0.0
+        self.generation = 0
+
+    def run(self, dur: float):
+        """Run a pass of ``dur`` seconds of work here; return its start
+        (when it first gets the core: after any block)."""
+        env = self.env
+        while self.blocked_until > env.now:  # transfer work in hand finishes first
+            yield env.timeout(self.blocked_until - env.now)
+        start = env.now
+        if dur:
+            self.advance()
+            done = env.event()
+            self.jobs[done] = dur
+            self.reschedule()
+            yield done
+        return start
+
+    def block(self, seconds: float) -> None:
+        """Transfer work of ``seconds`` on this core, from now (after any block in place)."""
+        self.advance()
+        self.blocked_until = max(self.blocked_until, self.env.now) + seconds
+        if self.jobs:
+            self.reschedule()
+
+    def advance(self) -> None:
+        """Give each running pass its share of the core since ``last``."""
+        now = self.env.now
+        if self.jobs:
+            share = (now - max(self.last, self.blocked_until)) / len(self.jobs)
+            if share > 0:
+                jobs = self.jobs
+                for job in jobs:
+                    jobs[job] -= share
+        self.last = now
+
+    def reschedule(self) -> None:
+        """Wake when the pass with least work left will be done (an earlier
+        wake-up, made stale by a new pass or a block, is ignored)."""
+        self.generation += 1
+        generation = self.generation
+        least = min(self.jobs.values())
+        at = max(self.env.now, self.blocked_until) + max(least, 0.0) * len(self.jobs)
+        self.env.timeout(at - self.env.now).callbacks.append(lambda _: self.finish(generation))
+
+    def finish(self, generation: int) -> None:
+        if generation != self.generation:
+            return
+        self.advance()
+        for job in [j for j, left in self.jobs.items() if left <= self.DONE]:
+            del self.jobs[job]
+            job.succeed()
+        if self.jobs:
+            self.reschedule()
 
 
 class _CpuRun(_Run):
     """A run on devices that are CPU cores (:class:`~pipesim.sim.hardware.HostCpu`).
 
-    Two things differ from accelerators. Devices on one core take turns on
-    it, one pass at a time, in the order they ask (k ranks on c < k cores
-    stretch a compute-bound run by k / c). And a transfer costs CPU time on
-    both ends, which the communication threads take at higher priority than
-    the passes: the sender's share at the transfer's start, the receiver's
-    at its end (the transfer's last ``recv`` seconds are the receiver's
-    copy), each lengthening the pass running on that core, or, on an idle
-    core, delaying the next pass until it is done. The transfer's own timing
-    stays the link's: the measured one-way time already contains both copies.
+    Two things differ from accelerators. Devices on one core share it, each
+    pass running at 1/n of its speed while n run there (:class:`_Core`; k
+    ranks on c < k cores stretch a compute-bound run by k / c). And a
+    transfer costs CPU time on both ends, which the communication threads
+    take at higher priority than the passes: the sender's share at the
+    transfer's start, the receiver's at its end (the transfer's last
+    ``recv`` seconds are the receiver's copy), each lengthening the passes
+    running on that core, or, on an idle core, delaying the next pass until
+    it is done. The transfer's own timing stays the link's: the measured
+    one-way time already contains both copies.
     """
 
     def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
@@ -508,31 +578,12 @@ class _CpuRun(_Run):
 
     def hold_core(self, dev: int, dur: float):
         """Run a pass of ``dur`` seconds on ``dev``'s core; return its start."""
-        env = self.env
-        core = self.cores[self.core_of[dev]]
-        with core.slot.request() as turn:
-            yield turn
-            while core.free_at > env.now:  # transfer work on the idle core finishes first
-                yield env.timeout(core.free_at - env.now)
-            start = env.now
-            core.running, core.stolen = True, 0.0
-            if dur:
-                yield env.timeout(dur)
-            while core.stolen:  # transfers handled meanwhile took the core from the pass
-                extra, core.stolen = core.stolen, 0.0
-                yield env.timeout(extra)
-            core.running = False
-        return start
+        return (yield from self.cores[self.core_of[dev]].run(dur))
 
     def charge(self, dev: int, seconds: float) -> None:
         """Transfer work of ``seconds`` on ``dev``'s core, from now."""
-        if not seconds:
-            return
-        core = self.cores[self.core_of[dev]]
-        if core.running:
-            core.stolen += seconds
-        else:
-            core.free_at = max(core.free_at, self.env.now) + seconds
+        if seconds:
+            self.cores[self.core_of[dev]].block(seconds)
 
     def transfer_cpu(self, nbytes: int) -> tuple[float, float]:
         cost = self.cpu_cost.get(nbytes)

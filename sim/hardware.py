@@ -36,7 +36,7 @@ Devices that are CPU cores (``pipesim validate`` on gloo) carry a
 transfer takes from its sender's and its receiver's core. A GPU's copy engines
 and NIC move data beside its kernels; a CPU's communication threads run on the
 very core the passes need, at higher priority, so every transfer stretches the
-pass it interrupts, and devices that share a core take turns on it. The
+pass it interrupts, and devices that share a core share its speed. The
 engine applies both (:mod:`pipesim.sim.engine`); hardware without ``cpu``
 (every GPU preset) is untouched.
 
@@ -261,7 +261,7 @@ class HostCpu:
     """Devices that are cores of one host.
 
     ``cores[d]`` is the core device d computes on: devices given the same
-    core share it, one pass at a time in the order they ask for it (ranks
+    core share it by processor sharing, as the OS time-slices them (ranks
     pinned round-robin when there are more ranks than cores). ``send`` and
     ``recv`` are the CPU time a transfer takes from the sender's and the
     receiver's core. That time preempts: a transfer handled while a pass runs

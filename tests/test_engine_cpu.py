@@ -97,12 +97,66 @@ def test_k_ranks_on_c_cores_stretch_a_compute_bound_run_by_k_over_c(k, c, m):
     assert shared.makespan == pytest.approx(own.makespan * k / c)
 
 
-def test_devices_sharing_a_core_never_overlap():
-    s = build_schedule(ScheduleSpec("1f1b", 4, 8))
-    result = run_engine(s, _costs(4), _host(4, [0, 1, 0, 1], send=CpuCost(1e-4, 1e9), recv=CpuCost(1e-4, 1e9)))
-    for core in (0, 1):
-        spans = sorted((x.start, x.end) for x in result.spans if x.stream == "compute" and x.device % 2 == core)
-        assert all(b[0] >= a[1] - 1e-12 for a, b in zip(spans, spans[1:]))
+def _core_ends(arrivals, blocks=()):
+    """End times of passes ``(arrival, work)`` on one shared core, with
+    transfer work ``(at, seconds)`` blocking it."""
+    import simpy
+
+    from pipesim.sim.engine import _Core
+
+    env = simpy.Environment()
+    core = _Core(env)
+    ends = {}
+
+    def job(i, at, work):
+        yield env.timeout(at)
+        start = yield from core.run(work)
+        ends[i] = (start, env.now)
+
+    def block(at, seconds):
+        yield env.timeout(at)
+        core.block(seconds)
+
+    for i, (at, work) in enumerate(arrivals):
+        env.process(job(i, at, work))
+    for at, seconds in blocks:
+        env.process(block(at, seconds))
+    env.run()
+    return [ends[i] for i in range(len(arrivals))]
+
+
+def test_passes_on_one_core_share_it_at_equal_rates():
+    """Processor sharing, worked by hand: a pass of 10 ms alone, then joined
+    at 5 ms by another of 10 ms: the first has 5 ms left at half speed (ends
+    at 15), the second then runs alone for its last 5 ms (ends at 20)."""
+    assert _core_ends([(0, 0.010), (0.005, 0.010)]) == pytest.approx([(0, 0.015), (0.005, 0.020)], abs=1e-15)
+    # started together, both end at twice their work; three share by thirds
+    assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)])] == pytest.approx([0.020, 0.020])
+    assert [e for _, e in _core_ends([(0, 0.003), (0, 0.010), (0, 0.010)])] == pytest.approx([0.009, 0.023, 0.023])
+
+
+def test_transfer_work_stalls_every_pass_on_the_core():
+    """2 ms of transfer work at 4 ms stretches both shared passes by 2 ms;
+    on an idle core it delays the next pass's start until it is done."""
+    assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)], [(0.004, 0.002)])] == pytest.approx([0.022, 0.022])
+    assert _core_ends([(0.001, 0.010)], [(0, 0.002)]) == pytest.approx([(0.002, 0.012)])
+    # a block arriving in a block queues behind it
+    assert _core_ends([(0.001, 0.010)], [(0, 0.002), (0.001, 0.002)]) == pytest.approx([(0.004, 0.014)])
+
+
+@given(works=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=6))
+@settings(max_examples=40, deadline=None)
+def test_a_shared_core_is_never_idle_while_work_is_left(works):
+    """Work is conserved: the last pass ends when the core has done all the
+    work that arrived, counting idle gaps before arrivals (a busy period's
+    end is its start plus the work that arrived within it)."""
+    arrivals = sorted((a * 1e-3, w * 1e-3) for a, w in works)
+    ends = _core_ends(arrivals)
+    free = 0.0
+    for at, work in arrivals:
+        free = max(free, at) + work
+    assert max(e for _, e in ends) == pytest.approx(free, abs=1e-12)
+    assert all(e - s >= w - 1e-12 for (s, e), (_, w) in zip(ends, arrivals))  # never faster than alone
 
 
 def test_cpu_section_round_trips_and_is_checked():
