@@ -41,6 +41,7 @@ which gives the same bits.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -121,8 +122,10 @@ class Plan:
         return self.updates_per_step * self.steps
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(run: Run) -> Plan:
-    """m, micro-batch size, iterations per step and steps of ``run``."""
+    """m, micro-batch size, iterations per step and steps of ``run`` (cached:
+    checking, ordering and training a run each ask for it)."""
     setup = run.setup
     strategy, options = resolve(run.strategy)
     p = run.stages
