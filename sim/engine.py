@@ -470,32 +470,37 @@ class _Run:
 
 
 class _Core:
-    """One CPU core, shared by the passes of the devices on it as the OS
-    shares it: by processor sharing. Each of n passes running there
-    progresses at 1/n of the core's speed. Linux time-slices runnable
-    threads of equal priority every few milliseconds (4 ms measured on this
-    project's machine) and wakes a thread whose data arrived at once, so
-    over passes of a few milliseconds and more two ranks on a core each run
-    at half speed (a 3 ms pass beside a spinning rank took 5.9 ms, a 10 ms
-    one 19.8 ms); turn-taking, one pass to completion after another, would
-    finish the first pass early and the second late.
+    """One CPU core, shared by the passes of the devices on it as Linux
+    shares it between runnable threads of equal priority.
+
+    A pass that starts while others run there preempts them at once and
+    runs alone for up to ``wake_slice`` seconds (a thread woken by its data
+    gets the core immediately and keeps it for a slice), then all running
+    passes share the core equally, each progressing at 1/n of its speed
+    (the scheduler alternates them every few milliseconds). Measured on this
+    project's machine beside a spinning rank: work of up to 1–1.5 ms ran
+    unstretched, 3 ms took 5.9–6.9 ms, 10 ms took 19.8–20.4 ms. Turn-taking,
+    one pass to completion after another, is what neither does.
 
     Transfer work preempts every pass on the core: it blocks the core until
     ``blocked_until`` (from now, or after the block already there), which
     stretches each running pass by its length and, on an idle core, delays
     the next pass. ``jobs`` maps each running pass's completion event to the
-    work it has left; ``last`` is when that was last brought up to date.
+    work it has left; ``alone`` is the pass running alone and how much of
+    its slice is left; ``last`` is when all that was brought up to date.
     """
 
-    __slots__ = ("blocked_until", "env", "generation", "jobs", "last")
+    __slots__ = ("alone", "blocked_until", "env", "generation", "jobs", "last", "wake_slice")
 
     #: Work left (seconds) below which a pass counts as finished: float
     #: sums of shares leave ~1e-17 s behind.
     DONE = 1e-12
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: simpy.Environment, wake_slice: float = 0.0) -> None:
         self.env = env
+        self.wake_slice = wake_slice
         self.jobs: dict = {}
+        self.alone: list | None = None  # [event, slice left]
         self.last = 0.0
         self.blocked_until = 0.0
         self.generation = 0
@@ -510,6 +515,8 @@ class _Core:
         if dur:
             self.advance()
             done = env.event()
+            if self.jobs and self.wake_slice:
+                self.alone = [done, min(dur, self.wake_slice)]
             self.jobs[done] = dur
             self.reschedule()
             yield done
@@ -523,31 +530,48 @@ class _Core:
             self.reschedule()
 
     def advance(self) -> None:
-        """Give each running pass its share of the core since ``last``."""
+        """Give the running passes the core's time since ``last``: the pass
+        running alone first, what is left of it shared equally."""
         now = self.env.now
-        if self.jobs:
-            share = (now - max(self.last, self.blocked_until)) / len(self.jobs)
-            if share > 0:
-                jobs = self.jobs
-                for job in jobs:
-                    jobs[job] -= share
+        elapsed = now - max(self.last, self.blocked_until)
         self.last = now
+        if elapsed <= 0 or not self.jobs:
+            return
+        jobs = self.jobs
+        if self.alone is not None:
+            job, left = self.alone
+            took = min(elapsed, left)
+            jobs[job] -= took
+            elapsed -= took
+            self.alone[1] = left - took
+        if elapsed > 0:
+            share = elapsed / len(jobs)
+            for job in jobs:
+                jobs[job] -= share
 
     def reschedule(self) -> None:
-        """Wake when the pass with least work left will be done (an earlier
-        wake-up, made stale by a new pass or a block, is ignored)."""
+        """Wake when the pass running alone ends its slice, or when the pass
+        with least work left is done (an earlier wake-up, made stale by a
+        new pass or a block, is ignored)."""
         self.generation += 1
         generation = self.generation
-        least = min(self.jobs.values())
-        at = max(self.env.now, self.blocked_until) + max(least, 0.0) * len(self.jobs)
+        if self.alone is not None:
+            wait = max(self.alone[1], 0.0)
+        else:
+            wait = max(min(self.jobs.values()), 0.0) * len(self.jobs)
+        at = max(self.env.now, self.blocked_until) + wait
         self.env.timeout(at - self.env.now).callbacks.append(lambda _: self.finish(generation))
 
     def finish(self, generation: int) -> None:
         if generation != self.generation:
             return
         self.advance()
+        if self.alone is not None and self.alone[1] <= self.DONE:
+            self.alone = None
         for job in [j for j, left in self.jobs.items() if left <= self.DONE]:
             del self.jobs[job]
+            if self.alone is not None and self.alone[0] is job:
+                self.alone = None
             job.succeed()
         if self.jobs:
             self.reschedule()
@@ -572,7 +596,7 @@ class _CpuRun(_Run):
         super().__init__(schedule, plan_, costs, hardware)
         cpu = hardware.cpu
         self.core_of = cpu.cores
-        self.cores = {c: _Core(self.env) for c in sorted(set(cpu.cores))}
+        self.cores = {c: _Core(self.env, cpu.wake_slice_s) for c in sorted(set(cpu.cores))}
         self.on_core = self.hold_core
         self.cpu_cost = {}  # nbytes -> (send, recv) CPU seconds
 

@@ -261,8 +261,11 @@ class HostCpu:
     """Devices that are cores of one host.
 
     ``cores[d]`` is the core device d computes on: devices given the same
-    core share it by processor sharing, as the OS time-slices them (ranks
-    pinned round-robin when there are more ranks than cores). ``send`` and
+    core share it as the OS time-slices them (ranks pinned round-robin when
+    there are more ranks than cores): a pass that starts while others run
+    there runs alone for up to ``wake_slice_s`` (measured: how long a thread
+    woken beside a busy one keeps the core), then the running passes share
+    it equally (:class:`pipesim.sim.engine._Core`). ``send`` and
     ``recv`` are the CPU time a transfer takes from the sender's and the
     receiver's core. That time preempts: a transfer handled while a pass runs
     on the core stretches the pass by it; on an idle core it delays the next
@@ -272,11 +275,15 @@ class HostCpu:
     cores: tuple[int, ...]
     send: CpuCost = field(default_factory=CpuCost)
     recv: CpuCost = field(default_factory=CpuCost)
+    wake_slice_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cores or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
                                      for c in self.cores):
             raise HardwareError(f"cpu.cores must be a non-empty list of core numbers >= 0, got {list(self.cores)!r}")
+        if (isinstance(self.wake_slice_s, bool) or not isinstance(self.wake_slice_s, (int, float))
+                or not 0 <= self.wake_slice_s < math.inf):
+            raise HardwareError(f"cpu.wake_slice_s must be a finite number of seconds >= 0, got {self.wake_slice_s!r}")
 
     @property
     def shared(self) -> bool:
@@ -548,7 +555,8 @@ class Hardware:
         if self.cpu is not None:
             d["cpu"] = {"cores": list(self.cpu.cores),
                         **{end: {"fixed_s": cost.fixed_s, "bytes_per_s": _num_out(cost.bytes_per_s)}
-                           for end, cost in (("send", self.cpu.send), ("recv", self.cpu.recv))}}
+                           for end, cost in (("send", self.cpu.send), ("recv", self.cpu.recv))},
+                        "wake_slice_s": self.cpu.wake_slice_s}
         return d
 
     @classmethod
@@ -654,7 +662,7 @@ def _num_out(x: float) -> float | str:
 # ---------------------------------------------------------------------------
 
 _TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node", "cpu"}
-_CPU_KEYS = {"cores", "send", "recv", "notes"}
+_CPU_KEYS = {"cores", "send", "recv", "wake_slice_s", "notes"}
 _CPU_COST_KEYS = {"fixed_s", "bytes_per_s", "notes"}
 _DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "kernel_overhead_s", "notes",
                 "update_bandwidth", "predict_bandwidth", "average_bandwidth"}
@@ -774,7 +782,7 @@ def _cpu_from_json(d: Any) -> HostCpu:
         c = _obj(d.get(end, {}), f"cpu.{end}", _CPU_COST_KEYS)
         costs[end] = CpuCost(fixed_s=_num(c, "fixed_s", f"cpu.{end}", 0.0),
                              bytes_per_s=_num(c, "bytes_per_s", f"cpu.{end}", math.inf))
-    return HostCpu(cores=tuple(cores), **costs)
+    return HostCpu(cores=tuple(cores), **costs, wake_slice_s=_num(d, "wake_slice_s", "cpu", 0.0))
 
 
 def _presets():

@@ -97,15 +97,15 @@ def test_k_ranks_on_c_cores_stretch_a_compute_bound_run_by_k_over_c(k, c, m):
     assert shared.makespan == pytest.approx(own.makespan * k / c)
 
 
-def _core_ends(arrivals, blocks=()):
-    """End times of passes ``(arrival, work)`` on one shared core, with
+def _core_ends(arrivals, blocks=(), wake_slice=0.0):
+    """(start, end) of passes ``(arrival, work)`` on one shared core, with
     transfer work ``(at, seconds)`` blocking it."""
     import simpy
 
     from pipesim.sim.engine import _Core
 
     env = simpy.Environment()
-    core = _Core(env)
+    core = _Core(env, wake_slice)
     ends = {}
 
     def job(i, at, work):
@@ -125,33 +125,55 @@ def _core_ends(arrivals, blocks=()):
     return [ends[i] for i in range(len(arrivals))]
 
 
+def _flat(pairs):
+    return [x for pair in pairs for x in pair]
+
+
 def test_passes_on_one_core_share_it_at_equal_rates():
     """Processor sharing, worked by hand: a pass of 10 ms alone, then joined
     at 5 ms by another of 10 ms: the first has 5 ms left at half speed (ends
     at 15), the second then runs alone for its last 5 ms (ends at 20)."""
-    assert _core_ends([(0, 0.010), (0.005, 0.010)]) == pytest.approx([(0, 0.015), (0.005, 0.020)], abs=1e-15)
+    assert _flat(_core_ends([(0, 0.010), (0.005, 0.010)])) == pytest.approx(
+        _flat([(0, 0.015), (0.005, 0.020)]), abs=1e-15)
     # started together, both end at twice their work; three share by thirds
     assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)])] == pytest.approx([0.020, 0.020])
     assert [e for _, e in _core_ends([(0, 0.003), (0, 0.010), (0, 0.010)])] == pytest.approx([0.009, 0.023, 0.023])
+
+
+def test_a_pass_that_starts_beside_another_runs_alone_for_its_wake_slice():
+    """Slice 1.5 ms. 10 ms at 0, joined at 5 ms by 1 ms: the newcomer runs
+    alone (5 to 6), the first is pushed back by it (ends at 11). Joined by
+    3 ms instead: alone 5 to 6.5, then both share; the newcomer's last 1.5 ms
+    take 3 (ends at 9.5), the first has 3.5 ms left then (ends at 13)."""
+    assert _flat(_core_ends([(0, 0.010), (0.005, 0.001)], wake_slice=0.0015)) == pytest.approx(
+        _flat([(0, 0.011), (0.005, 0.006)]), abs=1e-15)
+    assert _flat(_core_ends([(0, 0.010), (0.005, 0.003)], wake_slice=0.0015)) == pytest.approx(
+        _flat([(0, 0.013), (0.005, 0.0095)]), abs=1e-15)
+    # a transfer's work during the slice pushes the slice back by its length
+    assert _flat(_core_ends([(0, 0.010), (0.005, 0.001)], [(0.0055, 0.002)], wake_slice=0.0015)) == pytest.approx(
+        _flat([(0, 0.013), (0.005, 0.008)]), abs=1e-15)
 
 
 def test_transfer_work_stalls_every_pass_on_the_core():
     """2 ms of transfer work at 4 ms stretches both shared passes by 2 ms;
     on an idle core it delays the next pass's start until it is done."""
     assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)], [(0.004, 0.002)])] == pytest.approx([0.022, 0.022])
-    assert _core_ends([(0.001, 0.010)], [(0, 0.002)]) == pytest.approx([(0.002, 0.012)])
+    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002)])) == pytest.approx(
+        _flat([(0.002, 0.012)]))
     # a block arriving in a block queues behind it
-    assert _core_ends([(0.001, 0.010)], [(0, 0.002), (0.001, 0.002)]) == pytest.approx([(0.004, 0.014)])
+    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002), (0.001, 0.002)])) == pytest.approx(
+        _flat([(0.004, 0.014)]))
 
 
-@given(works=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=6))
-@settings(max_examples=40, deadline=None)
-def test_a_shared_core_is_never_idle_while_work_is_left(works):
+@given(works=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=6),
+       wake_slice=st.sampled_from([0.0, 0.0015, 0.004]))
+@settings(max_examples=60, deadline=None)
+def test_a_shared_core_is_never_idle_while_work_is_left(works, wake_slice):
     """Work is conserved: the last pass ends when the core has done all the
     work that arrived, counting idle gaps before arrivals (a busy period's
     end is its start plus the work that arrived within it)."""
     arrivals = sorted((a * 1e-3, w * 1e-3) for a, w in works)
-    ends = _core_ends(arrivals)
+    ends = _core_ends(arrivals, wake_slice=wake_slice)
     free = 0.0
     for at, work in arrivals:
         free = max(free, at) + work

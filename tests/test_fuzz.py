@@ -304,12 +304,12 @@ def _mutated(draw, doc):
 
 def test_mutated_profile_and_hardware_files(fuzz_examples, tmp_path):
     hardware_docs = [load_hardware(n).to_json() for n in ("pcie-4gpu", "dgx1-v100", "dgx-h100-x2", "ideal")]
-    # a measured CPU host: shared cores, transfer CPU costs, per-kernel bandwidths
+    # a measured CPU host: shared cores and their wake slice, transfer CPU costs, per-kernel bandwidths
     host = load_hardware("pcie-4gpu").to_json()
     hardware_docs.append({**host, "device": {**host["device"], "update_bandwidth": 2e10, "predict_bandwidth": 3e10,
                                              "average_bandwidth": 1e10},
                           "cpu": {"cores": [0, 1, 0, 1], "send": {"fixed_s": 3e-5, "bytes_per_s": 3.5e9},
-                                  "recv": {"fixed_s": 3e-5, "bytes_per_s": 6.7e9}}})
+                                  "recv": {"fixed_s": 3e-5, "bytes_per_s": 6.7e9}, "wake_slice_s": 0.002}})
     path = tmp_path / "input.json"
 
     @_settings(fuzz_examples(0.2))

@@ -41,7 +41,7 @@ from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
 from .allocator import keep_freed_memory
 from .executor import emulate, iteration_losses
-from .launch import core_assignment
+from .launch import core_assignment, measure_wake_slice
 from .models import RealModel, build_model
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .profiler import ProfileSettings, kernel_bandwidths, profile_model
@@ -182,7 +182,9 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
              "device": {"name": name, "flops": 1e12, "mem_bandwidth": bw, "memory_bytes": float(memory)},
              "num_devices": n, "devices_per_node": n, "intra_node": {"kind": "ideal"}}
     else:
-        d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n, cores=cores)
+        shared = cores is not None and len(set(cores)) < len(cores)
+        wake = measure_wake_slice(cores[0]) if shared else 0.0  # matters only where ranks share a core
+        d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n, cores=cores, wake_slice_s=wake)
     # flops is unused: the measured profile gives every layer's time directly
     d["device"].update({f"{k}_bandwidth": v for k, v in kernels.items()})
     d["device"]["notes"] = (d["device"].get("notes", "") + " mem_bandwidth is the in-place optimizer step's; "

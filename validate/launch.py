@@ -547,6 +547,47 @@ def _stop_heaters(heaters) -> None:
         p.wait()
 
 
+#: A thread that sleeps 2 ms, wakes beside a busy one on its core and
+#: spins: how long it keeps the core before the scheduler switches (a gap
+#: of more than 50 us in its clock), median of 30 wake-ups, in seconds.
+_WAKE_SLICE_PROBE = (
+    "import os, statistics, time\n"
+    "os.sched_setaffinity(0, {int(os.environ['PIPESIM_PROBE_CORE'])})\n"
+    "runs = []\n"
+    "for _ in range(30):\n"
+    "    time.sleep(0.002)\n"
+    "    t0 = last = time.perf_counter()\n"
+    "    while True:\n"
+    "        now = time.perf_counter()\n"
+    "        if now - last > 50e-6 or now - t0 > 0.05:\n"
+    "            break\n"
+    "        last = now\n"
+    "    runs.append(last - t0)\n"
+    "print(statistics.median(runs))\n"
+)
+_BUSY = "while True:\n    pass\n"
+
+
+def measure_wake_slice(core: int, timeout_s: float = 30.0) -> float:
+    """Seconds a thread woken on ``core`` while another computes there runs
+    before the two share it: the simulator's ``HostCpu.wake_slice_s``
+    (see :class:`pipesim.sim.engine._Core`). Linux gives a woken thread the
+    core at once and switches at a scheduler tick after its slice: 1.9–5.9 ms
+    on this project's machine (4 ms ticks)."""
+    import subprocess
+
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        os.sched_setaffinity(busy.pid, {core})
+        out = subprocess.run([sys.executable, "-c", _WAKE_SLICE_PROBE], capture_output=True, text=True,
+                             check=True, timeout=timeout_s, env={**os.environ, "PIPESIM_PROBE_CORE": str(core)})
+    finally:
+        busy.kill()
+        busy.wait()
+    return float(out.stdout.split()[-1])
+
+
 def core_assignment(world_size: int) -> list[int] | None:
     """The core each rank is pinned to (``pin_cores``): rank r on the r-th
     core this process may use, round-robin when there are more ranks than
