@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
-from . import foreach
+from . import foreach, native
 from ._checks import (
     as_tensor_list,
     check_aligned,
@@ -45,11 +45,14 @@ from torch import Tensor
 
 
 def impl_for(lists: list[list[Tensor]], backend: str | None):
-    """The module that runs one group: Triton where chosen and able, else foreach."""
-    if resolve(backend, lists[0][0].device) == "triton":
+    """The module that runs one group: Triton or the C loops where chosen and able, else foreach."""
+    name = resolve(backend, lists[0][0].device)
+    if name == "triton":
         from . import triton_kernels
         if triton_kernels.supports(lists):
             return triton_kernels
+    elif name == "native" and native.supports(lists):
+        return native
     return foreach
 
 
