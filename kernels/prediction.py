@@ -120,6 +120,7 @@ def predict_sgd(params, momentum_buffers, lr: float, distance: float, out=None, 
         for idx in group_indices(params, bufs):
             lists = [take(out, idx), take(params, idx), take(bufs, idx)]
             impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], alpha)
+        _bump(out)
     return out
 
 
@@ -193,6 +194,7 @@ def predict_adam(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: flo
         for idx in group_indices(params, m, v):
             lists = [take(out, idx), take(params, idx), take(m, idx), take(v, idx)]
             impl_for(lists, backend).adam_apply(*lists, c, eps2)
+        _bump(out)
     return out
 
 
