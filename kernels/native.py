@@ -48,8 +48,9 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread",
          # no implicit FMA (native.c uses fmaf where it wants one); sqrtf
          # without errno handling so it vectorises (results are the same)
          "-ffp-contract=off", "-fno-math-errno",
-         # block copies stay vector loops: glibc's memcpy of a 2 KiB block
-         # takes `rep movsb`, which measured 2-3x slower here (AMD EPYC)
+         # block copies stay vector loops, not memcpy calls: with memcpy per
+         # 2 KiB block (and float32 copied in too) the kernel ran 2.6x slower
+         # here (AMD EPYC)
          "-fno-tree-loop-distribute-patterns")
 
 #: Totals (elements) below this run on the calling thread: starting threads
