@@ -7,16 +7,20 @@ parameter at every step, so if these operations are slow they eat the time
 pipelining saves. This package holds them for the validation runtime to call
 and for the simulator to cost (:func:`bytes_moved`).
 
-Two implementations behind one API: a multi-tensor path on
-``torch._foreach_*`` ops for every device, and fused Triton kernels (one
-launch over all parameters) chosen automatically for CUDA tensors when
-Triton imports; :func:`set_backend` or ``backend=`` forces either.
+Three implementations behind one API: a multi-tensor path on
+``torch._foreach_*`` ops for every device, fused C loops for CPU tensors
+(:mod:`pipesim.kernels.native`, compiled on first use) and fused Triton
+kernels (one launch over all parameters) for CUDA tensors; ``auto`` picks the
+fused path of the device when it is available, :func:`set_backend` or
+``backend=`` forces one.
 """
 
 from .averaging import elastic_average
 from .backend import (
     BACKENDS,
     get_backend,
+    native_available,
+    native_unavailable_reason,
     set_backend,
     triton_available,
     use_backend,
@@ -54,6 +58,8 @@ __all__ = [
     "elastic_average",
     "elastic_average_modules",
     "get_backend",
+    "native_available",
+    "native_unavailable_reason",
     "optimizer_kind",
     "predict_adam",
     "predict_adam_",

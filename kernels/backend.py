@@ -1,10 +1,14 @@
-"""Choice between the foreach path and the fused Triton path.
+"""Choice between the foreach path, the fused C loops on CPU and the fused Triton path.
 
-``auto`` (the default) takes Triton for CUDA tensors when ``triton`` imports
-and the foreach path otherwise, so CPU-only installs never import Triton.
-The switch exists to compare the two (the benchmark does), to pin the
-reference path when debugging numerics, and to run the Triton kernels on CPU
-under Triton's interpreter (``TRITON_INTERPRET=1``) in CI without a GPU.
+``auto`` (the default) takes Triton for CUDA tensors when ``triton`` imports,
+the native C loops (:mod:`pipesim.kernels.native`) for CPU tensors when they
+compile and load, and the foreach path otherwise, so CPU-only installs never
+import Triton. The choice depends only on the machine (compiler, Triton
+install), so every process on one machine makes the same one: the emulator
+and a multi-process runtime compute the same bits. The switch exists to
+compare the paths (the benchmark does), to pin the reference path when
+debugging numerics, and to run the Triton kernels on CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``) in CI without a GPU.
 
 The process-wide default can be set with :func:`set_backend`, the
 :func:`use_backend` context manager or the ``PIPESIM_KERNELS_BACKEND``
@@ -17,8 +21,9 @@ import contextlib
 import os
 
 import torch
+from .native import native_available, native_unavailable_reason
 
-BACKENDS = ("auto", "foreach", "triton")
+BACKENDS = ("auto", "foreach", "native", "triton")
 
 _backend = os.environ.get("PIPESIM_KERNELS_BACKEND", "auto")
 if _backend not in BACKENDS:  # a typo in the environment must not silently mean "auto"
@@ -46,7 +51,7 @@ def triton_interpreting() -> bool:
 
 
 def set_backend(name: str) -> None:
-    """Set the process-wide default: ``"auto"``, ``"foreach"`` or ``"triton"``."""
+    """Set the process-wide default: ``"auto"``, ``"foreach"``, ``"native"`` or ``"triton"``."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -75,7 +80,15 @@ def resolve(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     triton_device = device.type == "cuda" or triton_interpreting()
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "foreach"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "foreach"
+        return "native" if device.type == "cpu" and native_available() else "foreach"
+    if name == "native":
+        if device.type != "cpu":
+            raise RuntimeError(f"backend='native' needs CPU tensors (got {device})")
+        if not native_available():
+            raise RuntimeError("backend='native' requested but the C kernels are unavailable: "
+                               f"{native_unavailable_reason()}")
     if name == "triton":
         if not triton_available():
             raise RuntimeError("backend='triton' requested but triton is not importable")

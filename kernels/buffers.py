@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from . import foreach
 from ._checks import as_tensor_list, check_aligned, group_indices, take
-from .prediction import empty_like_all, impl_for
+from .prediction import _bump, empty_like_all, impl_for
 from torch import Tensor
 
 
@@ -232,6 +232,7 @@ class DoubleBuffer(_VersionHolder):
             for idx in group_indices(src, grads):
                 lists = [take(dst, idx), take(src, idx), take(grads, idx)]
                 impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], -float(lr))
+            _bump(dst)
         return self.update(write)
 
 

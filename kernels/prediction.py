@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
-from . import foreach
+from . import foreach, native
 from ._checks import (
     as_tensor_list,
     check_aligned,
@@ -45,11 +45,14 @@ from torch import Tensor
 
 
 def impl_for(lists: list[list[Tensor]], backend: str | None):
-    """The module that runs one group: Triton where chosen and able, else foreach."""
-    if resolve(backend, lists[0][0].device) == "triton":
+    """The module that runs one group: Triton or the C loops where chosen and able, else foreach."""
+    name = resolve(backend, lists[0][0].device)
+    if name == "triton":
         from . import triton_kernels
         if triton_kernels.supports(lists):
             return triton_kernels
+    elif name == "native" and native.supports(lists):
+        return native
     return foreach
 
 
@@ -117,6 +120,7 @@ def predict_sgd(params, momentum_buffers, lr: float, distance: float, out=None, 
         for idx in group_indices(params, bufs):
             lists = [take(out, idx), take(params, idx), take(bufs, idx)]
             impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], alpha)
+        _bump(out)
     return out
 
 
@@ -190,6 +194,7 @@ def predict_adam(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: flo
         for idx in group_indices(params, m, v):
             lists = [take(out, idx), take(params, idx), take(m, idx), take(v, idx)]
             impl_for(lists, backend).adam_apply(*lists, c, eps2)
+        _bump(out)
     return out
 
 
