@@ -6,8 +6,11 @@ import sys
 
 import pytest
 
-#: Allocate, touch and free a 64 MiB tensor ten times; print the minor page
-#: faults of the last nine (the first one may grow the heap).
+#: A stage's pattern: activations of 2 MiB held by the micro-batch in
+#: flight, their count varying (8 to 64) from one round to the next, all freed
+#: at the end of each round. Prints the minor page faults of 12 rounds after
+#: 4 of warm-up. (One big block allocated and freed in a loop is no test:
+#: glibc's adaptive thresholds keep that one.)
 _CHILD = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
@@ -16,14 +19,16 @@ if sys.argv[1] == "keep":
 else:
     print("-")
 torch.ones(1).add_(1)
-def cycle():
-    t = torch.empty(16 << 20)
-    t.fill_(1.0)
-    del t
-cycle()
+def round_(k):
+    held = [torch.empty(512 << 10) for _ in range(k)]
+    for t in held:
+        t.fill_(1.0)
+    del held
+for k in (8, 16, 32, 64):
+    round_(k)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(9):
-    cycle()
+for i in range(12):
+    round_((8, 64, 16, 32)[i % 4])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -40,16 +45,16 @@ def test_kept_memory_is_not_faulted_in_again():
     if not state.startswith("kept"):
         pytest.skip(f"malloc left alone here: {state}")
     _, plain = _faults("plain")
-    # a 64 MiB block comes from mmap and goes back at free: 16k fresh pages each time
-    assert plain > 9 * 8000, plain
-    assert kept < 9 * 100, kept
+    # glibc hands the freed top of its heap back and faults it in again: ~113k pages here
+    assert plain > 20_000, plain
+    assert kept < 1_000, kept
 
 
 def test_opt_out_leaves_malloc_alone():
     state, faults = _faults("keep", {"PIPESIM_KEEP_FREED_MEMORY": "0"})
     assert state.startswith("system default")
     if sys.platform.startswith("linux"):
-        assert faults > 9 * 8000, faults
+        assert faults > 20_000, faults
 
 
 @pytest.mark.multiprocess
