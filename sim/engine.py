@@ -24,7 +24,8 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import simpy
@@ -228,7 +229,7 @@ class _Run:
         self.programs = compile_plan(schedule, plan_)
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
-        self.awaited = {t for prog in self.programs for _, _, waits, _ in prog for t in waits}
+        self.awaited = set(chain.from_iterable(map(itemgetter(2), chain.from_iterable(self.programs))))  # chained in C, not a comprehension
         #: seconds of each compute op on each stage, costed once per run
         self.pass_seconds = {op: [costs.compute(Action(op, k)) for k in range(schedule.num_stages)]
                              for op in COMPUTE_OPS}
