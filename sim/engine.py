@@ -253,15 +253,13 @@ class _Run:
         """Make ``token`` available: wake its waiter, or note it for later.
 
         Most data arrives before its consumer looks for it (receives are
-        posted ahead), so an event is created only by a waiter that finds the
-        token missing; the rest cost a set insertion, not a trip through
-        SimPy's queue."""
+        posted ahead), so only a waiter that finds the token missing arms an
+        event (its walk's :class:`_Signal`); the rest cost a set insertion,
+        not a trip through SimPy's queue."""
         ev = self.events.pop(token, None)
-        if ev is None:
-            self.done.add(token)
-        else:
-            self.done.add(token)
-            ev.succeed()
+        self.done.add(token)
+        if ev is not None:
+            ev.fire()
 
     # -- main -------------------------------------------------------------
     def execute(self) -> None:
@@ -282,6 +280,7 @@ class _Run:
         transfers, start_transfer, post = self.transfers, self.start_transfer, _POST
         on_core = self.on_core
         seconds = self.pass_seconds
+        clock, wake = _Signal(env), _Signal(env)
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
                 if type(tok) is Arrival:  # the common case, inlined: runs per send and receive
@@ -298,7 +297,7 @@ class _Run:
                 if need not in done:
                     ev = events.get(need)  # a collective may have several waiters
                     if ev is None:
-                        ev = events[need] = env.event()
+                        ev = events[need] = wake.arm()
                     self.blocked[dev] = (a, need)
                     yield ev
             dur = seconds[a.op][a.stage]  # a table, not a tuple-keyed cache: no key to build per action
@@ -307,7 +306,7 @@ class _Run:
                 start = yield from on_core(dev, dur)
                 end = env.now
             elif dur:
-                yield env.timeout(dur)
+                yield clock.after(dur)
                 # SimPy's clock is now exactly start + dur (the float sum it
                 # scheduled the timeout by): no second read of its property
                 end = start + dur
@@ -498,6 +497,40 @@ class _Walker:
             if event.callbacks is not None:  # not processed yet: resume when it is
                 event.callbacks.append(self._resume)
                 return
+
+
+class _Signal(simpy.Event):
+    """A device's reusable event: its compute timer, or what it waits on.
+
+    A walk waits for one thing at a time, so each device needs one timer
+    and one wake-up event, each scheduled again whenever needed where
+    ``env.timeout`` or ``env.event`` would build a new event (saving an
+    allocation and a constructor per compute action and per wait).
+    Scheduling is exactly a timeout's or a ``succeed``'s (normal priority,
+    the next event id), so the event order is unchanged. Another walk that
+    waits for the same token shares the event (its callbacks list).
+    """
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.callbacks = None  # processed: not pending until armed
+        self._ok = True  # as simpy.Timeout sets them: it always succeeds, with no value
+        self._value = None
+
+    def arm(self) -> _Signal:
+        """Pending again, for a walk to yield."""
+        self.callbacks = []
+        return self
+
+    def fire(self, delay: float = 0.0) -> None:
+        """Trigger ``delay`` seconds from now (``succeed`` when 0)."""
+        self.env.schedule(self, simpy.events.NORMAL, delay)
+
+    def after(self, delay: float) -> _Signal:
+        """Armed and triggered ``delay`` seconds from now, as ``env.timeout(delay)``."""
+        self.callbacks = []
+        self.env.schedule(self, simpy.events.NORMAL, delay)
+        return self
 
 
 class _Core:
