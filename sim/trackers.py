@@ -225,7 +225,8 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
     """Per-device memory over time: every allocation and free as an event,
     accumulated per device and category (:func:`_tracks`)."""
     events = _Events()
-    t0 = min(map(attrgetter("start"), result.spans), default=0.0)
+    bounds = result.span_bounds()
+    t0 = bounds[0] if bounds is not None else 0.0
     _resident_state(events, result.schedule, stage_costs, optimizer, t0)
     _extra_versions(events, result, stage_costs, changes)
     _activations(events, result, stage_costs)
