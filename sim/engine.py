@@ -24,7 +24,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, count
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -244,7 +244,7 @@ class _Run:
         self.collectives: dict[tuple, list] = defaultdict(list)
         self.finished = [False] * schedule.num_devices
         self.blocked: dict[int, tuple] = {}
-        self.next_flow = 0
+        self.flows = count()  # flow ids pairing each send with its receive
         #: how a compute action runs when the device is a CPU core (_CpuRun)
         self.on_core = None
 
@@ -336,13 +336,15 @@ class _Run:
         if nbytes:
             for link in route:
                 self.link_bytes[link.name] += nbytes
-        flow = self.next_flow
-        self.next_flow = flow + 1
+        flow = next(self.flows)
         if duration == 0.0:
             now = self.env.now
             self.spans += (Span(src, "send", send, now, now, dst, flow, nbytes),
                            Span(dst, "recv", recv, now, now, src, flow, nbytes))
-            self.fire(token)
+            ev = self.events.pop(token, None)  # fire(token), inlined: this runs per transfer
+            self.done.add(token)
+            if ev is not None:
+                ev.fire()
         else:
             self.env.process(self.move((src, send, dst, recv, nbytes, flow), route, duration, token))
 
