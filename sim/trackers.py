@@ -90,8 +90,7 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
         held_max.setdefault(rs, 1)
     versions = []
     # dict order is program order, the same on every run: no sort needed
-    for key in fwd:
-        fv, fd = fwd[key]
+    for key, (fv, fd) in fwd.items():
         bv, bd = bwd.get(key, (fv, 0))
         versions.append(PassVersions(key[0], key[1], key[2], fv, bv, fd, bd, upd.get(key)))
     return versions, held_max, changes
