@@ -228,7 +228,7 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
             if a is None:
                 append(_new(Entry, (posts, None, (), None)))
                 continue
-            op, stage, rep, mb = a.op, a.stage, a.replica, a.microbatch
+            op, stage, mb, _, _, rep = a  # one unpacking, not four field reads
             waits: tuple = ()
             token = _new(PassDone, (op, rep, stage, mb)) if op in PASS_OPS else None
             step = flow(op) if op is not W else None

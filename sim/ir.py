@@ -153,6 +153,8 @@ MICROBATCH_OPS = PASS_OPS | P2P_OPS
 INPUT_GRADIENT_OPS = frozenset({B, I})
 #: Passes that make a micro-batch's weight gradient (what an UPDATE consumes): B, or W when split.
 WEIGHT_GRADIENT_OPS = frozenset({B, W})
+#: What places a (replica, stage) on a device (:meth:`Schedule.placement`).
+_PLACED_OPS = COMPUTE_OPS | COLLECTIVE_OPS
 #: The sending end of a point-to-point transfer (the rest are receives).
 SEND_OPS = frozenset({SEND_F, SEND_B})
 
@@ -397,16 +399,26 @@ class Schedule:
             return dict(cached)
         where: dict[tuple[int, int], int] = {}
         for dev, prog in enumerate(self.programs):
-            for a in prog:
-                if a.op in COMPUTE_OPS or a.op in COLLECTIVE_OPS:
-                    prev = where.setdefault((a.replica, a.stage), dev)
-                    if prev != dev:
-                        raise ScheduleError(
-                            f"replica {a.replica} stage {a.stage} has actions on devices "
-                            f"{prev} and {dev} ({format_action(a)}); a stage lives on one device"
-                        )
+            # each program's (replica, stage) pairs in bulk, in order of appearance
+            # (a comprehension and a dict, not a method call per action)
+            hosted = dict.fromkeys([(a.replica, a.stage) for a in prog if a.op in _PLACED_OPS])
+            if not all(where.setdefault(rs, dev) == dev for rs in hosted):
+                self._placement_conflict(where, dev, prog)
         object.__setattr__(self, "_placement", where)
         return dict(where)
+
+    @staticmethod
+    def _placement_conflict(where: dict, dev: int, prog) -> None:
+        """Name the first action of ``prog`` (on ``dev``) whose stage
+        ``where`` places on another device."""
+        for a in prog:
+            if a.op in _PLACED_OPS:
+                prev = where.get((a.replica, a.stage), dev)
+                if prev != dev:
+                    raise ScheduleError(
+                        f"replica {a.replica} stage {a.stage} has actions on devices "
+                        f"{prev} and {dev} ({format_action(a)}); a stage lives on one device"
+                    )
 
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(device, position, action) over every program."""

@@ -134,7 +134,7 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
         posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
         overlaps: list[int] = []
         for a in prog:
-            op = a.op
+            op, stage, mb, _, _, rep = a  # one unpacking, not four field reads
             if op not in COMPUTE_OPS:  # a collective or FSDP action already in the program
                 if op is OVERLAP_F_B:
                     overlaps.append(len(computes))
@@ -149,7 +149,6 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
             step = flow(op)
             if step is None:  # W, UPDATE, PREDICT: no data crosses stages
                 continue
-            stage, rep, mb = a.stage, a.replica, a.microbatch
             # the input comes from stage - step, the output goes to stage +
             # step, each on the replica there that runs this micro-batch
             src, dst = device_of[stage - step + 1], device_of[stage + step + 1]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 
 from .ir import PASS_OPS
@@ -76,15 +78,18 @@ def summarize(result: SimResult) -> dict:
             "out_of_memory": bool(mem.out_of_memory),
         })
 
+    # any distance at all (a C-level scan), then whether a pass has one
+    predicting = any(map(attrgetter("distance"), chain.from_iterable(s.programs))) and any(
+        a.distance for p in s.programs for a in p if a.op in PASS_OPS)
     stale = defaultdict(list)
     dist_f: dict[int, set] = defaultdict(set)
     dist_b: dict[int, set] = defaultdict(set)
-    for pv in result.versions:
-        if pv.staleness is not None:
-            stale[pv.stage].append(pv.staleness)
-        dist_f[pv.stage].add(pv.forward_distance)
-        dist_b[pv.stage].add(pv.backward_distance)
-    predicting = any(a.distance for p in s.programs for a in p if a.op in PASS_OPS)
+    for pv in result.versions:  # one per pass: staleness inline, distances only where reported
+        if pv.update_version is not None:
+            stale[pv.stage].append(pv.update_version - pv.forward_version)
+        if predicting:
+            dist_f[pv.stage].add(pv.forward_distance)
+            dist_b[pv.stage].add(pv.backward_distance)
     held: dict[int, int] = {}  # most versions of each stage held by any replica (one pass, not one per stage)
     for (_, st), n in result.max_versions_held.items():
         held[st] = max(held[st], n) if st in held else n

@@ -49,8 +49,11 @@ from .ir import (
     RECV_F,
     REDUCE_GRAD,
     UPDATE,
+    B,
     F,
+    I,
     Schedule,
+    W,
 )
 from .results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
 
@@ -75,59 +78,119 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     upd: dict = {}
     held_max: dict[tuple[int, int], int] = {}
     changes: dict[int, list] = defaultdict(list)
-    reads = PASS_OPS | {PREDICT}
-    # Actions are unpacked as (op, stage, microbatch, version, distance,
-    # replica) tuples: this visits every action, and a field access costs
-    # more than the unpacking.
     for dev, prog in enumerate(schedule.programs):
-        last_read = {(rep, stage, ver): pos for pos, (op, stage, _, ver, _, rep) in enumerate(prog) if op in reads}
-        last_positions = set(last_read.values())  # cheap first test: most reads are not a last read
-        current: dict[tuple[int, int], int] = defaultdict(int)
-        extra: dict[tuple[int, int], int] = defaultdict(int)
-        awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
-        closed: dict[tuple[int, int], list] = {}  # what a REDUCE_GRAD closed for the next UPDATE
-        second: set[tuple[int, int]] = set()  # accumulating into a second buffer meanwhile
-        for pos, (op, stage, mb, ver, dist, rep) in enumerate(prog):
-            if op is REDUCE_GRAD:
-                closed[(rep, stage)] = awaiting.pop((rep, stage), [])
-                continue
-            if op is UPDATE:
-                rs = (rep, stage)
-                for m in closed.pop(rs) if rs in closed else awaiting.pop(rs, ()):
-                    upd[(rep, stage, m)] = current[rs]
-                if rs in second:  # the closed buffer is applied: the second one is the only one again
-                    second.discard(rs)
-                    changes[dev].append((pos, -1, rs, "gradients"))
-                old = current[rs]
-                current[rs] = ver
-                if last_read.get((rep, stage, old), -1) > pos:
-                    extra[rs] += 1
-                    changes[dev].append((pos, +1, rs, "weights"))
-                    held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
-                continue
-            if op is F:
-                fwd[(rep, stage, mb)] = (ver, dist)
-            elif op in INPUT_GRADIENT_OPS:  # the backward's read: B, or I when split
-                bwd[(rep, stage, mb)] = (ver, dist)
-            if op in WEIGHT_GRADIENT_OPS:  # the gradient the next UPDATE consumes: B, or W when split
-                awaiting[(rep, stage)].append(mb)
-                if closed and (rep, stage) in closed and (rep, stage) not in second:
-                    second.add((rep, stage))
-                    changes[dev].append((pos, +1, (rep, stage), "gradients"))
-            if pos in last_positions:
-                rs = (rep, stage)
-                if ver < current[rs]:  # the last read of an older version frees it
-                    extra[rs] -= 1
-                    changes[dev].append((pos, -1, rs, "weights"))
+        plain = _plain_versions(prog)
+        if plain is not None:  # the common program: nothing to track but its passes' versions
+            fwd.update(plain[0])
+            bwd.update(plain[1])
+            upd.update(plain[2])
+        else:
+            _program_versions(dev, prog, fwd, bwd, upd, held_max, changes)
     for rs in schedule.placement():
         held_max.setdefault(rs, 1)
     versions = []
     # dict order is program order, the same on every run: no sort needed
-    for key in fwd:
-        fv, fd = fwd[key]
+    for key, (fv, fd) in fwd.items():
         bv, bd = bwd.get(key, (fv, 0))
         versions.append(PassVersions(key[0], key[1], key[2], fv, bv, fd, bd, upd.get(key)))
     return versions, held_max, changes
+
+
+def _plain_versions(prog) -> tuple[dict, dict, dict] | None:
+    """:func:`version_plan`'s facts of a program that keeps no older weight
+    version and no second gradient buffer, the common case (every flush
+    strategy without replicas): no REDUCE_GRAD, updates that raise the
+    version, and every pass and PREDICT reading the version current at that
+    point. Then no version is ever extra, and a backward's gradient is
+    applied at the next UPDATE of its stage, to the version it read.
+
+    Returns the forward, backward and update versions of its passes, or
+    None for a program that is not so plain (:func:`_program_versions`
+    handles it). One loop with no per-action bookkeeping: it visits every
+    action of every simulation.
+    """
+    fwd: dict = {}
+    bwd: dict = {}
+    upd: dict = {}
+    current: dict[tuple[int, int], int] = {}
+    applying: dict[tuple[int, int], list] = {}  # gradients the next UPDATE applies
+    for op, stage, mb, ver, dist, rep in prog:
+        if op is F:
+            if ver != current.get((rep, stage), 0):
+                return None
+            fwd[(rep, stage, mb)] = (ver, dist)
+        elif op is B or op is I or op is W:
+            rs = (rep, stage)
+            if ver != current.get(rs, 0):
+                return None
+            if op is not W:
+                bwd[(rep, stage, mb)] = (ver, dist)
+            if op is not I:
+                grads = applying.get(rs)
+                if grads is None:
+                    applying[rs] = [mb]
+                else:
+                    grads.append(mb)
+        elif op is UPDATE:
+            rs = (rep, stage)
+            old = current.get(rs, 0)
+            if ver is None or ver <= old:
+                return None
+            for m in applying.pop(rs, ()):
+                upd[(rep, stage, m)] = old
+            current[rs] = ver
+        elif op is REDUCE_GRAD or (op is PREDICT and ver != current.get((rep, stage), 0)):
+            return None
+    return fwd, bwd, upd
+
+
+def _program_versions(dev: int, prog, fwd: dict, bwd: dict, upd: dict, held_max: dict, changes: dict) -> None:
+    """:func:`version_plan`'s walk of one program in general: versions kept
+    for later reads, second gradient buffers (into ``held_max`` and
+    ``changes``), and the passes' versions."""
+    reads = PASS_OPS | {PREDICT}
+    # Actions are unpacked as (op, stage, microbatch, version, distance,
+    # replica) tuples: this visits every action, and a field access costs
+    # more than the unpacking.
+    last_read = {(rep, stage, ver): pos for pos, (op, stage, _, ver, _, rep) in enumerate(prog) if op in reads}
+    last_positions = set(last_read.values())  # cheap first test: most reads are not a last read
+    current: dict[tuple[int, int], int] = defaultdict(int)
+    extra: dict[tuple[int, int], int] = defaultdict(int)
+    awaiting: dict[tuple[int, int], list] = defaultdict(list)  # gradients not yet applied
+    closed: dict[tuple[int, int], list] = {}  # what a REDUCE_GRAD closed for the next UPDATE
+    second: set[tuple[int, int]] = set()  # accumulating into a second buffer meanwhile
+    for pos, (op, stage, mb, ver, dist, rep) in enumerate(prog):
+        if op is REDUCE_GRAD:
+            closed[(rep, stage)] = awaiting.pop((rep, stage), [])
+            continue
+        if op is UPDATE:
+            rs = (rep, stage)
+            for m in closed.pop(rs) if rs in closed else awaiting.pop(rs, ()):
+                upd[(rep, stage, m)] = current[rs]
+            if rs in second:  # the closed buffer is applied: the second one is the only one again
+                second.discard(rs)
+                changes[dev].append((pos, -1, rs, "gradients"))
+            old = current[rs]
+            current[rs] = ver
+            if last_read.get((rep, stage, old), -1) > pos:
+                extra[rs] += 1
+                changes[dev].append((pos, +1, rs, "weights"))
+                held_max[rs] = max(held_max.get(rs, 1), 1 + extra[rs])
+            continue
+        if op is F:
+            fwd[(rep, stage, mb)] = (ver, dist)
+        elif op in INPUT_GRADIENT_OPS:  # the backward's read: B, or I when split
+            bwd[(rep, stage, mb)] = (ver, dist)
+        if op in WEIGHT_GRADIENT_OPS:  # the gradient the next UPDATE consumes: B, or W when split
+            awaiting[(rep, stage)].append(mb)
+            if closed and (rep, stage) in closed and (rep, stage) not in second:
+                second.add((rep, stage))
+                changes[dev].append((pos, +1, (rep, stage), "gradients"))
+        if pos in last_positions:
+            rs = (rep, stage)
+            if ver < current[rs]:  # the last read of an older version frees it
+                extra[rs] -= 1
+                changes[dev].append((pos, -1, rs, "weights"))
 
 
 def track(result: SimResult, stage_costs, hardware, *, optimizer: str = "sgd") -> None:
@@ -161,12 +224,17 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
     """Per-device memory over time: every allocation and free as an event,
     accumulated per device and category (:func:`_tracks`)."""
     events = _Events()
-    t0 = min(map(attrgetter("start"), result.spans), default=0.0)
+    bounds = result.span_bounds()
+    t0 = bounds[0] if bounds is not None else 0.0
     _resident_state(events, result.schedule, stage_costs, optimizer, t0)
     _extra_versions(events, result, stage_costs, changes)
     _activations(events, result, stage_costs)
     _comm_buffers(events, result)
     return _tracks(events, result.schedule.num_devices, capacity)
+
+
+#: Span fields read in bulk (``map`` over a C getter, not a comprehension per field).
+_DEVICE, _START, _END, _STAGE = attrgetter("device"), attrgetter("start"), attrgetter("end"), attrgetter("action.stage")
 
 
 class _Events:
@@ -180,6 +248,7 @@ class _Events:
         self.c: list[int] = []
 
     def add(self, devs, times, deltas, cat: str) -> None:
+        """Append changes; each argument is any iterable, one item per change."""
         self.dev.extend(devs)
         self.t.extend(times)
         self.d.extend(deltas)
@@ -238,15 +307,14 @@ def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     held = [c.held_bytes for c in stage_costs]
     full = [c.full_stash_bytes for c in stage_costs]
     fwd = [s for s in compute if s.action.op is F]
-    events.add([s.device for s in fwd], [s.start for s in fwd], [held[s.action.stage] for s in fwd], "activations")
+    events.add(map(_DEVICE, fwd), map(_START, fwd), [held[k] for k in map(_STAGE, fwd)], "activations")
     if any(c.recompute for c in stage_costs):
         again = [s for s in compute
                  if s.action.op in INPUT_GRADIENT_OPS and full[s.action.stage] > held[s.action.stage]]
         events.add([s.device for s in again], [s.start for s in again],
                    [full[s.action.stage] - held[s.action.stage] for s in again], "activations")
     freed = [s for s in compute if s.action.op in WEIGHT_GRADIENT_OPS]
-    events.add([s.device for s in freed], [s.end for s in freed], [-full[s.action.stage] for s in freed],
-               "activations")
+    events.add(map(_DEVICE, freed), map(_END, freed), [-full[k] for k in map(_STAGE, freed)], "activations")
 
 
 def _comm_buffers(events: _Events, result: SimResult) -> None:

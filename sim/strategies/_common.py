@@ -336,7 +336,7 @@ def flush_iteration(
     torch schedules their meaning with it.
 
     ``order`` is the device's order for iteration ``t`` (replica, stage and
-    micro-batch ids set, no version). Every pass reads version ``t``; right after
+    micro-batch ids set; no version, or already ``t``). Every pass reads version ``t``; right after
     the last backward (B or W) of each (replica, stage) comes ``[REDUCE_GRAD]
     UPDATE@v(t+1) [AVERAGE]``. In an order that carries communication (an
     imported schedule) the update is the next compute action: it goes after
@@ -358,8 +358,10 @@ def flush_iteration(
     out: list[Action] = []
     for pos, a in enumerate(order):
         op = a.op
-        # built through tuple.__new__: the class call (and _replace) cost far more per action
-        out.append(_new(Action, (op, a.stage, a.microbatch, t, a.distance, a.replica)) if op in PASS_OPS else a)
+        if op in PASS_OPS and a.version != t:  # a pass built with its version is kept as it is
+            # built through tuple.__new__: the class call (and _replace) cost far more per action
+            a = _new(Action, (op, a.stage, a.microbatch, t, a.distance, a.replica))
+        out.append(a)
         rs = ends.get(pos)
         if rs is not None:
             out.extend(_update(rs[1], rs[0], t, reduce, average))
@@ -446,7 +448,8 @@ def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], re
             if not batch:  # fewer micro-batches than replicas: still reduce (nothing) and update,
                 out.extend(_update(stage, replica, t, reduce))  # so every replica stays at version t+1
                 continue
-            order = [_new(Action, (op, stage, batch[i], None, 0, replica))
+            # passes built with version t, so flush_iteration need not build them again
+            order = [_new(Action, (op, stage, batch[i], t, 0, replica))
                      for op, i in stage_order(stage, len(batch), warm)]
             out.extend(flush_iteration(order, t, reduce=reduce))
         return out
