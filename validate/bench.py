@@ -114,13 +114,16 @@ def _row(strategy: str, reports: list[dict]) -> dict:
 DEFAULT_MICROBATCH_SIZE = {"gpt-small": 32}
 
 
-def _names_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in model_names()]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown model(s) {', '.join(unknown) or text!r}; "
-                                         f"choose from {', '.join(model_names())}")
-    return names
+def _names_of(what: str, known):
+    """An argparse type: a comma-separated list of ``known()`` names."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in known()]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or text!r}; "
+                                             f"choose from {', '.join(known())}")
+        return names
+    return parse
 
 
 def _positive_list(text: str) -> list[int]:
@@ -128,7 +131,7 @@ def _positive_list(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", type=_names_list, default="mlp",
+    p.add_argument("--model", type=_names_of("model", model_names), default="mlp",
                    help="real model(s) to validate, comma-separated (mlp, gpt-small, lstm, vgg-small)")
     p.add_argument("--microbatch-size", type=positive, default=None,
                    help="samples per micro-batch (default: 32 for gpt-small, 64 otherwise)")
@@ -141,16 +144,7 @@ def add_arguments(p) -> None:
     p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
     p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"), help="how the devices run")
-    p.add_argument("--strategies", type=_strategy_list, default=None, help="comma-separated subset (default: all)")
-
-
-def _strategy_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in strategy_names()]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or text!r}; "
-                                         f"choose from {', '.join(strategy_names())}")
-    return names
+    p.add_argument("--strategies", type=_names_of("strategy", strategy_names), default=None, help="comma-separated subset (default: all)")
 
 
 def run_bench(args) -> dict:
