@@ -46,9 +46,9 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     from .harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
 
     chosen = default_strategies() if strategies is None else list(strategies)
+    schedules = [build_schedule(ScheduleSpec(name, stages, microbatches)) for name in chosen]
     if model_depth is None:
-        model_depth = _depth_for(model, max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_stages
-                                            for name in chosen))
+        model_depth = _depth_for(model, max(s.num_stages for s in schedules))
     base = ValidateConfig(strategy="1f1b", stages=stages, microbatches=microbatches, model=model, backend=backend,
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
                           model_depth=model_depth, oversubscribe=True)
@@ -58,7 +58,7 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     rows = []
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
     # parallelism's replicas), each pinned to its core
-    devices = max(build_schedule(ScheduleSpec(name, stages, microbatches)).num_devices for name in chosen)
+    devices = max(s.num_devices for s in schedules)
     hw = hardware_for(base, device, devices, model=real)
     with tempfile.TemporaryDirectory(prefix="pipesim-bench-") as tmp:
         # every strategy is predicted from the same measurements
