@@ -22,16 +22,16 @@ fixed ``div_id``): the same result gives byte-identical HTML.
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
-
 from operator import attrgetter
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 from _plotly_utils.utils import to_typed_array_spec
 
-from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op
+from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op, format_action
 from pipesim.sim.metrics import bubble_fractions
 from pipesim.sim.results import SimResult
 
@@ -62,6 +62,10 @@ DEFAULT_MAX_SPANS = 20_000
 
 _COMPUTE_WIDTH = 0.8
 _COMM_WIDTH = 0.45
+
+#: Span fields read in bulk (``map`` over a C getter, not a comprehension per field).
+_DEVICE, _START, _END = attrgetter("device"), attrgetter("start"), attrgetter("end")
+_STREAM, _ACTION = attrgetter("stream"), attrgetter("action")
 
 
 def device_bubbles(result: SimResult) -> list[float]:
@@ -166,13 +170,14 @@ def _timeline_parts(result: SimResult, title: str | None, show_comm: bool | None
     no traces that holds the layout."""
     spans = result.spans
     bubbles = device_bubbles(result)
-    comm_spans = sum(1 for s in spans if s.stream != "compute")
+    comm_spans = sum(map("compute".__ne__, map(_STREAM, spans)))
     if show_comm is None:
         show_comm = len(spans) <= max_spans
     comm_dropped = 0 if show_comm else comm_spans
     has_comm = show_comm and comm_spans > 0
     rows_per_dev = 2 if has_comm else 1
-    t0 = min((s.start for s in spans), default=0.0)
+    bounds = result.span_bounds()
+    t0 = bounds[0] if bounds is not None else 0.0
 
     bars = [_op_bar(op, items, rows_per_dev, t0) for op, items in _spans_by_op(spans, has_comm)]
     fig = go.Figure()
@@ -204,9 +209,9 @@ def _rows(bubbles: list[float], has_comm: bool) -> tuple[list[int], list[str]]:
     return tickvals, ticktext
 
 
-def _spans_by_op(spans, has_comm: bool) -> list[tuple[Op, list]]:
-    """``(op, [span, ...])`` in trace order, each list sorted by device and
-    time (:func:`_sort_spans`); communication spans only when their rows
+def _spans_by_op(spans, has_comm: bool) -> list[tuple[Op, "_Bars"]]:
+    """``(op, bars)`` in trace order, each op's spans sorted by device and
+    time (:func:`_sorted_bars`); communication spans only when their rows
     are drawn."""
     groups: dict[Op, list] = defaultdict(list)
     for s in spans:
@@ -216,37 +221,65 @@ def _spans_by_op(spans, has_comm: bool) -> list[tuple[Op, list]]:
     for op in OP_ORDER + tuple(sorted(set(groups) - set(OP_ORDER), key=lambda o: o.value)):
         items = groups.get(op)
         if items:
-            out.append((op, _sort_spans(items)))
+            out.append((op, _sorted_bars(items)))
     return out
 
 
-def _sort_spans(items: list) -> list:
-    """``items`` sorted by (device, start, end, action name).
+class _Bars(NamedTuple):
+    """One op's spans in drawing order, with the columns the bars need."""
 
-    Spelling every action to sort 131k spans costs more than the sort, and
-    only ties on (device, start, end) need it: so sort without it (stably),
-    then order each run of ties by name, which gives the same order."""
-    items.sort(key=attrgetter("device", "start", "end"))
-    keys = [(s.device, s.start, s.end) for s in items]
-    i, n = 0, len(items)
-    while i < n:
-        j = i + 1
-        while j < n and keys[j] == keys[i]:
-            j += 1
-        if j - i > 1:
-            items[i:j] = sorted(items[i:j], key=lambda s: str(s.action))
-        i = j
-    return items
+    spans: list
+    devices: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
 
 
-def _op_bar(op: Op, items: list, rows_per_dev: int, t0: float) -> dict:
+def _sorted_bars(items: list) -> _Bars:
+    """``items`` sorted by (device, start, end, action name), as columns.
+
+    The three numeric keys are sorted as numpy columns (``lexsort`` is
+    stable, like Python's sort); only runs of ties on all three need the
+    action's name, which costs more to spell than the sort, so only those
+    runs spell it."""
+    n = len(items)
+    devices = np.fromiter(map(_DEVICE, items), dtype=np.int64, count=n)
+    starts = np.fromiter(map(_START, items), dtype=np.float64, count=n)
+    ends = np.fromiter(map(_END, items), dtype=np.float64, count=n)
+    order = np.lexsort((ends, starts, devices))
+    devices, starts, ends = devices[order], starts[order], ends[order]
+    spans = [items[i] for i in order.tolist()]
+    tied = (devices[1:] == devices[:-1]) & (starts[1:] == starts[:-1]) & (ends[1:] == ends[:-1])
+    for i, j in _runs(tied):
+        spans[i:j] = sorted(spans[i:j], key=lambda s: str(s.action))
+    return _Bars(spans, devices, starts, ends)
+
+
+def _runs(tied: np.ndarray) -> list[tuple[int, int]]:
+    """``[i, j)`` of every run of two or more items where ``tied[k]`` says
+    item k+1 equals item k."""
+    if not tied.any():
+        return []
+    edges = np.diff(np.concatenate(([0], tied.astype(np.int8), [0])))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), (np.flatnonzero(edges == -1) + 1).tolist()))
+
+
+def _names(op: Op, actions: list) -> list[str]:
+    """Every action's spelling (``str``), the common shape of a pass (replica
+    0, no prediction distance, a micro-batch and a version) spelt inline:
+    this runs once per bar."""
+    v = op.value
+    return [f"{stage}{v}{mb}@v{ver}" if rep == 0 == dist and mb is not None and ver is not None
+            else format_action(a)
+            for a in actions for (_, stage, mb, ver, dist, rep) in (a,)]
+
+
+def _op_bar(op: Op, bars: _Bars, rows_per_dev: int, t0: float) -> dict:
     """The ``go.Bar`` properties of one trace holding every span of one
     action type, numbers as numpy arrays (binary in the page)."""
+    items, starts, ends = bars.spans, bars.starts, bars.ends
     comm = items[0].stream != "compute"
-    actions = [s.action for s in items]
-    starts = np.fromiter((s.start for s in items), dtype=np.float64, count=len(items))
-    ends = np.fromiter((s.end for s in items), dtype=np.float64, count=len(items))
-    y = np.fromiter((s.device for s in items), dtype=np.int32, count=len(items)) * np.int32(rows_per_dev)
+    actions = list(map(_ACTION, items))
+    y = bars.devices.astype(np.int32) * np.int32(rows_per_dev)
     if rows_per_dev > 1:  # the comm row under each device
         y += np.fromiter((s.stream != "compute" for s in items), dtype=np.int32, count=len(items))
     base = (starts - t0) * 1e3
@@ -274,7 +307,7 @@ def _op_bar(op: Op, items: list, rows_per_dev: int, t0: float) -> dict:
         "width": _COMM_WIDTH if comm else _COMPUTE_WIDTH,
         "marker": {"color": PALETTE.get(op, "#7F7F7F"), "line": {"width": 0}},
         "opacity": 0.85 if comm else 1.0,
-        "text": [str(a) for a in actions],
+        "text": _names(op, actions),
         "textposition": "none",
         "customdata": np.round(custom, 9) if comm else custom,
         "hovertemplate": _hovertemplate(op, all_versions, comm),

@@ -7,6 +7,8 @@ import re
 from fractions import Fraction
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from pipesim.sim.errors import InputError
 
 from pipesim.experiments import export, figures, timeline
@@ -171,6 +173,36 @@ def test_html_of_a_synthetic_result_is_what_plotly_writes(tmp_path):
     write_timeline_html(make_result(), ours, title="t")
     _plotly_written(make_result(), ref, title="t")
     assert ours.read_bytes() == ref.read_bytes()
+
+
+_TIMES = st.sampled_from([0.0, 1e-3, 1e-3, 2e-3, (0.1 + 0.2) * 1e-2, 3e-3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), _TIMES, _TIMES, st.integers(0, 3), st.integers(0, 3),
+                          st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 1), st.integers(0, 1)),
+                min_size=1, max_size=40))
+@example([(0, 1e-3, 1e-3, 3, 1, 0, 0, 0), (0, 0.0, 1e-3, 0, 0, 0, 0, 0), (0, 1e-3, 1e-3, 1, 1, 0, 0, 0)])
+def test_bars_are_spans_sorted_by_device_time_and_name(rows):
+    """Each op's bars are its spans sorted by (device, start, end, name),
+    name spelt as ``str(action)``: the numpy sort and the inline spelling
+    must give what the plain definition gives, ties on all three times
+    (which only the name breaks) included."""
+    from pipesim.sim.ir import Action
+    from pipesim.sim.results import Span
+
+    spans = [Span(dev, "compute", Action(op, stage, mb, version=ver, distance=dist, replica=rep), a, a + b)
+             for (dev, a, b, stage, mb, ver, dist, rep), op in zip(rows, [Op.FORWARD, Op.BACKWARD] * len(rows))]
+    res = make_result()
+    res.spans = spans
+    for op, bars in timeline._spans_by_op(spans, has_comm=False):
+        expected = sorted((s for s in spans if s.action.op is op),
+                          key=lambda s: (s.device, s.start, s.end, str(s.action)))
+        assert bars.spans == expected
+        assert bars.starts.tolist() == [s.start for s in expected]
+        props = timeline._op_bar(op, bars, 1, 0.0)
+        assert props["text"] == [str(s.action) for s in expected]
+        assert props["y"].tolist() == [s.device for s in expected]
 
 
 # ---------------------------------------------------------------------------
