@@ -32,7 +32,7 @@ import simpy
 
 from ._gc import gc_paused
 from .checks import describe_wait_cycle, providers, validate
-from .dataflow import Arrival, compile_plan
+from .dataflow import Arrival, Entry, compile_lowered, compile_plan
 from .ir import (
     ALLREDUCE,
     AVERAGE,
@@ -200,8 +200,7 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         # which stops by itself on a deadlock and names the same wait cycle.
         validate(schedule, deadlock=False)
     costs = CostModel.for_device(stage_costs, hardware.device, optimizer)
-    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, plan(schedule, recv_lookahead=recv_lookahead),
-                                                      costs, hardware)
+    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, compiled(schedule, recv_lookahead), costs, hardware)
     run.execute()
     result = SimResult(
         schedule=schedule,
@@ -218,15 +217,26 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
     return result
 
 
+def compiled(schedule: Schedule, recv_lookahead: int) -> list[list[Entry]]:
+    """The entries the engine runs: :func:`~pipesim.sim.dataflow.compile_plan`
+    of the lowered plan, built in one pass where the schedule is compute-only
+    (:func:`~pipesim.sim.dataflow.compile_lowered`, the common case)."""
+    programs = compile_lowered(schedule, recv_lookahead)
+    if programs is None:
+        programs = compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
+    return programs
+
+
 class _Run:
     """State of one simulation: the environment, token events and spans."""
 
-    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
+                 hardware: Hardware) -> None:
         self.schedule = schedule
         self.costs = costs
         self.hw = hardware
         self.env = simpy.Environment()
-        self.programs = compile_plan(schedule, plan_)
+        self.programs = programs
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
         self.awaited = set(chain.from_iterable(map(itemgetter(2), chain.from_iterable(self.programs))))  # chained in C, not a comprehension
@@ -658,8 +668,9 @@ class _CpuRun(_Run):
     one-way time already contains both copies.
     """
 
-    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
-        super().__init__(schedule, plan_, costs, hardware)
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
+                 hardware: Hardware) -> None:
+        super().__init__(schedule, programs, costs, hardware)
         cpu = hardware.cpu
         self.core_of = cpu.cores
         self.cores = {c: _Core(self.env, cpu.wake_slice_s) for c in sorted(set(cpu.cores))}
