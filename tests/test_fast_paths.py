@@ -111,3 +111,44 @@ def test_schedules_with_communication_or_overlapped_pairs_leave_the_one_pass():
     pair = Schedule("t", 1, 2, [[a for c in "0F0@v0 (0F1@v0;0B0@v0)OVERLAP_F_B 0B1@v0 0UPDATE@v1".split()
                                  for a in parse_cell(c)]])
     assert compile_lowered(pair) is None
+
+
+@pytest.mark.parametrize("strategy,p,m,model,hardware,kw", [
+    ("1f1b", 4, 8, "bert-large", "pcie-4gpu", {}),  # links shared in the host bridge: transfers queue
+    ("gpipe", 2, 8, "bert-large", "pcie-4gpu", {"width": 2}),  # events with several callbacks
+    ("data-parallel", 4, 8, "vgg16", "pcie-4gpu", {}),  # gradient all-reduces over rings
+    ("pipedream-2bw", 4, 8, "gpt-1.3b", "dgx1-v100", {}),
+    ("avgpipe", 4, 8, "vgg16", "dgx1-v100", {}),  # elastic averaging
+    ("interleaved-1f1b", 4, 8, "uniform", "ideal", {}),
+])
+def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, model, hardware, kw):
+    """The engine's event loop against ``env.run()``: the same spans and summary."""
+    from pipesim.sim import engine
+    from pipesim.sim.api import simulate
+    from pipesim.sim.metrics import summarize
+
+    spec = ScheduleSpec(strategy, p, m, iterations=2, **kw)
+    fast = simulate(spec, model, hardware)
+    monkeypatch.setattr(engine, "_run_events", lambda env: env.run())
+    general = simulate(spec, model, hardware)
+    assert fast.spans == general.spans and summarize(fast) == summarize(general)
+
+
+def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatch):
+    """A transfer process that raises crashes the run with a copy of its
+    error, caused by it, through either loop."""
+    from pipesim.sim import engine
+    from pipesim.sim.api import simulate
+
+    def broken_move(self, *args):
+        yield self.env.timeout(0)
+        raise KeyError("lost")
+
+    monkeypatch.setattr(engine._Run, "move", broken_move)
+    errors = []
+    for loop in (engine._run_events, lambda env: env.run()):
+        monkeypatch.setattr(engine, "_run_events", loop)
+        with pytest.raises(KeyError, match="lost") as caught:
+            simulate(ScheduleSpec("1f1b", 2, 2), "bert-large", "pcie-4gpu")
+        errors.append((type(caught.value), caught.value.args, type(caught.value.__cause__)))
+    assert errors[0] == errors[1]
