@@ -30,13 +30,18 @@ module encodes the execution model documented in :mod:`pipesim.sim.ir`.
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import repeat
 from typing import NamedTuple, Union
 
 from .ir import (
     ALLREDUCE,
     AVERAGE,
+    COMPUTE_OPS,
     FLOW,
+    OVERLAP_F_B,
+    P2P_OPS,
     PASS_OPS,
+    RECV_OF,
     REDUCE_GRAD,
     RESHARD,
     SEND_OF,
@@ -253,23 +258,109 @@ def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
     return out
 
 
+def compile_lowered(schedule: Schedule, recv_lookahead: int = 1) -> list[list[Entry]] | None:
+    """``compile_plan(schedule, plan(schedule, recv_lookahead=...))`` in one
+    pass, for a compute-only schedule: the entries the engine runs, built
+    straight from the programs with no plan in between.
+
+    The lowering (:func:`pipesim.sim.lowering.plan`) and the compilation
+    each visit every action and build a slot or an entry per compute action
+    and a token per transfer twice; here each transfer's token is built
+    once, serving its receive's post and its consumer's wait. Every pass
+    runs once (the validator's rule), so a consumer waits for a receive
+    exactly when its producer is on another device. ``None`` for a schedule
+    that carries its own communication or pairs passes in an OVERLAP_F_B
+    (whose posts the lowering moves across slots), which the two passes
+    handle.
+    """
+    where = schedule.placement()
+    # device_of[k + 1][r]: where replica r of stage k runs ([-1] past either end)
+    device_of = [[-1]] + [[where[(r, k)] for r in range(n)] for k, n in enumerate(schedule.replicas)] + [[-1]]
+    split = split_stages(schedule)
+    rounds: dict[tuple, int] = defaultdict(int)
+    out = []
+    for dev, prog in enumerate(schedule.programs):
+        entries = _device_entries(dev, prog, device_of, split, rounds, recv_lookahead)
+        if entries is None:
+            return None
+        out.append(entries)
+    return out
+
+
+def _device_entries(dev: int, prog, device_of: list, split: dict, rounds: dict,
+                    lookahead: int) -> list[Entry] | None:
+    """:func:`compile_lowered`'s entries of one program (``None`` at its first
+    transfer or OVERLAP_F_B). Written flat: it visits every action of every
+    simulation."""
+    computes: list[Action] = []
+    waits_of: list[tuple] = []
+    tokens: list = []
+    posts: list[list] = [[]]  # posts[j]: before compute j; one extra for the tail
+    last_coll: dict[tuple, Token] = {}
+    flow = FLOW.get
+    for a in prog:
+        op, stage, mb, _, _, rep = a  # one unpacking, not four field reads
+        if op not in COMPUTE_OPS:
+            if op in P2P_OPS or op is OVERLAP_F_B:
+                return None
+            posts[-1].append(_numbered(a, rounds, last_coll))  # a collective or FSDP action
+            continue
+        j = len(computes)
+        computes.append(a)
+        after: list = []
+        posts.append(after)
+        tokens.append(_new(PassDone, (op, rep, stage, mb)) if op in PASS_OPS else None)
+        waits: tuple = ()
+        step = flow(op)
+        if step is not None:  # W, UPDATE and PREDICT move no data across stages
+            # the input comes from stage - step, the output goes to stage +
+            # step, each on the replica there that runs this micro-batch
+            src_stage = stage - step
+            src, dst = device_of[src_stage + 1], device_of[stage + step + 1]
+            if src[0] >= 0:
+                src_rep = mb % len(src)
+                if src[src_rep] != dev:  # received, posted ahead of this pass
+                    key = _new(Arrival, (SEND_OF[op], src_stage, mb))
+                    posts[j - lookahead if j > lookahead else 0].append(
+                        _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), key)))
+                else:  # made on this device
+                    key = _new(PassDone, (F if op is F else backward_op(split, src_rep, src_stage, mb),
+                                          src_rep, src_stage, mb))
+                waits = (key,)
+            if dst[0] >= 0 and dst[mb % len(dst)] != dev:  # sent right after
+                send = SEND_OF[op]
+                after.append(_new(Post, (_new(Action, (send, stage, mb, None, 0, rep)),
+                                         _new(Arrival, (send, stage, mb)))))
+        if last_coll:
+            waits += _collective_waits(op, rep, stage, last_coll)
+        waits_of.append(waits)
+    entries = list(map(_new, repeat(Entry), zip(map(tuple, posts), computes, waits_of, tokens)))
+    if posts[-1]:
+        entries.append(_new(Entry, (tuple(posts[-1]), None, (), None)))
+    return entries
+
+
 def _number_collectives(posts: tuple, rounds: dict, last_coll: dict) -> tuple:
-    """Give each posted collective and UNSHARD its token: round r of every
-    replica's collective of a stage is one collective; each (replica,
-    stage)'s UNSHARDs are numbered on their own. ``last_coll`` keeps the
-    latest token of each, for the compute action that must wait for it."""
-    posted = []
-    for x, tok in posts:
-        if tok is None and x.op is not RESHARD:  # a RESHARD is waited for by nobody
-            k = (x.op, x.stage, x.replica)
-            if x.op is UNSHARD:
-                tok = Gathered(x.replica, x.stage, rounds[k])
-            else:
-                tok = CollectiveDone(x.op, x.stage, rounds[k])
-            rounds[k] += 1
-            last_coll[(x.op, x.replica, x.stage)] = tok
-        posted.append(Post(x, tok))
-    return tuple(posted)
+    """Give each posted collective and UNSHARD its token (:func:`_numbered`)."""
+    return tuple(_numbered(x, rounds, last_coll) if tok is None else Post(x, tok) for x, tok in posts)
+
+
+def _numbered(x: Action, rounds: dict, last_coll: dict) -> Post:
+    """The post of collective or FSDP action ``x`` with its token: round r
+    of every replica's collective of a stage is one collective; each
+    (replica, stage)'s UNSHARDs are numbered on their own. ``last_coll``
+    keeps the latest token of each, for the compute action that must wait
+    for it. A RESHARD keeps no token: nobody waits for it."""
+    if x.op is RESHARD:
+        return Post(x, None)
+    k = (x.op, x.stage, x.replica)
+    if x.op is UNSHARD:
+        tok = Gathered(x.replica, x.stage, rounds[k])
+    else:
+        tok = CollectiveDone(x.op, x.stage, rounds[k])
+    rounds[k] += 1
+    last_coll[(x.op, x.replica, x.stage)] = tok
+    return Post(x, tok)
 
 
 def _collective_waits(op: Op, rep: int, stage: int, last_coll: dict) -> tuple:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from heapq import heappop, heappush
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, count
@@ -29,10 +30,11 @@ from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import simpy
+from simpy.events import NORMAL
 
 from ._gc import gc_paused
 from .checks import describe_wait_cycle, providers, validate
-from .dataflow import Arrival, compile_plan
+from .dataflow import Arrival, Entry, compile_lowered, compile_plan
 from .ir import (
     ALLREDUCE,
     AVERAGE,
@@ -200,8 +202,7 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         # which stops by itself on a deadlock and names the same wait cycle.
         validate(schedule, deadlock=False)
     costs = CostModel.for_device(stage_costs, hardware.device, optimizer)
-    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, plan(schedule, recv_lookahead=recv_lookahead),
-                                                      costs, hardware)
+    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, compiled(schedule, recv_lookahead), costs, hardware)
     run.execute()
     result = SimResult(
         schedule=schedule,
@@ -218,15 +219,26 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
     return result
 
 
+def compiled(schedule: Schedule, recv_lookahead: int) -> list[list[Entry]]:
+    """The entries the engine runs: :func:`~pipesim.sim.dataflow.compile_plan`
+    of the lowered plan, built in one pass where the schedule is compute-only
+    (:func:`~pipesim.sim.dataflow.compile_lowered`, the common case)."""
+    programs = compile_lowered(schedule, recv_lookahead)
+    if programs is None:
+        programs = compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
+    return programs
+
+
 class _Run:
     """State of one simulation: the environment, token events and spans."""
 
-    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
+                 hardware: Hardware) -> None:
         self.schedule = schedule
         self.costs = costs
         self.hw = hardware
         self.env = simpy.Environment()
-        self.programs = compile_plan(schedule, plan_)
+        self.programs = programs
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
         self.awaited = set(chain.from_iterable(map(itemgetter(2), chain.from_iterable(self.programs))))  # chained in C, not a comprehension
@@ -265,7 +277,7 @@ class _Run:
     def execute(self) -> None:
         for dev in range(self.schedule.num_devices):
             _Walker(self.env, self.walk(dev))
-        self.env.run()
+        _run_events(self.env)
         if not all(self.finished):
             stuck = [d for d, ok in enumerate(self.finished) if not ok]
             where = providers(self.programs)
@@ -281,6 +293,7 @@ class _Run:
         on_core = self.on_core
         seconds = self.pass_seconds
         clock, wake = _Signal(env), _Signal(env)
+        queue, eid = env._queue, env._eid
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
                 if type(tok) is Arrival:  # the common case, inlined: runs per send and receive
@@ -301,15 +314,19 @@ class _Run:
                     self.blocked[dev] = (a, need)
                     yield ev
             dur = seconds[a.op][a.stage]  # a table, not a tuple-keyed cache: no key to build per action
-            start = end = env.now
+            start = end = env._now  # the clock's attribute, not its property: read per action
             if on_core is not None:  # a CPU core, perhaps shared, that transfers interrupt
                 start = yield from on_core(dev, dur)
                 end = env.now
             elif dur:
-                yield clock.after(dur)
-                # SimPy's clock is now exactly start + dur (the float sum it
-                # scheduled the timeout by): no second read of its property
+                # the timer armed and scheduled as env.timeout(dur) would be
+                # (normal priority, the next event id), inlined: runs per action
                 end = start + dur
+                clock.callbacks = []
+                heappush(queue, (end, NORMAL, next(eid), clock))
+                yield clock
+                # SimPy's clock is now exactly end, the float sum it was
+                # scheduled by: no second read of it
             spans.append(Span(dev, "compute", a, start, end))
             if token in awaited:
                 fire(token)
@@ -471,6 +488,24 @@ class _Run:
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
 
 
+def _run_events(env: simpy.Environment) -> None:
+    """``env.run()``, with :meth:`simpy.Environment.step` inlined: the same
+    heap pops, callbacks and crash on an undefused failed event, minus a
+    method call per event (a large run processes a few hundred thousand).
+    Nothing here stops a run early, so there is no ``until`` to honour."""
+    queue = env._queue
+    while queue:
+        env._now, _, _, event = heappop(queue)
+        callbacks, event.callbacks = event.callbacks, None
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            # as step() crashes the environment: a copy of the failure, caused by it
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+
+
 class _Walker:
     """Drives one device's walk as :class:`simpy.Process` would, minus what
     a walk never needs: interrupts, failed events, a return value to wait
@@ -527,12 +562,6 @@ class _Signal(simpy.Event):
     def fire(self, delay: float = 0.0) -> None:
         """Trigger ``delay`` seconds from now (``succeed`` when 0)."""
         self.env.schedule(self, simpy.events.NORMAL, delay)
-
-    def after(self, delay: float) -> _Signal:
-        """Armed and triggered ``delay`` seconds from now, as ``env.timeout(delay)``."""
-        self.callbacks = []
-        self.env.schedule(self, simpy.events.NORMAL, delay)
-        return self
 
 
 class _Core:
@@ -658,8 +687,9 @@ class _CpuRun(_Run):
     one-way time already contains both copies.
     """
 
-    def __init__(self, schedule: Schedule, plan_, costs: CostModel, hardware: Hardware) -> None:
-        super().__init__(schedule, plan_, costs, hardware)
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
+                 hardware: Hardware) -> None:
+        super().__init__(schedule, programs, costs, hardware)
         cpu = hardware.cpu
         self.core_of = cpu.cores
         self.cores = {c: _Core(self.env, cpu.wake_slice_s) for c in sorted(set(cpu.cores))}

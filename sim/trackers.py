@@ -52,6 +52,7 @@ from .ir import (
     B,
     F,
     I,
+    Op,
     Schedule,
     W,
 )
@@ -234,25 +235,33 @@ def memory_tracks(result: SimResult, stage_costs, capacity: float, changes, opti
 
 
 #: Span fields read in bulk (``map`` over a C getter, not a comprehension per field).
-_DEVICE, _START, _END, _STAGE = attrgetter("device"), attrgetter("start"), attrgetter("end"), attrgetter("action.stage")
+_DEVICE, _START, _END = attrgetter("device"), attrgetter("start"), attrgetter("end")
+_OP, _STAGE = attrgetter("action.op"), attrgetter("action.stage")
+#: Each op's number in the op column of :func:`_activations`.
+_OP_CODE = {op: code for code, op in enumerate(Op)}
 
 
 class _Events:
-    """Memory changes (device, time, bytes, category), gathered in bulk with
-    list comprehensions: a large simulation has a few hundred thousand."""
+    """Memory changes (device, time, bytes, category), gathered in bulk as
+    columns, one chunk per call: a large simulation has a few hundred
+    thousand, most of them added as numpy arrays."""
 
     def __init__(self) -> None:
-        self.dev: list[int] = []
-        self.t: list[float] = []
-        self.d: list[int] = []
-        self.c: list[int] = []
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
 
     def add(self, devs, times, deltas, cat: str) -> None:
-        """Append changes; each argument is any iterable, one item per change."""
-        self.dev.extend(devs)
-        self.t.extend(times)
-        self.d.extend(deltas)
-        self.c.extend([_CAT[cat]] * (len(self.dev) - len(self.c)))
+        """Append changes; each argument is a sequence or array, one item per change."""
+        self.chunks.append((np.asarray(devs, dtype=np.int64), np.asarray(times, dtype=float),
+                            np.asarray(deltas, dtype=np.int64), _CAT[cat]))
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Device, time, bytes and category of every change, in the order added."""
+        if not self.chunks:
+            return (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64),
+                    np.zeros(0, dtype=np.int64))
+        devs, times, deltas, cats = zip(*self.chunks)
+        return (np.concatenate(devs), np.concatenate(times), np.concatenate(deltas),
+                np.repeat(np.asarray(cats, dtype=np.int64), [len(d) for d in devs]))
 
 
 def _resident_state(events: _Events, schedule: Schedule, stage_costs, optimizer: str, t0: float) -> None:
@@ -302,19 +311,29 @@ def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     activation recomputation (``StageCost.recompute``) only its layers'
     inputs from the forward on (``held_bytes``), and from the start of its
     backward (B, or I when split), which recomputes it, the most that
-    backward holds (``full_stash_bytes``)."""
+    backward holds (``full_stash_bytes``).
+
+    The compute spans are read once into columns and filtered with numpy:
+    per-span filters and field reads cost more than the arithmetic."""
     compute = result.by_stream()["compute"]
-    held = [c.held_bytes for c in stage_costs]
-    full = [c.full_stash_bytes for c in stage_costs]
-    fwd = [s for s in compute if s.action.op is F]
-    events.add(map(_DEVICE, fwd), map(_START, fwd), [held[k] for k in map(_STAGE, fwd)], "activations")
+    n = len(compute)
+    dev = np.fromiter(map(_DEVICE, compute), np.int64, n)
+    start = np.fromiter(map(_START, compute), float, n)
+    end = np.fromiter(map(_END, compute), float, n)
+    op = np.fromiter(map(_OP_CODE.__getitem__, map(_OP, compute)), np.int64, n)
+    stage = np.fromiter(map(_STAGE, compute), np.int64, n)
+    held = np.asarray([c.held_bytes for c in stage_costs], dtype=np.int64)
+    fwd = op == _OP_CODE[F]
+    events.add(dev[fwd], start[fwd], held[stage[fwd]], "activations")
     if any(c.recompute for c in stage_costs):
-        again = [s for s in compute
-                 if s.action.op in INPUT_GRADIENT_OPS and full[s.action.stage] > held[s.action.stage]]
-        events.add([s.device for s in again], [s.start for s in again],
-                   [full[s.action.stage] - held[s.action.stage] for s in again], "activations")
-    freed = [s for s in compute if s.action.op in WEIGHT_GRADIENT_OPS]
-    events.add(map(_DEVICE, freed), map(_END, freed), [-full[k] for k in map(_STAGE, freed)], "activations")
+        # per stage, in Python numbers as they come, then as bytes
+        grows = np.asarray([c.full_stash_bytes > c.held_bytes for c in stage_costs], dtype=bool)
+        growth = np.asarray([c.full_stash_bytes - c.held_bytes for c in stage_costs], dtype=np.int64)
+        again = np.isin(op, [_OP_CODE[o] for o in INPUT_GRADIENT_OPS]) & grows[stage]
+        events.add(dev[again], start[again], growth[stage[again]], "activations")
+    freed_bytes = np.asarray([-c.full_stash_bytes for c in stage_costs], dtype=np.int64)
+    freed = np.isin(op, [_OP_CODE[o] for o in WEIGHT_GRADIENT_OPS])
+    events.add(dev[freed], end[freed], freed_bytes[stage[freed]], "activations")
 
 
 def _comm_buffers(events: _Events, result: SimResult) -> None:
@@ -343,10 +362,7 @@ def _comm_buffers(events: _Events, result: SimResult) -> None:
 def _tracks(events: _Events, num_devices: int, capacity: float) -> list[MemoryTrack]:
     """Accumulate the events per device and category, in time order (frees
     before allocations at equal times, as a stream does), with numpy."""
-    dev_a = np.asarray(events.dev, dtype=np.int64)
-    t_a = np.asarray(events.t, dtype=float)
-    d_a = np.asarray(events.d, dtype=np.int64)  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
-    c_a = np.asarray(events.c, dtype=np.int64)
+    dev_a, t_a, d_a, c_a = events.columns()  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
     risky = _may_overflow(d_a)
     # By device, then time; frees before allocations at equal times; then
     # recording order (lexsort is stable).

@@ -1,8 +1,9 @@
-"""The simulator's fast paths for plain programs (F, B, UPDATE only) agree
-with the general walks they short-cut: the version plan's and the
-validator's. Each fast path gives up (None / False) on anything else, so
-they are held here against the general code on the schedules that take them,
-and on ones that must not."""
+"""The simulator's fast paths agree with the general code they short-cut:
+the version plan's and the validator's for plain programs (F, B, UPDATE
+only), and the one-pass lowering and compilation of compute-only schedules.
+Each fast path gives up (None / False) on anything else, so they are held
+here against the general code on the schedules that take them, and on ones
+that must not."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.checks import _ProgramWalk, split_stages
+from pipesim.sim.dataflow import compile_lowered, compile_plan
+from pipesim.sim.ir import Schedule, parse_cell
+from pipesim.sim.lowering import lower, plan
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
 from pipesim.sim.strategies._common import StrategyError
 from pipesim.sim.trackers import _plain_versions, _program_versions
@@ -63,3 +67,88 @@ def test_plain_check_records_what_the_general_walk_records(name, p, m):
         fast.check(dev, prog)
         slow.check(dev, prog)
     assert fast.seen == slow.seen
+
+
+def _entries_both_ways(s, recv_lookahead):
+    """The engine's entries of ``s`` by the one-pass compiler and by the
+    lowering and compilation it replaces."""
+    return compile_lowered(s, recv_lookahead), compile_plan(s, plan(s, recv_lookahead=recv_lookahead))
+
+
+@given(name=st.sampled_from(strategy_names()), p=st.integers(1, 4), m=st.integers(1, 8),
+       iterations=st.integers(1, 3), recv_lookahead=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_one_pass_compilation_equals_lowering_then_compiling(name, p, m, iterations, recv_lookahead):
+    """Every built-in strategy (collectives and split backwards included)."""
+    s = _schedule(name, p, m, iterations)
+    fast, general = _entries_both_ways(s, recv_lookahead)
+    assert fast is not None, f"{name}: a compute-only schedule should take the one pass"
+    assert fast == general
+    # equal tuples are not enough: a token's kind is its type
+    assert [[type(t) for e in dev for t in e.waits] for dev in fast] == \
+        [[type(t) for e in dev for t in e.waits] for dev in general]
+
+
+@pytest.mark.parametrize("replicas,width", [((3, 1), 1), ((2, 2), 1), (None, 2)])
+def test_one_pass_compilation_routes_replicas_as_the_lowering_does(replicas, width):
+    s = build_schedule(ScheduleSpec("1f1b", 2 if replicas else 3, 6, replicas=replicas, width=width))
+    for recv_lookahead in (0, 1, 2):
+        fast, general = _entries_both_ways(s, recv_lookahead)
+        assert fast == general
+
+
+def test_one_pass_compilation_numbers_fsdp_actions_as_the_general_path_does():
+    rows = ["0UNSHARD 0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1 0RESHARD 0UNSHARD 0F2@v1 0B2@v1 0UPDATE@v2 0RESHARD",
+            "1UNSHARD 1F0@v0 1B0@v0 1F1@v0 1B1@v0 1F2@v0 1B2@v0 1UPDATE@v1 1RESHARD"]
+    s = Schedule("t", 2, 3, [[a for c in r.split() for a in parse_cell(c)] for r in rows])
+    fast, general = _entries_both_ways(s, 1)
+    assert fast == general
+
+
+def test_schedules_with_communication_or_overlapped_pairs_leave_the_one_pass():
+    s = build_schedule(ScheduleSpec("1f1b", 2, 4))
+    assert compile_lowered(lower(s)) is None
+    pair = Schedule("t", 1, 2, [[a for c in "0F0@v0 (0F1@v0;0B0@v0)OVERLAP_F_B 0B1@v0 0UPDATE@v1".split()
+                                 for a in parse_cell(c)]])
+    assert compile_lowered(pair) is None
+
+
+@pytest.mark.parametrize("strategy,p,m,model,hardware,kw", [
+    ("1f1b", 4, 8, "bert-large", "pcie-4gpu", {}),  # links shared in the host bridge: transfers queue
+    ("gpipe", 2, 8, "bert-large", "pcie-4gpu", {"width": 2}),  # events with several callbacks
+    ("data-parallel", 4, 8, "vgg16", "pcie-4gpu", {}),  # gradient all-reduces over rings
+    ("pipedream-2bw", 4, 8, "gpt-1.3b", "dgx1-v100", {}),
+    ("avgpipe", 4, 8, "vgg16", "dgx1-v100", {}),  # elastic averaging
+    ("interleaved-1f1b", 4, 8, "uniform", "ideal", {}),
+])
+def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, model, hardware, kw):
+    """The engine's event loop against ``env.run()``: the same spans and summary."""
+    from pipesim.sim import engine
+    from pipesim.sim.api import simulate
+    from pipesim.sim.metrics import summarize
+
+    spec = ScheduleSpec(strategy, p, m, iterations=2, **kw)
+    fast = simulate(spec, model, hardware)
+    monkeypatch.setattr(engine, "_run_events", lambda env: env.run())
+    general = simulate(spec, model, hardware)
+    assert fast.spans == general.spans and summarize(fast) == summarize(general)
+
+
+def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatch):
+    """A transfer process that raises crashes the run with a copy of its
+    error, caused by it, through either loop."""
+    from pipesim.sim import engine
+    from pipesim.sim.api import simulate
+
+    def broken_move(self, *args):
+        yield self.env.timeout(0)
+        raise KeyError("lost")
+
+    monkeypatch.setattr(engine._Run, "move", broken_move)
+    errors = []
+    for loop in (engine._run_events, lambda env: env.run()):
+        monkeypatch.setattr(engine, "_run_events", loop)
+        with pytest.raises(KeyError, match="lost") as caught:
+            simulate(ScheduleSpec("1f1b", 2, 2), "bert-large", "pcie-4gpu")
+        errors.append((type(caught.value), caught.value.args, type(caught.value.__cause__)))
+    assert errors[0] == errors[1]
