@@ -44,6 +44,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from .progress import no_progress, phase_bar
+from pipesim.sim._gc import kept_until_exit, retain
 from pipesim.sim.cliargs import (
     Parser,
     UsageError,
@@ -61,12 +62,12 @@ COMPARE_ITERATIONS = 4
 DEFAULT_STAGES = 4
 PROGRESS_SPANS = 50_000  # above this, say what is being written and skip the PNG
 
-#: The result of ``pipesim simulate``, kept referenced so that
-#: :func:`console_main` can end the process without CPython first freeing it
-#: object by object (``compare`` lets each result go, to bound memory). Only
-#: the one-shot console script keeps it (it sets a list here); :func:`main`
-#: called in a longer-lived process keeps nothing.
-_KEEP_UNTIL_EXIT: list | None = None
+#: Whether this process is the one-shot console script, which leaves through
+#: ``os._exit`` (:func:`console_main`): then ``pipesim simulate`` keeps its one
+#: run's objects until exit rather than free them one by one
+#: (:func:`pipesim.sim._gc.kept_until_exit`; ``compare`` lets each result go,
+#: to bound memory). :func:`main` called in a longer-lived process keeps nothing.
+_ONE_SHOT = False
 
 
 class OutputError(InputError):
@@ -246,11 +247,11 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         if plan is not None and plan.layers != len(profile.layers):
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
         step("simulating")
-        result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
-                                   starts=None if plan is None else plan.starts,
-                                   recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)))
-        if keep and _KEEP_UNTIL_EXIT is not None:
-            _KEEP_UNTIL_EXIT.append(result)  # see console_main
+        with kept_until_exit(keep and _ONE_SHOT):
+            result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
+                                       starts=None if plan is None else plan.starts,
+                                       recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)))
+            retain(result)
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
         # trace.json, the slowest file, is written beside the summary and
@@ -1105,14 +1106,15 @@ def console_main() -> None:
 
     A large simulation leaves about a million small objects; freeing them one
     by one took 0.16 s of a 2 s run (131k compute actions) only for the
-    process to end right after. So the result stays referenced, the cyclic
+    process to end right after. So the result and the run's temporaries stay
+    referenced (:func:`pipesim.sim._gc.kept_until_exit`), the cyclic
     collector stays off for this one-shot process (else its first pass after
     the run would scan every one of those objects), and once the streams are
     flushed the process exits without tearing down its heap. Every output
     file is closed by then.
     """
-    global _KEEP_UNTIL_EXIT
-    _KEEP_UNTIL_EXIT = []
+    global _ONE_SHOT
+    _ONE_SHOT = True
     gc.disable()
     code = main()
     sys.stdout.flush()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import simpy
 from simpy.events import NORMAL
 
-from ._gc import gc_paused
+from ._gc import gc_paused, retain
 from .checks import describe_wait_cycle, providers, validate
 from .dataflow import Arrival, Entry, compile_lowered, compile_plan
 from .ir import (
@@ -216,6 +216,7 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         stage_costs=tuple(stage_costs),
     )
     track(result, stage_costs, hardware, optimizer=optimizer)
+    retain(run)  # a one-shot process leaves the run's temporaries unfreed (pipesim.sim._gc)
     return result
 
 

@@ -358,3 +358,26 @@ def test_replicas_fan_in_over_a_shared_bus_queues():
     assert all(b[0] >= a[1] - 1e-12 for a, b in zip(sends, sends[1:]))  # one at a time on the bridge
     free = run_engine(s, costs, load_hardware("ideal"))
     assert result.makespan > free.makespan
+
+
+def test_runs_are_kept_until_exit_only_inside_the_block():
+    """A one-shot process keeps the run's objects instead of freeing them
+    (pipesim.sim._gc); a library caller, a sweep or compare must not
+    accumulate them."""
+    from pipesim.sim import _gc
+    from pipesim.sim.api import simulate
+    from pipesim.sim.strategies import ScheduleSpec
+
+    before = len(_gc._kept)
+    simulate(ScheduleSpec("1f1b", 2, 4))
+    assert len(_gc._kept) == before
+    try:
+        with _gc.kept_until_exit():
+            simulate(ScheduleSpec("1f1b", 2, 4))
+            with _gc.kept_until_exit(False):
+                simulate(ScheduleSpec("1f1b", 2, 4))
+        assert len(_gc._kept) == before + 1
+        simulate(ScheduleSpec("1f1b", 2, 4))
+        assert len(_gc._kept) == before + 1
+    finally:
+        del _gc._kept[before:]
