@@ -55,6 +55,34 @@ is the engine's communication buffer, not a stash.
 The seven profiles PipeDream's authors published ship with pipesim as the
 catalog models ``pipedream-*`` (:data:`CATALOG`); their batch sizes are not
 in the files and are derived from the tensor sizes (see :data:`CATALOG`).
+
+They are read as published, including two measurement artefacts of the GNMT
+files that no rule of this reader can undo (both checked against the
+authors' code, msr-fiddle/pipedream at 7db6a1c):
+
+* **Backward time charged to the wrong node.** The profiler
+  (``profiler/torchmodules/torchprofiler/profiling.py``) times a module's
+  backward from a pre-hook (no ``cuda.synchronize``) to a legacy
+  ``register_backward_hook`` that fires on the grad_fn of the module's *last*
+  operation. ``Classifier.forward`` ends in a slice
+  (``out[..., :self.out_features]``), so its Linear's backward runs after
+  the hook and is timed in the next node's window, the LSTM before it:
+  in ``gnmt_large`` the last decoder LSTM(2048, 1024) (node92) has a
+  backward of 66.2 ms where its six identical siblings have 18.7-19.1, and the
+  Classifier 5.4 ms against a forward of 24.8 (a Linear's backward is two
+  GEMMs of the forward's size). Likewise the encoder Embedding (node4) has
+  25.5 ms where the identical decoder Embedding (node41) has 0.46, and the
+  EmuBidirLSTM after it 0.019 ms for a 14.1 ms forward. ``gnmt`` (GNMT-8)
+  shows the same pattern (node44 15.9 ms against 5.3; node4 6.9 against
+  0.33). Sums are unaffected; which layer is slow is: moved back, the slowest
+  layer of GNMT-16 is the Classifier (about 77 ms a batch of 128), not the
+  LSTM (about 30).
+* **An attention output recorded as a hidden state.** ``RecurrentAttention``
+  returns ``(rnn_outputs, (h, c), attn_outputs, scores)``; the file lists the
+  flattened sizes and gives ``__getitem__(2)`` (node46 in ``gnmt_large``)
+  the third flattened one, ``c`` (524,288 B), where element 2 is
+  ``attn_outputs`` (13,107,200 B at batch 128). Every decoder cut carries
+  that tensor, so the decoder's boundaries are about 12.6 MB light.
 """
 
 from __future__ import annotations
