@@ -938,7 +938,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recomputation: replicas and tuner plan with it; width-depth searches it anyway "
                         "and with this flag only configurations that recompute")
     g = p.add_mutually_exclusive_group()
-    list_choices(g.add_argument("--model", default=COMPARE_MODEL, help="catalog model"), _catalog_models)
+    list_choices(g.add_argument("--model", default=None, help=f"catalog model (default: {COMPARE_MODEL})"),
+                 _catalog_models)
     g.add_argument("--profile", default=None, help="per-layer cost profile (JSON or PipeDream's graph.txt)")
     list_choices(p.add_argument("--hardware", default=COMPARE_HARDWARE, help="preset, preset-xN or a JSON file"),
                  _hardware_presets)
@@ -1091,8 +1092,8 @@ def _dispatch(argv: list[str] | None) -> int:
     args.stages_given = getattr(args, "stages", None) is not None
     if getattr(args, "stages", 0) is None:  # a schedule's depth: what --replicas says, else 4
         args.stages = len(args.replicas) if getattr(args, "replicas", None) else DEFAULT_STAGES
-    if args.command == "compare" and getattr(args, "model", None) is None and not args.profile:
-        args.model = COMPARE_MODEL
+    if args.command in ("compare", "plan") and getattr(args, "model", None) is None and not args.profile:
+        args.model = COMPARE_MODEL  # the default model, unless a profile replaces it
         if args.hardware is None:
             args.hardware = COMPARE_HARDWARE
     from pipesim.sim._gc import gc_paused

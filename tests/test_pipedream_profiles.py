@@ -177,6 +177,18 @@ def test_cli_simulates_catalog_names_and_graph_files(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_plan_of_a_graph_file_names_its_model(tmp_path, capsys):
+    """``plan --profile`` records the profile's model, not the default
+    catalog model it replaces."""
+    from pipesim.experiments.cli import main
+
+    assert main(["plan", "--profile", str(catalog_file("pipedream-alexnet")), "--hardware", "pipedream-cluster-a",
+                 "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["model"] == "alexnet" and record["profile"].endswith("graph.txt")
+    capsys.readouterr()
+
+
 MALFORMED = [
     ("", "no node lines"),
     ("node1 -- Input -- forward_compute_time=1.0", "line 1: expected a node 'nodeN -- description"),
