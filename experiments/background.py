@@ -9,6 +9,13 @@ result is shared copy-on-write, nothing is pickled) while the parent
 summarises and draws the timeline; the command's outputs then cost the
 longer of the two instead of their sum.
 
+A writer may also start before all it needs exists: the trace needs the
+spans first (formatting them is most of its work) and the memory tracks only
+at the end, so ``pipesim simulate`` forks it as soon as the engine has run
+(``deferred``: :meth:`Background.start` from the simulator's ``on_spans``)
+and hands the memory tracks over once they are tracked
+(:meth:`Background.hand_over`), taking the tracking off the child's path.
+
 The file is byte-identical either way (the same function writes it). The
 child reports a failure as its traceback, which the parent raises as
 :class:`BackgroundWriteError`; when the parent fails first, the child is
@@ -21,8 +28,11 @@ command.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import struct
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 
@@ -50,8 +60,15 @@ def worth_forking(spans: int) -> bool:
 
 class Background:
     """Context manager: ``fn(*args)`` in a forked child if ``fork``, else
-    right away in this process. Leaving the block waits for the child and
-    raises :class:`BackgroundWriteError` if it failed.
+    in this process. Leaving the block waits for the child and raises
+    :class:`BackgroundWriteError` if it failed.
+
+    By default ``fn`` starts as the block is entered. With ``deferred`` it
+    starts at :meth:`start`, called inside the block once ``args`` are ready,
+    and takes one more argument, ``receive``: a callable returning the object
+    the parent passes to :meth:`hand_over` later (blocking until then), so
+    the child can begin before that object exists. Without a fork, ``fn``
+    runs at :meth:`hand_over`.
 
     ``fn`` must only write files: the child leaves through ``os._exit``
     without flushing the standard streams it inherited (the parent's
@@ -59,29 +76,71 @@ class Background:
     ``atexit`` handlers.
     """
 
-    def __init__(self, fn: Callable[..., object], *args, fork: bool, what: str) -> None:
+    def __init__(self, fn: Callable[..., object], *args, fork: bool, what: str, deferred: bool = False) -> None:
         self.fn = fn
         self.args = args
         self.fork = fork
         self.what = what
+        self.deferred = deferred
+        self.started = False
         self.pid: int | None = None
         self.read_fd: int | None = None
+        #: deferred and forked: the file the handed-over object is written to
+        #: (opened before the fork, so the child shares it) and the pipe
+        #: that says it is there and how long it is
+        self.handoff_file = None
+        self.ready_fd: int | None = None
 
     def __enter__(self) -> Background:
+        if not self.deferred:
+            self.start()
+        return self
+
+    def start(self) -> None:
+        """Start ``fn``: fork the child, or (not forking) run it now, unless
+        it waits for :meth:`hand_over`."""
+        if self.started:
+            raise RuntimeError(f"the writer of {self.what} is already started")
+        self.started = True
         if not self.fork:
-            self.fn(*self.args)
-            return self
+            if not self.deferred:
+                self.fn(*self.args)
+            return
+        args = self.args
+        if self.deferred:
+            self.handoff_file = tempfile.TemporaryFile()
+            ready_read, self.ready_fd = os.pipe()
+            args = (*args, _receiver(self.handoff_file.fileno(), ready_read))
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: write, report, leave
             os.close(read_fd)
-            _child(self.fn, self.args, write_fd)
+            if self.ready_fd is not None:  # the parent's end: the child must see EOF when the parent closes it
+                os.close(self.ready_fd)
+            _child(self.fn, args, write_fd)
         os.close(write_fd)
+        if self.deferred:
+            os.close(ready_read)
         self.pid, self.read_fd = pid, read_fd
-        return self
+
+    def hand_over(self, obj) -> None:
+        """Give a deferred ``fn`` the object its ``receive`` returns (starting
+        it first if :meth:`start` was not called)."""
+        if not self.started:
+            self.start()
+        if not self.fork:
+            self.fn(*self.args, lambda: obj)
+            return
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        os.pwrite(self.handoff_file.fileno(), data, 0)
+        os.write(self.ready_fd, struct.pack("<Q", len(data)))  # 8 bytes: never blocks
+        self._close_handoff()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._close_handoff()  # a child still waiting for the object reads EOF and fails
         if self.pid is None:
+            if exc_type is None and self.started is False and self.deferred:
+                raise RuntimeError(f"the writer of {self.what} was never started")
             return
         if exc_type is not None:  # the parent failed: the child's file no longer matters
             _kill(self.pid)
@@ -95,6 +154,40 @@ class Background:
         if code != 0:
             reason = report or (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
             raise BackgroundWriteError(f"writing {self.what} in a child process failed:\n{reason}")
+
+    def _close_handoff(self) -> None:
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
+        if self.handoff_file is not None:
+            self.handoff_file.close()
+            self.handoff_file = None
+
+
+def _receiver(file_fd: int, ready_fd: int) -> Callable[[], object]:
+    """The child's ``receive``: wait for the parent's word that the object
+    is in the shared file, then read and unpickle it."""
+
+    def receive():
+        header = _read_all_bytes(ready_fd, 8)
+        if len(header) != 8:
+            raise BackgroundWriteError("the parent ended before handing its data over")
+        (size,) = struct.unpack("<Q", header)
+        data = bytearray()
+        while len(data) < size and (chunk := os.pread(file_fd, size - len(data), len(data))):
+            data += chunk
+        return pickle.loads(data)
+
+    return receive
+
+
+def _read_all_bytes(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes from ``fd``, fewer only at end of file."""
+    chunks, got = [], 0
+    while got < n and (chunk := os.read(fd, n - got)):
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def _child(fn, args, write_fd: int) -> None:

@@ -247,16 +247,20 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         if plan is not None and plan.layers != len(profile.layers):
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
         step("simulating")
-        with kept_until_exit(keep and _ONE_SHOT):
-            result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
-                                       starts=None if plan is None else plan.starts,
-                                       recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)))
-            retain(result)
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-        # trace.json, the slowest file, is written beside the summary and
-        # the timeline (pipesim.experiments.background)
-        with _trace_writer(result, out, step) if out is not None and outputs else nullcontext():
+        # trace.json, the slowest file, is written beside the tracking, the
+        # summary and the timeline (pipesim.experiments.background)
+        trace = _TraceWriter(out, step) if out is not None and outputs else None
+        with trace or nullcontext():
+            with kept_until_exit(keep and _ONE_SHOT):
+                result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
+                                           starts=None if plan is None else plan.starts,
+                                           recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)),
+                                           on_spans=None if trace is None else trace.start)
+                retain(result)
+            if trace is not None:
+                trace.hand_over(result)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
             step("summarizing")
             summary = summarize(result)
             if plan is not None:
@@ -272,20 +276,55 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     return summary
 
 
-def _trace_writer(result, out: Path, step):
-    """A :class:`~pipesim.experiments.background.Background` writing
-    trace.json: in a forked child for a big run (the caller goes on with the
-    summary and the timeline meanwhile), else at once."""
+class _TraceWriter:
+    """trace.json of the one result a command simulates, started as soon as
+    its spans exist (the simulator's ``on_spans``): for a big run in a
+    forked child, which formats the spans while this process tracks the
+    memory, then summarises and draws the timeline; the memory tracks, the
+    trace's last part, are handed over once tracked
+    (:class:`~pipesim.experiments.background.Background`, ``deferred``).
+    A small run's trace is written here, once they are."""
+
+    def __init__(self, out: Path, step) -> None:
+        self.path = out / "trace.json"
+        self.step = step
+        self.job = None
+
+    def start(self, result) -> None:
+        from .background import Background, worth_forking
+
+        if len(result.spans) > PROGRESS_SPANS and self.step is no_progress:  # a progress bar names the phase itself
+            print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
+                  file=sys.stderr, flush=True)
+        self.step("writing trace.json")
+        self.job = Background(_write_trace_once_tracked, result, self.path, fork=worth_forking(len(result.spans)),
+                              what=str(self.path), deferred=True)
+        self.job.start()
+
+    def hand_over(self, result) -> None:
+        """The result is tracked: give the writer its memory tracks."""
+        if self.job is None:  # the simulator did not call on_spans
+            self.start(result)
+        self.job.hand_over(result.memory)
+
+    def __enter__(self) -> _TraceWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.job is not None:
+            self.job.__exit__(*exc)
+
+
+def _write_trace_once_tracked(result, path: Path, receive) -> None:
+    """:func:`~pipesim.sim.trace.write_trace` of a result whose memory tracks
+    arrive through ``receive`` (this process's copy of the result was taken
+    before they were tracked)."""
     from pipesim.sim.trace import write_trace
 
-    from .background import Background, worth_forking
+    def tracked() -> None:
+        result.memory = receive()
 
-    if len(result.spans) > PROGRESS_SPANS and step is no_progress:  # a progress bar names the phase itself
-        print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
-              file=sys.stderr, flush=True)
-    step("writing trace.json")
-    return Background(write_trace, result, out / "trace.json", fork=worth_forking(len(result.spans)),
-                      what=str(out / "trace.json"))
+    write_trace(result, path, tracked=tracked)
 
 
 def _write_timeline(result, out: Path, step) -> None:

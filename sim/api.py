@@ -10,7 +10,7 @@ fits in this machine's memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ._gc import gc_paused
@@ -65,6 +65,7 @@ def simulate_schedule(
     meta: dict | None = None,
     starts: Sequence[int] | None = None,
     recompute: bool = False,
+    on_spans: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Split ``profile`` over the schedule's stages and run the engine.
 
@@ -80,6 +81,11 @@ def simulate_schedule(
     model ranks best as that budget holds (every split of a small model) and
     keeps the fastest that fits in memory (the first on a tie), so the
     model's misjudgements cost nothing where checking them is cheap.
+
+    ``on_spans`` is called once, with the result returned, as soon as its
+    spans are final: before its memory is tracked when one run is made
+    (:func:`pipesim.sim.engine.simulate`), after the runs otherwise (the
+    choice among several needs their memory).
     """
     check_run_options(recv_lookahead=recv_lookahead)
     check_recompute(recompute)
@@ -92,21 +98,26 @@ def simulate_schedule(
     strategy = find_strategy(schedule.strategy)  # None for an imported schedule
     shard = strategy.device_costs if strategy is not None else None
 
-    def run(stage_costs: list[StageCost]) -> SimResult:
+    def run(stage_costs: list[StageCost], on_spans=None) -> SimResult:
         if shard is not None:  # devices split each stage's layers (tensor parallelism)
             stage_costs = shard(profile, stage_costs, schedule.options)
         return run_engine(schedule, recomputed(stage_costs) if recompute else stage_costs, hw,
                           microbatch_size=profile.microbatch_size, optimizer=profile.optimizer,
-                          recv_lookahead=recv_lookahead, meta=info)
+                          recv_lookahead=recv_lookahead, meta=info, on_spans=on_spans)
 
     if starts is not None:
-        return run(_given_split(profile, starts, schedule))
+        return run(_given_split(profile, starts, schedule), on_spans)
     actions = sum(map(len, schedule.programs))
     # as many of the model's best splits as the budget holds (every split of a
     # small model), so a small run's split is the engine's choice, not the model's
     limit = max(1, CONFIRM_ACTIONS // actions) if actions * CONFIRM_SPLITS <= CONFIRM_ACTIONS else 1
-    results = [run(c) for c in split_candidates(schedule, profile, hw, limit, recv_lookahead, recompute)]
-    return min(results, key=lambda r: (any(t.out_of_memory for t in r.memory), r.makespan))
+    candidates = split_candidates(schedule, profile, hw, limit, recv_lookahead, recompute)
+    if len(candidates) == 1:
+        return run(candidates[0], on_spans)
+    chosen = min(map(run, candidates), key=lambda r: (any(t.out_of_memory for t in r.memory), r.makespan))
+    if on_spans is not None:
+        on_spans(chosen)
+    return chosen
 
 
 def check_recompute(recompute) -> None:

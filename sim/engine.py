@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from heapq import heappop, heappush
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, count
 from operator import attrgetter, itemgetter
@@ -142,6 +142,7 @@ def simulate(
     recv_lookahead: int = 1,
     check: bool = True,
     meta: dict | None = None,
+    on_spans: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Execute ``schedule`` in simulated time and return its spans and trackers.
 
@@ -156,12 +157,17 @@ def simulate(
     event queue runs dry (SimPy stops by itself, so it never hangs).
     Arguments of the wrong type or out of range raise an
     :class:`~pipesim.sim.errors.InputError` here, before any work.
+
+    ``on_spans``, if given, is called with the result as soon as its spans
+    are final, before its memory, versions and version counts are tracked
+    (they are filled in the same object afterwards): a consumer of the spans
+    alone, like ``pipesim simulate``'s trace writer, can start meanwhile.
     """
     _check_arguments(schedule, stage_costs, hardware, check)
     check_run_options(microbatch_size=microbatch_size, optimizer=optimizer, recv_lookahead=recv_lookahead)
     with gc_paused():
         return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
-                         recv_lookahead=recv_lookahead, check=check, meta=meta)
+                         recv_lookahead=recv_lookahead, check=check, meta=meta, on_spans=on_spans)
 
 
 def check_run_options(*, microbatch_size: int = 1, optimizer: str = "sgd", recv_lookahead: int = 1) -> None:
@@ -189,7 +195,8 @@ def _check_arguments(schedule, stage_costs, hardware, check) -> None:
         raise ScheduleError(f"check (validate the schedule first) must be True or False, got {check!r}")
 
 
-def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta):
+def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta,
+              on_spans):
     from .trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
@@ -215,6 +222,8 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         meta=dict(meta or {}),
         stage_costs=tuple(stage_costs),
     )
+    if on_spans is not None:
+        on_spans(result)
     track(result, stage_costs, hardware, optimizer=optimizer)
     retain(run)  # a one-shot process leaves the run's temporaries unfreed (pipesim.sim._gc)
     return result

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import groupby, islice
 from operator import itemgetter
 from pathlib import Path
@@ -243,9 +243,11 @@ class _Layout:
 
     __slots__ = ("counters", "flows", "lines", "slices", "spans", "tails", "threads")
 
-    def __init__(self, result: SimResult, *, text: bool = False):
+    def __init__(self, result: SimResult, *, text: bool = False, tracked=None):
         self.spans = result.spans
         tracks, unusual, ends = self._scan(text)
+        if tracked is not None:  # the spans are done; what follows reads the memory tracks
+            tracked()
         lanes_of, lane_of_span = _lanes(tracks, unusual, self.spans)
         tid_of, self.threads = _threads(result, tracks, lanes_of)
         #: (device, tid, stream, span indices in event order) per thread with
@@ -621,8 +623,8 @@ def _other_lines(lay: _Layout) -> Iterator[list[str]]:
     yield batch
 
 
-def _write_fast(result: SimResult, path: Path) -> None:
-    lay = _Layout(result, text=True)
+def _write_fast(result: SimResult, path: Path, tracked) -> None:
+    lay = _Layout(result, text=True, tracked=tracked)
     if any(type(dev) is not int for dev, _, _ in lay.counters):
         raise _Fallback
     enc = _encoder()
@@ -640,7 +642,7 @@ def _write_fast(result: SimResult, path: Path) -> None:
         f.write(f"\n],{rest}}}\n")
 
 
-def write_trace(result: SimResult, path: str | Path) -> Path:
+def write_trace(result: SimResult, path: str | Path, *, tracked: Callable[[], None] | None = None) -> Path:
     """Write ``dumps(chrome_trace(result))`` to ``path`` (byte-identical for
     the same result) and return the path. Prints nothing.
 
@@ -650,12 +652,33 @@ def write_trace(result: SimResult, path: str | Path) -> Path:
     a value that hand-formatting could get wrong (an action that is not an
     :class:`~pipesim.sim.ir.Action` of a known op, a field that is not an
     exact int) is written through ``dumps(chrome_trace(result))`` instead.
+
+    ``tracked``, if given, is called once before anything reads
+    ``result.memory``, after the pass over the spans: a writer started as
+    soon as the spans exist (a forked child, ``pipesim simulate``) fills
+    the memory tracks there, once the parent has tracked them.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    once = _Once(tracked)
     with gc_paused():
         try:
-            _write_fast(result, path)
+            _write_fast(result, path, once)
         except _Fallback:
+            once()
             path.write_text(dumps(chrome_trace(result)), encoding="utf-8")
     return path
+
+
+class _Once:
+    """``fn`` (or nothing), called at most once however often this is."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()

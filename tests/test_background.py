@@ -67,26 +67,69 @@ def test_parent_failure_kills_and_reaps_the_child() -> None:
     assert _reaped(pid)
 
 
-def test_cli_outputs_identical_with_the_trace_forked(tmp_path, monkeypatch, capsys) -> None:
+def _write_received(path, head: str, receive) -> None:
+    path.write_text(head + "".join(receive()))
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_deferred_writer_gets_what_is_handed_over_later(tmp_path, fork) -> None:
+    """A deferred writer starts before its last input exists and receives it
+    (larger than a pipe holds: the handover must not block the parent)."""
+    late = ["y" * 1000] * 2000
+    with Background(_write_received, tmp_path / "f.txt", "x", fork=fork, what="f.txt", deferred=True) as job:
+        assert job.pid is None  # not started by the block
+        job.start()
+        assert (job.pid is not None) == fork
+        start = time.monotonic()
+        job.hand_over(late)
+        assert time.monotonic() - start < 5
+    assert (tmp_path / "f.txt").read_text() == "x" + "y" * 2_000_000
+
+
+def test_deferred_writer_never_handed_anything_fails_not_hangs(tmp_path) -> None:
+    with pytest.raises(BackgroundWriteError, match="before handing its data over"):
+        with Background(_write_received, tmp_path / "f.txt", "x", fork=True, what="f.txt", deferred=True) as job:
+            job.start()
+            pid = job.pid
+    assert _reaped(pid) and not (tmp_path / "f.txt").exists()
+
+
+def test_parent_failure_before_the_handover_kills_the_waiting_child(tmp_path) -> None:
+    start = time.monotonic()
+    with pytest.raises(KeyError):
+        with Background(_write_received, tmp_path / "f.txt", "x", fork=True, what="f.txt", deferred=True) as job:
+            job.start()
+            pid = job.pid
+            raise KeyError("parent")
+    assert time.monotonic() - start < 10 and _reaped(pid)
+
+
+@pytest.mark.parametrize(("model", "hardware", "tracked_first"), [("uniform", "ideal", False),
+                                                                  ("vgg16", "pcie-4gpu", True)])
+def test_cli_outputs_identical_with_the_trace_forked(tmp_path, monkeypatch, capsys, model, hardware,
+                                                     tracked_first) -> None:
     """`pipesim simulate` with the trace written by a forked child (the
     threshold lowered so that a small run forks) writes byte for byte what it
-    writes with everything in one process."""
-    argv = ["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8", "--hardware", "pcie-4gpu"]
+    writes with everything in one process. With one run (``ideal``: one
+    split) the child is forked before the memory is tracked and receives it
+    later; where several splits are run and one chosen, after."""
+    argv = ["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8", "--model", model,
+            "--hardware", hardware]
     monkeypatch.setattr(background, "worth_forking", lambda spans: False)
     assert main([*argv, "--out", str(tmp_path / "inline")]) == 0
-    forked = []
-    real = Background.__enter__
+    forked, tracked = [], []
+    real = Background.start
 
     def spy(self):
-        out = real(self)
+        tracked.append(bool(self.args[0].memory))
+        real(self)
         forked.append(self.pid is not None)
-        return out
 
     monkeypatch.setattr(background, "worth_forking", lambda spans: True)
-    monkeypatch.setattr(Background, "__enter__", spy)
+    monkeypatch.setattr(Background, "start", spy)
     assert main([*argv, "--out", str(tmp_path / "forked")]) == 0
     capsys.readouterr()
-    assert forked == [True]
+    assert forked == [True] and tracked == [tracked_first]
     names = sorted(p.name for p in (tmp_path / "inline").iterdir())
     assert {"summary.json", "trace.json", "timeline.html"} <= set(names)
     assert names == sorted(p.name for p in (tmp_path / "forked").iterdir())
