@@ -219,3 +219,42 @@ def _read_all(fd: int) -> str:
     while chunk := os.read(fd, 65536):
         chunks.append(chunk)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+class TraceWriter:
+    """trace.json of the one result a command simulates, started as soon as
+    its spans exist (pass :meth:`start` as the simulator's ``on_spans``):
+    for a big run (:func:`worth_forking`) in a forked child, which formats
+    the spans while this process tracks the memory, then summarises and
+    draws the timeline; the memory tracks, the trace's last part, follow
+    through :meth:`hand_over` once tracked (a deferred :class:`Background`).
+    A small run's trace is written in this process, at :meth:`hand_over`.
+    ``announce(spans)`` is called as the writer starts."""
+
+    def __init__(self, path, *, announce: Callable[[int], None] | None = None) -> None:
+        self.path = path
+        self.announce = announce
+        self.job: Background | None = None
+
+    def start(self, result) -> None:
+        from pipesim.sim.trace import write_trace_once_tracked
+
+        if self.announce is not None:
+            self.announce(len(result.spans))
+        self.job = Background(write_trace_once_tracked, result, self.path, fork=worth_forking(len(result.spans)),
+                              what=str(self.path), deferred=True)
+        self.job.start()
+
+    def hand_over(self, result) -> None:
+        """The result is tracked: give the writer its memory tracks (starting
+        it first if the simulator did not)."""
+        if self.job is None:
+            self.start(result)
+        self.job.hand_over(result.memory)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.job is not None:
+            self.job.__exit__(*exc)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 
 from pipesim.sim.cliargs import bench_main
@@ -65,7 +66,7 @@ def _sim_with_console_script(argv: list[str]) -> int:
             t = report["target"]
             print("[target] library path with trace.json and timeline.html too, 3 times ...", file=sys.stderr,
                   flush=True)
-            times, _ = sim_bench.target_seconds(outputs=_write_outputs)
+            times, _ = sim_bench.target_seconds(outputs=_Outputs)
             t["library_outputs_best_s"] = round(times[0], 3)
             t["library_outputs_median_s"] = round(statistics.median(times), 3)
             command = ["simulate", "--strategy", t["strategy"], "--stages", str(t["stages"]),
@@ -95,17 +96,30 @@ def _sim_with_console_script(argv: list[str]) -> int:
                       add_arguments=sim_bench.add_arguments, run=run_all, render=render)
 
 
-def _write_outputs(result, out) -> None:
-    """trace.json and timeline.html, as ``pipesim simulate`` writes them (the
-    trace in a forked child where that pays, beside the timeline)."""
-    from pipesim.sim.trace import write_trace
+class _Outputs:
+    """trace.json and timeline.html, as ``pipesim simulate`` writes them: the
+    trace started as soon as the spans exist (in a forked child where that
+    pays, :class:`~pipesim.experiments.background.TraceWriter`), the
+    timeline beside it."""
 
-    from .background import Background, worth_forking
-    from .timeline import write_timeline_html
+    def __init__(self, out: Path) -> None:
+        from .background import TraceWriter
 
-    with Background(write_trace, result, out / "trace.json", fork=worth_forking(len(result.spans)),
-                    what="trace.json"):
-        write_timeline_html(result, out / "timeline.html")
+        self.out = out
+        self.trace = TraceWriter(out / "trace.json")
+        self.start = self.trace.start
+
+    def finish(self, result) -> None:
+        from .timeline import write_timeline_html
+
+        self.trace.hand_over(result)
+        write_timeline_html(result, self.out / "timeline.html")
+
+    def __enter__(self) -> _Outputs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.trace.__exit__(*exc)
 
 
 def _plan_with_console_script(argv: list[str]) -> int:

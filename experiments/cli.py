@@ -43,6 +43,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from .background import TraceWriter
 from .progress import no_progress, phase_bar
 from pipesim.sim._gc import kept_until_exit, retain
 from pipesim.sim.cliargs import (
@@ -249,7 +250,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         step("simulating")
         # trace.json, the slowest file, is written beside the tracking, the
         # summary and the timeline (pipesim.experiments.background)
-        trace = _TraceWriter(out, step) if out is not None and outputs else None
+        trace = TraceWriter(out / "trace.json", announce=lambda spans: _announce_trace(spans, step)) \
+            if out is not None and outputs else None
         with trace or nullcontext():
             with kept_until_exit(keep and _ONE_SHOT):
                 result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
@@ -276,55 +278,12 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     return summary
 
 
-class _TraceWriter:
-    """trace.json of the one result a command simulates, started as soon as
-    its spans exist (the simulator's ``on_spans``): for a big run in a
-    forked child, which formats the spans while this process tracks the
-    memory, then summarises and draws the timeline; the memory tracks, the
-    trace's last part, are handed over once tracked
-    (:class:`~pipesim.experiments.background.Background`, ``deferred``).
-    A small run's trace is written here, once they are."""
-
-    def __init__(self, out: Path, step) -> None:
-        self.path = out / "trace.json"
-        self.step = step
-        self.job = None
-
-    def start(self, result) -> None:
-        from .background import Background, worth_forking
-
-        if len(result.spans) > PROGRESS_SPANS and self.step is no_progress:  # a progress bar names the phase itself
-            print(f"writing trace.json and timeline.html ({len(result.spans):,} spans) ...",
-                  file=sys.stderr, flush=True)
-        self.step("writing trace.json")
-        self.job = Background(_write_trace_once_tracked, result, self.path, fork=worth_forking(len(result.spans)),
-                              what=str(self.path), deferred=True)
-        self.job.start()
-
-    def hand_over(self, result) -> None:
-        """The result is tracked: give the writer its memory tracks."""
-        if self.job is None:  # the simulator did not call on_spans
-            self.start(result)
-        self.job.hand_over(result.memory)
-
-    def __enter__(self) -> _TraceWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.job is not None:
-            self.job.__exit__(*exc)
-
-
-def _write_trace_once_tracked(result, path: Path, receive) -> None:
-    """:func:`~pipesim.sim.trace.write_trace` of a result whose memory tracks
-    arrive through ``receive`` (this process's copy of the result was taken
-    before they were tracked)."""
-    from pipesim.sim.trace import write_trace
-
-    def tracked() -> None:
-        result.memory = receive()
-
-    write_trace(result, path, tracked=tracked)
+def _announce_trace(spans: int, step) -> None:
+    """Say, for a big run, that the slow files are being written (a progress
+    bar names the phase itself)."""
+    if spans > PROGRESS_SPANS and step is no_progress:
+        print(f"writing trace.json and timeline.html ({spans:,} spans) ...", file=sys.stderr, flush=True)
+    step("writing trace.json")
 
 
 def _write_timeline(result, out: Path, step) -> None:

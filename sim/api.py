@@ -179,9 +179,11 @@ def simulate(
     microbatch_size: int | None = None,
     recv_lookahead: int = 1,
     recompute: bool = False,
+    on_spans: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Simulate strategy ``spec`` on a catalog ``model`` (or a ``profile``),
-    with activation recomputation if ``recompute`` (:func:`simulate_schedule`).
+    with activation recomputation if ``recompute``, calling ``on_spans`` as
+    soon as the spans are final (:func:`simulate_schedule`).
 
     Every argument is checked before anything is built: an
     :class:`~pipesim.sim.errors.InputError` names the one that is wrong, and
@@ -200,7 +202,8 @@ def simulate(
         profile = model_for(schedule, model, hw, microbatch_size, pipeline_depth=spec.stages)
     elif microbatch_size is not None:
         profile = replace(profile, microbatch_size=microbatch_size)
-    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead, recompute=recompute)
+    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead, recompute=recompute,
+                             on_spans=on_spans)
 
 
 def _check_simulate_arguments(spec, model, profile) -> None:

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 import time
 from pathlib import Path
 
@@ -74,20 +75,24 @@ def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardwar
 
 def target_seconds(repeat: int = 3, outputs=None) -> tuple[list[float], int]:
     """Sorted wall times of what ``pipesim simulate`` does for the target, in
-    this process, and its compute actions. ``outputs(result, folder)``, if
-    given, writes what the command writes besides summary.json (the trace
-    and timeline live in layers above this one)."""
+    this process, and its compute actions. ``outputs(folder)``, if given,
+    makes the writer of what the command writes besides summary.json (the
+    trace and timeline live in layers above this one): a context manager
+    whose ``start(result)`` is the simulator's ``on_spans`` and whose
+    ``finish(result)`` runs once the summary is written."""
     times = []
     spec = ScheduleSpec(TARGET["strategy"], TARGET["stages"], TARGET["microbatches"])
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeat):
             start = time.perf_counter()
             with gc_paused():
-                result = simulate(spec)
-                summary = summarize(result)
-                write_summary(summary, Path(out) / "summary.json")
-                if outputs is not None:
-                    outputs(result, Path(out))
+                writer = outputs(Path(out)) if outputs is not None else None
+                with writer if writer is not None else nullcontext():
+                    result = simulate(spec, on_spans=None if writer is None else writer.start)
+                    summary = summarize(result)
+                    write_summary(summary, Path(out) / "summary.json")
+                    if writer is not None:
+                        writer.finish(result)
             times.append(time.perf_counter() - start)
             del result
     return sorted(times), summary["compute_actions"]

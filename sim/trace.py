@@ -682,3 +682,15 @@ class _Once:
         fn, self.fn = self.fn, None
         if fn is not None:
             fn()
+
+
+def write_trace_once_tracked(result: SimResult, path: str | Path, receive: Callable[[], list]) -> Path:
+    """:func:`write_trace` of a result whose memory tracks are not tracked
+    yet: ``receive()`` returns them, and is called only once the spans are
+    formatted (a writer forked as soon as the spans exist, see
+    :class:`pipesim.experiments.background.TraceWriter`)."""
+
+    def tracked() -> None:
+        result.memory = receive()
+
+    return write_trace(result, path, tracked=tracked)

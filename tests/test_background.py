@@ -135,3 +135,22 @@ def test_cli_outputs_identical_with_the_trace_forked(tmp_path, monkeypatch, caps
     assert names == sorted(p.name for p in (tmp_path / "forked").iterdir())
     for name in ("summary.json", "trace.json", "timeline.html"):
         assert (tmp_path / "forked" / name).read_bytes() == (tmp_path / "inline" / name).read_bytes(), name
+
+
+def test_bench_outputs_write_what_the_command_writes(tmp_path, monkeypatch, capsys) -> None:
+    """`pipesim bench sim`'s in-process writer (trace forked as the spans
+    exist, timeline beside it) writes the command's trace and timeline."""
+    from pipesim.experiments.bench import _Outputs
+    from pipesim.sim.api import simulate
+    from pipesim.sim.strategies import ScheduleSpec
+
+    monkeypatch.setattr(background, "worth_forking", lambda spans: True)
+    assert main(["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8",
+                 "--out", str(tmp_path / "cli")]) == 0
+    capsys.readouterr()
+    with _Outputs(tmp_path / "bench") as writer:
+        result = simulate(ScheduleSpec("1f1b", 4, 8), on_spans=writer.start)
+        assert writer.trace.job.pid is not None  # forked before the memory was tracked
+        writer.finish(result)
+    for name in ("trace.json", "timeline.html"):
+        assert (tmp_path / "bench" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
