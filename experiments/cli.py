@@ -250,8 +250,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         step("simulating")
         # trace.json, the slowest file, is written beside the tracking, the
         # summary and the timeline (pipesim.experiments.background)
-        trace = TraceWriter(out / "trace.json", announce=lambda spans: _announce_trace(spans, step)) \
-            if out is not None and outputs else None
+        trace = _trace_writer(out, step) if out is not None and outputs else None
         with trace or nullcontext():
             with kept_until_exit(keep and _ONE_SHOT):
                 result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
@@ -278,12 +277,17 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     return summary
 
 
-def _announce_trace(spans: int, step) -> None:
-    """Say, for a big run, that the slow files are being written (a progress
-    bar names the phase itself)."""
-    if spans > PROGRESS_SPANS and step is no_progress:
-        print(f"writing trace.json and timeline.html ({spans:,} spans) ...", file=sys.stderr, flush=True)
-    step("writing trace.json")
+def _trace_writer(out: Path, step) -> TraceWriter:
+    """The writer of ``out/trace.json``, which says, when it starts on a big
+    run, that the slow files are being written (a progress bar names the
+    phase itself)."""
+
+    def announce(spans: int) -> None:
+        if spans > PROGRESS_SPANS and step is no_progress:
+            print(f"writing trace.json and timeline.html ({spans:,} spans) ...", file=sys.stderr, flush=True)
+        step("writing trace.json")
+
+    return TraceWriter(out / "trace.json", announce=announce)
 
 
 def _write_timeline(result, out: Path, step) -> None:
