@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ._gc import gc_paused
-from .engine import check_run_options
+from .engine import check_on_spans, check_run_options
 from .engine import simulate as run_engine
 from .hardware import Hardware, load_hardware
 from .ir import Schedule
@@ -89,6 +89,7 @@ def simulate_schedule(
     """
     check_run_options(recv_lookahead=recv_lookahead)
     check_recompute(recompute)
+    check_on_spans(on_spans)
     hw = resolve_hardware(hardware)
     info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
     if recompute:
@@ -194,6 +195,7 @@ def simulate(
     if microbatch_size is not None:
         check_microbatch_size(microbatch_size)
     check_recompute(recompute)
+    check_on_spans(on_spans)
     check_size(spec)
     hw = resolve_hardware(hardware)
     with gc_paused():

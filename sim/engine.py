@@ -35,6 +35,7 @@ from simpy.events import NORMAL
 from ._gc import gc_paused, retain
 from .checks import describe_wait_cycle, providers, validate
 from .dataflow import Arrival, Entry, compile_lowered, compile_plan
+from .errors import InputError
 from .ir import (
     ALLREDUCE,
     AVERAGE,
@@ -164,6 +165,7 @@ def simulate(
     alone, like ``pipesim simulate``'s trace writer, can start meanwhile.
     """
     _check_arguments(schedule, stage_costs, hardware, check)
+    check_on_spans(on_spans)
     check_run_options(microbatch_size=microbatch_size, optimizer=optimizer, recv_lookahead=recv_lookahead)
     with gc_paused():
         return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
@@ -178,6 +180,13 @@ def check_run_options(*, microbatch_size: int = 1, optimizer: str = "sgd", recv_
         raise WorkloadError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
     if isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 0:
         raise ScheduleError(f"recv_lookahead must be an integer >= 0 (compute actions), got {recv_lookahead!r}")
+
+
+def check_on_spans(on_spans) -> None:
+    """``on_spans`` must be a callable or None: a wrong one is named before
+    the run, not met as a TypeError once it is over."""
+    if on_spans is not None and not callable(on_spans):
+        raise InputError(f"on_spans must be a callable taking the result, or None; got {type(on_spans).__name__}")
 
 
 def _check_arguments(schedule, stage_costs, hardware, check) -> None:

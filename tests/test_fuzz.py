@@ -425,6 +425,16 @@ def test_recv_lookahead_is_checked_at_both_entry_points(value):
         run_engine(sched, stage_costs_uniform(2), load_hardware("ideal"), recv_lookahead=value)
 
 
+@pytest.mark.parametrize("value", ["print", 3, [len]])
+def test_on_spans_is_checked_at_every_entry_point(value):
+    spec = ScheduleSpec("1f1b", 2, 4)
+    with pytest.raises(InputError, match="on_spans must be a callable"):
+        api.simulate(spec, on_spans=value)  # not a TypeError once the run is over
+    sched = build_schedule(spec)
+    with pytest.raises(InputError, match="on_spans must be a callable"):
+        run_engine(sched, stage_costs_uniform(2), load_hardware("ideal"), on_spans=value)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
