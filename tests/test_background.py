@@ -154,3 +154,28 @@ def test_bench_outputs_write_what_the_command_writes(tmp_path, monkeypatch, caps
         writer.finish(result)
     for name in ("trace.json", "timeline.html"):
         assert (tmp_path / "bench" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
+
+
+def test_a_run_failing_after_its_spans_leaves_no_child(tmp_path, monkeypatch, capsys) -> None:
+    """The trace child is forked as soon as the spans exist; when the
+    tracking after it refuses the run (memory int64 cannot count), the
+    command exits 2 with one line and the waiting child is killed and
+    reaped."""
+    from pipesim.sim.workload import LayerCost, Profile, save_profile
+
+    half = LayerCost("l", 1.0, 2.0, 2**40, 0, 2**52, None)
+    save_profile(Profile("huge-stash", (half, half)), tmp_path / "huge.json")
+    children = []
+    real = Background.start
+
+    def spy(self):
+        real(self)
+        children.append(self.pid)
+
+    monkeypatch.setattr(background, "worth_forking", lambda spans: True)
+    monkeypatch.setattr(Background, "start", spy)
+    code = main(["simulate", "--strategy", "gpipe", "--stages", "2", "--microbatches", "2048",
+                 "--profile", str(tmp_path / "huge.json"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "memory accounting overflows" in err
+    assert len(children) == 1 and children[0] is not None and _reaped(children[0])
