@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main
 

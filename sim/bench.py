@@ -28,8 +28,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import simpy
