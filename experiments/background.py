@@ -131,15 +131,17 @@ class Background:
         if not self.fork:
             self.fn(*self.args, lambda: obj)
             return
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        os.pwrite(self.handoff_file.fileno(), data, 0)
+        data = memoryview(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self.handoff_file.fileno(), data[written:], written)
         os.write(self.ready_fd, struct.pack("<Q", len(data)))  # 8 bytes: never blocks
         self._close_handoff()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._close_handoff()  # a child still waiting for the object reads EOF and fails
         if self.pid is None:
-            if exc_type is None and self.started is False and self.deferred:
+            if exc_type is None and not self.started and self.deferred:
                 raise RuntimeError(f"the writer of {self.what} was never started")
             return
         if exc_type is not None:  # the parent failed: the child's file no longer matters
