@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from heapq import heappop, heappush
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from heapq import heappop, heappush
 from itertools import chain, count
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
