@@ -141,6 +141,14 @@ class Clock:
             return stamp
         return self._ref_ns + round(self._ref.elapsed_time(stamp) * 1e6)
 
+    def resolve_records(self, records: list[Record], offset: int = 0) -> None:
+        """Turn every record's stamps into host nanoseconds (plus ``offset``),
+        once the device has been synchronised: an event's time is only known
+        after it has happened."""
+        for r in records:
+            r.start = self.resolve(r.start) + offset
+            r.end = self.resolve(r.end) + offset if r.end is not None else None
+
 
 @dataclass
 class Record:
@@ -603,9 +611,12 @@ def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, 
             progress(done, total)
     for ex in executors:
         ex.park()
-    if clock and clock.cuda:
-        torch.cuda.synchronize(device)
-    return merge([ex.output() for ex in executors])
+    out = merge([ex.output() for ex in executors])
+    if clock is not None:
+        if clock.cuda:
+            torch.cuda.synchronize(device)
+        clock.resolve_records(out.records)
+    return out
 
 
 def iteration_losses(losses: dict[tuple[int, int], float], m: int) -> list[float]:

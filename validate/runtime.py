@@ -482,9 +482,7 @@ def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage
         torch.cuda.synchronize(device)
     out = ex.output()
     if clock is not None:
-        for r in out.records:
-            r.start = clock.resolve(r.start) + offset
-            r.end = clock.resolve(r.end) + offset if r.end is not None else None
+        clock.resolve_records(out.records, offset)
     if device.type == "cuda":
         out.peak_memory = {dev: torch.cuda.max_memory_allocated(device)}
     out.weights = {k: {n: t.cpu() for n, t in w.items()} for k, w in out.weights.items()}
