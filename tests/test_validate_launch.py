@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from pipesim.sim.hardware import Hardware
 from pipesim.validate import commprofile
+from pipesim.validate import launch as launch_mod
 from pipesim.validate.commprofile import (
     fit_latency_bandwidth,
     hardware_json,
@@ -81,6 +82,21 @@ def _exit_on_one(ctx, piddir):
     dist.recv(torch.empty(1), src=1)  # would wait for rank 1 until the pg timeout
 
 
+def _exit_slowly_on_one(ctx, piddir):
+    """Rank 1 is dying: rank 0 sees it at once and raises (as a peer's closed
+    connection makes it), while rank 1's process ends only 0.3 s later, as a
+    dying process whose memory takes that long to tear down (seen with CUDA
+    loaded on a 16-core machine)."""
+    _record_pid(piddir, ctx.rank)
+    dying = os.path.join(piddir, "dying")
+    if ctx.rank == 1:
+        open(dying, "w").close()
+        time.sleep(0.3)
+        os._exit(3)
+    _wait_for(dying)
+    raise RuntimeError("Connection closed by peer")
+
+
 def _sleep(ctx, *args):
     time.sleep(300)
 
@@ -128,6 +144,20 @@ def _pids(piddir) -> list[int]:
     # a rank stopped while writing leaves its temporary file: not a pid yet
     return [int(open(os.path.join(piddir, n)).read()) for n in sorted(os.listdir(piddir))
             if n.startswith("pid") and not n.endswith(".tmp")]
+
+
+def _spawned_pids(monkeypatch) -> list[int]:
+    """The pid of every worker a launch starts, recorded on the launcher's side
+    when it stops them (a worker stopped before it runs fn records nothing)."""
+    pids: list[int] = []
+    stop = launch_mod._stop_all
+
+    def recording(procs):
+        pids.extend(p.pid for p in procs)
+        stop(procs)
+
+    monkeypatch.setattr(launch_mod, "_stop_all", recording)
+    return pids
 
 
 def _assert_no_workers_left(pids):
@@ -188,6 +218,16 @@ def test_rank_dying_without_raising_is_reported(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_silent_death_reaped_after_its_peers_error_is_still_the_cause(tmp_path):
+    with pytest.raises(WorkerError) as info:
+        launch(_exit_slowly_on_one, 2, args=(str(tmp_path),), timeout_s=60)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 3, str(err)
+    assert any(line.startswith("rank 0 failed:") for line in err.others)  # the consequence, listed after
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_rank_killed_during_start_up_fails_the_launch(tmp_path):
     # args far beyond a pipe buffer (64 KiB), with the killing object first:
@@ -209,7 +249,8 @@ def test_rank_killed_during_start_up_fails_the_launch(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_hanging_rank_times_out(tmp_path):
+def test_hanging_rank_times_out(tmp_path, monkeypatch):
+    spawned = _spawned_pids(monkeypatch)
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
         launch(_hang_on_one, 2, args=(str(tmp_path),), timeout_s=5)
@@ -219,7 +260,9 @@ def test_hanging_rank_times_out(tmp_path):
     assert "ranks still running: [" in str(info.value)
     assert isinstance(info.value, TimeoutError)
     assert 5 <= elapsed < 10, elapsed
-    _assert_no_workers_left(_pids(tmp_path))
+    # a machine slower to import torch than the deadline stops both ranks before they record a pid
+    assert len(spawned) == 2
+    _assert_no_workers_left(sorted(set(_pids(tmp_path)) | set(spawned)))
 
 
 @pytest.mark.multiprocess

@@ -50,7 +50,9 @@ Design
   and they cannot finish anyway. It raises :class:`WorkerError` for the root
   cause: a rank that died silently is preferred over ranks that raised
   (a dead peer makes the others' collectives raise, never the other way
-  round), and among raising ranks the earliest failure wins.
+  round), and among raising ranks the earliest failure wins. Since the
+  peers raise before the dead process has been reaped, an error first
+  waits up to a second for another rank to die silently.
 
 * **Timeouts.** The whole launch has a deadline, ``timeout_s`` from the start
   of spawning (so it includes start-up: the workers' torch import and loading
@@ -121,6 +123,11 @@ _POLL_S = 0.02
 _TERM_GRACE_S = 2.0
 #: How long ranks that returned may take to tear down before being killed.
 _EXIT_GRACE_S = 10.0
+#: How long a rank's error waits for a peer's silent death to show: a dead
+#: peer makes the others raise at once ("Connection closed by peer"), while
+#: the dead process itself is reaped only once its memory is torn down, which
+#: took longer than one poll on a 16-core machine with CUDA loaded.
+_DEATH_GRACE_S = 1.0
 
 
 #: The longest timeout a launch takes: beyond it ``timedelta`` and the
@@ -413,19 +420,39 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
         if now >= deadline:
             raise LaunchTimeout(sorted(pending), timeout_s)
         _wait_sentinels([procs[r].sentinel for r in pending], timeout=min(_POLL_S, deadline - now))
-        died: list[tuple[int, int | None]] = []
-        for r in sorted(pending):
-            if os.path.exists(specs[r].result_path):
-                pending.discard(r)
-            elif not procs[r].is_alive() and not os.path.exists(specs[r].error_path):
-                # re-check: the result may have landed between the two looks
-                if os.path.exists(specs[r].result_path):
-                    pending.discard(r)
-                else:
-                    died.append((r, procs[r].exitcode))
+        pending -= {r for r in pending if os.path.exists(specs[r].result_path)}
+        died = _silent_deaths(procs, specs, pending)
         errors = [e for e in (_read_error(s) for s in specs) if e is not None]
+        if errors and not died:
+            died = _await_silent_death(procs, specs, pending - {e["rank"] for e in errors},
+                                       min(deadline, time.monotonic() + _DEATH_GRACE_S))
         if died or errors:
             raise _root_cause(died, errors)
+
+
+def _silent_deaths(procs, specs, ranks) -> list[tuple[int, int | None]]:
+    """``(rank, exit code)`` of the ranks that exited leaving neither a result nor an error."""
+    died = []
+    for r in sorted(ranks):
+        # the exit is looked at first: a result written just before it is then seen
+        if not procs[r].is_alive() and not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path))):
+            died.append((r, procs[r].exitcode))
+    return died
+
+
+def _await_silent_death(procs, specs, ranks, until: float) -> list[tuple[int, int | None]]:
+    """Wait until ``until`` for one of ``ranks`` to die silently, and return the ones that did."""
+    waiting = sorted(ranks)
+    while waiting and (now := time.monotonic()) < until:
+        ready = _wait_sentinels([procs[r].sentinel for r in waiting], timeout=until - now)
+        ended = [r for r in waiting if procs[r].sentinel in ready]
+        for r in ended:  # a sentinel fires when the process closes its files, before it can be reaped
+            procs[r].join(max(0.0, until - time.monotonic()))
+        died = _silent_deaths(procs, specs, ended)
+        if died:
+            return died
+        waiting = [r for r in waiting if r not in ended]
+    return []
 
 
 def _read_error(spec: _WorkerSpec) -> dict | None:
