@@ -94,6 +94,56 @@ def _toy(layers: list[tuple[float, int, int]], name: str = "toy") -> Profile:
     return Profile(name, tuple(LayerCost(f"l{i}", f, 2 * f, w, a, a) for i, (f, w, a) in enumerate(layers)))
 
 
+def test_straight_request_holds_every_candidate_to_one_device_per_stage() -> None:
+    """The model that plans [3, 1] unconstrained, held to straight pipelines."""
+    hw = load_hardware("pcie-4gpu")
+    layers = [(0.03, 1 << 20, 4 << 20)] * 5 + [(0.002, 1 << 30, 0)]
+    free = plan(PlanRequest("pipedream", _toy(layers), hw, 4, microbatches=12)).to_json()
+    held = plan(PlanRequest("pipedream", _toy(layers), hw, 4, microbatches=12, straight=True)).to_json()
+    assert free["config"] == "3-1" and "straight" not in free  # older plans' bytes are unchanged
+    assert held["config"] == "straight" and held["straight"] is True
+    assert all([s["replicas"] for s in c["stages"]] == [1] * 4 for c in held["candidates"])
+    assert held["predicted_is_simulated"]
+    # the unconstrained search saw the straight pipeline too, and chose better
+    assert held["predicted_samples_per_s"] < free["predicted_samples_per_s"]
+    dp_straight = next(c for c in held["candidates"] if c["source"] == "straight")
+    assert held["predicted_samples_per_s"] >= dp_straight["simulated_samples_per_s"]
+    assert held["data_parallel_samples_per_s"] == free["data_parallel_samples_per_s"]
+
+
+@pytest.mark.parametrize("gpus,straight,message", [
+    (7, True, "needs 2 to 6 devices"),
+    (1, True, "needs 2 to 6 devices"),
+    (4, 1, "straight must be True or False"),
+])
+def test_straight_requests_that_cannot_be_planned(gpus, straight, message) -> None:
+    layers = [(0.01, 1 << 20, 1 << 20)] * 6
+    with pytest.raises(PlanError, match=message):
+        plan(PlanRequest("pipedream", _toy(layers), CLUSTER_A, gpus, straight=straight))
+
+
+def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
+    """GNMT-16 on Cluster-A, as PipeDream's paper configured it (its optimizer's --straight_pipeline)."""
+    code, out, err = run(capsys, "plan", "--straight", "--model", "pipedream-gnmt16", "--hardware",
+                         "pipedream-cluster-a-x4", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["config"] == "straight" and len(rec["stages"]) == 16 and rec["straight"] is True
+    assert rec["speedup_vs_dp"] > 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--straight", "--strategy", "pipedream-2bw"], "--straight is not an option of the width-depth planner"),
+    (["--straight", "--model", "uniform", "--gpus", "4", "--hardware", "pcie-4gpu"], None),
+])
+def test_cli_straight_refusals_are_one_line(capsys, tmp_path, argv, message) -> None:
+    code, out, err = run(capsys, "plan", *argv, "--out", str(tmp_path))
+    if message is None:  # the uniform model has as many layers as devices: plannable
+        assert code == 0, err
+        return
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_parameter_light_compute_heavy_model_is_data_parallel() -> None:
     """Tiny weights (a cheap all-reduce) and big activations (costly cuts): data parallelism."""
     hw = load_hardware("pcie-4gpu")

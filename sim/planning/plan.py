@@ -10,7 +10,9 @@ devices of a machine:
    straight pipeline; local search on the full cost model starts from the
    :data:`SEEDS` best and proposes the :data:`NEIGHBOURS` best
    configurations it meets. Every candidate is costed by the full model
-   (:mod:`.cost`).
+   (:mod:`.cost`). A request held to straight pipelines
+   (:attr:`PlanRequest.straight`) searches only those: the program with
+   one replica per stage, then local search moving its cuts.
 2. **Confirmation**: the :data:`CONFIRM` candidates the model ranks first
    (among those that fit in memory), and pure data parallelism and the best
    straight pipeline, are simulated with the engine, in short
@@ -254,6 +256,8 @@ class Plan:
     width: int | None = None
     recompute: bool = False
     batch_size: int | None = None
+    #: the search was held to straight pipelines (:attr:`PlanRequest.straight`)
+    straight: bool = False
 
     @property
     def best(self) -> Candidate:
@@ -301,7 +305,8 @@ class Plan:
             "planner": self.planner,
             "recompute": bool(self.recompute),
         } | ({} if self.width is None else {"width": self.width}) | (
-            {} if self.batch_size is None else {"batch_size": self.batch_size})
+            {} if self.batch_size is None else {"batch_size": self.batch_size}) | (
+            {"straight": True} if self.straight else {})
 
 
 def dumps(plan: Plan | dict) -> str:
@@ -497,6 +502,9 @@ class PlanRequest:
     model: str | None = None
     profile_path: str | None = None
     recompute: bool = False
+    #: only straight pipelines: one device per stage, every device used (what
+    #: PipeDream's optimizer returns under its ``--straight_pipeline`` flag)
+    straight: bool = False
 
 
 def check_request(req: PlanRequest) -> None:
@@ -507,8 +515,13 @@ def check_request(req: PlanRequest) -> None:
                         f"{', '.join(plannable('replicas'))}")
     check_counts(req, ("gpus", "iterations", "microbatches"))
     check_counts(req, ("confirm",), minimum=0)
-    if not isinstance(req.recompute, bool):
-        raise PlanError(f"recompute must be True or False, got {req.recompute!r}")
+    for flag in ("recompute", "straight"):
+        if not isinstance(getattr(req, flag), bool):
+            raise PlanError(f"{flag} must be True or False, got {getattr(req, flag)!r}")
+    if req.straight and not 1 < req.gpus <= req.profile.num_layers:
+        raise PlanError(f"a straight pipeline on {req.gpus} devices needs 2 to {req.profile.num_layers} devices "
+                        f"(one stage of at least one layer each; {req.profile.name} has {req.profile.num_layers} "
+                        "layers)")
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:
@@ -528,8 +541,8 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     planner = Planner(tables=Tables(req.profile, req.recompute), traits=traits_of(req.strategy, req.recv_lookahead),
                       microbatches=m, iterations=req.iterations, devices=req.gpus,
                       setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
-    say("searching splits and replicas")
-    found = _candidates(planner)
+    say("searching splits" if req.straight else "searching splits and replicas")
+    found = _straight_candidates(planner) if req.straight else _candidates(planner)
     out = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
     landmarks, others = _confirmation_order(out) if req.confirm > 0 else ([], [])
     confirmed = 0
@@ -546,7 +559,8 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                 microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
                 options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute)
+                planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute,
+                straight=req.straight)
 
 
 def _candidates(planner: Planner) -> list[Candidate]:
@@ -574,6 +588,19 @@ def _candidates(planner: Planner) -> list[Candidate]:
         proposals[cfg] = "local search"
         costed[cfg] = visited[cfg]
     return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
+
+
+def _straight_candidates(planner: Planner) -> list[Candidate]:
+    """The best straight pipeline by the dynamic program (shown out of memory
+    when none fits), and the best ones local search meets moving its cuts."""
+    found = planner.dynamic_program(allowed=(1,)) or planner.dynamic_program(allowed=(1,), memory=False)
+    start = found[1]
+    visited: dict[Config, Estimate] = {}
+    planner.improve(start, cache=visited, fixed_replicas=True)
+    met = sorted((c for c in visited if c != start and planner.setting.fits(visited[c])),
+                 key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
+    return [_candidate(planner, start, "straight", visited.get(start) or planner.estimate(start))] + [
+        _candidate(planner, cfg, "local search", visited[cfg]) for cfg in met]
 
 
 def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:

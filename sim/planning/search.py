@@ -449,11 +449,12 @@ class Planner:
         return Config(tuple(reversed(starts)), tuple(reversed(reps)))
 
     # -- local search ------------------------------------------------------
-    def improve(self, config: Config, *, memory: bool = True,
-                cache: dict[Config, Estimate] | None = None) -> tuple[Config, Estimate]:
+    def improve(self, config: Config, *, memory: bool = True, cache: dict[Config, Estimate] | None = None,
+                fixed_replicas: bool = False) -> tuple[Config, Estimate]:
         """Local search on the full model from ``config`` (see the module doc):
         the configuration with the most samples per second it reaches.
-        ``cache`` keeps every configuration it costed, with its estimate."""
+        ``cache`` keeps every configuration it costed, with its estimate;
+        ``fixed_replicas`` moves cuts only (a straight pipeline stays one)."""
         cache = {} if cache is None else cache
 
         def est(c: Config) -> Estimate:
@@ -466,15 +467,19 @@ class Planner:
             e = est(c)
             return e.iteration_s if (not memory or self.setting.fits(e)) else None
 
-        here, _ = _descend(config, cost, self._moves)
+        moves = self._cut_moves if fixed_replicas else self._moves
+        here, _ = _descend(config, cost, moves)
         return here, est(here)
+
+    def _cut_moves(self, c: Config):
+        for s in _cut_moves(c.starts, self.tables.n):
+            yield Config(s, c.replicas)
 
     def _moves(self, c: Config):
         n = self.tables.n
         starts, reps = c.starts, c.replicas
         p = len(starts)
-        for s in _cut_moves(starts, n):
-            yield Config(s, reps)
+        yield from self._cut_moves(c)
         bounds = [*starts, n]
         for k in range(p - 1):  # a replica to the neighbour, either way
             if reps[k] > 1:
