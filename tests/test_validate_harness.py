@@ -14,12 +14,19 @@ import pytest
 import torch
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
-from pipesim.sim.results import Span
+from pipesim.sim.results import MemoryTrack, Span
 from pipesim.sim.strategies import ScheduleSpec
 from pipesim.sim.workload import load_profile
 from pipesim.sim.ir import PASS_OPS
 from pipesim.validate import executor, harness
-from pipesim.validate.harness import ValidateConfig, ValidateError, build, check_machine, run_validation
+from pipesim.validate.harness import (
+    ValidateConfig,
+    ValidateError,
+    build,
+    check_machine,
+    run_validation,
+    summed_memory,
+)
 from pipesim.validate.reconcile import (
     DURATION_THRESHOLD,
     compare,
@@ -148,7 +155,21 @@ def test_single_device_validation_end_to_end():
     # single-device mode predicts the actions laid end to end, in the order they ran
     pred = v.predicted.by_stream()["compute"]
     assert all(a.end == pytest.approx(b.start) for a, b in zip(pred, pred[1:]))
+    # ... and its memory is every simulated device's on the one device
+    assert len(v.predicted.memory) == 1 and v.predicted.memory[0].peak_bytes > 0
     assert r["mode"].startswith("single-device")
+
+
+def test_single_device_memory_is_the_peak_of_the_summed_tracks():
+    """Device 0 holds 10 B over [0, 2), device 1 5 B from 1 and 7 B from 3:
+    one device holding both peaks at 15 B at t = 1, neither device 0's
+    10 B nor the sum of the peaks, 17 B."""
+    a = MemoryTrack(0, 100.0, times=[0.0, 2.0], totals=[10, 0], peak_bytes=10)
+    b = MemoryTrack(1, 100.0, times=[1.0, 3.0], totals=[5, 7], peak_bytes=7)
+    one = summed_memory([a, b])
+    assert one.times == [0.0, 1.0, 2.0, 3.0] and one.totals == [10, 15, 5, 7]
+    assert (one.peak_bytes, one.peak_time, one.device, one.capacity_bytes) == (15, 1.0, 0, 100.0)
+    assert summed_memory([a]).totals == [10, 0]
 
 
 class _DeferredStamp:

@@ -28,6 +28,7 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 import torch
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.errors import InputError
@@ -35,7 +36,7 @@ from pipesim.sim.hardware import Hardware, load_hardware
 from pipesim.sim.ir import Schedule
 from pipesim.sim.metrics import round_sig
 from pipesim.sim.partition import partition
-from pipesim.sim.results import SimResult, Span
+from pipesim.sim.results import MemoryTrack, SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
@@ -199,8 +200,9 @@ def ring_allreduce_prediction(hw: Hardware, devices: int, nbytes: int) -> float:
 
 
 def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
-    """The predicted compute actions laid end to end in the order the
-    single-device run executed them (what single-device mode can predict)."""
+    """What single-device mode can predict: the predicted compute actions
+    laid end to end in the order the single-device run executed them, and
+    the memory of every simulated device held on that one device."""
     dur = {(s.device, s.action): s.duration for s in predicted.by_stream()["compute"]}
     t = 0.0
     spans = []
@@ -208,7 +210,26 @@ def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
         d = dur[(s.device, s.action)]
         spans.append(Span(s.device, "compute", s.action, t, t + d))
         t += d
-    return replace(predicted, spans=spans)
+    return replace(predicted, spans=spans, memory=[summed_memory(predicted.memory)] if predicted.memory else [])
+
+
+def summed_memory(tracks: list[MemoryTrack]) -> MemoryTrack:
+    """One device holding what every track holds, at every simulated time.
+
+    The single-device run executes the devices' programs in simulated-time
+    order, so what it holds at a point is each simulated device's memory at
+    that time, summed: the peak of that sum, not the sum of the peaks (the
+    devices peak at different times), nor one device's peak."""
+    times = np.unique(np.concatenate([np.asarray(t.times, dtype=float) for t in tracks]))
+    total = np.zeros(len(times), dtype=np.int64)
+    for t in tracks:
+        if t.times:
+            at = np.searchsorted(np.asarray(t.times, dtype=float), times, side="right") - 1
+            total += np.where(at >= 0, np.asarray(t.totals, dtype=np.int64)[np.maximum(at, 0)], 0)
+    peak = int(np.argmax(total)) if len(total) else 0
+    return MemoryTrack(device=0, capacity_bytes=tracks[0].capacity_bytes, times=times.tolist(),
+                       totals=total.tolist(), peak_bytes=int(total[peak]) if len(total) else 0,
+                       peak_time=float(times[peak]) if len(times) else 0.0)
 
 
 @dataclass
@@ -259,7 +280,8 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         report["iteration_time_error_without_cpu_model"] = round_sig(
             (t - report["iteration_time_measured_s"]) / report["iteration_time_measured_s"])
     if cfg.backend == "single" and out.peak_memory:
-        report["peak_memory_note"] = "single-device mode holds every stage on one device: measured is their sum"
+        report["peak_memory_note"] = ("single-device mode holds every stage on one device: measured is its peak, "
+                                      "predicted the peak of every simulated device's memory summed over time")
     report["unscheduled_predictions"] = out.unscheduled_predictions
     return Validation(report, reference, measured, prof, hw)
 
