@@ -23,6 +23,13 @@ killed and reaped, so no process outlives the command. Where forking is not
 worth it or not safe (a small run, one usable core, a platform other than
 Linux) the function simply runs in this process, in the same place of the
 command.
+
+Python 3.12 warns (a DeprecationWarning, hidden by default) when a process
+with threads forks, and numpy's BLAS threads make every such process have
+some. The danger is a lock held by another thread at the fork, which the
+child then waits on for ever. The child here runs only Python code that
+takes no lock those threads hold (it formats text and writes one file, with
+no BLAS call and no logging), and leaves with ``os._exit``.
 """
 
 from __future__ import annotations
