@@ -426,6 +426,7 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
         if errors and not died:
             died = _await_silent_death(procs, specs, pending - {e["rank"] for e in errors},
                                        min(deadline, time.monotonic() + _DEATH_GRACE_S))
+            errors = [e for e in (_read_error(s) for s in specs) if e is not None]  # and those raised meanwhile
         if died or errors:
             raise _root_cause(died, errors)
 
