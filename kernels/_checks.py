@@ -117,3 +117,12 @@ def take(lst: Sequence[Tensor], idx: list[int]) -> list[Tensor]:
     if len(idx) == len(lst):
         return list(lst)
     return [lst[i] for i in idx]
+
+
+def check_launch_shape(block: int, warps: int) -> None:
+    """``ValueError`` unless ``block`` is a power of two from 128 to 65536
+    and ``warps`` one from 1 to 32: the launch shapes the Triton kernels
+    take (checked here, where no Triton import is needed)."""
+    for name, v, lo, hi in (("block", block, 128, 1 << 16), ("warps", warps, 1, 32)):
+        if type(v) is not int or not lo <= v <= hi or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two from {lo} to {hi}, got {v!r}")

@@ -24,7 +24,7 @@ import math
 import time
 
 import torch
-from pipesim.sim.cliargs import bench_main, positive, run_command
+from pipesim.sim.cliargs import UsageError, bench_main, positive, run_command
 from . import (
     DoubleBuffer,
     WeightStash,
@@ -35,6 +35,7 @@ from . import (
     predict_sgd_,
     triton_available,
 )
+from ._checks import check_launch_shape
 from .native import native_available
 from .prediction import empty_like_all
 
@@ -190,7 +191,10 @@ def _warm_up(dev, numel: int, seconds: float) -> None:
 
 def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
         dtypes=("float32", "bfloat16"), repeat: int = 15, kernels=None,
-        warmup_s: float = 2.0) -> list[dict]:
+        warmup_s: float = 2.0, launches=None) -> list[dict]:
+    """Rows of every kernel, dtype and backend; ``launches``, a sequence of
+    (block, warps), times the Triton path at each of those launch shapes
+    instead of its default."""
     dev = torch.device(device)
     if numel is None:
         numel = 10_000_000 if dev.type == "cpu" else 100_000_000
@@ -199,6 +203,8 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
         backends.append("triton")
     if dev.type == "cpu" and native_available():
         backends.append("native")
+    if launches and "triton" not in backends:
+        raise UsageError("--triton-launch needs a CUDA device and Triton")
     torch.manual_seed(0)
     rows = []
     _warm_up(dev, numel, warmup_s)
@@ -216,16 +222,15 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
             src = torch.empty(nbytes // 8, dtype=torch.float32, device=dev).uniform_()
             dst = torch.empty_like(src)
             kerns, loop = [], None
-            row_backends = backends if name in FUSED_KERNELS else ["foreach"]
-            for backend in row_backends:
+            variants = _variants(backends if name in FUSED_KERNELS else ["foreach"], launches)
+            for backend, shape in variants:
                 kern, loop_fn = setup(backend)
-                kerns.append(kern)
+                kerns.append(kern if shape is None else _launched(kern, shape))
                 loop = loop or loop_fn
             times = _time_all([*kerns, lambda d=dst, s=src: d.copy_(s), loop], dev, repeat)
             t_copy, loop_t = times[-2], times[-1]
-            per_backend = dict(zip(row_backends, times))
-            for backend in row_backends:
-                t = per_backend[backend]
+            t_foreach = times[0]
+            for (backend, shape), t in zip(variants, times):
                 row = {
                     "kernel": name, "device": dev.type, "dtype": dt_name,
                     "state_dtype": str(cost_sdt).replace("torch.", ""), "numel": total,
@@ -236,14 +241,64 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
                 }
                 row["pct_copy"] = round(100 * row["gbps"] / row["copy_gbps"], 1)
                 if backend != "foreach":
-                    row["foreach_speedup"] = round(per_backend["foreach"] / t, 2)
+                    row["foreach_speedup"] = round(t_foreach / t, 2)
+                if backend == "triton":
+                    row["launch"] = _launch_label(shape)
                 rows.append(row)
     return rows
+
+
+def _variants(backends: list[str], launches) -> list[tuple[str, tuple[int, int] | None]]:
+    """(backend, launch shape or None for the default) to time: foreach first,
+    then each backend, Triton once per launch shape asked for."""
+    out = []
+    for backend in backends:
+        shapes = list(launches) if backend == "triton" and launches else [None]
+        out += [(backend, shape) for shape in shapes]
+    return out
+
+
+def _launched(kern, shape: tuple[int, int]):
+    """``kern`` with the Triton kernels launched at ``shape`` (block, warps)."""
+    from . import triton_kernels
+
+    def run():
+        with triton_kernels.launch_shape(*shape):
+            kern()
+    return run
+
+
+def _launch_label(shape: tuple[int, int] | None) -> str:
+    if shape is None:
+        from . import triton_kernels
+        shape = (triton_kernels.BLOCK, triton_kernels.NUM_WARPS)
+    return f"{shape[0]}x{shape[1]}"
+
+
+def launch_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """An argparse type: comma-separated ``BLOCKxWARPS`` launch shapes."""
+    shapes = []
+    for item in (t.strip() for t in text.split(",")):
+        block, sep, warps = item.partition("x")
+        try:
+            shape = (int(block), int(warps))
+            if not sep:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected BLOCKxWARPS, e.g. 4096x8, got {item!r}") from None
+        try:
+            check_launch_shape(*shape)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        shapes.append(shape)
+    return tuple(shapes)
 
 
 def format_table(rows: list[dict]) -> str:
     cols = ["kernel", "backend", "dtype", "numel", "ms", "gbps", "copy_gbps", "pct_copy",
             "loop_ms", "loop_speedup"]
+    if any("launch" in r for r in rows):
+        cols.insert(2, "launch")
     if any("foreach_speedup" in r for r in rows):
         cols.append("foreach_speedup")
     data = [[str(r.get(c, "")) for c in cols] for r in rows]
@@ -257,7 +312,10 @@ def format_table(rows: list[dict]) -> str:
 def check_targets(rows: list[dict]) -> list[str]:
     """Human-readable misses of the issue's targets (empty when all are met)."""
     miss = []
+    default = _launch_label(None) if any("launch" in r for r in rows) else None
     for r in rows:
+        if r.get("launch", default) != default:  # a sweep's other shapes: measurements, not the product
+            continue
         tag = f"{r['kernel']} {r['dtype']} {r['backend']}"
         if r["pct_copy"] < TARGET_PCT_COPY:
             miss.append(f"{tag}: {r['pct_copy']}% of copy bandwidth (target {TARGET_PCT_COPY:.0f}%)")
@@ -302,10 +360,14 @@ def add_arguments(ap) -> None:
     ap.add_argument("--kernels", type=_names(KERNELS, "kernel"), default=None,
                     help=f"comma-separated subset of {', '.join(KERNELS)} (default: all)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of warm-up before measuring")
+    ap.add_argument("--triton-launch", type=launch_shapes, default=None,
+                    help="time the Triton kernels at these comma-separated BLOCKxWARPS launch shapes instead of "
+                         "the default (CUDA only), e.g. 1024x4,2048x8,4096x8,8192x16")
 
 
 def run_bench(args) -> dict:
-    rows = run(args.device, args.numel, args.tensors, args.dtypes, args.repeat, args.kernels, args.warmup)
+    rows = run(args.device, args.numel, args.tensors, args.dtypes, args.repeat, args.kernels, args.warmup,
+               launches=args.triton_launch)
     return {"threads": torch.get_num_threads(), "repeat": args.repeat, "rows": rows, "misses": check_targets(rows)}
 
 

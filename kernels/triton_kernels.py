@@ -29,18 +29,37 @@ Python scalars as float32).
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
+from ._checks import check_launch_shape
 from .foreach import flat_view
 from torch import Tensor
 
+#: Elements and warps per program of every launch (:func:`launch_shape`
+#: changes them inside a ``with``: the kernels benchmark sweeps them).
 BLOCK = 4096
 NUM_WARPS = 8
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@contextmanager
+def launch_shape(block: int, warps: int):
+    """Launch with ``block`` elements and ``warps`` warps per program inside
+    the ``with``; the results are the same bits whatever the shape (every
+    element is computed alone)."""
+    global BLOCK, NUM_WARPS
+    check_launch_shape(block, warps)
+    saved = BLOCK, NUM_WARPS
+    BLOCK, NUM_WARPS = block, warps
+    try:
+        yield
+    finally:
+        BLOCK, NUM_WARPS = saved
 
 
 def supports(lists: list[list[Tensor]]) -> bool:
@@ -152,12 +171,12 @@ def _elastic_kernel(X, C, n_tensors, NUMELS, BLK_T, BLK_OFF, alpha,
 # ----------------------------------------------------------------------- host code
 
 @lru_cache(maxsize=32)
-def _block_table(numels: tuple[int, ...], device: torch.device):
-    counts = torch.tensor([(n + BLOCK - 1) // BLOCK for n in numels], dtype=torch.int64)
+def _block_table(numels: tuple[int, ...], device: torch.device, block: int):
+    counts = torch.tensor([(n + block - 1) // block for n in numels], dtype=torch.int64)
     nblocks = int(counts.sum())
     blk_t = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first = torch.cumsum(counts, 0) - counts
-    blk_off = (torch.arange(nblocks) - first[blk_t]) * BLOCK
+    blk_off = (torch.arange(nblocks) - first[blk_t]) * block
     return (torch.tensor(numels, dtype=torch.int64, device=device),
             blk_t.to(torch.int32).to(device), blk_off.to(device), nblocks)
 
@@ -185,7 +204,7 @@ def _prepare(lists: list[list[Tensor]]):
     if all(f is not None for f in flats):
         lists = [[f] for f in flats]
     device = lists[0][0].device
-    numels, blk_t, blk_off, nblocks = _block_table(tuple(t.numel() for t in lists[0]), device)
+    numels, blk_t, blk_off, nblocks = _block_table(tuple(t.numel() for t in lists[0]), device, BLOCK)
     aligned = all(t.data_ptr() % 16 == 0 for lst in lists for t in lst)
     return _ptr_table(lists, device), numels, blk_t, blk_off, nblocks, aligned, len(lists[0])
 

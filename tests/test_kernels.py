@@ -23,6 +23,7 @@ magnitude of the terms being combined (e.g. |W| + |s·lr·v|):
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -32,8 +33,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipesim.kernels import foreach
-from pipesim.kernels.bench import model_shapes
+from pipesim.kernels.bench import _variants as bench_variants
+from pipesim.kernels.bench import launch_shapes, model_shapes
+from pipesim.kernels.bench import main as bench_main
 from pipesim.kernels.bench import run as bench_run
+from pipesim.sim.cliargs import run_command
 from pipesim.kernels.native import native_available, native_unavailable_reason
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
@@ -548,3 +552,26 @@ def test_bench_smoke():
         assert {"kernel", "device", "dtype", "numel", "gbps", "copy_gbps", "loop_speedup"} <= set(r)
         assert r["ms"] > 0 and r["gbps"] >= 0 and r["copy_gbps"] >= 0  # rounded: tiny sizes on a busy machine read 0.0
     json.dumps(rows)
+
+
+def test_bench_times_triton_once_per_launch_shape_asked_for():
+    assert bench_variants(["foreach", "triton"], ((1024, 4), (8192, 16))) == [
+        ("foreach", None), ("triton", (1024, 4)), ("triton", (8192, 16))]
+    assert bench_variants(["foreach", "triton"], None) == [("foreach", None), ("triton", None)]
+    assert bench_variants(["foreach", "native"], ((1024, 4),)) == [("foreach", None), ("native", None)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("1024", "expected BLOCKxWARPS"), ("1000x4", "block must be a power of two"),
+    ("4096x64", "warps must be a power of two"), ("64x4", "block must be"), ("axb", "expected BLOCKxWARPS"),
+])
+def test_bench_launch_shapes_refuse_what_triton_cannot_launch(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        launch_shapes(text)
+    assert launch_shapes("128x1, 65536x32") == ((128, 1), (65536, 32))
+
+
+def test_bench_triton_launch_on_cpu_is_one_line_exit_2(capsys):
+    assert run_command(lambda: bench_main(["--device", "cpu", "--triton-launch", "1024x4"])) == 2
+    err = capsys.readouterr().err
+    assert "--triton-launch needs a CUDA device and Triton" in err and len(err.strip().splitlines()) == 1

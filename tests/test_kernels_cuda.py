@@ -116,6 +116,44 @@ def test_triton_kernels_under_interpreter():
 
 
 @needs_triton
+def test_triton_launch_shapes_give_the_same_bits_under_interpreter():
+    """Every element is computed alone, so any launch shape gives the same
+    bits; the default shape is restored after the ``with``, even on error."""
+    code = textwrap.dedent("""
+        import torch
+        import pipesim.kernels as K
+        from pipesim.kernels import triton_kernels as tk
+        g = torch.Generator().manual_seed(1)
+        w = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (300, 4097, 5)]
+        v = [torch.randn(n, generator=g) for n in (300, 4097, 5)]
+        ref = K.predict_sgd(w, v, 0.1, 3, backend="triton")
+        for block, warps in ((128, 1), (256, 4), (8192, 8)):
+            with tk.launch_shape(block, warps):
+                assert (tk.BLOCK, tk.NUM_WARPS) == (block, warps)
+                got = K.predict_sgd(w, v, 0.1, 3, backend="triton")
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (block, warps)
+        try:
+            with tk.launch_shape(512, 2):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert (tk.BLOCK, tk.NUM_WARPS) == (4096, 8)
+        try:
+            tk.launch_shape(1000, 4).__enter__()
+        except ValueError as e:
+            assert "block must be a power of two" in str(e)
+        else:
+            raise AssertionError("a block of 1000 was accepted")
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@needs_triton
 def test_triton_kernels_compile_for_hopper_with_vector_loads():
     """Compiles (no GPU needed: Triton ships ptxas) for sm_90 and checks that a full
     block with aligned pointers uses 128-bit loads and stores; without the alignment
@@ -132,16 +170,19 @@ def test_triton_kernels_compile_for_hopper_with_vector_loads():
     sig = {"W": "*i64", "M": "*i64", "V": "*i64", "O": "*i64", "NUMELS": "*i64", "BLK_T": "*i32",
            "BLK_OFF": "*i64", "neg_c": "fp32", "eps": "fp32", "W_TY": "constexpr", "M_TY": "constexpr",
            "V_TY": "constexpr", "O_TY": "constexpr", "ALIGNED": "constexpr", "BLOCK": "constexpr"}
-    consts = {"W_TY": tl.float32, "M_TY": tl.float32, "V_TY": tl.float32, "O_TY": tl.float32,
-              "ALIGNED": True, "BLOCK": tk.BLOCK}
-    try:
-        kernel = triton.compile(ASTSource(fn=tk._adam_kernel, signature=sig, constexprs=consts),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": tk.NUM_WARPS})
-    except Exception as exc:  # e.g. no ptxas in this install
-        if "ptxas" in str(exc).lower():
-            pytest.skip(f"cannot compile for CUDA here: {exc}")
-        raise
-    ptx = kernel.asm["ptx"]
-    assert re.search(r"ld\.global(\.[\w:]+)*\.v4", ptx), "no 128-bit loads"
-    assert re.search(r"st\.global(\.[\w:]+)*\.v4", ptx), "no 128-bit stores"
-    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # IEEE, not the fast approximations
+    # fp32 throughout, and bf16 weights with fp32 state (whose 2-byte elements
+    # must still move 16 bytes per access: 8 to a vector)
+    for weights in (tl.float32, tl.bfloat16):
+        consts = {"W_TY": weights, "M_TY": tl.float32, "V_TY": tl.float32, "O_TY": weights,
+                  "ALIGNED": True, "BLOCK": tk.BLOCK}
+        try:
+            kernel = triton.compile(ASTSource(fn=tk._adam_kernel, signature=sig, constexprs=consts),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": tk.NUM_WARPS})
+        except Exception as exc:  # e.g. no ptxas in this install
+            if "ptxas" in str(exc).lower():
+                pytest.skip(f"cannot compile for CUDA here: {exc}")
+            raise
+        ptx = kernel.asm["ptx"]
+        assert re.search(r"ld\.global(\.[\w:]+)*\.v4", ptx), f"no 128-bit loads ({weights})"
+        assert re.search(r"st\.global(\.[\w:]+)*\.v4", ptx), f"no 128-bit stores ({weights})"
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # IEEE, not the fast approximations
