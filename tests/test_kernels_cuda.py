@@ -71,6 +71,17 @@ def _compare_all(device, backend):
             assert all(torch.equal(a, b) for a, b in zip(w, orig))
 
 
+def _run_under_interpreter(code: str) -> None:
+    """Run ``code`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (read
+    when the kernels are decorated, so it must be set before the import);
+    the code prints ``ok`` last."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 @needs_cuda
 @needs_triton
 def test_triton_is_chosen_automatically_on_cuda():
@@ -108,11 +119,7 @@ def test_triton_kernels_under_interpreter():
         _compare_all("cpu", "triton")
         print("ok")
     """ % os.path.dirname(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=240, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    _run_under_interpreter(code)
 
 
 @needs_triton
@@ -146,11 +153,7 @@ def test_triton_launch_shapes_give_the_same_bits_under_interpreter():
             raise AssertionError("a block of 1000 was accepted")
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=240, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    _run_under_interpreter(code)
 
 
 @needs_triton
