@@ -557,7 +557,7 @@ def cmd_plan(args) -> int:
     from .plans import render_plan, write_plan
 
     hw = resolve_hardware(args.hardware)
-    gpus = args.gpus or hw.num_devices
+    gpus = args.gpus or (sum(args.replicas) if getattr(args, "replicas", None) else hw.num_devices)
     if gpus is None:
         raise UsageError(f"pipesim plan: {hw.name} has no fixed device count; give --gpus N")
     planner = _planner(args)
@@ -589,9 +589,11 @@ def _planner(args) -> str:
     if planner == "replicas" and args.batch_size is not None:
         raise UsageError("pipesim plan: --batch-size is for the width-depth and tuner planners; the replicas planner "
                          "takes --microbatches (per iteration) and --microbatch-size")
-    if planner != "replicas" and (args.microbatches is not None or args.no_stashing or args.straight):
-        flag = "--microbatches" if args.microbatches is not None else "--no-stashing" if args.no_stashing \
-            else "--straight"
+    given = [flag for flag, on in (("--microbatches", args.microbatches is not None),
+                                   ("--no-stashing", args.no_stashing), ("--replicas", args.replicas is not None),
+                                   ("--straight", args.straight)) if on]
+    if planner != "replicas" and given:
+        flag = given[0]
         raise UsageError(f"pipesim plan: {flag} is not an option of the {planner} planner "
                          "(it chooses the micro-batches from --batch-size)")
     return planner
@@ -606,7 +608,8 @@ def _plan_replicas(args, hw, gpus: int, say):
     given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
     return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
                             recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
-                            recompute=args.recompute, straight=args.straight, **given), progress=say)
+                            recompute=args.recompute, replicas=args.replicas, straight=args.straight, **given),
+                progress=say)
 
 
 def _profile_for(args, hw, gpus: int):
@@ -956,9 +959,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per micro-batch (default: the model's; width-depth and tuner: every power of two "
                         "that divides the batch, or only this one)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
-    p.add_argument("--straight", action="store_true",
-                   help="replicas planner: straight pipelines only, one stage per device on every device (what "
-                        "PipeDream's optimizer returns under --straight_pipeline)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--replicas", type=replica_counts, default=None,
+                      help="replicas planner: hold the search to this configuration, replicas per stage in "
+                           "PipeDream's notation (15,1 for 15-1), summing to the GPUs; only the cuts are searched")
+    held.add_argument("--straight", action="store_true",
+                      help="replicas planner: hold the search to a straight pipeline, one stage per device on "
+                           "every device (what PipeDream's optimizer returns under --straight_pipeline)")
     p.add_argument("--confirm", type=nonnegative, default=None,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
                         "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)")

@@ -130,7 +130,7 @@ def render_plan(plan: dict) -> str:
     lines = [f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']} "
              f"(micro-batch {plan['microbatch_size']}, {plan['microbatches']} micro-batches per iteration)"]
     how = "simulated, steady state" if plan["predicted_is_simulated"] else "cost model only: no candidate simulated"
-    held = " among straight pipelines only (--straight)" if plan.get("straight") else ""
+    held = f" among splits of {plan['held_to']} only" if plan.get("held_to") else ""
     lines.append(f"chosen{held}: {plan['config']}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")
     dp, speedup = plan.get("data_parallel_samples_per_s"), plan.get("speedup_vs_dp")
     if dp:

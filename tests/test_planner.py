@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pipesim.experiments.cli import main
 from pipesim.experiments.plans import frontier, pareto_figure
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.metrics import summarize
 from pipesim.sim.models import model_profile
+from pipesim.sim.planning.cost import envelope
 from pipesim.sim.planning.layout import layout_for, layout_of, traits_of
 from pipesim.sim.planning.plan import (
     PlanError,
@@ -22,6 +26,7 @@ from pipesim.sim.planning.plan import (
     plan_file,
     steady_throughput,
 )
+from pipesim.sim.planning.search import CostSetting, Planner, Tables, line_of
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workload import LayerCost, Profile
 
@@ -100,26 +105,92 @@ def test_straight_request_holds_every_candidate_to_one_device_per_stage() -> Non
     layers = [(0.03, 1 << 20, 4 << 20)] * 5 + [(0.002, 1 << 30, 0)]
     free = plan(PlanRequest("pipedream", _toy(layers), hw, 4, microbatches=12)).to_json()
     held = plan(PlanRequest("pipedream", _toy(layers), hw, 4, microbatches=12, straight=True)).to_json()
-    assert free["config"] == "3-1" and "straight" not in free  # older plans' bytes are unchanged
-    assert held["config"] == "straight" and held["straight"] is True
+    assert free["config"] == "3-1" and "held_to" not in free  # older plans' bytes are unchanged
+    assert held["config"] == "straight" and held["held_to"] == "straight"
     assert all([s["replicas"] for s in c["stages"]] == [1] * 4 for c in held["candidates"])
     assert held["predicted_is_simulated"]
     # the unconstrained search saw the straight pipeline too, and chose better
     assert held["predicted_samples_per_s"] < free["predicted_samples_per_s"]
-    dp_straight = next(c for c in held["candidates"] if c["source"] == "straight")
-    assert held["predicted_samples_per_s"] >= dp_straight["simulated_samples_per_s"]
+    start = next(c for c in held["candidates"] if c["source"] == "held")
+    assert held["predicted_samples_per_s"] >= start["simulated_samples_per_s"]
     assert held["data_parallel_samples_per_s"] == free["data_parallel_samples_per_s"]
 
 
-@pytest.mark.parametrize("gpus,straight,message", [
-    (7, True, "needs 2 to 6 devices"),
-    (1, True, "needs 2 to 6 devices"),
-    (4, 1, "straight must be True or False"),
+def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower() -> None:
+    """VGG-16 on Cluster-A held to PipeDream's 15-1: every candidate is 15-1,
+    and the free plan, which confirms 15-1's neighbours among others, is at
+    least as fast in the engine."""
+    held = plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
+                            replicas=(15, 1))).to_json()
+    assert held["config"] == "15-1" and held["held_to"] == "15-1"
+    assert all([s["replicas"] for s in c["stages"]] == [15, 1] for c in held["candidates"])
+    assert held["stages"][0]["layers"][0] == 0 and held["stages"][1]["layers"][1] == 39
+    assert held["predicted_is_simulated"] and held["speedup_vs_dp"] > 1
+
+
+def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:
+    return Planner(tables=Tables(profile), traits=traits_of(strategy, 1), microbatches=microbatches, iterations=3,
+                   devices=devices, setting=CostSetting.of(profile, hw, hw.device.memory_bytes), options={})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 0.05), st.integers(1, 1 << 28), st.integers(0, 1 << 30)),
+                min_size=3, max_size=7),
+       st.sampled_from([(1, 1, 1), (2, 1), (1, 2), (1, 1, 2), (3, 1), (2, 2)]))
+def test_best_split_is_the_best_of_every_split_of_its_replicas(layers, replicas) -> None:
+    """Held to ``replicas``, the dynamic program's split has the smallest
+    slowest-stage term of all splits (enumerated) that fit."""
+    hw = load_hardware("pcie-4gpu")
+    profile = _toy([(f, w, a) for f, w, a in layers])
+    planner = _planner(profile, hw, sum(replicas))
+    n, k = len(layers), len(replicas)
+    if k > n:
+        return
+    layout = planner.layout(replicas)
+
+    def bottleneck(starts):
+        ends = [*starts[1:], n]
+        worst, first, prev = 0.0, 0, None
+        for s, (a, b, r) in enumerate(zip(starts, ends, replicas)):
+            devs = tuple(range(first, first + r))
+            term = planner._stage_matrix(first, r, True, held=(layout, s))[a, b]
+            if prev is not None:
+                bnd = planner.setting.links.boundary(prev, devs)
+                term = max(term, float(line_of(envelope(bnd.links.values()), planner.tables.cut)[a]))
+            worst, first, prev = max(worst, term), first + r, devs
+        return worst
+
+    splits = [(0, *c) for c in itertools.combinations(range(1, n), k - 1)]
+    costs = {sp: bottleneck(sp) for sp in splits}
+    best = planner.best_split(replicas)
+    finite = [c for c in costs.values() if math.isfinite(c)]
+    if best is None:
+        assert not finite
+        return
+    assert best.replicas == replicas and costs[best.starts] == pytest.approx(min(finite), rel=1e-12)
+
+
+def test_straight_best_split_is_the_programs_straight_pipeline() -> None:
+    hw = CLUSTER_A
+    planner = _planner(model_profile("pipedream-gnmt16", hw.device), hw, 16, microbatches=16)
+    assert planner.best_split((1,) * 16) == planner.dynamic_program(allowed=(1,))[1]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"gpus": 7, "straight": True}, "needs 2 to 6 devices"),
+    ({"gpus": 1, "straight": True}, "needs 2 to 6 devices"),
+    ({"gpus": 4, "straight": 1}, "straight must be True or False"),
+    ({"gpus": 4, "replicas": (3, 2)}, "use 5 devices, not the 4"),
+    ({"gpus": 8, "replicas": (1,) * 8}, "make 8 stages, but toy has 6 layers"),
+    ({"gpus": 4, "replicas": [3, 1]}, "must be a non-empty tuple of positive ints"),
+    ({"gpus": 4, "replicas": (4, 0)}, "must be a non-empty tuple of positive ints"),
+    ({"gpus": 4, "replicas": (3, 1), "straight": True}, "not both"),
 ])
-def test_straight_requests_that_cannot_be_planned(gpus, straight, message) -> None:
+def test_held_requests_that_cannot_be_planned(kwargs, message) -> None:
     layers = [(0.01, 1 << 20, 1 << 20)] * 6
+    gpus = kwargs.pop("gpus")
     with pytest.raises(PlanError, match=message):
-        plan(PlanRequest("pipedream", _toy(layers), CLUSTER_A, gpus, straight=straight))
+        plan(PlanRequest("pipedream", _toy(layers), CLUSTER_A, gpus, **kwargs))
 
 
 def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
@@ -128,18 +199,21 @@ def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
                          "pipedream-cluster-a-x4", "--json", "--out", str(tmp_path))
     assert code == 0, err
     rec = json.loads(out)
-    assert rec["config"] == "straight" and len(rec["stages"]) == 16 and rec["straight"] is True
+    assert rec["config"] == "straight" and len(rec["stages"]) == 16 and rec["held_to"] == "straight"
     assert rec["speedup_vs_dp"] > 1
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--straight", "--strategy", "pipedream-2bw"], "--straight is not an option of the width-depth planner"),
-    (["--straight", "--model", "uniform", "--gpus", "4", "--hardware", "pcie-4gpu"], None),
+    (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
+    (["--replicas", "2,2", "--straight"], "not allowed with argument"),
+    (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),
 ])
-def test_cli_straight_refusals_are_one_line(capsys, tmp_path, argv, message) -> None:
+def test_cli_held_plans_and_refusals(capsys, tmp_path, argv, message) -> None:
     code, out, err = run(capsys, "plan", *argv, "--out", str(tmp_path))
-    if message is None:  # the uniform model has as many layers as devices: plannable
+    if message is None:  # --gpus defaults to the replicas' sum
         assert code == 0, err
+        assert "chosen among splits of 3-1 only: 3-1" in out
         return
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 

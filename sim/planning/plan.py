@@ -10,9 +10,11 @@ devices of a machine:
    straight pipeline; local search on the full cost model starts from the
    :data:`SEEDS` best and proposes the :data:`NEIGHBOURS` best
    configurations it meets. Every candidate is costed by the full model
-   (:mod:`.cost`). A request held to straight pipelines
-   (:attr:`PlanRequest.straight`) searches only those: the program with
-   one replica per stage, then local search moving its cuts.
+   (:mod:`.cost`). A request held to one configuration
+   (:attr:`PlanRequest.replicas`, e.g. PipeDream's "15-1", or
+   :attr:`PlanRequest.straight`) searches only its cuts: a dynamic program
+   over its stages (:meth:`.search.Planner.best_split`), then local search
+   moving them.
 2. **Confirmation**: the :data:`CONFIRM` candidates the model ranks first
    (among those that fit in memory), and pure data parallelism and the best
    straight pipeline, are simulated with the engine, in short
@@ -73,8 +75,9 @@ SEEDS = 2
 #: ... and proposes this many of the best configurations it met.
 NEIGHBOURS = 6
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
-#: reference points, pure data parallelism and the straight pipeline.
-LANDMARKS = ("data parallelism", "straight")
+#: reference points, pure data parallelism and the straight pipeline, and the
+#: best split of a configuration the request holds the search to.
+LANDMARKS = ("data parallelism", "straight", "held")
 #: The most devices a plan is searched for (the search grows with their
 #: square: GPT-1.3B on DGX H100s takes about 3 s at 64 and 8 s at 128 here).
 MAX_GPUS = 128
@@ -256,8 +259,8 @@ class Plan:
     width: int | None = None
     recompute: bool = False
     batch_size: int | None = None
-    #: the search was held to straight pipelines (:attr:`PlanRequest.straight`)
-    straight: bool = False
+    #: the configuration the search was held to (:func:`notation`; None: free)
+    held_to: str | None = None
 
     @property
     def best(self) -> Candidate:
@@ -306,7 +309,7 @@ class Plan:
             "recompute": bool(self.recompute),
         } | ({} if self.width is None else {"width": self.width}) | (
             {} if self.batch_size is None else {"batch_size": self.batch_size}) | (
-            {"straight": True} if self.straight else {})
+            {} if self.held_to is None else {"held_to": self.held_to})
 
 
 def dumps(plan: Plan | dict) -> str:
@@ -502,9 +505,17 @@ class PlanRequest:
     model: str | None = None
     profile_path: str | None = None
     recompute: bool = False
-    #: only straight pipelines: one device per stage, every device used (what
-    #: PipeDream's optimizer returns under its ``--straight_pipeline`` flag)
+    #: hold the search to this configuration, replicas per stage summing to
+    #: ``gpus`` (PipeDream's "15-1" is (15, 1)): only its cuts are searched
+    replicas: tuple[int, ...] | None = None
+    #: hold it to a straight pipeline, one device per stage on every device
+    #: (what PipeDream's optimizer returns under ``--straight_pipeline``)
     straight: bool = False
+
+    @property
+    def held(self) -> tuple[int, ...] | None:
+        """The configuration the search is held to, if any."""
+        return (1,) * self.gpus if self.straight else self.replicas
 
 
 def check_request(req: PlanRequest) -> None:
@@ -518,10 +529,7 @@ def check_request(req: PlanRequest) -> None:
     for flag in ("recompute", "straight"):
         if not isinstance(getattr(req, flag), bool):
             raise PlanError(f"{flag} must be True or False, got {getattr(req, flag)!r}")
-    if req.straight and not 1 < req.gpus <= req.profile.num_layers:
-        raise PlanError(f"a straight pipeline on {req.gpus} devices needs 2 to {req.profile.num_layers} devices "
-                        f"(one stage of at least one layer each; {req.profile.name} has {req.profile.num_layers} "
-                        "layers)")
+    _check_held(req)
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:
@@ -529,6 +537,26 @@ def check_request(req: PlanRequest) -> None:
     bad = sorted(set(req.options) - set(strategy.options) | set(req.options) & {"replicas", "width"})
     if bad:
         raise PlanError(f"option {bad[0]!r} is not a plan option of {req.strategy} (the planner chooses the replicas)")
+
+
+def _check_held(req: PlanRequest) -> None:
+    """One-line errors for a configuration the search cannot be held to."""
+    if req.replicas is None:
+        if req.straight and not 1 < req.gpus <= req.profile.num_layers:
+            raise PlanError(f"a straight pipeline on {req.gpus} devices needs 2 to {req.profile.num_layers} "
+                            f"devices (one stage of at least one layer each; {req.profile.name} has "
+                            f"{req.profile.num_layers} layers)")
+        return
+    if req.straight:
+        raise PlanError("give replicas or straight, not both (straight is one replica per stage)")
+    reps = req.replicas
+    if not isinstance(reps, tuple) or not reps or any(type(r) is not int or r < 1 for r in reps):
+        raise PlanError(f"replicas must be a non-empty tuple of positive ints, got {reps!r}")
+    if sum(reps) != req.gpus:
+        raise PlanError(f"replicas {notation(reps)} use {sum(reps)} devices, not the {req.gpus} planned for")
+    if len(reps) > req.profile.num_layers:
+        raise PlanError(f"replicas {notation(reps)} make {len(reps)} stages, but {req.profile.name} has "
+                        f"{req.profile.num_layers} layers")
 
 
 def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -541,8 +569,9 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     planner = Planner(tables=Tables(req.profile, req.recompute), traits=traits_of(req.strategy, req.recv_lookahead),
                       microbatches=m, iterations=req.iterations, devices=req.gpus,
                       setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
-    say("searching splits" if req.straight else "searching splits and replicas")
-    found = _straight_candidates(planner) if req.straight else _candidates(planner)
+    held = req.held
+    say("searching splits and replicas" if held is None else f"searching splits of {notation(held)}")
+    found = _candidates(planner) if held is None else _held_candidates(planner, held)
     out = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
     landmarks, others = _confirmation_order(out) if req.confirm > 0 else ([], [])
     confirmed = 0
@@ -560,7 +589,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                 options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
                 planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute,
-                straight=req.straight)
+                held_to=None if held is None else notation(held))
 
 
 def _candidates(planner: Planner) -> list[Candidate]:
@@ -590,16 +619,16 @@ def _candidates(planner: Planner) -> list[Candidate]:
     return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
 
 
-def _straight_candidates(planner: Planner) -> list[Candidate]:
-    """The best straight pipeline by the dynamic program (shown out of memory
-    when none fits), and the best ones local search meets moving its cuts."""
-    found = planner.dynamic_program(allowed=(1,)) or planner.dynamic_program(allowed=(1,), memory=False)
-    start = found[1]
+def _held_candidates(planner: Planner, replicas: tuple[int, ...]) -> list[Candidate]:
+    """The best split of ``replicas`` by the dynamic program over its stages
+    (shown out of memory when none fits), and the best ones local search
+    meets moving its cuts."""
+    start = planner.best_split(replicas) or planner.best_split(replicas, memory=False)
     visited: dict[Config, Estimate] = {}
     planner.improve(start, cache=visited, fixed_replicas=True)
     met = sorted((c for c in visited if c != start and planner.setting.fits(visited[c])),
                  key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
-    return [_candidate(planner, start, "straight", visited.get(start) or planner.estimate(start))] + [
+    return [_candidate(planner, start, "held", visited[start])] + [
         _candidate(planner, cfg, "local search", visited[cfg]) for cfg in met]
 
 

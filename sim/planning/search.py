@@ -420,21 +420,57 @@ class Planner:
         per_node = min(self.setting.links.hw.devices_per_node or SERVER, big_n)
         return tuple(sorted(set(range(1, per_node + 1)) | set(range(per_node, big_n + 1, per_node))))
 
-    def _stage_matrix(self, first_device: int, r: int, memory: bool) -> np.ndarray:
+    def _stage_matrix(self, first_device: int, r: int, memory: bool, held: tuple[Layout, int] | None = None
+                      ) -> np.ndarray:
         """The [i, j] terms of a stage of r replicas on devices first_device ..
-        first_device + r - 1 followed by the remaining devices."""
+        first_device + r - 1 followed by the remaining devices: its busy time,
+        inf where it does not fit. Its memory is that of stage ``k`` of
+        layout ``held`` = (layout, k) when the whole configuration is known,
+        else that of the first of two stages, (r, the remaining devices)."""
         t, m = self.tables, self.microbatches
         devs = tuple(range(first_device, first_device + r))
-        suffix = self.devices - first_device - r
         term = stage_terms(t, devs, self.setting.links, passes=self.traits.share(r, m),
                            steps=self.traits.steps(r, m), microbatches=m, optimizer=self.setting.optimizer,
                            hidden=self.traits.hides_reduce)
         if memory and self.setting.memory_limit_bytes is not None:
-            probe = self.layout((r, suffix) if suffix else (r,))
-            mem = memory_terms(t, inflight=probe.inflight[0], versions=probe.versions[0], buffers=0,
+            if held is None:
+                suffix = self.devices - first_device - r
+                held = (self.layout((r, suffix) if suffix else (r,)), 0)
+            probe, k = held
+            mem = memory_terms(t, inflight=probe.inflight[k], versions=probe.versions[k], buffers=0,
                                optimizer_multiplier=self.setting.optimizer_multiplier)
             term = np.where(mem <= self.setting.memory_limit_bytes, term, np.inf)
         return np.where(t.valid, term, np.inf)
+
+    def best_split(self, replicas: tuple[int, ...], memory: bool = True) -> Config | None:
+        """The cuts that minimise the slowest stage's time for a configuration
+        held to ``replicas`` (stage k on the r_k devices after stage k-1's),
+        by the dynamic program's terms over stages instead of devices; each
+        stage's memory is its own in that configuration's layout. ``None``
+        when no split fits (or there are fewer layers than stages)."""
+        t, n = self.tables, self.tables.n
+        layout = self.layout(tuple(replicas))
+        best = np.full(n + 1, np.inf)
+        best[0] = 0.0  # the first stage starts at layer 0
+        picks, first, prev = [], 0, None
+        for k, r in enumerate(replicas):
+            devs = tuple(range(first, first + r))
+            v = best
+            if prev is not None:  # the boundary into stage k, where it is cut
+                v = np.maximum(best, line_of(envelope(self.setting.links.boundary(prev, devs).links.values()), t.cut))
+                v[0] = np.inf
+            total = np.maximum(v[:, None], self._stage_matrix(first, r, memory, held=(layout, k)))
+            pick = total.argmin(axis=0)
+            best = total[pick, np.arange(n + 1)]
+            picks.append(pick)
+            first, prev = first + r, devs
+        if not np.isfinite(best[n]):
+            return None
+        starts, j = [], n
+        for pick in reversed(picks):
+            j = int(pick[j])
+            starts.append(j)
+        return Config(tuple(reversed(starts)), tuple(replicas))
 
     def _backtrack(self, arg_i, arg_r, r_last: int) -> Config:
         starts, reps = [], []
