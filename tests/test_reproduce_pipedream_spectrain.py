@@ -42,6 +42,19 @@ def test_pipedream_predictions_do_not_read_published_values(small_pipedream, mon
     assert filled[0].published == 2.04
 
 
+def test_pipedream_notes_price_the_configuration_the_paper_ran(small_pipedream, monkeypatch) -> None:
+    rows, claims = pipedream.predict()
+    (row,) = rows  # AlexNet on Cluster-B, where the paper ran 15-1
+    theirs = pipedream.held_to_paper(row)
+    assert theirs > 1.0
+    assert f"| 15-1 | {theirs:.2f}x |" in pipedream.notes(rows, claims)
+    # pure data parallelism held ("16") is the baseline itself
+    monkeypatch.setitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet", "16")
+    assert pipedream.held_to_paper(row) == pytest.approx(1.0, rel=1e-6)
+    monkeypatch.delitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet")
+    assert pipedream.held_to_paper(row) is None and "| — | — |" in pipedream.notes(rows, claims)
+
+
 def test_pipedream_results_json_shape_and_determinism(small_pipedream, tmp_path) -> None:
     paper = pipedream.PAPER
     texts = []
