@@ -589,13 +589,16 @@ def _planner(args) -> str:
     if planner == "replicas" and args.batch_size is not None:
         raise UsageError("pipesim plan: --batch-size is for the width-depth and tuner planners; the replicas planner "
                          "takes --microbatches (per iteration) and --microbatch-size")
+    why = {"--microbatches": "it chooses the micro-batches from --batch-size",
+           "--no-stashing": "weight stashing is PipeDream's, planned by the replicas planner",
+           "--replicas": "its stages are never replicated one by one",
+           "--straight": "its stages are never replicated one by one"}
     given = [flag for flag, on in (("--microbatches", args.microbatches is not None),
                                    ("--no-stashing", args.no_stashing), ("--replicas", args.replicas is not None),
                                    ("--straight", args.straight)) if on]
     if planner != "replicas" and given:
         flag = given[0]
-        raise UsageError(f"pipesim plan: {flag} is not an option of the {planner} planner "
-                         "(it chooses the micro-batches from --batch-size)")
+        raise UsageError(f"pipesim plan: {flag} is not an option of the {planner} planner ({why[flag]})")
     return planner
 
 
@@ -964,8 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replicas planner: hold the search to this configuration, replicas per stage in "
                            "PipeDream's notation (15,1 for 15-1), summing to the GPUs; only the cuts are searched")
     held.add_argument("--straight", action="store_true",
-                      help="replicas planner: hold the search to a straight pipeline, one stage per device on "
-                           "every device (what PipeDream's optimizer returns under --straight_pipeline)")
+                      help="replicas planner: hold the search to a straight pipeline, one stage on each of the "
+                           "--gpus devices (what PipeDream's optimizer returns under --straight_pipeline; its paper "
+                           "ran GNMT-16 as 14 such stages: --gpus 14)")
     p.add_argument("--confirm", type=nonnegative, default=None,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
                         "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)")

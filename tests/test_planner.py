@@ -194,19 +194,23 @@ def test_held_requests_that_cannot_be_planned(kwargs, message) -> None:
 
 
 def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
-    """GNMT-16 on Cluster-A, as PipeDream's paper configured it (its optimizer's --straight_pipeline)."""
-    code, out, err = run(capsys, "plan", "--straight", "--model", "pipedream-gnmt16", "--hardware",
+    """GNMT-16 on Cluster-A as PipeDream's paper ran it: a straight pipeline
+    of 14 stages on 14 of the 16 GPUs (the stage map its driver launched)."""
+    code, out, err = run(capsys, "plan", "--straight", "--gpus", "14", "--model", "pipedream-gnmt16", "--hardware",
                          "pipedream-cluster-a-x4", "--json", "--out", str(tmp_path))
     assert code == 0, err
     rec = json.loads(out)
-    assert rec["config"] == "straight" and len(rec["stages"]) == 16 and rec["held_to"] == "straight"
-    assert rec["speedup_vs_dp"] > 1
+    assert rec["config"] == "straight" and len(rec["stages"]) == 14 and rec["held_to"] == "straight"
+    assert all(s["replicas"] == 1 for s in rec["stages"]) and rec["speedup_vs_dp"] > 1
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--straight", "--strategy", "pipedream-2bw"], "--straight is not an option of the width-depth planner"),
+    (["--straight", "--strategy", "pipedream-2bw"],
+     "--straight is not an option of the width-depth planner (its stages are never replicated one by one)"),
+    (["--no-stashing", "--strategy", "pipedream-2bw"], "--no-stashing is not an option of the width-depth planner (weight"),
     (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
     (["--replicas", "2,2", "--straight"], "not allowed with argument"),
+    (["--no-stashing", "--strategy", "1f1b"], "1f1b has no option 'stashing' to plan with (it takes: none)"),
     (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),
 ])
 def test_cli_held_plans_and_refusals(capsys, tmp_path, argv, message) -> None:

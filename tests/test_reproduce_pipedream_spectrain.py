@@ -30,7 +30,7 @@ def test_pipedream_predictions_do_not_read_published_values(small_pipedream, mon
     assert seen[-1] == 1 and all(r.published is None for r in rows)
     monkeypatch.setattr(pipedream, "PUBLISHED", _nonsense(pipedream.PUBLISHED))
     monkeypatch.setattr(pipedream, "PUBLISHED_CLAIMS", _nonsense(pipedream.PUBLISHED_CLAIMS))
-    monkeypatch.setattr(pipedream, "PUBLISHED_CONFIGS", {k: "1-2-3" for k in pipedream.PUBLISHED_CONFIGS})
+    monkeypatch.setattr(pipedream, "PUBLISHED_CONFIGS", {k: ("1-2-3", 6) for k in pipedream.PUBLISHED_CONFIGS})
     assert pipedream.predict() == (rows, claims)
     (row,) = rows
     assert row.technique == "pipedream" and row.metric == "speedup_vs_dp" and row.figure == "table1"
@@ -49,8 +49,13 @@ def test_pipedream_notes_price_the_configuration_the_paper_ran(small_pipedream, 
     assert theirs > 1.0
     assert f"| 15-1 | {theirs:.2f}x |" in pipedream.notes(rows, claims)
     # pure data parallelism held ("16") is the baseline itself
-    monkeypatch.setitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet", "16")
+    monkeypatch.setitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet", ("16", 16))
     assert pipedream.held_to_paper(row) == pytest.approx(1.0, rel=1e-6)
+    # a configuration that leaves GPUs idle is priced against data parallelism on all of them
+    monkeypatch.setitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet", ("15", 15))
+    fewer = pipedream.held_to_paper(row)
+    assert 0.5 < fewer < 0.999
+    assert f"| 15 on 15 of 16 GPUs | {fewer:.2f}x |" in pipedream.notes(rows, claims)
     monkeypatch.delitem(pipedream.PUBLISHED_CONFIGS, "pipedream-alexnet")
     assert pipedream.held_to_paper(row) is None and "| — | — |" in pipedream.notes(rows, claims)
 

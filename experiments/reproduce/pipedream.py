@@ -26,7 +26,7 @@ Published values (``PUBLISHED``; kept out of :func:`predict`):
   and "about 2.92x time-to-accuracy" on 16 GPUs of Cluster-A, which is not
   epoch time; no source we could read gives the 4 x 4 or 2 x 8 epoch-time
   figure, so the rows carry no published value (the configuration the paper
-  ran, "straight", is in ``PUBLISHED_CONFIGS`` for the report).
+  ran, "straight" on 14 GPUs, is in ``PUBLISHED_CONFIGS`` for the report).
 """
 
 from __future__ import annotations
@@ -57,9 +57,13 @@ PUBLISHED: dict[tuple, float] = {
     ("pipedream-resnet50", "pipedream-cluster-a-x4", "pipedream", "speedup_vs_dp"): 1.0,
     ("pipedream-resnet50", "pipedream-cluster-b-x2", "pipedream", "speedup_vs_dp"): 1.0,
 }
-#: The configuration the paper ran (for the report; not a prediction).
-PUBLISHED_CONFIGS = {"pipedream-vgg16": "15-1", "pipedream-alexnet": "15-1", "pipedream-resnet50": "16",
-                     "pipedream-gnmt16": "straight"}
+#: The configuration the paper ran (for the report; not a prediction): its
+#: notation and the GPUs it used of the 16. GNMT-16's "straight" pipeline ran
+#: 14 stages on 14 GPUs: the stage map its driver launched
+#: (``models/gnmt_large/gpus=16/mp_conf.json`` in msr-fiddle/pipedream,
+#: commit 7db6a1c) has 14 stages, and its runtime's world size is the map's.
+PUBLISHED_CONFIGS = {"pipedream-vgg16": ("15-1", 16), "pipedream-alexnet": ("15-1", 16),
+                     "pipedream-resnet50": ("16", 16), "pipedream-gnmt16": ("straight", 14)}
 #: "up to 5.3x faster than commonly used intra-batch parallelism" (abstract).
 PUBLISHED_CLAIMS = {"pipedream-up-to": 5.3}
 
@@ -122,18 +126,34 @@ def predict(progress: Progress = no_progress) -> tuple[list[Row], list[Claim]]:
 
 
 def held_to_paper(row: Row) -> float | None:
-    """The speedup over data parallelism pipesim predicts for the
-    configuration the paper ran (its cuts planned, as ``pipesim plan
-    --replicas`` does), on the row's model and cluster; None where the paper
-    names none. A published fact used as an input, so it lives in the
-    report, never in :func:`predict`."""
-    config = PUBLISHED_CONFIGS.get(row.model)
-    if config is None:
+    """The speedup over data parallelism on all the row's GPUs that pipesim
+    predicts for the configuration the paper ran (its cuts planned, as
+    ``pipesim plan --replicas`` or ``--straight --gpus N`` does), on the row's
+    model and cluster; None where the paper names none. A published fact
+    used as an input, so it lives in the report, never in :func:`predict`."""
+    if row.model not in PUBLISHED_CONFIGS:
         return None
+    config, used = PUBLISHED_CONFIGS[row.model]
     hw = resolve_hardware(row.hardware)
     profile = model_profile(row.model, hw.device, row.global_batch // row.gpus)
-    held = {"straight": True} if config == "straight" else {"replicas": tuple(map(int, config.split("-")))}
-    return plan(PlanRequest("pipedream", profile, hw, row.gpus, model=row.model, **held)).speedup_vs_dp
+
+    def held(gpus: int, **how):
+        return plan(PlanRequest("pipedream", profile, hw, gpus, model=row.model, **how))
+
+    theirs = held(used, **({"straight": True} if config == "straight" else
+                           {"replicas": tuple(map(int, config.split("-")))}))
+    if used == row.gpus:
+        return theirs.speedup_vs_dp
+    return theirs.predicted_samples_per_s / held(row.gpus, replicas=(row.gpus,)).data_parallel_samples_per_s
+
+
+def _paper_config(row: Row) -> str:
+    """The paper's configuration in the report's words: its notation, and
+    the GPUs it used where it left some idle."""
+    if row.model not in PUBLISHED_CONFIGS:
+        return "—"
+    config, used = PUBLISHED_CONFIGS[row.model]
+    return config if used == row.gpus else f"{config} on {used} of {row.gpus} GPUs"
 
 
 def notes(rows: list[Row], claims: list[Claim]) -> str:
@@ -147,7 +167,7 @@ def notes(rows: list[Row], claims: list[Claim]) -> str:
     for r in rows:
         theirs = held_to_paper(r)
         out.append(f"| {r.model} | {names.get(r.hardware, r.hardware)} | {notation(r.config['replicas'])} | "
-                   f"{r.predicted:.2f}x | {PUBLISHED_CONFIGS.get(r.model, '—')} | "
+                   f"{r.predicted:.2f}x | {_paper_config(r)} | "
                    f"{'—' if theirs is None else f'{theirs:.2f}x'} |")
     out += ["", "Per-GPU batch as in the paper's runs (VGG-16 64, AlexNet 256, ResNet-50 128, GNMT-16 64): "
             "PipeDream's measured profiles rescaled linearly from their profiled batch (`--microbatch-size`). "

@@ -534,9 +534,15 @@ def check_request(req: PlanRequest) -> None:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:
         raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
-    bad = sorted(set(req.options) - set(strategy.options) | set(req.options) & {"replicas", "width"})
-    if bad:
-        raise PlanError(f"option {bad[0]!r} is not a plan option of {req.strategy} (the planner chooses the replicas)")
+    chosen = sorted(set(req.options) & {"replicas", "width"})
+    if chosen:
+        raise PlanError(f"option {chosen[0]!r} is not a plan option of {req.strategy} (the planner chooses the "
+                        "replicas)")
+    unknown = sorted(set(req.options) - set(strategy.options))
+    if unknown:
+        takes = sorted(set(strategy.options) - {"replicas", "width"})
+        raise PlanError(f"{req.strategy} has no option {unknown[0]!r} to plan with (it takes: "
+                        f"{', '.join(takes) or 'none'})")
 
 
 def _check_held(req: PlanRequest) -> None:
