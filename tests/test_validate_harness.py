@@ -172,6 +172,24 @@ def test_single_device_memory_is_the_peak_of_the_summed_tracks():
     assert summed_memory([a]).totals == [10, 0]
 
 
+def test_single_device_memory_holds_a_transfer_once():
+    """Device 0 sends 5 B over [1, 2) (its send buffer), device 1 receives
+    them from 1 until its consumer starts at 3: one device holds the tensor
+    once, 15 B at the peak, not the simulator's 20."""
+    a = MemoryTrack(0, 100.0, times=[0.0, 1.0, 2.0], totals=[10, 15, 10], peak_bytes=15)
+    b = MemoryTrack(1, 100.0, times=[1.0, 3.0], totals=[5, 0], peak_bytes=5)
+    assert summed_memory([a, b]).peak_bytes == 20
+    one = summed_memory([a, b], [(1.0, 2.0, 5)])
+    assert one.times == [0.0, 1.0, 2.0, 3.0] and one.totals == [10, 15, 15, 10]
+    assert one.peak_bytes == 15
+    # and 3 B more over [0.5, 1), consumed at 1.5: one transfer starts as the
+    # other ends, and each is taken out over its own interval only
+    a = MemoryTrack(0, 100.0, times=[0.0, 0.5, 1.0, 2.0], totals=[10, 13, 15, 10], peak_bytes=15)
+    b = MemoryTrack(1, 100.0, times=[0.5, 1.0, 1.5, 3.0], totals=[3, 8, 5, 0], peak_bytes=8)
+    two = summed_memory([a, b], [(1.0, 2.0, 5), (0.5, 1.0, 3)])
+    assert two.times == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0] and two.totals == [10, 13, 18, 15, 15, 10]
+
+
 class _DeferredStamp:
     """A timestamp known only once the run is over, as a CUDA event's is."""
 

@@ -88,13 +88,31 @@ def _exit_slowly_on_one(ctx, piddir):
     dying process whose memory takes that long to tear down (seen with CUDA
     loaded on a 16-core machine)."""
     _record_pid(piddir, ctx.rank)
-    dying = os.path.join(piddir, "dying")
+    dying, raising = os.path.join(piddir, "dying"), os.path.join(piddir, "raising")
     if ctx.rank == 1:
         open(dying, "w").close()
+        _wait_for(raising)  # however late rank 0 gets there, it raises first
         time.sleep(0.3)
         os._exit(3)
     _wait_for(dying)
-    raise RuntimeError("Connection closed by peer")
+    open(raising, "w").close()
+    raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:6801")
+
+
+def _abort_after_ones_error(ctx, piddir):
+    """Rank 0 raises an error of its own; rank 1 then aborts, as NCCL's
+    watchdog aborts the survivors of a failed collective."""
+    import resource
+
+    _record_pid(piddir, ctx.rank)
+    raising = os.path.join(piddir, "raising")
+    if ctx.rank == 0:
+        open(raising, "w").close()
+        raise ValueError("a bug of rank 0's own")
+    _wait_for(raising)
+    time.sleep(0.5)  # within the grace a lost-peer error waits for a silent death
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
 
 
 def _sleep(ctx, *args):
@@ -224,6 +242,16 @@ def test_silent_death_reaped_after_its_peers_error_is_still_the_cause(tmp_path):
     err = info.value
     assert err.rank == 1 and err.exitcode == 3, str(err)
     assert any(line.startswith("rank 0 failed:") for line in err.others)  # the consequence, listed after
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_death_after_an_error_of_its_own_is_the_consequence(tmp_path):
+    with pytest.raises(WorkerError) as info:
+        launch(_abort_after_ones_error, 2, args=(str(tmp_path),), timeout_s=60)
+    err = info.value
+    assert err.rank == 0 and err.exc_type == "ValueError", str(err)
+    assert "a bug of rank 0's own" in str(err).splitlines()[0]
     _assert_no_workers_left(_pids(tmp_path))
 
 
@@ -386,3 +414,35 @@ def test_hardware_json_cpu_section_from_measured_cpu_times():
 def test_memory_bandwidth_is_positive():
     bw = commprofile.measure_memory_bandwidth("cpu", nbytes=1 << 20, repeats=3, warmup=1)
     assert 0 < bw < math.inf
+
+
+def test_silent_death_not_yet_reaped_is_reported_with_its_code_unknown(tmp_path, monkeypatch):
+    """A process whose sentinel fired (it is exiting), with neither a result
+    nor an error, died silently even before it can be reaped; one that wrote
+    a result or an error did not."""
+
+    class Exiting:
+        def __init__(self):
+            self.sentinel, w = os.pipe()
+            os.close(w)  # what a process's exit does to its sentinel
+            self.exitcode = None
+
+        def join(self, timeout=None):
+            pass  # never reaped
+
+    class Spec:
+        def __init__(self, name):
+            self.result_path = str(tmp_path / f"{name}.result")
+            self.error_path = str(tmp_path / f"{name}.error")
+
+    monkeypatch.setattr(launch_mod, "_REAP_S", 0.05)
+    procs, specs = [Exiting() for _ in range(3)], [Spec(n) for n in "abc"]
+    open(specs[1].result_path, "w").close()
+    open(specs[2].error_path, "w").close()
+    try:
+        assert launch_mod._silent_deaths(procs, specs, {0, 1, 2}) == [(0, None)]
+        summary = launch_mod._death_summary(0, None)
+        assert "0.05 s after it began to exit, exit code unknown" in summary
+    finally:
+        for p in procs:
+            os.close(p.sentinel)

@@ -202,7 +202,8 @@ def ring_allreduce_prediction(hw: Hardware, devices: int, nbytes: int) -> float:
 def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
     """What single-device mode can predict: the predicted compute actions
     laid end to end in the order the single-device run executed them, and
-    the memory of every simulated device held on that one device."""
+    the memory of every simulated device held on that one device
+    (:func:`summed_memory`)."""
     dur = {(s.device, s.action): s.duration for s in predicted.by_stream()["compute"]}
     t = 0.0
     spans = []
@@ -210,22 +211,37 @@ def serialized(predicted: SimResult, measured: SimResult) -> SimResult:
         d = dur[(s.device, s.action)]
         spans.append(Span(s.device, "compute", s.action, t, t + d))
         t += d
-    return replace(predicted, spans=spans, memory=[summed_memory(predicted.memory)] if predicted.memory else [])
+    sends = [(s.start, s.end, s.nbytes) for s in predicted.by_stream()["send"] if s.nbytes]
+    return replace(predicted, spans=spans, memory=[summed_memory(predicted.memory, sends)] if predicted.memory else [])
 
 
-def summed_memory(tracks: list[MemoryTrack]) -> MemoryTrack:
+def summed_memory(tracks: list[MemoryTrack], sends: list[tuple[float, float, int]] = ()) -> MemoryTrack:
     """One device holding what every track holds, at every simulated time.
 
     The single-device run executes the devices' programs in simulated-time
     order, so what it holds at a point is each simulated device's memory at
     that time, summed: the peak of that sum, not the sum of the peaks (the
-    devices peak at different times), nor one device's peak."""
-    times = np.unique(np.concatenate([np.asarray(t.times, dtype=float) for t in tracks]))
+    devices peak at different times), nor one device's peak.
+
+    ``sends`` are ``(start, end, bytes)`` of the simulated transfers. The
+    simulator holds a send buffer on the sender and a receive buffer on the
+    receiver while a transfer runs; one device hands the sender's tensor to
+    its consumer instead (``executor.LocalComm``), so the send buffers are
+    taken out of the sum."""
+    starts = np.asarray([s for s, _, _ in sends], dtype=float)
+    ends = np.asarray([e for _, e, _ in sends], dtype=float)
+    times = np.unique(np.concatenate([np.asarray(t.times, dtype=float) for t in tracks] + [starts, ends]))
     total = np.zeros(len(times), dtype=np.int64)
     for t in tracks:
         if t.times:
             at = np.searchsorted(np.asarray(t.times, dtype=float), times, side="right") - 1
             total += np.where(at >= 0, np.asarray(t.totals, dtype=np.int64)[np.maximum(at, 0)], 0)
+    if len(starts):
+        nbytes = np.asarray([n for _, _, n in sends], dtype=np.int64)
+        by_start, by_end = np.argsort(starts, kind="stable"), np.argsort(ends, kind="stable")
+        begun = np.concatenate([[0], np.cumsum(nbytes[by_start])])[np.searchsorted(starts[by_start], times, "right")]
+        done = np.concatenate([[0], np.cumsum(nbytes[by_end])])[np.searchsorted(ends[by_end], times, "right")]
+        total -= begun - done
     peak = int(np.argmax(total)) if len(total) else 0
     return MemoryTrack(device=0, capacity_bytes=tracks[0].capacity_bytes, times=times.tolist(),
                        totals=total.tolist(), peak_bytes=int(total[peak]) if len(total) else 0,

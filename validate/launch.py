@@ -123,11 +123,21 @@ _POLL_S = 0.02
 _TERM_GRACE_S = 2.0
 #: How long ranks that returned may take to tear down before being killed.
 _EXIT_GRACE_S = 10.0
-#: How long a rank's error waits for a peer's silent death to show: a dead
-#: peer makes the others raise at once ("Connection closed by peer"), while
-#: the dead process itself is reaped only once its memory is torn down, which
-#: took longer than one poll on a 16-core machine with CUDA loaded.
+#: How long an error that only says a peer went away waits for that peer's
+#: silent death to show: a dead peer makes the others raise at once
+#: ("Connection closed by peer"), while the dead process itself is reaped
+#: only once its memory is torn down, which took longer than one poll on a
+#: 16-core machine with CUDA loaded.
 _DEATH_GRACE_S = 1.0
+#: How long a process whose sentinel fired (it is exiting) may take to be
+#: reaped, for its exit code; past it the code is reported unknown.
+_REAP_S = 1.0
+#: What an error says when it is only the symptom of a peer that went away:
+#: gloo's closed or reset connection, NCCL's remote error, a store's broken
+#: pipe. Only such errors wait for a silent death to explain them; any other
+#: error is its own cause, and a rank that dies after it (NCCL's watchdog
+#: aborts the survivors of a failed collective) is its consequence.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "Broken pipe")
 
 
 #: The longest timeout a launch takes: beyond it ``timedelta`` and the
@@ -423,7 +433,7 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
         pending -= {r for r in pending if os.path.exists(specs[r].result_path)}
         died = _silent_deaths(procs, specs, pending)
         errors = [e for e in (_read_error(s) for s in specs) if e is not None]
-        if errors and not died:
+        if errors and not died and all(_lost_peer(e) for e in errors):
             died = _await_silent_death(procs, specs, pending - {e["rank"] for e in errors},
                                        min(deadline, time.monotonic() + _DEATH_GRACE_S))
             errors = [e for e in (_read_error(s) for s in specs) if e is not None]  # and those raised meanwhile
@@ -431,24 +441,37 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
             raise _root_cause(died, errors)
 
 
+def _lost_peer(error: dict) -> bool:
+    """Whether a rank's error only says that a peer went away (see :data:`_LOST_PEER`)."""
+    return any(symptom in str(error["message"]) for symptom in _LOST_PEER)
+
+
+def _exited(procs, ranks) -> list[int]:
+    """The ranks whose process is exiting or has exited: its sentinel fires
+    when it closes its files, before it can be reaped."""
+    ready = set(_wait_sentinels([procs[r].sentinel for r in ranks], timeout=0)) if ranks else set()
+    return [r for r in sorted(ranks) if procs[r].sentinel in ready]
+
+
 def _silent_deaths(procs, specs, ranks) -> list[tuple[int, int | None]]:
-    """``(rank, exit code)`` of the ranks that exited leaving neither a result nor an error."""
-    died = []
-    for r in sorted(ranks):
-        # the exit is looked at first: a result written just before it is then seen
-        if not procs[r].is_alive() and not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path))):
-            died.append((r, procs[r].exitcode))
-    return died
+    """``(rank, exit code)`` of the ranks that are exiting leaving neither a
+    result nor an error (files written before a process exits, so looked at
+    after its sentinel). Each is given :data:`_REAP_S` to be reaped for its
+    exit code, None if it is not."""
+    died = [r for r in _exited(procs, ranks)
+            if not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path)))]
+    until = time.monotonic() + _REAP_S
+    for r in died:
+        procs[r].join(max(0.0, until - time.monotonic()))
+    return [(r, procs[r].exitcode) for r in died]
 
 
 def _await_silent_death(procs, specs, ranks, until: float) -> list[tuple[int, int | None]]:
     """Wait until ``until`` for one of ``ranks`` to die silently, and return the ones that did."""
     waiting = sorted(ranks)
     while waiting and (now := time.monotonic()) < until:
-        ready = _wait_sentinels([procs[r].sentinel for r in waiting], timeout=until - now)
-        ended = [r for r in waiting if procs[r].sentinel in ready]
-        for r in ended:  # a sentinel fires when the process closes its files, before it can be reaped
-            procs[r].join(max(0.0, until - time.monotonic()))
+        _wait_sentinels([procs[r].sentinel for r in waiting], timeout=until - now)
+        ended = _exited(procs, waiting)
         died = _silent_deaths(procs, specs, ended)
         if died:
             return died
@@ -493,6 +516,8 @@ def _death_summary(rank: int, code: int | None) -> str:
             how = f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
             how = f"killed by signal {-code}"
+    elif code is None:
+        how = f"still being torn down {_REAP_S:g} s after it began to exit, exit code unknown"
     else:
         how = f"exit code {code}"
     return (
