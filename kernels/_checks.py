@@ -119,6 +119,12 @@ def take(lst: Sequence[Tensor], idx: list[int]) -> list[Tensor]:
     return [lst[i] for i in idx]
 
 
+#: The Triton kernels' launch shape, (elements, warps) per program, unless
+#: ``triton_kernels.launch_shape`` says otherwise; the kernels' targets are
+#: judged at it (here, where no Triton import is needed).
+DEFAULT_LAUNCH = (4096, 8)
+
+
 def check_launch_shape(block: int, warps: int) -> None:
     """``ValueError`` unless ``block`` is a power of two from 128 to 65536
     and ``warps`` one from 1 to 32: the launch shapes the Triton kernels

@@ -35,7 +35,7 @@ from . import (
     predict_sgd_,
     triton_available,
 )
-from ._checks import check_launch_shape
+from ._checks import DEFAULT_LAUNCH, check_launch_shape
 from .native import native_available
 from .prediction import empty_like_all
 
@@ -205,6 +205,8 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
         backends.append("native")
     if launches and "triton" not in backends:
         raise UsageError("--triton-launch needs a CUDA device and Triton")
+    if launches:
+        launches = with_default_shape(launches)
     torch.manual_seed(0)
     rows = []
     _warm_up(dev, numel, warmup_s)
@@ -268,11 +270,16 @@ def _launched(kern, shape: tuple[int, int]):
     return run
 
 
+def with_default_shape(launches) -> tuple[tuple[int, int], ...]:
+    """The launch shapes asked for, the default one added last when missing:
+    the targets are judged at the default shape, so a sweep always times it."""
+    shapes = tuple(launches)
+    return shapes if DEFAULT_LAUNCH in shapes else (*shapes, DEFAULT_LAUNCH)
+
+
 def _launch_label(shape: tuple[int, int] | None) -> str:
-    if shape is None:
-        from . import triton_kernels
-        shape = (triton_kernels.BLOCK, triton_kernels.NUM_WARPS)
-    return f"{shape[0]}x{shape[1]}"
+    block, warps = DEFAULT_LAUNCH if shape is None else shape
+    return f"{block}x{warps}"
 
 
 def launch_shapes(text: str) -> tuple[tuple[int, int], ...]:

@@ -35,14 +35,13 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
-from ._checks import check_launch_shape
+from ._checks import DEFAULT_LAUNCH, check_launch_shape
 from .foreach import flat_view
 from torch import Tensor
 
 #: Elements and warps per program of every launch (:func:`launch_shape`
 #: changes them inside a ``with``: the kernels benchmark sweeps them).
-BLOCK = 4096
-NUM_WARPS = 8
+BLOCK, NUM_WARPS = DEFAULT_LAUNCH
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

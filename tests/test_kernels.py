@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipesim.kernels import foreach
 from pipesim.kernels.bench import _variants as bench_variants
-from pipesim.kernels.bench import launch_shapes, model_shapes
+from pipesim.kernels._checks import DEFAULT_LAUNCH
+from pipesim.kernels.bench import check_targets, launch_shapes, model_shapes, with_default_shape
 from pipesim.kernels.bench import main as bench_main
 from pipesim.kernels.bench import run as bench_run
 from pipesim.sim.cliargs import run_command
@@ -559,6 +560,17 @@ def test_bench_times_triton_once_per_launch_shape_asked_for():
         ("foreach", None), ("triton", (1024, 4)), ("triton", (8192, 16))]
     assert bench_variants(["foreach", "triton"], None) == [("foreach", None), ("triton", None)]
     assert bench_variants(["foreach", "native"], ((1024, 4),)) == [("foreach", None), ("native", None)]
+
+
+def test_bench_launch_sweep_always_times_the_default_shape():
+    """The targets are judged at the default shape only: a sweep that left it
+    out would report every target met without judging one."""
+    assert with_default_shape(((1024, 4),)) == ((1024, 4), DEFAULT_LAUNCH)
+    assert with_default_shape((DEFAULT_LAUNCH, (1024, 4))) == (DEFAULT_LAUNCH, (1024, 4))
+    slow = {"kernel": "predict_sgd", "dtype": "bfloat16", "backend": "triton", "device": "cuda",
+            "pct_copy": 40.0, "loop_speedup": 9.0, "foreach_speedup": 1.0}
+    rows = [{**slow, "launch": "1024x4"}, {**slow, "launch": "%dx%d" % DEFAULT_LAUNCH}]
+    assert check_targets(rows[:1]) == [] and len(check_targets(rows)) == 2
 
 
 @pytest.mark.parametrize("text,message", [
