@@ -557,7 +557,7 @@ def cmd_plan(args) -> int:
     from .plans import render_plan, write_plan
 
     hw = resolve_hardware(args.hardware)
-    gpus = args.gpus or (sum(args.replicas) if getattr(args, "replicas", None) else hw.num_devices)
+    gpus = args.gpus or (sum(args.replicas) if args.replicas else hw.num_devices)
     if gpus is None:
         raise UsageError(f"pipesim plan: {hw.name} has no fixed device count; give --gpus N")
     planner = _planner(args)

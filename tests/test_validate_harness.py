@@ -129,7 +129,7 @@ def test_compare_report_signs_and_versions():
 def test_machine_checks_are_one_line_errors(monkeypatch):
     # a 2-core machine without a GPU, as CI's, whatever this one is
     monkeypatch.setattr(harness.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(harness.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(harness.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     with pytest.raises(ValidateError, match="needs 2 GPUs"):
         check_machine(ValidateConfig("1f1b", backend="nccl"), build(ValidateConfig("1f1b")))
     cfg = ValidateConfig("pipedream-2bw", replicas=4)

@@ -503,11 +503,11 @@ class Planner:
             e = est(c)
             return e.iteration_s if (not memory or self.setting.fits(e)) else None
 
-        moves = self._cut_moves if fixed_replicas else self._moves
+        moves = self._moved_cuts if fixed_replicas else self._moves
         here, _ = _descend(config, cost, moves)
         return here, est(here)
 
-    def _cut_moves(self, c: Config):
+    def _moved_cuts(self, c: Config):
         for s in _cut_moves(c.starts, self.tables.n):
             yield Config(s, c.replicas)
 
@@ -515,7 +515,7 @@ class Planner:
         n = self.tables.n
         starts, reps = c.starts, c.replicas
         p = len(starts)
-        yield from self._cut_moves(c)
+        yield from self._moved_cuts(c)
         bounds = [*starts, n]
         for k in range(p - 1):  # a replica to the neighbour, either way
             if reps[k] > 1:
