@@ -592,10 +592,11 @@ def _planner(args) -> str:
     why = {"--microbatches": "it chooses the micro-batches from --batch-size",
            "--no-stashing": "weight stashing is PipeDream's, planned by the replicas planner",
            "--replicas": "its stages are never replicated one by one",
-           "--straight": "its stages are never replicated one by one"}
+           "--straight": "its stages are never replicated one by one",
+           "--refine": "its splits are balanced, not searched"}
     given = [flag for flag, on in (("--microbatches", args.microbatches is not None),
                                    ("--no-stashing", args.no_stashing), ("--replicas", args.replicas is not None),
-                                   ("--straight", args.straight)) if on]
+                                   ("--straight", args.straight), ("--refine", args.refine is not None)) if on]
     if planner != "replicas" and given:
         flag = given[0]
         raise UsageError(f"pipesim plan: {flag} is not an option of the {planner} planner ({why[flag]})")
@@ -608,7 +609,7 @@ def _plan_replicas(args, hw, gpus: int, say):
 
     profile = _plan_profile(args, hw, gpus)
     options = {"stashing": False} if args.no_stashing else {}
-    given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("iterations", "confirm", "refine") if getattr(args, k) is not None}
     return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
                             recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
                             recompute=args.recompute, replicas=args.replicas, straight=args.straight, **given),
@@ -973,6 +974,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", type=nonnegative, default=None,
                    help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
                         "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)")
+    p.add_argument("--refine", type=nonnegative, default=None,
+                   help="replicas planner: other splits of the chosen pipeline confirmed once it is chosen "
+                        "(0: none) (default: 4)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the summary")

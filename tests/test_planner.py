@@ -116,7 +116,7 @@ def test_straight_request_holds_every_candidate_to_one_device_per_stage() -> Non
     assert held["data_parallel_samples_per_s"] == free["data_parallel_samples_per_s"]
 
 
-def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower() -> None:
+def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower(vgg_plan) -> None:
     """VGG-16 on Cluster-A held to PipeDream's 15-1: every candidate is 15-1,
     and the free plan, which confirms 15-1's neighbours among others, is at
     least as fast in the engine."""
@@ -126,6 +126,27 @@ def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower() -> 
     assert all([s["replicas"] for s in c["stages"]] == [15, 1] for c in held["candidates"])
     assert held["stages"][0]["layers"][0] == 0 and held["stages"][1]["layers"][1] == 39
     assert held["predicted_is_simulated"] and held["speedup_vs_dp"] > 1
+    assert vgg_plan["predicted_samples_per_s"] >= held["predicted_samples_per_s"]
+    assert "refinement" not in {c["source"] for c in held["candidates"]}  # a held search confirms its own splits
+
+
+def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
+    """VGG-16 at 64 images per GPU on Cluster-B (2 x 8): the model's split of
+    15-1 is not the engine's best; confirming other splits of the chosen
+    configuration finds a faster one, as fast as the search held to 15-1."""
+    hw = load_hardware("pipedream-cluster-b-x2")
+    prof = model_profile("pipedream-vgg16", hw.device, 64)
+    plain = plan(PlanRequest("pipedream", prof, hw, 16, refine=0))
+    refined = plan(PlanRequest("pipedream", prof, hw, 16))
+    held = plan(PlanRequest("pipedream", prof, hw, 16, replicas=plain.candidates[plain.chosen].replicas))
+    assert "refinement" not in {c.source for c in plain.candidates}
+    added = [c for c in refined.candidates if c.source == "refinement"]
+    assert 0 < len(added) <= 4 and all(c.simulated for c in added)
+    assert {(c.starts, c.replicas) for c in added}.isdisjoint((c.starts, c.replicas) for c in plain.candidates)
+    assert all(c.replicas == plain.candidates[plain.chosen].replicas for c in added)
+    assert refined.candidates[refined.chosen].source == "refinement"
+    assert refined.predicted_samples_per_s > plain.predicted_samples_per_s * 1.02
+    assert refined.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
 
 
 def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:
@@ -211,6 +232,8 @@ def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
     (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
     (["--replicas", "2,2", "--straight"], "not allowed with argument"),
     (["--no-stashing", "--strategy", "1f1b"], "1f1b has no option 'stashing' to plan with (it takes: none)"),
+    (["--refine", "2", "--strategy", "pipedream-2bw"],
+     "--refine is not an option of the width-depth planner (its splits are balanced, not searched)"),
     (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),
 ])
 def test_cli_held_plans_and_refusals(capsys, tmp_path, argv, message) -> None:
@@ -413,6 +436,8 @@ def test_a_request_is_checked_before_any_work() -> None:
         plan(PlanRequest("1f1b", prof, hw, 4, options={"replicas": (2, 2)}))
     with pytest.raises(PlanError, match="confirm must be"):
         plan(PlanRequest("1f1b", prof, hw, 4, confirm=-1))
+    with pytest.raises(PlanError, match="refine must be a whole number >= 0, got True"):
+        plan(PlanRequest("1f1b", prof, hw, 4, refine=True))
 
 
 def test_a_plan_that_cannot_be_confirmed_says_so() -> None:

@@ -7,9 +7,10 @@ devices of a machine:
 1. **Search** (:mod:`.search`): a dynamic program over layer splits and
    replication factors gives the best configuration for every replica count
    of the last stage (pure data parallelism, "N", among them) and the best
-   straight pipeline; local search on the full cost model starts from the
-   :data:`SEEDS` best and proposes the :data:`NEIGHBOURS` best
-   configurations it meets. Every candidate is costed by the full model
+   straight pipeline; local search on the full cost model moves each
+   configuration's cuts (the program costs a split by its stages alone),
+   then starts from the :data:`SEEDS` best and proposes the
+   :data:`NEIGHBOURS` best configurations it met. Every candidate is costed by the full model
    (:mod:`.cost`). A request held to one configuration
    (:attr:`PlanRequest.replicas`, e.g. PipeDream's "15-1", or
    :attr:`PlanRequest.straight`) searches only its cuts: a dynamic program
@@ -26,6 +27,11 @@ devices of a machine:
    rounded up to a multiple of N), are measured in steady state
    (:func:`steady_throughput`), so deep pipelines are not charged for a fill
    and drain that short runs exaggerate.
+3. **Refinement**: confirmation simulates one split per configuration, the
+   model's, and among near splits of one configuration the model's error
+   decides more than its ranking; so up to :data:`REFINE` other splits of
+   the chosen pipeline (its own and its best split's neighbours) are
+   confirmed too, and the fastest of all wins.
 
 The answer is a :class:`Plan`: the configuration in PipeDream's notation
 (:func:`notation`), its stages, the predicted and data-parallel throughput,
@@ -74,6 +80,8 @@ CONFIRM = 8
 SEEDS = 2
 #: ... and proposes this many of the best configurations it met.
 NEIGHBOURS = 6
+#: Other splits of the chosen pipeline confirmed once it is chosen.
+REFINE = 4
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
 #: reference points, pure data parallelism and the straight pipeline, and the
 #: best split of a configuration the request holds the search to.
@@ -511,6 +519,9 @@ class PlanRequest:
     #: hold it to a straight pipeline, one device per stage on every device
     #: (what PipeDream's optimizer returns under ``--straight_pipeline``)
     straight: bool = False
+    #: other splits of the chosen configuration confirmed after the choice
+    #: (:func:`_refinements`; not for a held search, which confirms its splits)
+    refine: int = REFINE
 
     @property
     def held(self) -> tuple[int, ...] | None:
@@ -525,7 +536,7 @@ def check_request(req: PlanRequest) -> None:
         raise PlanError(f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
                         f"{', '.join(plannable('replicas'))}")
     check_counts(req, ("gpus", "iterations", "microbatches"))
-    check_counts(req, ("confirm",), minimum=0)
+    check_counts(req, ("confirm", "refine"), minimum=0)
     for flag in ("recompute", "straight"):
         if not isinstance(getattr(req, flag), bool):
             raise PlanError(f"{flag} must be True or False, got {getattr(req, flag)!r}")
@@ -578,7 +589,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     held = req.held
     say("searching splits and replicas" if held is None else f"searching splits of {notation(held)}")
     found = _candidates(planner) if held is None else _held_candidates(planner, held)
-    out = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
+    out = sorted(found, key=_rank)
     landmarks, others = _confirmation_order(out) if req.confirm > 0 else ([], [])
     confirmed = 0
     for i in landmarks + others:
@@ -587,7 +598,11 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         say(f"confirming {out[i].config} with the engine")
         out[i] = _confirm(out[i], req, m)
         confirmed += out[i].simulated and i in others
-    chosen = max(range(len(out)), key=lambda i: (not out[i].out_of_memory, out[i].simulated, out[i].samples_per_s))
+    chosen = _best(out)
+    if held is None and req.refine > 0 and out[chosen].simulated and len(out[chosen].stages) > 1:
+        say(f"confirming other splits of {out[chosen].config}")
+        out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
+        chosen = _best(out)
     say("simulating data parallelism")
     dp = _data_parallel(req, m)
     return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name, gpus=req.gpus,
@@ -596,6 +611,35 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
                 planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute,
                 held_to=None if held is None else notation(held))
+
+
+def _rank(c: Candidate) -> tuple:
+    """How candidates are listed: those that fit first, best modelled first."""
+    return (c.out_of_memory, -c.analytic_samples_per_s)
+
+
+def _best(cands: list[Candidate]) -> int:
+    """The index of the choice: the fastest confirmed candidate that fits."""
+    return max(range(len(cands)), key=lambda i: (not cands[i].out_of_memory, cands[i].simulated,
+                                                 cands[i].samples_per_s))
+
+
+def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanRequest, m: int) -> list[Candidate]:
+    """Other splits of the chosen configuration, confirmed: the best
+    :attr:`PlanRequest.refine` that local search moving only its cuts meets
+    and no candidate has. Confirmation picks one split per configuration,
+    the model's; among the near splits of one configuration the model's
+    error (queueing behind big transfers, lock-step replicas) decides more
+    than its ranking, which the engine does not share."""
+    c = out[chosen]
+    visited: dict[Config, Estimate] = {}
+    for start in (Config(c.starts, c.replicas), planner.best_split(c.replicas)):
+        if start is not None:
+            planner.improve(start, cache=visited, fixed_replicas=True)
+    have = {(x.starts, x.replicas) for x in out}
+    met = sorted((x for x in visited if (x.starts, x.replicas) not in have and planner.setting.fits(visited[x])),
+                 key=lambda x: visited[x].iteration_s)[:req.refine]
+    return [_confirm(_candidate(planner, x, "refinement", visited[x]), req, m) for x in met]
 
 
 def _candidates(planner: Planner) -> list[Candidate]:
@@ -613,6 +657,12 @@ def _candidates(planner: Planner) -> list[Candidate]:
     costed = {cfg: planner.estimate(cfg) for cfg in proposals}
     fitting = [c for c in costed if planner.setting.fits(costed[c])]
     visited: dict[Config, Estimate] = {}
+    # every configuration's cuts moved on the full model first: the program
+    # costs a split by its stages alone, and misses what the full model
+    # sees (a stage's fan-in through one NIC, the slowest replica's wait)
+    for cfg in fitting:
+        if len(cfg.replicas) > 1:
+            planner.improve(cfg, cache=visited, fixed_replicas=True)
     for seed in sorted(fitting, key=lambda c: costed[c].iteration_s)[:SEEDS]:
         planner.improve(seed, cache=visited)
     # the best configurations local search met, not only where it stopped:
