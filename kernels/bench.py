@@ -205,8 +205,6 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
         backends.append("native")
     if launches and "triton" not in backends:
         raise UsageError("--triton-launch needs a CUDA device and Triton")
-    if launches:
-        launches = with_default_shape(launches)
     torch.manual_seed(0)
     rows = []
     _warm_up(dev, numel, warmup_s)
@@ -252,10 +250,11 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
 
 def _variants(backends: list[str], launches) -> list[tuple[str, tuple[int, int] | None]]:
     """(backend, launch shape or None for the default) to time: foreach first,
-    then each backend, Triton once per launch shape asked for."""
+    then each backend, Triton once per launch shape asked for and at the
+    default one (:func:`with_default_shape`)."""
     out = []
     for backend in backends:
-        shapes = list(launches) if backend == "triton" and launches else [None]
+        shapes = list(with_default_shape(launches)) if backend == "triton" and launches else [None]
         out += [(backend, shape) for shape in shapes]
     return out
 

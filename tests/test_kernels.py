@@ -557,7 +557,9 @@ def test_bench_smoke():
 
 def test_bench_times_triton_once_per_launch_shape_asked_for():
     assert bench_variants(["foreach", "triton"], ((1024, 4), (8192, 16))) == [
-        ("foreach", None), ("triton", (1024, 4)), ("triton", (8192, 16))]
+        ("foreach", None), ("triton", (1024, 4)), ("triton", (8192, 16)), ("triton", DEFAULT_LAUNCH)]
+    assert bench_variants(["triton"], (DEFAULT_LAUNCH, (1024, 4))) == [
+        ("triton", DEFAULT_LAUNCH), ("triton", (1024, 4))]
     assert bench_variants(["foreach", "triton"], None) == [("foreach", None), ("triton", None)]
     assert bench_variants(["foreach", "native"], ((1024, 4),)) == [("foreach", None), ("native", None)]
 

@@ -99,6 +99,22 @@ def _exit_slowly_on_one(ctx, piddir):
     raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:6801")
 
 
+def _die_leaving_a_forked_child(ctx, piddir):
+    """Rank 1 forks a child (as a fork-started data loader does), which holds
+    its sentinel open for 3 s after rank 1 itself dies silently."""
+    _record_pid(piddir, ctx.rank)
+    dying = os.path.join(piddir, "dying")
+    if ctx.rank == 1:
+        if os.fork() == 0:
+            time.sleep(3)
+            os._exit(0)
+        open(dying, "w").close()
+        os._exit(3)
+    _wait_for(dying)
+    time.sleep(0.1)
+    raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:6801")
+
+
 def _abort_after_ones_error(ctx, piddir):
     """Rank 0 raises an error of its own; rank 1 then aborts, as NCCL's
     watchdog aborts the survivors of a failed collective."""
@@ -242,6 +258,17 @@ def test_silent_death_reaped_after_its_peers_error_is_still_the_cause(tmp_path):
     err = info.value
     assert err.rank == 1 and err.exitcode == 3, str(err)
     assert any(line.startswith("rank 0 failed:") for line in err.others)  # the consequence, listed after
+    _assert_no_workers_left(_pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_silent_death_is_seen_while_a_forked_child_holds_its_sentinel(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_die_leaving_a_forked_child, 2, args=(str(tmp_path),), timeout_s=60)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 3, str(err)
+    assert time.monotonic() - t0 < 20
     _assert_no_workers_left(_pids(tmp_path))
 
 
@@ -430,6 +457,9 @@ def test_silent_death_not_yet_reaped_is_reported_with_its_code_unknown(tmp_path,
         def join(self, timeout=None):
             pass  # never reaped
 
+        def is_alive(self):
+            return True
+
     class Spec:
         def __init__(self, name):
             self.result_path = str(tmp_path / f"{name}.result")
@@ -440,7 +470,7 @@ def test_silent_death_not_yet_reaped_is_reported_with_its_code_unknown(tmp_path,
     open(specs[1].result_path, "w").close()
     open(specs[2].error_path, "w").close()
     try:
-        assert launch_mod._silent_deaths(procs, specs, {0, 1, 2}) == [(0, None)]
+        assert launch_mod._silent_deaths(procs, specs, {0, 1, 2}, math.inf) == [(0, None)]
         summary = launch_mod._death_summary(0, None)
         assert "0.05 s after it began to exit, exit code unknown" in summary
     finally:

@@ -48,11 +48,15 @@ Design
   killed, ``os._exit``, segfault) makes it terminate every other rank at
   once; waiting for the others' process-group timeouts would take minutes
   and they cannot finish anyway. It raises :class:`WorkerError` for the root
-  cause: a rank that died silently is preferred over ranks that raised
-  (a dead peer makes the others' collectives raise, never the other way
-  round), and among raising ranks the earliest failure wins. Since the
-  peers raise before the dead process has been reaped, an error first
-  waits up to a second for another rank to die silently.
+  cause: a rank that died silently (seen exiting with neither a result nor
+  an error) is preferred over ranks that raised, and among raising ranks
+  the earliest failure wins. A dead peer makes the others raise an error
+  that only says the peer went away (:data:`_LOST_PEER`), often before the
+  dead process can be reaped, so such an error waits up to a second for a
+  silent death to explain it. Any other error is blamed at once: a rank
+  that dies after it (NCCL's watchdog aborts the survivors of a failed
+  collective) is its consequence. Within one poll the order of an error
+  and a death cannot be told apart, and the death is blamed.
 
 * **Timeouts.** The whole launch has a deadline, ``timeout_s`` from the start
   of spawning (so it includes start-up: the workers' torch import and loading
@@ -431,11 +435,11 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
             raise LaunchTimeout(sorted(pending), timeout_s)
         _wait_sentinels([procs[r].sentinel for r in pending], timeout=min(_POLL_S, deadline - now))
         pending -= {r for r in pending if os.path.exists(specs[r].result_path)}
-        died = _silent_deaths(procs, specs, pending)
+        died = _silent_deaths(procs, specs, pending, deadline)
         errors = [e for e in (_read_error(s) for s in specs) if e is not None]
-        if errors and not died and all(_lost_peer(e) for e in errors):
+        if errors and not died and all(_lost_peer(e) for e in errors if e["type"] != "unknown"):
             died = _await_silent_death(procs, specs, pending - {e["rank"] for e in errors},
-                                       min(deadline, time.monotonic() + _DEATH_GRACE_S))
+                                       min(deadline, time.monotonic() + _DEATH_GRACE_S), deadline)
             errors = [e for e in (_read_error(s) for s in specs) if e is not None]  # and those raised meanwhile
         if died or errors:
             raise _root_cause(died, errors)
@@ -447,32 +451,37 @@ def _lost_peer(error: dict) -> bool:
 
 
 def _exited(procs, ranks) -> list[int]:
-    """The ranks whose process is exiting or has exited: its sentinel fires
-    when it closes its files, before it can be reaped."""
+    """The ranks whose process is exiting or has exited. Its sentinel fires
+    when it closes its files, before it can be reaped; but a child it forked
+    (a fork-started data loader) keeps the sentinel open after it is gone,
+    so a reaped process counts too."""
     ready = set(_wait_sentinels([procs[r].sentinel for r in ranks], timeout=0)) if ranks else set()
-    return [r for r in sorted(ranks) if procs[r].sentinel in ready]
+    return [r for r in sorted(ranks) if procs[r].sentinel in ready or not procs[r].is_alive()]
 
 
-def _silent_deaths(procs, specs, ranks) -> list[tuple[int, int | None]]:
+def _silent_deaths(procs, specs, ranks, deadline: float) -> list[tuple[int, int | None]]:
     """``(rank, exit code)`` of the ranks that are exiting leaving neither a
     result nor an error (files written before a process exits, so looked at
-    after its sentinel). Each is given :data:`_REAP_S` to be reaped for its
-    exit code, None if it is not."""
+    after it is seen exiting). They are given :data:`_REAP_S` together, and
+    no more than to ``deadline``, to be reaped for their exit codes: None
+    for one that is not."""
     died = [r for r in _exited(procs, ranks)
             if not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path)))]
-    until = time.monotonic() + _REAP_S
+    until = min(deadline, time.monotonic() + _REAP_S)
     for r in died:
         procs[r].join(max(0.0, until - time.monotonic()))
     return [(r, procs[r].exitcode) for r in died]
 
 
-def _await_silent_death(procs, specs, ranks, until: float) -> list[tuple[int, int | None]]:
-    """Wait until ``until`` for one of ``ranks`` to die silently, and return the ones that did."""
+def _await_silent_death(procs, specs, ranks, until: float, deadline: float) -> list[tuple[int, int | None]]:
+    """Wait until ``until`` for one of ``ranks`` to die silently, and return
+    the ones that did. Looks every poll, not only when a sentinel fires (see
+    :func:`_exited`)."""
     waiting = sorted(ranks)
     while waiting and (now := time.monotonic()) < until:
-        _wait_sentinels([procs[r].sentinel for r in waiting], timeout=until - now)
+        _wait_sentinels([procs[r].sentinel for r in waiting], timeout=min(_POLL_S, until - now))
         ended = _exited(procs, waiting)
-        died = _silent_deaths(procs, specs, ended)
+        died = _silent_deaths(procs, specs, ended, deadline)
         if died:
             return died
         waiting = [r for r in waiting if r not in ended]
@@ -517,7 +526,7 @@ def _death_summary(rank: int, code: int | None) -> str:
         except ValueError:
             how = f"killed by signal {-code}"
     elif code is None:
-        how = f"still being torn down {_REAP_S:g} s after it began to exit, exit code unknown"
+        how = f"still being torn down at least {_REAP_S:g} s after it began to exit, exit code unknown"
     else:
         how = f"exit code {code}"
     return (
