@@ -30,8 +30,9 @@ devices of a machine:
 3. **Refinement**: confirmation simulates one split per configuration, the
    model's, and among near splits of one configuration the model's error
    decides more than its ranking; so up to :data:`REFINE` other splits of
-   the chosen pipeline (its own and its best split's neighbours) are
-   confirmed too, and the fastest of all wins.
+   the chosen pipeline (its own and its best split's neighbours, rated
+   within :data:`REFINE_WITHIN` of it) are confirmed too, and the fastest
+   of all wins.
 
 The answer is a :class:`Plan`: the configuration in PipeDream's notation
 (:func:`notation`), its stages, the predicted and data-parallel throughput,
@@ -80,8 +81,12 @@ CONFIRM = 8
 SEEDS = 2
 #: ... and proposes this many of the best configurations it met.
 NEIGHBOURS = 6
-#: Other splits of the chosen pipeline confirmed once it is chosen.
+#: Other splits of the chosen pipeline confirmed once it is chosen ...
 REFINE = 4
+#: ... among those the model rates within this fraction of it: the model's
+#: error among near splits of one replicated configuration reached -22%
+#: (VGG-16 on Cluster-B); splits rated further below are not worth a run.
+REFINE_WITHIN = 0.25
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
 #: reference points, pure data parallelism and the straight pipeline, and the
 #: best split of a configuration the request holds the search to.
@@ -626,18 +631,22 @@ def _best(cands: list[Candidate]) -> int:
 
 def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanRequest, m: int) -> list[Candidate]:
     """Other splits of the chosen configuration, confirmed: the best
-    :attr:`PlanRequest.refine` that local search moving only its cuts meets
-    and no candidate has. Confirmation picks one split per configuration,
-    the model's; among the near splits of one configuration the model's
-    error (queueing behind big transfers, lock-step replicas) decides more
-    than its ranking, which the engine does not share."""
+    :attr:`PlanRequest.refine` that local search moving only its cuts (from
+    the chosen split and from the program's best split of its replicas)
+    meets, that no candidate has and that the model rates within
+    :data:`REFINE_WITHIN` of the chosen one. Confirmation picks one split
+    per configuration, the model's; among the near splits of one
+    configuration the model's error (queueing behind big transfers,
+    lock-step replicas) decides more than its ranking."""
     c = out[chosen]
     visited: dict[Config, Estimate] = {}
     for start in (Config(c.starts, c.replicas), planner.best_split(c.replicas)):
         if start is not None:
             planner.improve(start, cache=visited, fixed_replicas=True)
     have = {(x.starts, x.replicas) for x in out}
-    met = sorted((x for x in visited if (x.starts, x.replicas) not in have and planner.setting.fits(visited[x])),
+    floor = (1 - REFINE_WITHIN) * c.analytic_samples_per_s
+    met = sorted((x for x in visited if (x.starts, x.replicas) not in have and planner.setting.fits(visited[x])
+                  and visited[x].samples_per_s >= floor),
                  key=lambda x: visited[x].iteration_s)[:req.refine]
     return [_confirm(_candidate(planner, x, "refinement", visited[x]), req, m) for x in met]
 
