@@ -976,7 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)")
     p.add_argument("--refine", type=nonnegative, default=None,
                    help="replicas planner: other splits of the chosen pipeline confirmed once it is chosen "
-                        "(0: none) (default: 4)")
+                        "(0: none) (default: 6)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=1,
                    help="post receives this many compute actions early (0 = right before use)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the summary")

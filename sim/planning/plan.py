@@ -81,8 +81,9 @@ CONFIRM = 8
 SEEDS = 2
 #: ... and proposes this many of the best configurations it met.
 NEIGHBOURS = 6
-#: Other splits of the chosen pipeline confirmed once it is chosen ...
-REFINE = 4
+#: Other splits of the chosen pipeline confirmed once it is chosen (as many
+#: as a search held to its configuration proposes) ...
+REFINE = NEIGHBOURS
 #: ... among those the model rates within this fraction of it: the model's
 #: error among near splits of one replicated configuration reached -22%
 #: (VGG-16 on Cluster-B); splits rated further below are not worth a run.
