@@ -476,3 +476,21 @@ def test_silent_death_not_yet_reaped_is_reported_with_its_code_unknown(tmp_path,
     finally:
         for p in procs:
             os.close(p.sentinel)
+
+
+def test_exit_code_unknown_at_first_is_read_after_a_grace():
+    """A silent death reported before it was reaped gets its exit code (and
+    the hint that goes with it) once it is; errors with a traceback stay."""
+
+    class Reaped:
+        exitcode = None
+
+        def join(self, timeout=None):
+            self.exitcode = -signal.SIGKILL
+
+    err = WorkerError(1, launch_mod._death_summary(1, None), others=("rank 0 failed: RuntimeError: closed",))
+    out = launch_mod._with_exit_code(err, [Reaped(), Reaped()])
+    assert out.exitcode == -signal.SIGKILL and out.rank == 1 and out.others == err.others
+    assert "killed by signal SIGKILL" in str(out).splitlines()[0] and "out of memory" in out.hint
+    raised = WorkerError(0, "rank 0 failed: ValueError: boom", "Traceback ...", exc_type="ValueError")
+    assert launch_mod._with_exit_code(raised, [Reaped()]) is raised

@@ -347,13 +347,29 @@ def launch(
             p = mp.Process(target=_worker, args=(spec, fn), name=f"pipesim-rank{spec.rank}")
             p.start()
             procs.append(p)
-        _wait_for_results(procs, specs, deadline, timeout_s)
+        try:
+            _wait_for_results(procs, specs, deadline, timeout_s)
+        except WorkerError as e:
+            raise _with_exit_code(e, procs) from None
         _wait_for_exit(procs, deadline)
         return [torch.load(s.result_path, map_location="cpu", weights_only=False) for s in specs]
     finally:
         _stop_all(procs)
         _stop_heaters(heaters)
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _with_exit_code(err: WorkerError, procs) -> WorkerError:
+    """``err``, or for a silent death not yet reaped (its exit code unknown)
+    the same error with the code it has after a further grace: the exit
+    code says whether it was killed, and by what."""
+    if err.exitcode is not None or err.traceback or not 0 <= err.rank < len(procs):
+        return err
+    procs[err.rank].join(_TERM_GRACE_S)
+    code = procs[err.rank].exitcode
+    if code is None:
+        return err
+    return WorkerError(err.rank, _death_summary(err.rank, code), exitcode=code, others=err.others)
 
 
 def _write_args(path: str, args: Sequence[Any]) -> None:
