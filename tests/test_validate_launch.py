@@ -239,47 +239,42 @@ def test_raising_rank_reports_and_stops_the_others(tmp_path):
     assert again.rank == 1 and str(again) == str(err)
 
 
-@pytest.mark.multiprocess
-def test_rank_dying_without_raising_is_reported(tmp_path):
+def _launch_failure(fn, tmp_path) -> WorkerError:
+    """Launch ``fn`` on two ranks, which must fail within 20 s: the error,
+    once no worker is left."""
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        launch(_exit_on_one, 2, args=(str(tmp_path),), timeout_s=60)
-    err = info.value
-    assert err.rank == 1 and err.exitcode == 3
-    assert str(err).startswith("rank 1 failed:") and "exit code 3" in str(err).splitlines()[0]
+        launch(fn, 2, args=(str(tmp_path),), timeout_s=60)
     assert time.monotonic() - t0 < 20
     _assert_no_workers_left(_pids(tmp_path))
+    return info.value
+
+
+@pytest.mark.multiprocess
+def test_rank_dying_without_raising_is_reported(tmp_path):
+    err = _launch_failure(_exit_on_one, tmp_path)
+    assert err.rank == 1 and err.exitcode == 3
+    assert str(err).startswith("rank 1 failed:") and "exit code 3" in str(err).splitlines()[0]
 
 
 @pytest.mark.multiprocess
 def test_silent_death_reaped_after_its_peers_error_is_still_the_cause(tmp_path):
-    with pytest.raises(WorkerError) as info:
-        launch(_exit_slowly_on_one, 2, args=(str(tmp_path),), timeout_s=60)
-    err = info.value
+    err = _launch_failure(_exit_slowly_on_one, tmp_path)
     assert err.rank == 1 and err.exitcode == 3, str(err)
     assert any(line.startswith("rank 0 failed:") for line in err.others)  # the consequence, listed after
-    _assert_no_workers_left(_pids(tmp_path))
 
 
 @pytest.mark.multiprocess
 def test_silent_death_is_seen_while_a_forked_child_holds_its_sentinel(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(WorkerError) as info:
-        launch(_die_leaving_a_forked_child, 2, args=(str(tmp_path),), timeout_s=60)
-    err = info.value
+    err = _launch_failure(_die_leaving_a_forked_child, tmp_path)
     assert err.rank == 1 and err.exitcode == 3, str(err)
-    assert time.monotonic() - t0 < 20
-    _assert_no_workers_left(_pids(tmp_path))
 
 
 @pytest.mark.multiprocess
 def test_death_after_an_error_of_its_own_is_the_consequence(tmp_path):
-    with pytest.raises(WorkerError) as info:
-        launch(_abort_after_ones_error, 2, args=(str(tmp_path),), timeout_s=60)
-    err = info.value
+    err = _launch_failure(_abort_after_ones_error, tmp_path)
     assert err.rank == 0 and err.exc_type == "ValueError", str(err)
     assert "a bug of rank 0's own" in str(err).splitlines()[0]
-    _assert_no_workers_left(_pids(tmp_path))
 
 
 @pytest.mark.multiprocess
