@@ -640,16 +640,23 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
     configuration the model's error (queueing behind big transfers,
     lock-step replicas) decides more than its ranking."""
     c = out[chosen]
+    starts = [Config(c.starts, c.replicas), planner.best_split(c.replicas)]
+    met = _splits_met(planner, [s for s in starts if s is not None], skip={Config(x.starts, x.replicas) for x in out},
+                      limit=req.refine, floor=(1 - REFINE_WITHIN) * c.analytic_samples_per_s)
+    return [_confirm(_candidate(planner, cfg, "refinement", est), req, m) for cfg, est in met]
+
+
+def _splits_met(planner: Planner, starts: list[Config], *, skip, limit: int,
+                floor: float = 0.0) -> list[tuple[Config, Estimate]]:
+    """The ``limit`` best splits that local search moving only the cuts of
+    ``starts`` meets, best first with their estimates: those that fit, are
+    not in ``skip`` and are rated at ``floor`` samples/s or more."""
     visited: dict[Config, Estimate] = {}
-    for start in (Config(c.starts, c.replicas), planner.best_split(c.replicas)):
-        if start is not None:
-            planner.improve(start, cache=visited, fixed_replicas=True)
-    have = {(x.starts, x.replicas) for x in out}
-    floor = (1 - REFINE_WITHIN) * c.analytic_samples_per_s
-    met = sorted((x for x in visited if (x.starts, x.replicas) not in have and planner.setting.fits(visited[x])
-                  and visited[x].samples_per_s >= floor),
-                 key=lambda x: visited[x].iteration_s)[:req.refine]
-    return [_confirm(_candidate(planner, x, "refinement", visited[x]), req, m) for x in met]
+    for start in starts:
+        planner.improve(start, cache=visited, fixed_replicas=True)
+    met = sorted((x for x in visited if x not in skip and planner.setting.fits(visited[x])
+                  and visited[x].samples_per_s >= floor), key=lambda x: visited[x].iteration_s)
+    return [(x, visited[x]) for x in met[:limit]]
 
 
 def _candidates(planner: Planner) -> list[Candidate]:
@@ -690,12 +697,9 @@ def _held_candidates(planner: Planner, replicas: tuple[int, ...]) -> list[Candid
     (shown out of memory when none fits), and the best ones local search
     meets moving its cuts."""
     start = planner.best_split(replicas) or planner.best_split(replicas, memory=False)
-    visited: dict[Config, Estimate] = {}
-    planner.improve(start, cache=visited, fixed_replicas=True)
-    met = sorted((c for c in visited if c != start and planner.setting.fits(visited[c])),
-                 key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
-    return [_candidate(planner, start, "held", visited[start])] + [
-        _candidate(planner, cfg, "local search", visited[cfg]) for cfg in met]
+    met = _splits_met(planner, [start], skip={start}, limit=NEIGHBOURS)
+    return [_candidate(planner, start, "held", planner.estimate(start))] + [
+        _candidate(planner, cfg, "local search", est) for cfg, est in met]
 
 
 def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
