@@ -586,6 +586,10 @@ def _planner(args) -> str:
     planner = args.planner or strategy.planner
     if planner not in strategy.planners:
         raise PlanError(f"{args.strategy} is planned by {' or '.join(strategy.planners)}, not {planner}")
+    if args.refine is not None and (args.replicas is not None or args.straight or args.confirm == 0):
+        held = "--replicas" if args.replicas is not None else "--straight" if args.straight else "--confirm 0"
+        raise UsageError(f"pipesim plan: --refine does nothing with {held} (a held search confirms its own splits; "
+                         "--confirm 0 simulates nothing)")
     if planner == "replicas" and args.batch_size is not None:
         raise UsageError("pipesim plan: --batch-size is for the width-depth and tuner planners; the replicas planner "
                          "takes --microbatches (per iteration) and --microbatch-size")

@@ -127,7 +127,10 @@ def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower(vgg_p
     assert held["stages"][0]["layers"][0] == 0 and held["stages"][1]["layers"][1] == 39
     assert held["predicted_is_simulated"] and held["speedup_vs_dp"] > 1
     assert vgg_plan["predicted_samples_per_s"] >= held["predicted_samples_per_s"]
-    assert "refinement" not in {c["source"] for c in held["candidates"]}  # a held search confirms its own splits
+    splits = [tuple(s["layers"][0] for s in c["stages"]) for c in held["candidates"]]
+    assert len(set(splits)) == len(splits)
+    # VGG-16's other splits of 15-1 are rated over 25% below the chosen one: none is refined
+    assert "refinement" not in {c["source"] for c in vgg_plan["candidates"]}
 
 
 def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
@@ -147,6 +150,13 @@ def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
     assert refined.candidates[refined.chosen].source == "refinement"
     assert refined.predicted_samples_per_s > plain.predicted_samples_per_s * 1.02
     assert refined.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
+    assert "refinement" not in {c.source for c in held.candidates}  # a held search confirms its own splits
+    chosen = refined.candidates[refined.chosen]
+    assert all(c.analytic_samples_per_s >= 0.75 * plain.candidates[plain.chosen].analytic_samples_per_s
+               for c in added)
+    one = plan(PlanRequest("pipedream", prof, hw, 16, refine=1))
+    assert [c.source for c in one.candidates].count("refinement") == 1
+    assert chosen.simulated_samples_per_s >= one.predicted_samples_per_s
 
 
 def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:
@@ -232,6 +242,8 @@ def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
     (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
     (["--replicas", "2,2", "--straight"], "not allowed with argument"),
     (["--no-stashing", "--strategy", "1f1b"], "1f1b has no option 'stashing' to plan with (it takes: none)"),
+    (["--refine", "2", "--replicas", "3,1"], "--refine does nothing with --replicas"),
+    (["--refine", "2", "--confirm", "0"], "--refine does nothing with --confirm 0"),
     (["--refine", "2", "--strategy", "pipedream-2bw"],
      "--refine is not an option of the width-depth planner (its splits are balanced, not searched)"),
     (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),

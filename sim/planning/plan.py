@@ -85,8 +85,8 @@ NEIGHBOURS = 6
 #: as a search held to its configuration proposes) ...
 REFINE = NEIGHBOURS
 #: ... among those the model rates within this fraction of it: the model's
-#: error among near splits of one replicated configuration reached -22%
-#: (VGG-16 on Cluster-B); splits rated further below are not worth a run.
+#: error on splits a few layers from its choice reached -23% (VGG-16's 15-1
+#: on Cluster-B); splits rated further below are not worth a run.
 REFINE_WITHIN = 0.25
 #: Sources of candidates always confirmed (when they fit): PipeDream's two
 #: reference points, pure data parallelism and the straight pipeline, and the
@@ -526,7 +526,8 @@ class PlanRequest:
     #: (what PipeDream's optimizer returns under ``--straight_pipeline``)
     straight: bool = False
     #: other splits of the chosen configuration confirmed after the choice
-    #: (:func:`_refinements`; not for a held search, which confirms its splits)
+    #: (:func:`_refinements`; ignored by a held search, which confirms its
+    #: splits, and with ``confirm=0``)
     refine: int = REFINE
 
     @property
@@ -605,7 +606,8 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         out[i] = _confirm(out[i], req, m)
         confirmed += out[i].simulated and i in others
     chosen = _best(out)
-    if held is None and req.refine > 0 and out[chosen].simulated and len(out[chosen].stages) > 1:
+    if (held is None and req.refine > 0 and out[chosen].simulated and not out[chosen].out_of_memory
+            and len(out[chosen].stages) > 1):
         say(f"confirming other splits of {out[chosen].config}")
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
         chosen = _best(out)
@@ -634,8 +636,8 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
     """Other splits of the chosen configuration, confirmed: the best
     :attr:`PlanRequest.refine` that local search moving only its cuts (from
     the chosen split and from the program's best split of its replicas)
-    meets, that no candidate has and that the model rates within
-    :data:`REFINE_WITHIN` of the chosen one. Confirmation picks one split
+    meets, that are not listed already (confirmed or not) and that the
+    model rates within :data:`REFINE_WITHIN` of the chosen one. Confirmation picks one split
     per configuration, the model's; among the near splits of one
     configuration the model's error (queueing behind big transfers,
     lock-step replicas) decides more than its ranking."""
