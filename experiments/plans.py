@@ -38,7 +38,14 @@ def _throughput(c: dict) -> float:
 
 def _label(c: dict) -> str:
     params = "".join(f", {k} {v}" for k, v in sorted(c.get("params", {}).items()))
-    return f"{c['config']} ({c['source']}{params})"
+    return f"{c['config']}{_cuts(c)} ({c['source']}{params})"
+
+
+def _cuts(c: dict) -> str:
+    """Where a pipeline is cut (" |9,12": after layers 9 and 12), so that
+    two splits of one configuration can be told apart."""
+    cuts = ",".join(str(s["layers"][1]) for s in c["stages"][:-1])
+    return f" |{cuts}" if cuts else ""
 
 
 def _hover(c: dict) -> str:
@@ -151,7 +158,7 @@ def render_plan(plan: dict) -> str:
     for i in ranked[:SHOWN_CANDIDATES]:
         c = plan["candidates"][i]
         sim = c.get("simulated_samples_per_s")
-        lines.append(f"  {'*' if i == plan['chosen'] else ' '} {_label(c):40s} "
+        lines.append(f"  {'*' if i == plan['chosen'] else ' '} {_label(c):48s} "
                      f"{'sim ' + format(sim, '9.1f') if sim is not None else 'model ' + format(c['analytic_samples_per_s'], '7.1f')}"
                      f"  {c['peak_memory_bytes'] / GIB:6.2f} GiB{'  OOM' if c['out_of_memory'] else ''}"
                      f"{'  ' + c['note'] if c.get('note') else ''}")

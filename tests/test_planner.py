@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -253,6 +254,10 @@ def test_cli_held_plans_and_refusals(capsys, tmp_path, argv, message) -> None:
     if message is None:  # --gpus defaults to the replicas' sum
         assert code == 0, err
         assert "chosen among splits of 3-1 only: 3-1" in out
+        # each candidate names its cuts, so the splits of one configuration are told apart
+        rows = [line.split("(")[0].strip(" *") for line in out.split("candidates (")[1].splitlines()[1:]
+                if line.startswith("  ")]
+        assert len(rows) > 1 and all(re.fullmatch(r"3-1 \|\d+", r) for r in rows) and len(set(rows)) == len(rows)
         return
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
