@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pipesim.sim.api import resolve_hardware
 from pipesim.sim.models import model_profile
-from pipesim.sim.planning.plan import PlanRequest, notation, plan
+from pipesim.sim.planning.plan import PlanRequest, data_parallel_throughput, notation, plan
 
 from .base import Claim, Paper, Progress, Row, bars_beside_published, no_progress, write_figure
 
@@ -137,14 +137,12 @@ def held_to_paper(row: Row) -> float | None:
     hw = resolve_hardware(row.hardware)
     profile = model_profile(row.model, hw.device, row.global_batch // row.gpus)
 
-    def held(gpus: int, **how):
-        return plan(PlanRequest("pipedream", profile, hw, gpus, model=row.model, **how))
-
-    theirs = held(used, **({"straight": True} if config == "straight" else
-                           {"replicas": tuple(map(int, config.split("-")))}))
+    how = {"straight": True} if config == "straight" else {"replicas": tuple(map(int, config.split("-")))}
+    theirs = plan(PlanRequest("pipedream", profile, hw, used, model=row.model, **how))
     if used == row.gpus:
         return theirs.speedup_vs_dp
-    return theirs.predicted_samples_per_s / held(row.gpus, replicas=(row.gpus,)).data_parallel_samples_per_s
+    all_gpus = PlanRequest("pipedream", profile, hw, row.gpus, model=row.model)
+    return theirs.predicted_samples_per_s / data_parallel_throughput(all_gpus)
 
 
 def _paper_config(row: Row) -> str:

@@ -10,8 +10,8 @@ devices of a machine:
    straight pipeline; local search on the full cost model moves each
    configuration's cuts (the program costs a split by its stages alone),
    then starts from the :data:`SEEDS` best and proposes the
-   :data:`NEIGHBOURS` best configurations it met. Every candidate is costed by the full model
-   (:mod:`.cost`). A request held to one configuration
+   :data:`NEIGHBOURS` best configurations it met. Every candidate is
+   costed by the full model (:mod:`.cost`). A request held to one configuration
    (:attr:`PlanRequest.replicas`, e.g. PipeDream's "15-1", or
    :attr:`PlanRequest.straight`) searches only its cuts: a dynamic program
    over its stages (:meth:`.search.Planner.best_split`), then local search
@@ -612,7 +612,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
         chosen = _best(out)
     say("simulating data parallelism")
-    dp = _data_parallel(req, m)
+    dp = data_parallel_throughput(req)
     return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name, gpus=req.gpus,
                 microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
                 options=dict(req.options),
@@ -637,10 +637,10 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
     :attr:`PlanRequest.refine` that local search moving only its cuts (from
     the chosen split and from the program's best split of its replicas)
     meets, that are not listed already (confirmed or not) and that the
-    model rates within :data:`REFINE_WITHIN` of the chosen one. Confirmation picks one split
-    per configuration, the model's; among the near splits of one
-    configuration the model's error (queueing behind big transfers,
-    lock-step replicas) decides more than its ranking."""
+    model rates within :data:`REFINE_WITHIN` of the chosen one.
+    Confirmation picks one split per configuration, the model's; among the
+    near splits of one configuration the model's error (queueing behind big
+    transfers, lock-step replicas) decides more than its ranking."""
     c = out[chosen]
     starts = [Config(c.starts, c.replicas), planner.best_split(c.replicas)]
     met = _splits_met(planner, [s for s in starts if s is not None], skip={Config(x.starts, x.replicas) for x in out},
@@ -783,11 +783,13 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
     return replace(cand, note=note)
 
 
-def _data_parallel(req: PlanRequest, m: int) -> float | None:
-    """Steady-state throughput of data parallelism on the same devices."""
+def data_parallel_throughput(req: PlanRequest) -> float | None:
+    """Steady-state throughput of data parallelism on the request's devices,
+    the micro-batches per iteration rounded up to a multiple of them (the
+    baseline every plan's speedup is over)."""
     from ..api import simulate
 
-    n = req.gpus
+    n, m = req.gpus, req.microbatches or req.gpus
     spec = ScheduleSpec(DATA_PARALLEL, n, -(-m // n) * n, iterations=req.iterations)
     try:
         result = simulate(spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead,
