@@ -13,6 +13,9 @@ Prints, measured in one process so the ratios hold on a noisy machine:
   summarise, write summary.json), timed in this process. ``pipesim bench
   sim`` adds the console script's end-to-end time (interpreter start and
   imports included), which only the command-line layer can measure;
+* the ceiling of any SimPy model of the target: the least SimPy model of
+  its schedule, recording nothing (:func:`bare_model_seconds`), and the
+  engine's own SimPy run alone, each against the raw rate;
 * peak memory of that path for m = 256 ... 2048 at p = 64, each in a fresh
   interpreter, as bytes per compute action: a flat column means memory grows
   linearly with the actions.
@@ -35,10 +38,17 @@ from pathlib import Path
 import simpy
 
 from ._gc import gc_paused
-from .api import simulate
+from .api import model_for, simulate, split_for
 from .cliargs import bench_main
+from .engine import CostModel, prepared_run
+from .hardware import load_hardware
+from .ir import COMPUTE_OPS, UPDATE, B, F, Schedule, ScheduleError
 from .metrics import summarize, write_summary
-from .strategies import ScheduleSpec
+from .strategies import ScheduleSpec, build_schedule
+
+#: The machine of every timed case but the small real-model ones: transfers are free.
+IDEAL = load_hardware("ideal")
+IDEAL_DEVICE = IDEAL.device
 
 #: The issue's target: 1F1B, p = 64, m = 1024 (131,072 compute actions) in 2 s.
 TARGET = {"strategy": "1f1b", "stages": 64, "microbatches": 1024, "seconds": 2.0}
@@ -59,6 +69,106 @@ def raw_simpy_rate(n: int = 300_000) -> float:
     with gc_paused():
         env.run()
     return n / (time.perf_counter() - start)
+
+
+#: The ops a bare model (:func:`bare_model_seconds`) runs: the passes and the
+#: optimizer step of a compute-only pipeline of one replica per stage.
+_BARE_OPS = frozenset({F, B, UPDATE})
+
+
+def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
+    """Run the least SimPy model of ``schedule`` on the ``ideal`` machine
+    and return (wall seconds, simulated makespan).
+
+    One ``env.process`` per device walks its program; each pass and update
+    is an ``env.timeout`` of its duration; a forward waits for its
+    micro-batch's forward on the stage before, a backward for the backward
+    on the stage after, through one ``env.event`` per producing pass, armed
+    only when the consumer finds it missing. No transfers (on ``ideal``
+    they take no time), no spans, no validation, no accounting: whatever
+    any SimPy simulator of this schedule also records costs more. Its rate
+    is therefore the ceiling for such a simulator measured in the same
+    process as SimPy's raw rate, and its makespan must be the engine's (a
+    test holds the two together), so it is the same schedule.
+
+    Only programs of F, B and UPDATE with one replica per stage qualify
+    (GPipe, 1F1B, interleaved 1F1B, PipeDream, 2BW); anything else raises
+    :class:`~pipesim.sim.ir.ScheduleError`.
+    """
+    costs = CostModel.for_device(stage_costs, IDEAL_DEVICE)
+    last = schedule.num_stages - 1
+    programs = []
+    for program in schedule.programs:
+        steps = []
+        for a in program:
+            if a.op not in _BARE_OPS or a.replica:
+                raise ScheduleError(f"the bare model runs F, B and UPDATE of one replica per stage, not {a}")
+            need = None
+            if a.op is F and a.stage > 0:
+                need = (F, a.stage - 1, a.microbatch)
+            elif a.op is B and a.stage < last:
+                need = (B, a.stage + 1, a.microbatch)
+            made = None if a.op is UPDATE else (a.op, a.stage, a.microbatch)  # an update feeds no other device
+            steps.append((costs.compute(a), need, made))
+        programs.append(steps)
+    env = simpy.Environment()
+    produced: dict[tuple, simpy.Event] = {}
+
+    def walk(steps):
+        for duration, need, made in steps:
+            if need is not None:
+                ev = produced.get(need)
+                if ev is None:
+                    ev = produced[need] = env.event()
+                if not ev.triggered:
+                    yield ev
+            yield env.timeout(duration)
+            if made is not None:
+                ev = produced.get(made)
+                if ev is None:
+                    produced[made] = ev = env.event()
+                ev.succeed()
+
+    for steps in programs:
+        env.process(walk(steps))
+    start = time.perf_counter()
+    with gc_paused():
+        env.run()
+    return time.perf_counter() - start, env.now
+
+
+def bare_model_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
+    """The best of ``repeat`` runs of :func:`bare_model_seconds` for
+    ``strategy`` at p stages and m micro-batches of the uniform model, in
+    compute actions per second (the wall time counts the run, not building
+    its programs)."""
+    spec = ScheduleSpec(strategy, p, m)
+    schedule = build_schedule(spec)
+    stage_costs = split_for(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL)
+    seconds = min(bare_model_seconds(schedule, stage_costs)[0] for _ in range(repeat))
+    actions = sum(a.op in COMPUTE_OPS for program in schedule.programs for a in program)
+    return {"compute_actions": actions, "seconds": round(seconds, 4), "actions_per_s": round(actions / seconds)}
+
+
+def engine_run_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
+    """The best of ``repeat`` SimPy runs of the engine itself on the same
+    schedule and machine as :func:`bare_model_rate`: ``execute()`` of a
+    :func:`~pipesim.sim.engine.prepared_run` alone (its compile, the
+    validation before it and the accounting after it are not timed; its
+    spans and transfers are)."""
+    spec = ScheduleSpec(strategy, p, m)
+    schedule = build_schedule(spec)
+    stage_costs = split_for(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL)
+    times = []
+    for _ in range(repeat):
+        with gc_paused():
+            run = prepared_run(schedule, stage_costs, IDEAL)
+            start = time.perf_counter()
+            run.execute()
+            times.append(time.perf_counter() - start)
+            del run
+    actions = sum(a.op in COMPUTE_OPS for program in schedule.programs for a in program)
+    return {"compute_actions": actions, "seconds": round(min(times), 4), "actions_per_s": round(actions / min(times))}
 
 
 def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardware: str = "ideal",
@@ -172,10 +282,26 @@ def run(args: argparse.Namespace) -> dict:
         report["target"] = {**TARGET, "compute_actions": actions, "library_best_s": round(times[0], 3),
                             "library_median_s": round(statistics.median(times), 3),
                             "ratio_to_raw_simpy": round(actions / times[0] / raw, 4)}
+        print("[ceiling] the bare SimPy model of the target and the engine's SimPy run alone, 3 times each, "
+              "beside SimPy's raw rate ...", file=sys.stderr, flush=True)
+        report["ceiling"] = ceiling(TARGET["strategy"], TARGET["stages"], TARGET["microbatches"])
         print(f"[memory] peak resident set for m = {', '.join(map(str, MEMORY_SIZES))} at p = 64, "
               "each in a fresh interpreter ...", file=sys.stderr, flush=True)
         report["memory"] = memory_rows()
     return report
+
+
+def ceiling(strategy: str, p: int, m: int) -> dict:
+    """How close any SimPy model of this schedule can come to SimPy's raw
+    rate: :func:`bare_model_rate` and :func:`engine_run_rate`, each as a
+    fraction of a raw rate measured right before it (the machine's speed
+    drifts between the parts of a bench)."""
+    out = {}
+    for name, rate in (("bare_model", bare_model_rate), ("engine_run", engine_run_rate)):
+        raw = raw_simpy_rate()
+        row = rate(strategy, p, m)
+        out[name] = {**row, "raw_simpy_timeouts_per_s": round(raw), "ratio_to_raw_simpy": round(row["actions_per_s"] / raw, 4)}
+    return out
 
 
 def render(report: dict) -> str:
@@ -193,6 +319,13 @@ def render(report: dict) -> str:
                      f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
                      f"(target {target['seconds']:.1f} s end to end); best as a rate: "
                      f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)")
+    ceil = report.get("ceiling")
+    if ceil:
+        for name, what in (("bare_model", "the bare SimPy model of it (no transfers, spans or accounting)"),
+                           ("engine_run", "the engine's SimPy run of it alone (spans and transfers included)")):
+            r = ceil[name]
+            lines.append(f"  {what}: best {r['seconds']:.3f} s, {r['actions_per_s']:,} actions/s, "
+                         f"{r['ratio_to_raw_simpy']:.3f}x raw SimPy ({r['raw_simpy_timeouts_per_s']:,}/s)")
     if report.get("memory"):
         lines.append(f"{'peak memory':<12} {'m':>5} {'actions':>8} {'peak RSS':>10} {'after imports':>14} "
                      f"{'bytes/action':>13}")

@@ -217,8 +217,7 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
         # Structure only: the dry run would cost as much as the simulation,
         # which stops by itself on a deadlock and names the same wait cycle.
         validate(schedule, deadlock=False)
-    costs = CostModel.for_device(stage_costs, hardware.device, optimizer)
-    run = (_Run if hardware.cpu is None else _CpuRun)(schedule, compiled(schedule, recv_lookahead), costs, hardware)
+    run = prepared_run(schedule, stage_costs, hardware, optimizer=optimizer, recv_lookahead=recv_lookahead)
     run.execute()
     result = SimResult(
         schedule=schedule,
@@ -236,6 +235,16 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
     track(result, stage_costs, hardware, optimizer=optimizer)
     retain(run)  # a one-shot process leaves the run's temporaries unfreed (pipesim.sim._gc)
     return result
+
+
+def prepared_run(schedule: Schedule, stage_costs, hardware: Hardware, *, optimizer: str = "sgd",
+                 recv_lookahead: int = 1) -> _Run:
+    """A run of ``schedule`` compiled and costed, ready for ``execute()``,
+    which fills its ``spans`` and ``link_bytes`` (split from
+    :func:`simulate` so the SimPy run can be timed alone: ``pipesim bench
+    sim``). Nothing is checked here."""
+    costs = CostModel.for_device(stage_costs, hardware.device, optimizer)
+    return (_Run if hardware.cpu is None else _CpuRun)(schedule, compiled(schedule, recv_lookahead), costs, hardware)
 
 
 def compiled(schedule: Schedule, recv_lookahead: int) -> list[list[Entry]]:

@@ -1,0 +1,47 @@
+"""The simulator benchmark's ceiling: the bare SimPy model it measures must
+be the same schedule as the engine's, or its rate says nothing about it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from pipesim.sim.api import simulate
+from pipesim.sim.bench import bare_model_seconds, ceiling, render
+from pipesim.sim.ir import ScheduleError
+from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule
+
+#: The strategies whose programs are F, B and UPDATE of one replica per stage.
+BARE = ("gpipe", "1f1b", "interleaved-1f1b", "pipedream", "pipedream-2bw")
+
+
+@settings(max_examples=40, deadline=None)
+@given(strategy=st.sampled_from(BARE), p=st.integers(1, 6), m=st.integers(1, 10), model=st.sampled_from(("uniform", "vgg16")))
+def test_bare_model_ends_when_the_engine_does(strategy, p, m, model) -> None:
+    spec = ScheduleSpec(strategy, p, m)
+    try:
+        schedule = build_schedule(spec)
+    except StrategyError:  # a size the strategy refuses (2BW needs m >= p, interleaving whole rounds)
+        assume(False)
+    result = simulate(spec, model)
+    assert bare_model_seconds(schedule, result.stage_costs)[1] == result.makespan
+
+
+@pytest.mark.parametrize("strategy", ["spectrain", "zb-h1", "avgpipe", "data-parallel"])
+def test_bare_model_refuses_what_it_does_not_model(strategy) -> None:
+    spec = ScheduleSpec(strategy, 4, 8)
+    result = simulate(spec)
+    with pytest.raises(ScheduleError, match="bare model runs F, B and UPDATE"):
+        bare_model_seconds(build_schedule(spec), result.stage_costs)
+
+
+def test_ceiling_reports_both_runs_against_raw_simpy() -> None:
+    out = ceiling("1f1b", 4, 8)
+    for name in ("bare_model", "engine_run"):
+        row = out[name]
+        assert row["compute_actions"] == 4 * 8 * 2 + 4  # passes and one update per stage
+        assert row["actions_per_s"] > 0 and row["raw_simpy_timeouts_per_s"] > 0
+        assert row["ratio_to_raw_simpy"] == pytest.approx(row["actions_per_s"] / row["raw_simpy_timeouts_per_s"], rel=1e-3)
+    text = render({"raw_simpy_timeouts_per_s": 1, "cases": [], "target": {}, "ceiling": out})
+    assert "the bare SimPy model" in text and "the engine's SimPy run" in text
