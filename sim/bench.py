@@ -137,16 +137,21 @@ def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
     return time.perf_counter() - start, env.now
 
 
+def _uniform_on_ideal(strategy: str, p: int, m: int) -> tuple[Schedule, list, int]:
+    """The schedule of (strategy, p, m), the uniform model's split over its
+    stages on ``ideal``, and its compute actions: what the ceiling runs."""
+    schedule = build_schedule(ScheduleSpec(strategy, p, m))
+    stage_costs = split_for(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL)
+    return schedule, stage_costs, sum(a.op in COMPUTE_OPS for program in schedule.programs for a in program)
+
+
 def bare_model_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
     """The best of ``repeat`` runs of :func:`bare_model_seconds` for
     ``strategy`` at p stages and m micro-batches of the uniform model, in
     compute actions per second (the wall time counts the run, not building
     its programs)."""
-    spec = ScheduleSpec(strategy, p, m)
-    schedule = build_schedule(spec)
-    stage_costs = split_for(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL)
+    schedule, stage_costs, actions = _uniform_on_ideal(strategy, p, m)
     seconds = min(bare_model_seconds(schedule, stage_costs)[0] for _ in range(repeat))
-    actions = sum(a.op in COMPUTE_OPS for program in schedule.programs for a in program)
     return {"compute_actions": actions, "seconds": round(seconds, 4), "actions_per_s": round(actions / seconds)}
 
 
@@ -156,9 +161,7 @@ def engine_run_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
     :func:`~pipesim.sim.engine.prepared_run` alone (its compile, the
     validation before it and the accounting after it are not timed; its
     spans and transfers are)."""
-    spec = ScheduleSpec(strategy, p, m)
-    schedule = build_schedule(spec)
-    stage_costs = split_for(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL)
+    schedule, stage_costs, actions = _uniform_on_ideal(strategy, p, m)
     times = []
     for _ in range(repeat):
         with gc_paused():
@@ -167,7 +170,6 @@ def engine_run_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
             run.execute()
             times.append(time.perf_counter() - start)
             del run
-    actions = sum(a.op in COMPUTE_OPS for program in schedule.programs for a in program)
     return {"compute_actions": actions, "seconds": round(min(times), 4), "actions_per_s": round(actions / min(times))}
 
 
