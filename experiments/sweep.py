@@ -53,7 +53,8 @@ from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main, first_line, list_choices, positive
 from pipesim.sim.errors import InputError, RunError
-from pipesim.sim.strategies import ScheduleSpec, get_strategy, strategies, strategy_names
+from pipesim.sim.strategies import ScheduleSpec, check_field, get_strategy, strategies, strategy_names
+from pipesim.sim.workload import check_microbatch_size
 
 SWEEP_VERSION = 1
 
@@ -269,12 +270,28 @@ def make_grid(*layers: dict[str, Sequence]) -> dict[str, tuple]:
             if not values:
                 raise GridError(f"sweep axis {name} has no values")
             grid[name] = tuple(dict.fromkeys(check_value(v, hint, name) for v in values))
+            _check_range(name, grid[name])
     for name in grid["strategy"]:
         get_strategy(name)  # a one-line StrategyError naming the choices
     _check_models(grid["model"])
     hardware_table(grid["hardware"])
     _check_options_apply(grid)
     return grid
+
+
+def _check_range(axis: str, values: tuple) -> None:
+    """Values no point could run (a size < 1, an unknown placement), named
+    before any simulation as a flag's would be, not skipped point by point;
+    what only some strategies refuse (2BW's m >= p) is still a skip."""
+    for value in values:
+        try:
+            if axis == "microbatch_size":
+                if value is not None:
+                    check_microbatch_size(value)
+            elif axis in ScheduleSpec.__dataclass_fields__ and axis != "strategy":
+                check_field(axis, value)
+        except InputError as e:
+            raise GridError(f"sweep axis {axis}: {e}") from None
 
 
 def _check_models(names: Iterable[str]) -> None:

@@ -161,6 +161,11 @@ def test_ray_missing_is_one_line(monkeypatch, tmp_path, capsys) -> None:
         (["--stages", "0"], "must be >= 1"),
         (["--strategy", "gpipe", "--set", "chunks=2"], "chunks applies to none of the swept strategies"),
         (["--stages", "2", "--set", "stages=4"], "sweep axis stages is given twice"),
+        # values no point could run are refused as a flag's would be, not skipped point by point
+        (["--set", "microbatch_size=-1"], "sweep axis microbatch_size: microbatch_size must be an integer >= 1"),
+        (["--set", "replicas=0,1"], "sweep axis replicas: replicas must give each stage a count >= 1"),
+        (["--set", "placement=nope"], "sweep axis placement: placement must be one of shared, disjoint"),
+        (["--set", "alpha=0"], "sweep axis alpha: alpha must be a number in (0, 1]"),
         (["--grid", "/nonexistent/grid.json"], "grid file /nonexistent/grid.json not found"),
         (["--workers", "2", "--ray", "auto"], "not allowed with"),
         (["--workers", "0"], "must be >= 1"),
@@ -183,6 +188,7 @@ def test_bad_grid_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> Non
         ('{"alpha": [0.5, "x"]}', "sweep axis alpha: value \"x\" is not of type float"),
         ('{"stages": []}', "sweep axis stages has no values"),
         ('{"frobs": [1]}', "unknown sweep axis 'frobs'"),
+        ('{"stages": [4, -2]}', "sweep axis stages: stages must be >= 1, got -2"),
     ],
 )
 def test_bad_grid_file_is_one_line_and_exit_2(content, message, capsys, tmp_path) -> None:

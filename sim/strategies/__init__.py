@@ -26,10 +26,10 @@ from . import (
     tensor_parallel,
     zero_bubble,
 )
-from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError
+from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError, check_field
 
 __all__ = [
-    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "find_strategy",
+    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field", "find_strategy",
     "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
 ]
 

@@ -266,28 +266,12 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
     ignored (front ends can ask :func:`~pipesim.sim.strategies.strategy_options`
     which ones to pass).
     """
-    for name in ("stages", "microbatches", "iterations", "width", "chunks", "tau"):
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise StrategyError(f"{name} must be an integer, got {value!r}")
-        if value < 1:
-            raise StrategyError(f"{name} must be >= 1, got {value}")
-    if isinstance(spec.advance, bool) or not isinstance(spec.advance, int) or spec.advance < 0:
-        raise StrategyError(f"advance must be an integer >= 0, got {spec.advance!r}")
-    alpha_ok = isinstance(spec.alpha, (int, float)) and not isinstance(spec.alpha, bool)
-    if not (alpha_ok and 0.0 < spec.alpha <= 1.0):
-        raise StrategyError(f"alpha must be a number in (0, 1], got {spec.alpha!r}")
-    if not isinstance(spec.stashing, bool):
-        raise StrategyError(f"stashing must be True or False, got {spec.stashing!r}")
-    if spec.placement not in PLACEMENTS:
-        raise StrategyError(f"placement must be one of {', '.join(PLACEMENTS)}, got {spec.placement!r}")
-    if spec.optimizer not in OPTIMIZERS:
-        raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+    for name in _CHECKED_FIELDS:
+        check_field(name, getattr(spec, name))
     if spec.replicas is not None:
-        reps = spec.replicas
-        if (not isinstance(reps, tuple) or len(reps) != spec.stages
-                or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in reps)):
-            raise StrategyError(f"replicas must give each of the {spec.stages} stages a count >= 1, got {reps!r}")
+        if len(spec.replicas) != spec.stages:
+            raise StrategyError(f"replicas must give each of the {spec.stages} stages a count >= 1, "
+                                f"got {spec.replicas!r}")
         if spec.width != 1:
             raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
@@ -301,6 +285,41 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
     for name, default in OPTION_DEFAULTS.items():
         if name not in uses and getattr(spec, name) != default:
             raise StrategyError(f"option {name}={getattr(spec, name)!r} does not apply to {spec.strategy}")
+
+
+#: The spec fields whose values :func:`check_field` checks on their own.
+_CHECKED_FIELDS = ("stages", "microbatches", "iterations", "width", "chunks", "tau", "advance", "alpha", "stashing",
+                   "placement", "optimizer", "replicas")
+
+
+def check_field(name: str, value) -> None:
+    """Reject a value of spec field ``name`` that no strategy and no other
+    field could make valid (a size < 1, an unknown placement); a sweep
+    checks each value of its axes with it before running any point."""
+    if name in ("stages", "microbatches", "iterations", "width", "chunks", "tau"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise StrategyError(f"{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise StrategyError(f"{name} must be >= 1, got {value}")
+    elif name == "advance":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StrategyError(f"advance must be an integer >= 0, got {value!r}")
+    elif name == "alpha":
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0):
+            raise StrategyError(f"alpha must be a number in (0, 1], got {value!r}")
+    elif name == "stashing":
+        if not isinstance(value, bool):
+            raise StrategyError(f"stashing must be True or False, got {value!r}")
+    elif name == "placement":
+        if value not in PLACEMENTS:
+            raise StrategyError(f"placement must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+    elif name == "optimizer":
+        if value not in OPTIMIZERS:
+            raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}")
+    elif name == "replicas" and value is not None:
+        if not isinstance(value, tuple) or not value or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in value):
+            raise StrategyError(f"replicas must give each stage a count >= 1, got {value!r}")
 
 
 def one_f_one_b(n: int, warmup: int) -> Iterator[tuple[Op, int]]:
