@@ -132,10 +132,16 @@ _STRATEGY_FLAGS = {
 }
 
 
-def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -> None:
+def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = False, one_strategy: bool = True,
+                       iterations: int = 1) -> None:
+    """The flags that shape a schedule; ``one_strategy`` adds ``--strategy``
+    (``compare`` names several with ``--strategies`` instead), ``iterations``
+    is the default the help states."""
     from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
 
-    list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), _strategy_names)
+    if one_strategy:
+        list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"),
+                     _strategy_names)
     p.add_argument("--stages", type=positive, default=None,
                    help="pipeline depth in devices per replica (data-parallel: devices) "
                         "(default: 4, or as many as --replicas names)")
@@ -144,7 +150,7 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -
                         "pipesim CSV records, else inferred)")
     p.add_argument("--iterations", type=positive, default=None,
                    help="iterations K (asynchronous schedules run K*m micro-batches) "
-                        "(default: 1; an imported pipesim CSV: the one it records)")
+                        f"(default: {iterations}; an imported pipesim CSV: the one it records)")
     p.add_argument("--width", type=positive, default=None,
                    help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
@@ -153,17 +159,20 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool) -
                        help=f"{text} (default: {OPTION_DEFAULTS[name]})")
 
 
-def _add_machine_args(p: argparse.ArgumentParser) -> None:
+def _add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", hardware: str = "ideal") -> None:
+    """The model and machine flags; ``model`` and ``hardware`` are the defaults the help states."""
     g = p.add_mutually_exclusive_group()
-    list_choices(g.add_argument("--model", default=None, help="catalog model (default: uniform)"), _catalog_models)
-    g.add_argument("--profile", default=None, help="per-layer cost profile JSON (from `pipesim profile` or hand-written)")
+    list_choices(g.add_argument("--model", default=None, help=f"catalog model (default: {model})"), _catalog_models)
+    g.add_argument("--profile", default=None,
+                   help="per-layer cost profile: JSON (from `pipesim profile` or hand-written) or PipeDream's graph.txt")
     list_choices(p.add_argument("--hardware", default=None,
-                                help="preset, preset-xN (N nodes) or a JSON file (default: ideal; compare: pcie-4gpu)"),
+                                help=f"preset, preset-xN (N nodes) or a JSON file (default: {hardware})"),
                  _hardware_presets)
     p.add_argument("--microbatch-size", type=positive, default=None,
                    help="samples per micro-batch (default: the model's)")
-    p.add_argument("--recv-lookahead", type=nonnegative, default=1,
-                   help="post receives this many compute actions early (0 = right before use)")
+    p.add_argument("--recv-lookahead", type=nonnegative, default=None,
+                   help="post receives this many compute actions early (0 = right before use) "
+                        "(default: 1; with --plan, the plan's)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation, checkpointed per layer: every backward re-runs its stage's "
                         "forward, and a micro-batch keeps only its layers' inputs until then")
@@ -406,10 +415,16 @@ def _plan_arguments(args):
         ["--stages"] * (args.stages_given and args.stages != len(plan.replicas))
     if fixed:
         raise UsageError(f"pipesim simulate: the plan fixes the stages and their replicas; leave out {fixed[0]}")
+    options = ["--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+    if options:
+        raise UsageError(f"pipesim simulate: the plan fixes the strategy's options (it was chosen with them); "
+                         f"leave out {options[0]}")
     args.strategy = plan.strategy
     if not args.model and not args.profile:
         args.model, args.profile = plan.model if plan.profile is None else None, plan.profile
-    args.hardware = args.hardware or plan.hardware
+    args.hardware = args.hardware or plan.machine()
+    if args.recv_lookahead is None:
+        args.recv_lookahead = plan.recv_lookahead
     args.microbatch_size = args.microbatch_size or plan.microbatch_size
     return plan
 
@@ -430,9 +445,16 @@ def _compared(names: str | None) -> list[str]:
 def cmd_compare(args) -> int:
     from pipesim.sim.metrics import dumps
 
+    if args.one_strategy is not None:
+        raise UsageError(f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
+                         f"e.g. --strategies {args.one_strategy}")
     strategies = _compared(args.strategies)
+    _check_compared(args, strategies)
     out = _output_dir(args.out)
-    plans = _compare_plans(args, strategies, out) if args.planned else {}
+    plans, left_out = _compare_plans(args, strategies, out) if args.planned else ({}, {})
+    strategies = [name for name in strategies if name not in left_out]
+    if not strategies:
+        raise UsageError("pipesim compare: nothing left to compare: " + "; ".join(left_out.values()))
     rows, summaries = [], {}
     base = None
     for i, strategy in enumerate(strategies, 1):
@@ -467,6 +489,9 @@ def cmd_compare(args) -> int:
     document = {"order": strategies, "strategies": summaries}
     if plans:
         document["plans"] = {name: _without_time(record) for name, (_, record) in plans.items()}
+    if left_out:
+        document["left_out"] = left_out
+        print("left out (no configuration it can run was planned): " + ", ".join(left_out))
     (out / "comparison.json").write_text(dumps(document))
     from .figures import write_comparison
 
@@ -501,6 +526,24 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _check_compared(args, strategies: list[str]) -> None:
+    """Refuse, in one line and before any planning or simulating, what one
+    of the compared strategies cannot run: a machine with fewer devices than
+    asked for, and, for each strategy simulated as asked (not planned), the
+    sizes it refuses (data parallelism splits the micro-batches evenly over
+    the devices, 2BW needs at least as many as stages)."""
+    from pipesim.sim.api import resolve_hardware
+    from pipesim.sim.planning.plan import plannable
+    from pipesim.sim.strategies import build_schedule
+
+    hw = resolve_hardware(args.hardware or "ideal")
+    if args.planned:
+        hw.check_devices(args.stages)
+    for name in strategies:
+        if not (args.planned and name in plannable("replicas")):
+            hw.check_devices(build_schedule(_spec(args, name)).num_devices)
+
+
 def _without_time(record: dict) -> dict:
     """A plan record without its one measured field, so comparison.json stays byte-identical."""
     return {k: v for k, v in record.items() if k != "planner_seconds"}
@@ -509,9 +552,12 @@ def _without_time(record: dict) -> dict:
 def _compare_plans(args, strategies: list[str], out: Path) -> dict:
     """``compare --planned``: plan every strategy that takes per-stage replicas
     on the ``--stages`` devices (written to ``<out>/<strategy>/plan.json`` and
-    ``pareto.html``); strategy -> (its PlanFile, its record)."""
+    ``pareto.html``): strategy -> (its PlanFile, its record), and strategy ->
+    why it is left out, for a strategy that runs none of the configurations
+    found (PipeDream-2BW needs more micro-batches than 8 to replicate a
+    stage 15 times): the others are still compared."""
     from pipesim.sim.api import resolve_hardware
-    from pipesim.sim.planning.plan import PlanRequest, plan, plan_file, plannable
+    from pipesim.sim.planning.plan import NothingRunsError, PlanRequest, plan, plan_file, plannable
 
     if args.replicas is not None or args.width is not None:
         raise UsageError("pipesim compare: --planned chooses the replicas; leave out --replicas and --width")
@@ -519,18 +565,29 @@ def _compare_plans(args, strategies: list[str], out: Path) -> dict:
 
     hw = resolve_hardware(args.hardware or "ideal")
     profile = _plan_profile(args, hw, args.stages)
-    planned = {}
+    planned, left_out = {}, {}
     for name in strategies:
         if name not in plannable("replicas"):  # compare plans splits and replicas
             continue
         print(f"planning {name} on {args.stages} devices ...", file=sys.stderr, flush=True)
         options = {k: v for k, v in _strategy_options(args, name).items() if k not in ("replicas", "width")}
-        record = plan(PlanRequest(name, profile, hw, args.stages, microbatches=args.microbatches or 8,
-                                  iterations=args.iterations, options=options, recv_lookahead=args.recv_lookahead,
-                                  model=args.model, profile_path=args.profile)).to_json()
+        try:
+            record = plan(PlanRequest(name, profile, hw, args.stages, microbatches=args.microbatches or 8,
+                                      iterations=args.iterations, options=options, recv_lookahead=args.recv_lookahead,
+                                      model=args.model, profile_path=_recorded_path(args.profile))).to_json()
+        except NothingRunsError as e:
+            print(f"left out {name}: {e}", file=sys.stderr, flush=True)
+            left_out[name] = str(e)
+            continue
         write_plan(record, out / name)
         planned[name] = (plan_file(record), record)
-    return planned
+    return planned, left_out
+
+
+def _recorded_path(path: str | None) -> str | None:
+    """A file a plan records (its profile): absolute, so the plan runs from
+    any folder."""
+    return None if path is None else os.path.abspath(path)
 
 
 def _plan_profile(args, hardware, devices: int):
@@ -615,7 +672,7 @@ def _plan_replicas(args, hw, gpus: int, say):
     options = {"stashing": False} if args.no_stashing else {}
     given = {k: getattr(args, k) for k in ("iterations", "confirm", "refine") if getattr(args, k) is not None}
     return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
-                            recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
+                            recv_lookahead=args.recv_lookahead, model=args.model, profile_path=_recorded_path(args.profile),
                             recompute=args.recompute, replicas=args.replicas, straight=args.straight, **given),
                 progress=say)
 
@@ -646,7 +703,7 @@ def _plan_width_depth(args, hw, gpus: int, say):
     given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
     return plan_grid(GridRequest(args.strategy, profile_for, hw, gpus, batch, microbatch_sizes=sizes,
                                  recompute=(True,) if args.recompute else (False, True),
-                                 recv_lookahead=args.recv_lookahead, model=args.model, profile_path=args.profile,
+                                 recv_lookahead=args.recv_lookahead, model=args.model, profile_path=_recorded_path(args.profile),
                                  **given), progress=say)
 
 
@@ -662,7 +719,7 @@ def _plan_tuner(args, hw, gpus: int, say):
     given = {"iterations": args.iterations} if args.iterations is not None else {}
     return tune(TuneRequest(args.strategy, profile_for, hw, gpus, batch, microbatches=microbatches or None,
                             recv_lookahead=args.recv_lookahead, recompute=args.recompute, model=args.model,
-                            profile_path=args.profile, **given), progress=say)
+                            profile_path=_recorded_path(args.profile), **given), progress=say)
 
 
 #: What each planner (``Strategy.planners``) runs.
@@ -922,14 +979,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="simulate several strategies on one model and machine")
-    _add_schedule_args(p, strategy_required=False)
+    _add_schedule_args(p, one_strategy=False, iterations=COMPARE_ITERATIONS)
     # asynchronous schedules are compared in steady state, not on their warm-up
     p.set_defaults(iterations=COMPARE_ITERATIONS)
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    p.add_argument("--strategy", dest="one_strategy", default=None, help=argparse.SUPPRESS)  # refused: see cmd_compare
     p.add_argument("--planned", action="store_true",
                    help="plan each strategy that takes per-stage replicas on the --stages devices first "
                         "(pipesim plan) and simulate the configuration it chooses")
-    _add_machine_args(p)
+    _add_machine_args(p, model=COMPARE_MODEL, hardware=COMPARE_HARDWARE)
     p.add_argument("--out", default="out/compare", help="output folder")
     p.set_defaults(func=cmd_compare)
 
@@ -1115,6 +1173,8 @@ def _dispatch(argv: list[str] | None) -> int:
     """Parse ``argv`` and run the sub-command it names."""
     args = build_parser().parse_args(argv)
     args.stages_given = getattr(args, "stages", None) is not None
+    if args.command in ("simulate", "compare") and args.recv_lookahead is None and not getattr(args, "plan", None):
+        args.recv_lookahead = 1  # a plan's own is read with it (_plan_arguments)
     if getattr(args, "stages", 0) is None:  # a schedule's depth: what --replicas says, else 4
         args.stages = len(args.replicas) if getattr(args, "replicas", None) else DEFAULT_STAGES
     if args.command in ("compare", "plan") and getattr(args, "model", None) is None and not args.profile:

@@ -485,3 +485,115 @@ def test_tight_memory_moves_the_choice() -> None:
                              microbatches=8)).to_json()
     assert tight["peak_memory_bytes"] <= limit < roomy["peak_memory_bytes"]
     assert not tight["out_of_memory"]
+
+
+# --- the plan -> simulate --plan round trip, whatever the plan was made from ---
+
+
+def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeypatch) -> None:
+    """A hardware file that bears a preset's name, with a quarter of its
+    FLOP/s: simulate --plan must run on the file's machine (recorded whole in
+    the plan), not on the preset of that name, with the plan's receive
+    lookahead, and from another folder; a profile given relative to the
+    folder plan ran in is found from there too."""
+    machine = json.loads(json.dumps(load_hardware("pcie-4gpu").to_json()))
+    machine["device"]["flops"] /= 4
+    (tmp_path / "slow.json").write_text(json.dumps(machine))
+    from pipesim.sim.workload import save_profile
+
+    save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "vgg.json")
+    monkeypatch.chdir(tmp_path)
+    for name, given in (("m", ["--model", "vgg16", "--hardware", "slow.json", "--recv-lookahead", "2"]),
+                        ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu"])):
+        code, _, err = run(capsys, "plan", "--strategy", "1f1b", *given, "--out", name)
+        assert code == 0, err
+    by_model = json.loads((tmp_path / "m" / "plan.json").read_text())
+    assert by_model["hardware"] == "pcie-4gpu" and by_model["recv_lookahead"] == 2
+    assert by_model["hardware_spec"]["device"]["flops"] == machine["device"]["flops"]
+    by_profile = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert by_profile["profile"] == str(tmp_path / "vgg.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for name, planned in (("m", by_model), ("p", by_profile)):
+        code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / name / "plan.json"), "--summary-only",
+                             "--json", "--out", "s")
+        assert code == 0, err
+        assert json.loads(out)["plan"]["steady_samples_per_s"] == planned["predicted_samples_per_s"]
+    # on the preset of that name (4x the FLOP/s) it runs faster: the machine mattered
+    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "m" / "plan.json"), "--hardware", "pcie-4gpu",
+                         "--summary-only", "--json", "--out", "s2")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["steady_samples_per_s"] > 1.5 * by_model["predicted_samples_per_s"]
+
+
+def test_a_relative_profile_path_in_a_plan_is_read_beside_it(tmp_path) -> None:
+    from pipesim.sim.planning.plan import load_plan
+    from pipesim.sim.workload import save_profile
+
+    (tmp_path / "prof").mkdir()
+    save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "prof" / "vgg.json")
+    doc = {"strategy": "1f1b", "stages": [{"layers": [0, 15], "replicas": 4}], "microbatches": 8, "iterations": 2,
+           "microbatch_size": 32, "model": None, "profile": "prof/vgg.json", "hardware": "pcie-4gpu",
+           "predicted_samples_per_s": 1.0}
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    assert load_plan(tmp_path / "plan.json").profile == str(tmp_path / "prof" / "vgg.json")
+    doc["profile"] = "missing.json"  # not beside it: left as written, for the working folder
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    assert load_plan(tmp_path / "plan.json").profile == "missing.json"
+
+
+def test_an_unconfirmed_choice_records_a_run_its_replicas_can_take() -> None:
+    """With confirm=0 the choice is the cost model's; PipeDream's 15-1 needs
+    a run that gives its 15 replicas equal shares, and the plan must say so,
+    or simulate --plan refuses it."""
+    rec = plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
+                           microbatches=16, confirm=0)).to_json()
+    pf = plan_file(rec)
+    assert not rec["predicted_is_simulated"] and 15 in pf.replicas
+    assert pf.microbatches * pf.iterations % math.lcm(*pf.replicas) == 0
+    build_schedule(pf.spec())  # runs
+
+
+def test_a_strategy_that_runs_no_configuration_found_is_refused(tmp_path, capsys) -> None:
+    """2BW needs a replica's share of each window to cover its warm-up: with
+    8 micro-batches no configuration of 16 GPUs runs, and the plan must not
+    choose one anyway; compare --planned leaves 2BW out and compares the rest."""
+    from pipesim.sim.planning.plan import NothingRunsError
+
+    profile = model_profile("pipedream-vgg16", CLUSTER_A.device)
+    with pytest.raises(NothingRunsError, match="pipedream-2bw runs none of the configurations found with 8"):
+        plan(PlanRequest("pipedream-2bw", profile, CLUSTER_A, 16, microbatches=8))
+    rec = plan(PlanRequest("pipedream-2bw", profile, CLUSTER_A, 16, microbatches=32)).to_json()
+    build_schedule(plan_file(rec).spec())
+    assert not rec["candidates"][rec["chosen"]].get("refused")
+    code, out, err = run(capsys, "compare", "--planned", "--model", "vgg16", "--hardware", "pcie-4gpu",
+                         "--strategies", "1f1b,pipedream-2bw", "--stages", "4", "--microbatches", "2",
+                         "--iterations", "2", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "left out pipedream-2bw: pipedream-2bw runs none" in err
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    assert doc["order"] == ["1f1b"] and "pipedream-2bw" in doc["left_out"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["simulate", "--no-stashing"], "the plan fixes the strategy's options"),
+    (["compare", "--strategy", "gpipe"], "name the strategies to compare with --strategies"),
+    (["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"], "needs microbatches >= stages (m=8 < p=16)"),
+    (["compare", "--planned", "--stages", "8", "--hardware", "pcie-4gpu"], "pcie-4gpu has 4 devices"),
+])
+def test_flags_a_run_would_ignore_or_fail_on_are_refused_first(argv, message, tmp_path, capsys) -> None:
+    if argv[0] == "simulate":
+        argv = [*argv, "--plan", str(_written_plan(tmp_path))]
+    code, out, err = run(capsys, *argv, "--out", str(tmp_path / "o"))
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())  # refused before any work
+
+
+def _written_plan(tmp_path) -> str:
+    doc = {"strategy": "pipedream", "stages": [{"layers": [0, 12], "replicas": 3}, {"layers": [13, 15], "replicas": 1}],
+           "microbatches": 9, "iterations": 2, "microbatch_size": 32, "model": "vgg16", "hardware": "pcie-4gpu",
+           "predicted_samples_per_s": 1.0}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    return path

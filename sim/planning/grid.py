@@ -329,8 +329,8 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
                  key=lambda i: (not ranked[i].out_of_memory, ranked[i].simulated, ranked[i].samples_per_s))
     best = ranked[chosen].params
     return Plan(strategy=req.strategy, model=req.model or grid.profile(best["microbatch_size"]).name,
-                hardware=req.hardware.name, gpus=req.gpus, microbatches=best["microbatches"],
+                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus, microbatches=best["microbatches"],
                 iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
                 candidates=tuple(ranked), chosen=chosen, data_parallel_samples_per_s=None, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, profile=req.profile_path, planner=PLANNER,
+                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead, profile=req.profile_path, planner=PLANNER,
                 width=best["width"], recompute=best["recompute"], batch_size=req.batch_size)

@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
@@ -108,6 +110,12 @@ MAX_RUN_STRETCH = 8
 
 class PlanError(InputError):
     """A planning request that cannot be met, or a malformed plan file."""
+
+
+class NothingRunsError(PlanError):
+    """The strategy runs none of the configurations the search found at the
+    micro-batches asked for (a caller planning several strategies may go on
+    without this one)."""
 
 
 def notation(replicas) -> str:
@@ -187,7 +195,9 @@ class Candidate:
     steady-state throughput when it was confirmed (``simulated``), else the
     analytic one; ``microbatches`` and ``iterations`` its confirmation run
     (or None); ``params`` holds free parameters of other planners (width, depth,
-    micro-batch size, ...); ``note`` why it was not confirmed, if so.
+    micro-batch size, ...); ``note`` why it was not confirmed, if so;
+    ``refused`` that the strategy builds no schedule of it at the run asked
+    for (the note says why): it is listed, never chosen.
     """
 
     config: str
@@ -203,6 +213,7 @@ class Candidate:
     boundary_bytes: int = 0
     note: str = ""
     params: dict = field(default_factory=dict)
+    refused: bool = False
 
     @property
     def simulated(self) -> bool:
@@ -237,6 +248,8 @@ class Candidate:
         }
         if self.note:
             d["note"] = self.note
+        if self.refused:
+            d["refused"] = True
         if self.params:
             d["params"] = {k: self.params[k] for k in sorted(self.params)}
         return d
@@ -275,6 +288,11 @@ class Plan:
     batch_size: int | None = None
     #: the configuration the search was held to (:func:`notation`; None: free)
     held_to: str | None = None
+    #: the machine planned for, whole (``Hardware.to_json``): ``simulate
+    #: --plan`` runs on it, not on whatever preset or file bears its name now
+    hardware_spec: dict | None = None
+    #: receives posted this many compute actions ahead in every run
+    recv_lookahead: int = 1
 
     @property
     def best(self) -> Candidate:
@@ -321,7 +339,9 @@ class Plan:
             "candidates": [c.to_json() for c in self.candidates],
             "planner": self.planner,
             "recompute": bool(self.recompute),
-        } | ({} if self.width is None else {"width": self.width}) | (
+            "recv_lookahead": self.recv_lookahead,
+        } | ({} if self.hardware_spec is None else {"hardware_spec": self.hardware_spec}) | (
+            {} if self.width is None else {"width": self.width}) | (
             {} if self.batch_size is None else {"batch_size": self.batch_size}) | (
             {} if self.held_to is None else {"held_to": self.held_to})
 
@@ -356,6 +376,14 @@ class PlanFile:
     width: int | None = None
     recompute: bool = False
     name: str | None = None
+    #: the machine planned for (``Hardware.to_json``), when the plan records it
+    hardware_spec: dict | None = None
+    recv_lookahead: int = 1
+
+    def machine(self) -> Hardware | str:
+        """The machine to run the plan on: the one it was planned for when
+        the plan records it whole, else its ``hardware`` name or path."""
+        return self.hardware if self.hardware_spec is None else Hardware.from_json(self.hardware_spec)
 
     @property
     def config(self) -> str:
@@ -378,9 +406,20 @@ def load_plan(path) -> PlanFile:
     :class:`PlanError` naming the file and the problem if it is not one."""
     data = parse_json(read_text(path, "plan", PlanError), f"plan file {path}", PlanError)
     try:
-        return plan_file(data)
+        found = plan_file(data)
     except PlanError as e:
         raise PlanError(f"plan file {path}: {e}") from None
+    return _profile_beside(found, Path(path).parent)
+
+
+def _profile_beside(found: PlanFile, folder: Path) -> PlanFile:
+    """``found`` with a relative profile path read from ``folder`` (the plan
+    file's) when the profile is there: a plan written by hand, or moved with
+    its profile. (Plans pipesim writes record absolute paths.)"""
+    if found.profile is None or os.path.isabs(found.profile):
+        return found
+    beside = folder / found.profile
+    return replace(found, profile=str(beside)) if beside.is_file() else found
 
 
 def _field(d: dict, key: str, kind, what: str):
@@ -437,6 +476,15 @@ def plan_file(d: Any) -> PlanFile:
     name = d.get("config")
     if name is not None and not isinstance(name, str):
         raise PlanError(f"'config' must be a string, got {name!r}")
+    lookahead = d.get("recv_lookahead", 1)
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise PlanError(f"'recv_lookahead' must be a whole number >= 0, got {lookahead!r}")
+    machine = d.get("hardware_spec")
+    if machine is not None:
+        try:
+            Hardware.from_json(machine, source="'hardware_spec'")
+        except InputError as e:
+            raise PlanError(str(e)) from None
     return PlanFile(
         strategy=strategy, starts=tuple(starts), replicas=tuple(reps), layers=expected,
         microbatches=_field(d, "microbatches", int, "a whole number >= 1"),
@@ -445,7 +493,7 @@ def plan_file(d: Any) -> PlanFile:
         options=dict(options), model=model, profile=profile,
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
-        width=width, recompute=recompute, name=name,
+        width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead,
     )
 
 
@@ -610,14 +658,15 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
             and len(out[chosen].stages) > 1):
         say(f"confirming other splits of {out[chosen].config}")
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
-        chosen = _best(out)
+    chosen = _runnable_choice(out, req, m)
     say("simulating data parallelism")
     dp = data_parallel_throughput(req)
-    return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name, gpus=req.gpus,
+    return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name,
+                hardware_spec=req.hardware.to_json(), gpus=req.gpus,
                 microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
                 options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, profile=req.profile_path, recompute=req.recompute,
+                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead, profile=req.profile_path, recompute=req.recompute,
                 held_to=None if held is None else notation(held))
 
 
@@ -627,9 +676,30 @@ def _rank(c: Candidate) -> tuple:
 
 
 def _best(cands: list[Candidate]) -> int:
-    """The index of the choice: the fastest confirmed candidate that fits."""
-    return max(range(len(cands)), key=lambda i: (not cands[i].out_of_memory, cands[i].simulated,
-                                                 cands[i].samples_per_s))
+    """The index of the choice: the fastest confirmed candidate that fits
+    and that the strategy can run."""
+    return max(range(len(cands)), key=lambda i: (not cands[i].refused, not cands[i].out_of_memory,
+                                                 cands[i].simulated, cands[i].samples_per_s))
+
+
+def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int) -> int:
+    """:func:`_best`, once its run is known. A choice nobody simulated (with
+    ``confirm=0``, or whose run was too long to confirm) gets the run that
+    suits its replicas (:func:`_run_for`), which ``simulate --plan`` runs;
+    one the strategy refuses is marked in ``out`` and passed over. A
+    :class:`NothingRunsError` when the strategy refuses every candidate."""
+    while True:
+        i = _best(out)
+        c = out[i]
+        if c.refused:
+            raise NothingRunsError(f"{req.strategy} runs none of the configurations found with {m} micro-batches per "
+                            f"iteration (the best, {c.config}: {c.note.removeprefix('not simulated: ')}); "
+                            "plan with more micro-batches")
+        if c.simulated or c.microbatches is not None:
+            return i
+        spec, _, note = _run_for(c, req, m)
+        out[i] = (replace(c, refused=True, note=note) if spec is None
+                  else replace(c, microbatches=spec.microbatches, iterations=spec.iterations))
 
 
 def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanRequest, m: int) -> list[Candidate]:
@@ -756,16 +826,15 @@ def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits)
     return [(microbatches, iterations)] if even == (microbatches, iterations) else [(microbatches, iterations), even]
 
 
-def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
-    """``cand`` simulated with the engine (or a note saying why it could not be)."""
-    from ..api import simulate_schedule
+def _run_for(cand: Candidate, req: PlanRequest, m: int):
+    """The run that suits ``cand``'s replicas: the first of :func:`_runs`
+    the strategy builds, as (its spec, its schedule, ""); (spec, None, why)
+    when it is longer than a confirmation may be (:data:`MAX_RUN_STRETCH`);
+    (None, None, why) when the strategy refuses every run."""
     from ..size import check_size
 
     note = ""
     for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
-        if mb * k > MAX_RUN_STRETCH * m * req.iterations:
-            note = note or f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
-            break
         spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
         try:
             check_size(spec)
@@ -773,14 +842,29 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
         except StrategyError as e:
             note = f"not simulated: {e}"
             continue
-        result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
-                                   starts=cand.starts, recompute=req.recompute)
-        peak = max(t.peak_bytes for t in result.memory)
-        return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=mb, iterations=k,
-                       peak_memory_bytes=peak,
-                       out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
-                       note="")
-    return replace(cand, note=note)
+        if mb * k > MAX_RUN_STRETCH * m * req.iterations:
+            return spec, None, f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
+        return spec, schedule, ""
+    return None, None, note
+
+
+def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
+    """``cand`` simulated with the engine, or a note saying why it was not
+    (and ``refused`` if the strategy cannot run it)."""
+    from ..api import simulate_schedule
+
+    spec, schedule, note = _run_for(cand, req, m)
+    if spec is None:
+        return replace(cand, note=note, refused=True)
+    if schedule is None:
+        return replace(cand, note=note, microbatches=spec.microbatches, iterations=spec.iterations)
+    result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
+                               starts=cand.starts, recompute=req.recompute)
+    peak = max(t.peak_bytes for t in result.memory)
+    return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=spec.microbatches,
+                   iterations=spec.iterations, peak_memory_bytes=peak,
+                   out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
+                   note="")
 
 
 def data_parallel_throughput(req: PlanRequest) -> float | None:

@@ -167,9 +167,9 @@ def tune(req: TuneRequest, progress: Callable[[str], None] | None = None) -> Pla
     chosen = max(range(len(found)), key=lambda i: (not found[i].out_of_memory, found[i].samples_per_s))
     best = found[chosen].params
     return Plan(strategy=req.strategy, model=req.model or profiles[best["microbatch_size"]].name,
-                hardware=req.hardware.name, gpus=req.gpus, microbatches=best["microbatches"],
+                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus, microbatches=best["microbatches"],
                 iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
                 candidates=tuple(found), chosen=chosen, data_parallel_samples_per_s=None,
-                memory_limit_bytes=_limit(req), planner_seconds=time.perf_counter() - started,
+                memory_limit_bytes=_limit(req), planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
                 profile=req.profile_path, planner=PLANNER, width=best["pipelines"], recompute=req.recompute,
                 batch_size=req.batch_size)
