@@ -169,7 +169,8 @@ def _ms(name: str, text: str) -> float:
 
 
 def _bytes(name: str, text: str) -> int:
-    """A byte count written as a float (``77070336.000``), or a ``[a; b]`` list of them summed."""
+    """A byte count written as a float (``77070336.000``), or a ``[a; b]`` list of them summed;
+    a fraction of a byte is a malformed profile, not something to round."""
     parts = text[1:-1].split(";") if text.startswith("[") else [text]
     total = 0.0
     for part in parts:
@@ -177,8 +178,8 @@ def _bytes(name: str, text: str) -> int:
             v = float(part)
         except ValueError:
             v = math.nan
-        if not (0 <= v < math.inf):
-            raise WorkloadError(f"{name} must be a finite number of bytes >= 0, got {_shown(text)}")
+        if not (0 <= v < math.inf) or v != math.floor(v):
+            raise WorkloadError(f"{name} must be a whole number of bytes >= 0, got {_shown(text)}")
         total += v
     n = round(total)
     problem = bytes_problem(name, n)

@@ -419,6 +419,13 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
         (lambda d: d["stages"][0].update(replicas=0), "replicas"),
         (lambda d: d.update(strategy="nope"), "unknown strategy"),
         (lambda d: d.update(microbatches="8"), "'microbatches' must be a whole number"),
+        (lambda d: d.update(microbatchs=8), "unknown field 'microbatchs'"),
+        (lambda d: d.update(plan_version=99), "'plan_version' 99 is not one this pipesim reads"),
+        (lambda d: d.update(planner="nosuch"), "'planner' must be one of replicas, tuner, width-depth"),
+        (lambda d: d.update(batch_size=-64), "'batch_size' must be a whole number >= 1, got -64"),
+        (lambda d: d.update(gpus=8), "'gpus' is 8, but the stages' replicas use 16 devices"),
+        (lambda d: d.update(recv_lookahead=-1), "'recv_lookahead' must be a whole number >= 0"),
+        (lambda d: d.update(hardware_spec={"name": "x"}), "'hardware_spec'"),
     ],
 )
 def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsys) -> None:
@@ -432,6 +439,13 @@ def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsy
     code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
     assert code == 2
     assert message in err and err.count("\n") == 1, err
+
+
+def test_every_field_a_plan_writes_is_one_a_plan_file_reads(vgg_plan) -> None:
+    from pipesim.sim.planning.plan import PLAN_KEYS
+
+    assert set(vgg_plan) <= PLAN_KEYS
+    assert plan_file(vgg_plan).machine() == CLUSTER_A  # the machine, whole
 
 
 def test_plan_for_another_model_is_refused(tmp_path, capsys) -> None:

@@ -14,7 +14,7 @@ from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid
-from pipesim.sim.planning.plan import PlanError, plan_file, steady_throughput
+from pipesim.sim.planning.plan import PLAN_KEYS, PlanError, plan_file, steady_throughput
 from pipesim.sim.planning.tuner import TuneRequest, tune
 from pipesim.sim.strategies import ScheduleSpec, get_strategy, strategies
 from pipesim.sim.workload import LayerCost, Profile
@@ -77,6 +77,7 @@ def test_choice_fits_and_is_the_fastest_confirmed(strategy, limit_mib, batch) ->
     assert best["simulated_samples_per_s"] == max(c["simulated_samples_per_s"] for c in confirmed)
     p = best["params"]
     assert p["width"] * p["depth"] == 4 and p["width"] * p["microbatch_size"] * p["microbatches"] == batch
+    assert set(rec) <= PLAN_KEYS and plan_file(rec).width == p["width"]  # simulate --plan reads it back
     assert (rec["width"], rec["microbatch_size"], rec["recompute"]) == (p["width"], p["microbatch_size"],
                                                                       p["recompute"])
 
@@ -143,6 +144,7 @@ def test_tuner_picks_the_best_of_a_brute_force_grid() -> None:
     assert (p["pipelines"], p["microbatches"]) == best
     assert rec["predicted_samples_per_s"] == pytest.approx(brute[best][1])
     assert len(rec["candidates"]) == 9
+    assert set(rec) <= PLAN_KEYS and plan_file(rec).width == p["pipelines"]  # simulate --plan reads it back
 
 
 def test_plan_runs_with_simulate_plan(tmp_path, capsys) -> None:

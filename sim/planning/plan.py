@@ -346,6 +346,17 @@ class Plan:
             {} if self.held_to is None else {"held_to": self.held_to})
 
 
+#: Every field ``Plan.to_json`` writes: :func:`plan_file` refuses any other
+#: (a misspelt field would otherwise be ignored).
+PLAN_KEYS = frozenset({
+    "plan_version", "strategy", "model", "profile", "hardware", "hardware_spec", "gpus", "requested_microbatches",
+    "microbatches", "iterations", "microbatch_size", "options", "config", "stages", "predicted_samples_per_s",
+    "predicted_is_simulated", "analytic_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
+    "peak_memory_bytes", "memory_limit_bytes", "out_of_memory", "bottleneck", "planner_seconds", "chosen",
+    "candidates", "planner", "recompute", "recv_lookahead", "width", "batch_size", "held_to",
+})
+
+
 def dumps(plan: Plan | dict) -> str:
     """``plan.json``'s text: sorted keys, trailing newline."""
     return json.dumps(plan.to_json() if isinstance(plan, Plan) else plan, indent=1, sort_keys=True) + "\n"
@@ -439,6 +450,17 @@ def plan_file(d: Any) -> PlanFile:
     """The :class:`PlanFile` of a plan record (``Plan.to_json()`` or ``plan.json``'s content)."""
     if not isinstance(d, dict):
         raise PlanError("a plan must be a JSON object")
+    unknown = sorted(set(d) - PLAN_KEYS)
+    if unknown:
+        raise PlanError(f"unknown field {unknown[0]!r} (a plan's fields are those `pipesim plan` writes)")
+    version = d.get("plan_version", PLAN_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= PLAN_VERSION:
+        raise PlanError(f"'plan_version' {version!r} is not one this pipesim reads (1 to {PLAN_VERSION})")
+    planners = sorted({name for s in strategies() for name in s.planners})
+    if d.get("planner", planners[0]) not in planners:
+        raise PlanError(f"'planner' must be one of {', '.join(planners)}, got {d['planner']!r}")
+    if "batch_size" in d:
+        _field(d, "batch_size", int, "a whole number >= 1")
     strategy = _field(d, "strategy", str, "a strategy name")
     get_strategy(strategy)  # a one-line StrategyError naming the choices
     stages = d.get("stages")
@@ -468,6 +490,9 @@ def plan_file(d: Any) -> PlanFile:
         if v is not None and not isinstance(v, str):
             raise PlanError(f"{key!r} must be a string or null, got {v!r}")
     width = _field(d, "width", int, "a whole number >= 1") if "width" in d else None
+    gpus = _field(d, "gpus", int, "a whole number >= 1") if "gpus" in d else None
+    if width is None and gpus is not None and gpus != sum(reps):  # (pipelines of a width may share devices)
+        raise PlanError(f"'gpus' is {gpus}, but the stages' replicas use {sum(reps)} devices")
     if width is not None and any(r != width for r in reps):
         raise PlanError(f"a plan of width {width} runs every stage on {width} replicas, got {reps}")
     recompute = d.get("recompute", False)
