@@ -517,9 +517,9 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
 
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "vgg.json")
     monkeypatch.chdir(tmp_path)
-    for name, given in (("m", ["--model", "vgg16", "--hardware", "slow.json", "--recv-lookahead", "2"]),
+    for name, flags in (("m", ["--model", "vgg16", "--hardware", "slow.json", "--recv-lookahead", "2"]),
                         ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu"])):
-        code, _, err = run(capsys, "plan", "--strategy", "1f1b", *given, "--out", name)
+        code, _, err = run(capsys, "plan", "--strategy", "1f1b", *flags, "--out", name)
         assert code == 0, err
     by_model = json.loads((tmp_path / "m" / "plan.json").read_text())
     assert by_model["hardware"] == "pcie-4gpu" and by_model["recv_lookahead"] == 2
