@@ -295,9 +295,10 @@ def _check_range(axis: str, values: tuple) -> None:
 
 
 def _check_models(names: Iterable[str]) -> None:
-    from pipesim.sim.models import model_names
+    """Every catalog model, computed or measured (PipeDream's profiles)."""
+    from pipesim.sim.models import measured_model_names, model_names
 
-    known = model_names()
+    known = model_names() + measured_model_names()
     for name in names:
         if name not in known:
             raise GridError(f"unknown model {name!r}; known: {', '.join(known)}")
@@ -735,7 +736,7 @@ AXIS_FLAGS = {
     "--microbatches": ("microbatches", positive, "M", "micro-batches per iteration (default: 4 8 16 32)"),
     "--iterations": ("iterations", positive, "K", "iterations (default: 4, steady state for asynchronous schedules)"),
     "--width": ("width", positive, "W", "parallel pipelines, for the strategies that take it (default: theirs)"),
-    "--model": ("model", str, "NAME", "catalog models (default: uniform)"),
+    "--model": ("model", str, "NAME", "catalog models, computed or measured (pipedream-*) (default: uniform)"),
     "--hardware": ("hardware", str, "HW", "presets, preset-xN or JSON files (default: ideal)"),
 }
 

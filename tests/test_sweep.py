@@ -196,3 +196,13 @@ def test_bad_grid_file_is_one_line_and_exit_2(content, message, capsys, tmp_path
     grid.write_text(content)
     code, _, err = run(capsys, "sweep", "--grid", str(grid), "--out", str(tmp_path))
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_sweep_runs_pipedreams_measured_profiles() -> None:
+    """The catalog's measured models (PipeDream's graph.txt profiles) sweep
+    like the computed ones, each point costed from the profile."""
+    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (2, 4), "microbatches": (4,), "iterations": (1,),
+                            "model": ("pipedream-alexnet",), "hardware": ("pipedream-cluster-a",)})
+    doc = sweep.run_sweep(grid, workers=1, progress=False)
+    assert [p["status"] for p in doc["points"]] == ["ok", "ok"]
+    assert all(p["throughput_samples_per_s"] > 0 for p in doc["points"])
