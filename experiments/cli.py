@@ -275,10 +275,11 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             summary = summarize(result)
             if plan is not None:
                 from pipesim.sim.metrics import round_sig
-                from pipesim.sim.planning.plan import steady_throughput
+                from pipesim.sim.planning.plan import has_steady_window, steady_throughput
 
                 summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
-                                   "steady_samples_per_s": round_sig(steady_throughput(result))}
+                                   "steady_samples_per_s": round_sig(steady_throughput(result)),
+                                   "steady_window": has_steady_window(result)}
             if out is not None:
                 write_summary(summary, out / "summary.json")
                 if outputs:
@@ -393,9 +394,14 @@ def cmd_simulate(args) -> int:
         _print_summary(summary)
         if plan is not None:
             p = summary["plan"]
+            if p["steady_window"]:
+                this_run = (f"this run {p['steady_samples_per_s']:.1f} in steady state, "
+                            f"{_rate(summary['throughput_samples_per_s'])} over the whole run (fill and drain included)")
+            else:  # nothing to leave out: say so rather than call the whole run steady
+                this_run = (f"this run {_rate(summary['throughput_samples_per_s'])} over the whole run, too short "
+                            "for a steady state (3 iterations or more leave out the fill and drain)")
             print(f"plan {p['config']}: planned {p['predicted_samples_per_s']:.1f} samples/s in steady state; "
-                  f"this run {p['steady_samples_per_s']:.1f} in steady state, "
-                  f"{_rate(summary['throughput_samples_per_s'])} over the whole run (fill and drain included)")
+                  + this_run)
         written = "summary.json" if args.summary_only else "summary.json, trace.json, timeline.html"
         print(f"wrote {written} to {out} in {time.perf_counter() - started:.2f} s")
     return 0
@@ -421,6 +427,8 @@ def _plan_arguments(args):
                          f"leave out {options[0]}")
     args.strategy = plan.strategy
     if not args.model and not args.profile:
+        if plan.model is None and plan.profile is None:
+            raise UsageError("pipesim simulate: the plan names no model or profile; give --model or --profile")
         args.model, args.profile = plan.model if plan.profile is None else None, plan.profile
     args.hardware = args.hardware or plan.machine()
     if args.recv_lookahead is None:

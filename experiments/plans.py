@@ -134,8 +134,11 @@ def write_plan(plan: dict, out_dir: str | Path) -> list[Path]:
 def render_plan(plan: dict) -> str:
     """The plan as text for a terminal."""
     best = plan["candidates"][plan["chosen"]]
+    width = plan.get("width")
+    per = (f"{plan['microbatches']} micro-batches per iteration" if width is None else
+           f"{plan['microbatches']} micro-batches per pipeline per iteration, {plan['microbatches'] * width} in all")
     lines = [f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']} "
-             f"(micro-batch {plan['microbatch_size']}, {plan['microbatches']} micro-batches per iteration)"]
+             f"(micro-batch {plan['microbatch_size']}, {per})"]
     how = "simulated, steady state" if plan["predicted_is_simulated"] else "cost model only: no candidate simulated"
     held = f" among splits of {plan['held_to']} only" if plan.get("held_to") else ""
     lines.append(f"chosen{held}: {plan['config']}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")

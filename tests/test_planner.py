@@ -415,7 +415,9 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
     "edit,message",
     [
         (lambda d: d.pop("stages"), "'stages' must be a non-empty list"),
-        (lambda d: d["stages"][1].update(layers=[30, 39]), "must cover consecutive layers"),
+        (lambda d: d["stages"][1].update(layers=[30, 39]), "stage 1 covers layers 30..39, but must start at layer 25"),
+        (lambda d: d["stages"][0].update(layers=[-1, 24]), "stage 0 covers layers -1..24, but must start at layer 0"),
+        (lambda d: d.update(model=None), "the plan names no model or profile"),
         (lambda d: d["stages"][0].update(replicas=0), "replicas"),
         (lambda d: d.update(strategy="nope"), "unknown strategy"),
         (lambda d: d.update(microbatches="8"), "'microbatches' must be a whole number"),
@@ -611,3 +613,15 @@ def _written_plan(tmp_path) -> str:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     return path
+
+
+def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
+    path = _written_plan(tmp_path)
+    for iterations, steady in (("1", False), ("3", True)):
+        code, out, err = run(capsys, "simulate", "--plan", str(path), "--iterations", iterations, "--summary-only",
+                             "--out", str(tmp_path / iterations))
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("plan "))
+        assert ("in steady state, " in line) is steady and ("too short for a steady state" in line) is not steady
+        summary = json.loads((tmp_path / iterations / "summary.json").read_text())
+        assert summary["plan"]["steady_window"] is steady

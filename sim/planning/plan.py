@@ -477,8 +477,8 @@ def plan_file(d: Any) -> PlanFile:
                             f"and r >= 1, got {st!r}")
         first, last = layers
         if first != expected or last < first:
-            raise PlanError(f"stage {k} covers layers {first}..{last}; stages must cover consecutive layers "
-                            f"from 0, this one starting at {expected}")
+            raise PlanError(f"stage {k} covers layers {first}..{last}, but must start at layer {expected} and end "
+                            f"at or after it (stages cover consecutive layers from 0)")
         starts.append(first)
         reps.append(r)
         expected = last + 1
@@ -539,9 +539,31 @@ def steady_throughput(result: SimResult) -> float:
     and a later one, leaving out the last m, over the time between, the
     window a whole number of bursts (the replica counts' least common
     multiple) so it starts and ends at the same point of one. Runs too short
-    for a window: their whole-run throughput. A micro-batch run as several
-    ids (tensor parallelism's shards, ``Strategy.shards``) counts once.
+    for a window (:func:`has_steady_window`): their whole-run throughput. A
+    micro-batch run as several ids (tensor parallelism's shards,
+    ``Strategy.shards``) counts once.
     """
+    s = result.schedule
+    strategy = find_strategy(s.strategy)
+    shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
+    window = _steady_window(result)
+    if window is None:
+        whole = result.makespan
+        return s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0
+    span, seconds = window
+    return span * result.microbatch_size / shards / seconds
+
+
+def has_steady_window(result: SimResult) -> bool:
+    """Whether the run is long enough for :func:`steady_throughput` to leave
+    out its fill and drain (three iterations or more, flushed or streamed);
+    else it is the whole run's."""
+    return _steady_window(result) is not None
+
+
+def _steady_window(result: SimResult) -> tuple[int, float] | None:
+    """(micro-batch ids, seconds) of :func:`steady_throughput`'s window, None
+    when the run has none."""
     s = result.schedule
     k, m = s.num_iterations, s.num_microbatches
     last: dict[int, float] = {}
@@ -559,11 +581,9 @@ def steady_throughput(result: SimResult) -> float:
         done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
         span = (k - 2) * m
         first, end = 0, k - 2
-    shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
     if span <= 0 or done[end] <= done[first]:
-        whole = result.makespan
-        return s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0
-    return span * result.microbatch_size / shards / (done[end] - done[first])
+        return None
+    return span, done[end] - done[first]
 
 
 # ---------------------------------------------------------------------------
