@@ -13,9 +13,9 @@ Prints, measured in one process so the ratios hold on a noisy machine:
   summarise, write summary.json), timed in this process. ``pipesim bench
   sim`` adds the console script's end-to-end time (interpreter start and
   imports included), which only the command-line layer can measure;
-* the ceiling of any SimPy model of the target: the least SimPy model of
-  its schedule, recording nothing (:func:`bare_model_seconds`), and the
-  engine's own SimPy run alone, each against the raw rate;
+* what SimPy's event loop alone costs for the target: the leanest SimPy
+  model of its schedule, recording nothing (:func:`bare_model_seconds`),
+  and the engine's own SimPy run alone, each against the raw rate;
 * peak memory of that path for m = 256 ... 2048 at p = 64, each in a fresh
   interpreter, as bytes per compute action: a flat column means memory grows
   linearly with the actions.
@@ -33,14 +33,16 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from heapq import heappush
 from pathlib import Path
 
 import simpy
+from simpy.events import NORMAL
 
 from ._gc import gc_paused
 from .api import model_for, simulate, split_for
 from .cliargs import bench_main
-from .engine import CostModel, prepared_run
+from .engine import CostModel, _run_events, _Signal, _Walker, prepared_run
 from .hardware import load_hardware
 from .ir import COMPUTE_OPS, UPDATE, B, F, Schedule, ScheduleError
 from .metrics import summarize, write_summary
@@ -77,24 +79,61 @@ _BARE_OPS = frozenset({F, B, UPDATE})
 
 
 def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
-    """Run the least SimPy model of ``schedule`` on the ``ideal`` machine
-    and return (wall seconds, simulated makespan).
+    """Run the leanest SimPy model of ``schedule`` on the ``ideal`` machine
+    that pipesim knows how to write, recording nothing, and return (wall
+    seconds, simulated makespan).
 
-    One ``env.process`` per device walks its program; each pass and update
-    is an ``env.timeout`` of its duration; a forward waits for its
-    micro-batch's forward on the stage before, a backward for the backward
-    on the stage after, through one ``env.event`` per producing pass, armed
-    only when the consumer finds it missing. No transfers (on ``ideal``
-    they take no time), no spans, no validation, no accounting: whatever
-    any SimPy simulator of this schedule also records costs more. Its rate
-    is therefore the ceiling for such a simulator measured in the same
-    process as SimPy's raw rate, and its makespan must be the engine's (a
-    test holds the two together), so it is the same schedule.
+    Each device's walk runs under the engine's own event machinery (its
+    lean walker, one reusable timer and one reusable wake-up event per
+    device, the timer scheduled straight onto SimPy's heap, the inlined
+    event loop: :mod:`pipesim.sim.engine`). A pass or update holds the
+    timer for its duration; a forward waits for its micro-batch's forward
+    on the stage before, a backward for the backward on the stage after,
+    and only a walk that finds its input missing arms a wake-up; a finished
+    pass is otherwise one set insertion. No transfers (on ``ideal`` they
+    take no time), no spans, no validation, no accounting. Its makespan must
+    be the engine's (a test holds the two together), so it is the same
+    schedule, and its rate measures what SimPy's event loop alone costs for
+    it: what is left of a speed target once that is paid is the budget for
+    everything else a simulation does.
 
     Only programs of F, B and UPDATE with one replica per stage qualify
     (GPipe, 1F1B, interleaved 1F1B, PipeDream, 2BW); anything else raises
     :class:`~pipesim.sim.ir.ScheduleError`.
     """
+    programs = _bare_steps(schedule, stage_costs)
+    env = simpy.Environment()
+    done: set[tuple] = set()
+    waiting: dict[tuple, _Signal] = {}
+    queue, eid = env._queue, env._eid
+
+    def walk(steps):
+        clock, wake = _Signal(env), _Signal(env)
+        for duration, need, made in steps:
+            if need is not None and need not in done:
+                waiting[need] = wake.arm()
+                yield wake
+            if duration:  # as the engine schedules a compute action's timer
+                clock.callbacks = []
+                heappush(queue, (env._now + duration, NORMAL, next(eid), clock))
+                yield clock
+            if made is not None:
+                done.add(made)
+                ev = waiting.pop(made, None)
+                if ev is not None:
+                    ev.fire()
+
+    for steps in programs:
+        _Walker(env, walk(steps))
+    start = time.perf_counter()
+    with gc_paused():
+        _run_events(env)
+    return time.perf_counter() - start, env.now
+
+
+def _bare_steps(schedule: Schedule, stage_costs) -> list[list[tuple]]:
+    """Each device's (duration, the pass it waits for or None, the pass it
+    makes or None) per action, for :func:`bare_model_seconds`."""
     costs = CostModel.for_device(stage_costs, IDEAL_DEVICE)
     last = schedule.num_stages - 1
     programs = []
@@ -111,30 +150,7 @@ def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
             made = None if a.op is UPDATE else (a.op, a.stage, a.microbatch)  # an update feeds no other device
             steps.append((costs.compute(a), need, made))
         programs.append(steps)
-    env = simpy.Environment()
-    produced: dict[tuple, simpy.Event] = {}
-
-    def walk(steps):
-        for duration, need, made in steps:
-            if need is not None:
-                ev = produced.get(need)
-                if ev is None:
-                    ev = produced[need] = env.event()
-                if not ev.triggered:
-                    yield ev
-            yield env.timeout(duration)
-            if made is not None:
-                ev = produced.get(made)
-                if ev is None:
-                    produced[made] = ev = env.event()
-                ev.succeed()
-
-    for steps in programs:
-        env.process(walk(steps))
-    start = time.perf_counter()
-    with gc_paused():
-        env.run()
-    return time.perf_counter() - start, env.now
+    return programs
 
 
 def _uniform_on_ideal(strategy: str, p: int, m: int) -> tuple[Schedule, list, int]:
@@ -294,8 +310,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def ceiling(strategy: str, p: int, m: int) -> dict:
-    """How close any SimPy model of this schedule can come to SimPy's raw
-    rate: :func:`bare_model_rate` and :func:`engine_run_rate`, each as a
+    """How much of SimPy's raw rate the event loop of this schedule uses up
+    before anything is recorded, and how much the engine's run: the
+    rates of :func:`bare_model_rate` and :func:`engine_run_rate`, each as a
     fraction of the best of three raw rates measured right before it (the
     machine's speed drifts between the parts of a bench, and a raw rate
     caught in a slow moment would flatter the ratio)."""
@@ -324,7 +341,7 @@ def render(report: dict) -> str:
                      f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)")
     ceil = report.get("ceiling")
     if ceil:
-        for name, what in (("bare_model", "the bare SimPy model of it (no transfers, spans or accounting)"),
+        for name, what in (("bare_model", "the bare SimPy model of it (the engine's event loop, nothing recorded)"),
                            ("engine_run", "the engine's SimPy run of it alone (spans and transfers included)")):
             r = ceil[name]
             lines.append(f"  {what}: best {r['seconds']:.3f} s, {r['actions_per_s']:,} actions/s, "
