@@ -208,6 +208,11 @@ def _strategy_options(args, strategy: str | None = None) -> dict:
     return given
 
 
+def _option_flags(args) -> list[str]:
+    """The flags that gave the command line's strategy options, as typed."""
+    return ["--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+
+
 def _profile(args, hardware, schedule):
     from pipesim.sim.api import model_for
     from pipesim.sim.workload import load_profile
@@ -256,6 +261,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
         profile = _profile(args, hw, schedule)
         if plan is not None and plan.layers != len(profile.layers):
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
+        if plan is not None and plan.gpus is not None and schedule.num_devices != plan.gpus:
+            raise UsageError(f"the plan says {plan.gpus} devices, but its stages run on {schedule.num_devices}")
         step("simulating")
         # trace.json, the slowest file, is written beside the tracking, the
         # summary and the timeline (pipesim.experiments.background)
@@ -379,8 +386,7 @@ def cmd_simulate(args) -> int:
     if not args.strategy and not args.schedule:
         raise UsageError("pipesim simulate: give --strategy NAME, --schedule FILE.csv or --plan FILE")
     if args.schedule and (args.strategy or _strategy_options(args)):
-        given = ["--strategy"] * bool(args.strategy) + [
-            "--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+        given = ["--strategy"] * bool(args.strategy) + _option_flags(args)
         raise UsageError(f"pipesim simulate: {', '.join(given)} configure a strategy to build, but --schedule "
                          "imports one whose order is given; leave them out")
     out = _output_dir(args.out)
@@ -421,7 +427,7 @@ def _plan_arguments(args):
         ["--stages"] * (args.stages_given and args.stages != len(plan.replicas))
     if fixed:
         raise UsageError(f"pipesim simulate: the plan fixes the stages and their replicas; leave out {fixed[0]}")
-    options = ["--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+    options = _option_flags(args)
     if options:
         raise UsageError(f"pipesim simulate: the plan fixes the strategy's options (it was chosen with them); "
                          f"leave out {options[0]}")
@@ -542,6 +548,7 @@ def _check_compared(args, strategies: list[str]) -> None:
     the devices, 2BW needs at least as many as stages)."""
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import plannable
+    from pipesim.sim.size import check_size
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
@@ -549,7 +556,9 @@ def _check_compared(args, strategies: list[str]) -> None:
         hw.check_devices(args.stages)
     for name in strategies:
         if not (args.planned and name in plannable("replicas")):
-            hw.check_devices(build_schedule(_spec(args, name)).num_devices)
+            spec = _spec(args, name)
+            check_size(spec)  # before building: a run too large for memory is refused, not built
+            hw.check_devices(build_schedule(spec).num_devices)
 
 
 def _without_time(record: dict) -> dict:

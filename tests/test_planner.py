@@ -519,15 +519,15 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
 
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "vgg.json")
     monkeypatch.chdir(tmp_path)
-    for name, flags in (("m", ["--model", "vgg16", "--hardware", "slow.json", "--recv-lookahead", "2"]),
-                        ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu"])):
+    for name, flags in (("m", ["--model", "vgg16", "--hardware", "slow.json"]),
+                        ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu", "--recv-lookahead", "0"])):
         code, _, err = run(capsys, "plan", "--strategy", "1f1b", *flags, "--out", name)
         assert code == 0, err
     by_model = json.loads((tmp_path / "m" / "plan.json").read_text())
-    assert by_model["hardware"] == "pcie-4gpu" and by_model["recv_lookahead"] == 2
+    assert by_model["hardware"] == "pcie-4gpu" and by_model["recv_lookahead"] == 1
     assert by_model["hardware_spec"]["device"]["flops"] == machine["device"]["flops"]
     by_profile = json.loads((tmp_path / "p" / "plan.json").read_text())
-    assert by_profile["profile"] == str(tmp_path / "vgg.json")
+    assert by_profile["profile"] == str(tmp_path / "vgg.json") and by_profile["recv_lookahead"] == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -536,11 +536,15 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
                              "--json", "--out", "s")
         assert code == 0, err
         assert json.loads(out)["plan"]["steady_samples_per_s"] == planned["predicted_samples_per_s"]
-    # on the preset of that name (4x the FLOP/s) it runs faster: the machine mattered
-    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "m" / "plan.json"), "--hardware", "pcie-4gpu",
-                         "--summary-only", "--json", "--out", "s2")
-    assert code == 0, err
-    assert json.loads(out)["plan"]["steady_samples_per_s"] > 1.5 * by_model["predicted_samples_per_s"]
+    # on the preset of that name (4x the FLOP/s) it runs faster, and with receives
+    # posted a pass ahead it runs otherwise: the machine and the lookahead mattered
+    for name, flags, differs in (
+            ("m", ["--hardware", "pcie-4gpu"], lambda x: x > 1.5 * by_model["predicted_samples_per_s"]),
+            ("p", ["--recv-lookahead", "1"], lambda x: x != by_profile["predicted_samples_per_s"])):
+        code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / name / "plan.json"), *flags,
+                             "--summary-only", "--json", "--out", "s2")
+        assert code == 0, err
+        assert differs(json.loads(out)["plan"]["steady_samples_per_s"]), flags
 
 
 def test_a_relative_profile_path_in_a_plan_is_read_beside_it(tmp_path) -> None:
@@ -597,6 +601,8 @@ def test_a_strategy_that_runs_no_configuration_found_is_refused(tmp_path, capsys
     (["compare", "--strategy", "gpipe"], "name the strategies to compare with --strategies"),
     (["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"], "needs microbatches >= stages (m=8 < p=16)"),
     (["compare", "--planned", "--stages", "8", "--hardware", "pcie-4gpu"], "pcie-4gpu has 4 devices"),
+    # sized before it is built: a run too large for memory is one line, not a machine filling up
+    (["compare", "--strategies", "gpipe,1f1b", "--microbatches", "20000000"], "computes 320,000,000 stage passes"),
 ])
 def test_flags_a_run_would_ignore_or_fail_on_are_refused_first(argv, message, tmp_path, capsys) -> None:
     if argv[0] == "simulate":
@@ -604,6 +610,22 @@ def test_flags_a_run_would_ignore_or_fail_on_are_refused_first(argv, message, tm
     code, out, err = run(capsys, *argv, "--out", str(tmp_path / "o"))
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())  # refused before any work
+
+
+def test_a_plan_whose_devices_contradict_its_stages_is_refused(tmp_path, capsys) -> None:
+    """A width plan's gpus are checked against the devices its schedule runs
+    on (pipelines of some strategies share devices, so the sum of replicas
+    cannot tell)."""
+    code, _, err = run(capsys, "plan", "--strategy", "pipedream-2bw", "--model", "bert-large", "--hardware",
+                       "pcie-4gpu", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert "width" in doc
+    doc["gpus"] = 99
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    code, _, err = run(capsys, "simulate", "--plan", str(tmp_path / "bad.json"), "--summary-only",
+                       "--out", str(tmp_path / "o"))
+    assert code == 2 and "the plan says 99 devices, but its stages run on 4" in err, err
 
 
 def _written_plan(tmp_path) -> str:

@@ -390,6 +390,8 @@ class PlanFile:
     #: the machine planned for (``Hardware.to_json``), when the plan records it
     hardware_spec: dict | None = None
     recv_lookahead: int = 1
+    #: the devices the plan runs on, when it says (a run must use as many)
+    gpus: int | None = None
 
     def machine(self) -> Hardware | str:
         """The machine to run the plan on: the one it was planned for when
@@ -518,7 +520,7 @@ def plan_file(d: Any) -> PlanFile:
         options=dict(options), model=model, profile=profile,
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
-        width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead,
+        width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead, gpus=gpus,
     )
 
 

@@ -267,7 +267,7 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
     which ones to pass).
     """
     for name in _CHECKED_FIELDS:
-        check_field(name, getattr(spec, name))
+        check_field(name, getattr(spec, name), stages=spec.stages)
     if spec.replicas is not None:
         if len(spec.replicas) != spec.stages:
             raise StrategyError(f"replicas must give each of the {spec.stages} stages a count >= 1, "
@@ -292,10 +292,11 @@ _CHECKED_FIELDS = ("stages", "microbatches", "iterations", "width", "chunks", "t
                    "placement", "optimizer", "replicas")
 
 
-def check_field(name: str, value) -> None:
+def check_field(name: str, value, *, stages: int | None = None) -> None:
     """Reject a value of spec field ``name`` that no strategy and no other
     field could make valid (a size < 1, an unknown placement); a sweep
-    checks each value of its axes with it before running any point."""
+    checks each value of its axes with it before running any point.
+    ``stages``, when known, is named in the replicas' message."""
     if name in ("stages", "microbatches", "iterations", "width", "chunks", "tau"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise StrategyError(f"{name} must be an integer, got {value!r}")
@@ -319,7 +320,8 @@ def check_field(name: str, value) -> None:
     elif name == "replicas" and value is not None:
         if not isinstance(value, tuple) or not value or any(
                 isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in value):
-            raise StrategyError(f"replicas must give each stage a count >= 1, got {value!r}")
+            each = "each stage" if stages is None else f"each of the {stages} stages"
+            raise StrategyError(f"replicas must give {each} a count >= 1, got {value!r}")
 
 
 def one_f_one_b(n: int, warmup: int) -> Iterator[tuple[Op, int]]:
