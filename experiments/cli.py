@@ -524,10 +524,12 @@ def cmd_sweep(args) -> int:
     out = _output_dir(args.out)
     started = time.perf_counter()
     doc = sweep.run_sweep(grid, workers=args.workers, ray=args.ray)
+    seconds = time.perf_counter() - started
+    written = sweep.write_outputs(doc, out)  # before any printing: a reader that stops early loses no file
     where = f"Ray ({args.ray})" if args.ray else f"{args.workers or sweep.usable_cores()} local worker(s)"
     print(f"{len(doc['points'])} points: {doc['simulated']} simulated, {doc['skipped']} skipped, "
           f"{sum(bool(p.get('out_of_memory')) for p in doc['points'])} out of memory; "
-          f"{time.perf_counter() - started:.2f} s on {where}")
+          f"{seconds:.2f} s on {where}")
     for reason, count in list(sweep.skip_reasons(doc).items())[:3]:
         print(f"  skipped {count}: {reason}")
     rows = [[p["model"], p["hardware"], sweep.label(p, doc["axes"]),
@@ -536,7 +538,9 @@ def cmd_sweep(args) -> int:
     if rows:
         print("fastest configuration that fits in memory:")
         print(_table(rows, ["model", "hardware", "configuration", "samples/s", "peak mem"]))
-    print(f"wrote {', '.join(sweep.write_outputs(doc, out))} to {out}")
+    else:
+        print("no point ran and fit in memory: nothing to recommend")
+    print(f"wrote {', '.join(written)} to {out}")
     return 0
 
 

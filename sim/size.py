@@ -45,6 +45,21 @@ def estimate_passes(spec: ScheduleSpec) -> int | None:
     return strategy.stage_passes(spec)
 
 
+def estimate_devices(spec: ScheduleSpec) -> int | None:
+    """Devices ``spec`` runs on, at most: its stages' replicas summed, or its
+    stages times its width (pipelines that share devices use fewer). None
+    when the sizes are not positive integers."""
+    reps = spec.replicas
+    if reps is not None:
+        if not isinstance(reps, tuple) or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in reps):
+            return None
+        return sum(reps)
+    sizes = (spec.stages, spec.width)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+        return None
+    return spec.stages * spec.width
+
+
 def estimate_work(spec: ScheduleSpec) -> int | None:
     """Stage passes plus the ring steps of the run's collectives (each a
     transfer the engine simulates): what a simulation's time grows with."""
@@ -71,10 +86,23 @@ def available_memory_bytes() -> int | None:
 
 
 def check_size(spec: ScheduleSpec) -> None:
-    """Refuse a spec whose simulation would not fit in memory, before building it."""
+    """Refuse a spec whose simulation would not fit in memory, before building it.
+
+    Every device costs at least what a pass does (its program, its walk, its
+    memory track), so a run of few passes on an enormous replica count is
+    refused too, not built."""
     passes = estimate_passes(spec)
+    devices = estimate_devices(spec)
     available = available_memory_bytes()
-    if passes is None or available is None or passes * BYTES_PER_PASS <= available:
+    if passes is None or devices is None or available is None:
+        return
+    if devices > passes and devices * BYTES_PER_PASS > available:
+        raise SizeError(
+            f"{spec.strategy} with {devices:,} devices would need at least {_gib(devices * BYTES_PER_PASS)} "
+            f"({BYTES_PER_PASS // 1024} KiB per device) and this machine has {_gib(available)} available: "
+            "use fewer replicas or stages"
+        )
+    if (passes + devices) * BYTES_PER_PASS <= available:
         return
     raise SizeError(
         f"{spec.strategy} with {spec.stages} stages, {spec.microbatches} micro-batches and {spec.iterations} "

@@ -482,9 +482,15 @@ def test_size_limit_comes_from_available_memory(monkeypatch):
     assert size.estimate_passes(spec) == 2 * 3 * 4 * 3 * 2  # stages x chunks x m x iterations x replicas
     assert size.estimate_passes(ScheduleSpec("data-parallel", 4, 8, iterations=2)) == 16
     assert size.estimate_passes(ScheduleSpec("1f1b", "2", 4)) is None
-    monkeypatch.setattr(size, "available_memory_bytes", lambda: 143 * size.BYTES_PER_PASS)
-    with pytest.raises(size.SizeError, match="144 stage passes") as e:
+    assert size.estimate_devices(spec) == 4  # 2 stages x width 2
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 147 * size.BYTES_PER_PASS)
+    with pytest.raises(size.SizeError, match="144 stage passes") as e:  # 144 passes and 4 devices: 148
         api.simulate(spec)
-    assert "at most 143 passes" in str(e.value) and "\n" not in str(e.value)
-    monkeypatch.setattr(size, "available_memory_bytes", lambda: 144 * size.BYTES_PER_PASS)
+    assert "at most 147 passes" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 148 * size.BYTES_PER_PASS)
     assert api.simulate(spec).schedule.num_devices == 4
+    # few passes on an enormous replica count: refused by its devices, before anything is built
+    wide = ScheduleSpec("gpipe", 2, 1, replicas=(10**12, 1))
+    assert size.estimate_devices(wide) == 10**12 + 1
+    with pytest.raises(size.SizeError, match="with 1,000,000,000,001 devices would need"):
+        size.check_size(wide)

@@ -206,3 +206,15 @@ def test_a_sweep_runs_pipedreams_measured_profiles() -> None:
     doc = sweep.run_sweep(grid, workers=1, progress=False)
     assert [p["status"] for p in doc["points"]] == ["ok", "ok"]
     assert all(p["throughput_samples_per_s"] > 0 for p in doc["points"])
+
+
+def test_a_reader_that_stops_early_loses_no_file(tmp_path) -> None:
+    """``pipesim sweep ... | head -1``: the files are written before the
+    first line is printed, so a pipe that closes after it loses none."""
+    import subprocess
+
+    cmd = (f"{sys.executable} -m pipesim.experiments.cli sweep --strategy 1f1b 1f1b --stages 2 --microbatches 4 "
+           f"--iterations 1 --workers 1 --out {tmp_path / 'o'} | head -c 1")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in (tmp_path / "o").iterdir()} >= {"sweep.json", "sweep.csv", "sweep.html"}

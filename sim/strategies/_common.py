@@ -173,7 +173,9 @@ def ring_steps(devices: int) -> int:
 def replica_ring_transfers(spec: ScheduleSpec) -> int:
     """Every stage's gradients all-reduced over its replicas once per
     iteration (flush schedules, 2BW): none for a stage with one replica."""
-    return spec.iterations * sum(ring_steps(r) for r in stage_replicas(spec))
+    if spec.replicas is None:  # every stage on width replicas: counted, not listed (a size check runs this)
+        return spec.iterations * spec.stages * ring_steps(spec.width)
+    return spec.iterations * sum(ring_steps(r) for r in spec.replicas)
 
 
 @dataclass(frozen=True)
