@@ -108,7 +108,8 @@ def check_size(spec: ScheduleSpec) -> None:
         f"{spec.strategy} with {spec.stages} stages, {spec.microbatches} micro-batches and {spec.iterations} "
         f"iteration(s) computes {passes:,} stage passes; at {BYTES_PER_PASS // 1024} KiB each that needs "
         f"{_gib(passes * BYTES_PER_PASS)} and this machine has {_gib(available)} available (at most "
-        f"{available // BYTES_PER_PASS:,} passes): use fewer micro-batches, iterations or stages"
+        f"{available // BYTES_PER_PASS - devices:,} passes on its {devices:,} devices): use fewer micro-batches, "
+        "iterations or stages"
     )
 
 

@@ -184,7 +184,7 @@ def _one_error_line(err: str) -> str:
 def test_too_large_a_run_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch) -> None:
     from pipesim.sim import size, strategies
 
-    monkeypatch.setattr(size, "available_memory_bytes", lambda: 64 * size.BYTES_PER_PASS)
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 68 * size.BYTES_PER_PASS)  # 64 passes, 4 devices
     with monkeypatch.context() as m:
         def no_build(spec):
             raise AssertionError("built a schedule the size check should have refused")
@@ -195,7 +195,7 @@ def test_too_large_a_run_is_refused_before_anything_is_built(tmp_path, capsys, m
             code, out, err = run(capsys, *argv, *(["--out", str(tmp_path)] if command == "simulate" else []))
             line = _one_error_line(err)
             assert code == 2 and out == ""
-            assert "68 stage passes" in line and "at most 64 passes" in line, line
+            assert "68 stage passes" in line and "at most 64 passes on its 4 devices" in line, line
     code, _, err = run(capsys, "simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "16",
                        "--summary-only", "--out", str(tmp_path))
     assert code == 0, err  # exactly at the limit

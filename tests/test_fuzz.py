@@ -486,7 +486,7 @@ def test_size_limit_comes_from_available_memory(monkeypatch):
     monkeypatch.setattr(size, "available_memory_bytes", lambda: 147 * size.BYTES_PER_PASS)
     with pytest.raises(size.SizeError, match="144 stage passes") as e:  # 144 passes and 4 devices: 148
         api.simulate(spec)
-    assert "at most 147 passes" in str(e.value) and "\n" not in str(e.value)
+    assert "at most 143 passes on its 4 devices" in str(e.value) and "\n" not in str(e.value)
     monkeypatch.setattr(size, "available_memory_bytes", lambda: 148 * size.BYTES_PER_PASS)
     assert api.simulate(spec).schedule.num_devices == 4
     # few passes on an enormous replica count: refused by its devices, before anything is built
