@@ -648,6 +648,14 @@ def cmd_plan(args) -> int:
     else:
         print(render_plan(record))
         print(f"wrote {', '.join(p.name for p in written)} to {out} (pipesim simulate --plan {out}/plan.json)")
+    if record["out_of_memory"]:  # the files show every candidate; the answer is that none will do
+        from pipesim.sim.planning.plan import PlanError
+
+        limit = record["memory_limit_bytes"]
+        raise PlanError(f"no configuration of {args.strategy} the planner found fits in memory: the fastest, "
+                        f"{record['config']}, needs {_fmt_bytes(record['peak_memory_bytes'])} per device"
+                        + ("" if limit is None else f" of {_fmt_bytes(limit)}")
+                        + f" ({out}/plan.json and pareto.html list every candidate)")
     return 0
 
 
@@ -685,12 +693,23 @@ def _planner(args) -> str:
     return planner
 
 
+#: Strategy options ``pipesim plan`` passes to a planner (AvgPipe's; a
+#: strategy that does not take one refuses it in one line).
+_PLAN_OPTION_FLAGS = ("alpha", "tau", "advance", "placement")
+
+
+def _plan_options(args) -> dict:
+    """The strategy options the plan command line gives."""
+    options = {name: getattr(args, name) for name in _PLAN_OPTION_FLAGS if getattr(args, name) is not None}
+    return options | ({"stashing": False} if args.no_stashing else {})
+
+
 def _plan_replicas(args, hw, gpus: int, say):
     """PipeDream's planner: splits and per-stage replicas."""
     from pipesim.sim.planning.plan import PlanRequest, plan
 
     profile = _plan_profile(args, hw, gpus)
-    options = {"stashing": False} if args.no_stashing else {}
+    options = _plan_options(args)
     given = {k: getattr(args, k) for k in ("iterations", "confirm", "refine") if getattr(args, k) is not None}
     return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
                             recv_lookahead=args.recv_lookahead, model=args.model, profile_path=_recorded_path(args.profile),
@@ -723,9 +742,9 @@ def _plan_width_depth(args, hw, gpus: int, say):
     profile_for, sizes, batch = _profile_for(args, hw, gpus)
     given = {k: getattr(args, k) for k in ("iterations", "confirm") if getattr(args, k) is not None}
     return plan_grid(GridRequest(args.strategy, profile_for, hw, gpus, batch, microbatch_sizes=sizes,
-                                 recompute=(True,) if args.recompute else (False, True),
-                                 recv_lookahead=args.recv_lookahead, model=args.model, profile_path=_recorded_path(args.profile),
-                                 **given), progress=say)
+                                 recompute=(True,) if args.recompute else (False, True), options=_plan_options(args),
+                                 recv_lookahead=args.recv_lookahead, model=args.model,
+                                 profile_path=_recorded_path(args.profile), **given), progress=say)
 
 
 def _plan_tuner(args, hw, gpus: int, say):
@@ -739,6 +758,7 @@ def _plan_tuner(args, hw, gpus: int, say):
                                                      if batch % m == 0 and batch // m in sizes)
     given = {"iterations": args.iterations} if args.iterations is not None else {}
     return tune(TuneRequest(args.strategy, profile_for, hw, gpus, batch, microbatches=microbatches or None,
+                            options=_plan_options(args),
                             recv_lookahead=args.recv_lookahead, recompute=args.recompute, model=args.model,
                             profile_path=_recorded_path(args.profile), **given), progress=say)
 
@@ -821,7 +841,7 @@ def cmd_figure(args) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="mlp", help="real model: mlp, gpt-small or vgg-small")
+    p.add_argument("--model", default="mlp", help="real model: mlp, gpt-small, vgg-small or lstm")
     p.add_argument("--model-width", type=positive, default=None, help="model width (hidden size / channels)")
     p.add_argument("--model-depth", type=positive, default=None, help="model depth (hidden layers / blocks)")
     p.add_argument("--microbatch-size", type=positive, default=32, help="samples per micro-batch")
@@ -1046,6 +1066,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per micro-batch (default: the model's; width-depth and tuner: every power of two "
                         "that divides the batch, or only this one)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
+    from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
+
+    for name in _PLAN_OPTION_FLAGS:
+        kind, text = _STRATEGY_FLAGS[name]
+        p.add_argument(f"--{name}", type=kind, default=None, choices=PLACEMENTS if name == "placement" else None,
+                       help=f"{text} (default: {OPTION_DEFAULTS[name]})")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--replicas", type=replica_counts, default=None,
                       help="replicas planner: hold the search to this configuration, replicas per stage in "

@@ -151,8 +151,10 @@ def render_plan(plan: dict) -> str:
                  + f"; bottleneck: {best.get('bottleneck', '')}")
     lines.append("stages:")
     for k, s in enumerate(best["stages"]):
-        lines.append(f"  stage {k}: layers {s['layers'][0]}-{s['layers'][1]} on {s['replicas']} "
-                     f"device{'s' if s['replicas'] > 1 else ''}")
+        # a width plan's stage has one replica in each pipeline; pipelines may share devices (AvgPipe)
+        where = (f"in each of {width} pipelines" if width is not None else
+                 f"on {s['replicas']} device{'s' if s['replicas'] > 1 else ''}")
+        lines.append(f"  stage {k}: layers {s['layers'][0]}-{s['layers'][1]} {where}")
     lines.append(f"candidates ({len(plan['candidates'])}, best first; planner {plan['planner_seconds']:.2f} s):")
     ranked = sorted(range(len(plan["candidates"])),
                     key=lambda i: (plan["candidates"][i]["out_of_memory"],

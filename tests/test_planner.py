@@ -428,6 +428,8 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
         (lambda d: d.update(gpus=8), "'gpus' is 8, but the stages' replicas use 16 devices"),
         (lambda d: d.update(recv_lookahead=-1), "'recv_lookahead' must be a whole number >= 0"),
         (lambda d: d.update(hardware_spec={"name": "x"}), "'hardware_spec'"),
+        (lambda d: d.update(strategy="zb-h1"), "zb-h1 is not planned by the replicas planner this plan names"),
+        (lambda d: d.update(planner="width-depth", strategy="pipedream-2bw"), "its 'width' is missing"),
     ],
 )
 def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsys) -> None:
@@ -647,3 +649,15 @@ def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
         assert ("in steady state, " in line) is steady and ("too short for a steady state" in line) is not steady
         summary = json.loads((tmp_path / iterations / "summary.json").read_text())
         assert summary["plan"]["steady_window"] is steady
+
+
+def test_a_plan_where_nothing_fits_is_an_error_that_keeps_its_files(tmp_path, capsys) -> None:
+    """The planner lists every candidate even when none fits, but the answer
+    to "what should I run" is then that nothing will: one line, exit 2."""
+    code, out, err = run(capsys, "plan", "--strategy", "1f1b", "--model", "vgg16", "--hardware", "pcie-4gpu",
+                         "--microbatch-size", "4096", "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "no configuration of 1f1b the planner found fits in memory" in err and "of 11.0 GiB" in err
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["out_of_memory"] and all(c["out_of_memory"] for c in record["candidates"])
+    assert (tmp_path / "pareto.html").exists() and "chosen:" in out

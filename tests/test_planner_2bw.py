@@ -193,3 +193,23 @@ def test_library_errors() -> None:
         plan_grid(GridRequest("pipedream", model(), PCIE, 4, 8))
     with pytest.raises(PlanError, match="not a tuning option"):
         tune(TuneRequest("avgpipe", model(), PCIE, 4, 8, options={"width": 2}))
+
+
+def test_the_tuner_plans_avgpipes_disjoint_placement(tmp_path, capsys) -> None:
+    """``plan --placement disjoint`` gives each of the N pipelines its own
+    GPUs (depth GPUs / N), and the plan keeps the option for simulate --plan;
+    a strategy without the option refuses it in one line."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--strategy", "avgpipe", "--model", "bert-large", "--hardware", "pcie-4gpu",
+                 "--batch-size", "8", "--placement", "disjoint", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rec = json.loads((out / "plan.json").read_text())
+    assert rec["options"]["placement"] == "disjoint" and len(rec["stages"]) * rec["width"] == 4
+    assert f"in each of {rec['width']} pipelines" in text
+    assert main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json",
+                 "--out", str(tmp_path / "sim")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["devices_count"] == 4
+    assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
+    assert main(["plan", "--strategy", "pipedream", "--placement", "disjoint", "--out", str(tmp_path / "x")]) == 2
+    assert "pipedream has no option 'placement' to plan with" in capsys.readouterr().err

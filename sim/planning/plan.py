@@ -346,6 +346,9 @@ class Plan:
             {} if self.held_to is None else {"held_to": self.held_to})
 
 
+#: The planners whose plans run ``width`` pipelines side by side (and say so).
+WIDTH_PLANNERS = frozenset({"width-depth", "tuner"})
+
 #: Every field ``Plan.to_json`` writes: :func:`plan_file` refuses any other
 #: (a misspelt field would otherwise be ignored).
 PLAN_KEYS = frozenset({
@@ -459,12 +462,16 @@ def plan_file(d: Any) -> PlanFile:
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= PLAN_VERSION:
         raise PlanError(f"'plan_version' {version!r} is not one this pipesim reads (1 to {PLAN_VERSION})")
     planners = sorted({name for s in strategies() for name in s.planners})
-    if d.get("planner", planners[0]) not in planners:
+    planner = d.get("planner", "replicas")
+    if planner not in planners:
         raise PlanError(f"'planner' must be one of {', '.join(planners)}, got {d['planner']!r}")
     if "batch_size" in d:
         _field(d, "batch_size", int, "a whole number >= 1")
     strategy = _field(d, "strategy", str, "a strategy name")
     get_strategy(strategy)  # a one-line StrategyError naming the choices
+    check_served(strategy, planner, f"the {planner} planner this plan names")
+    if planner in WIDTH_PLANNERS and "width" not in d:
+        raise PlanError(f"a plan of the {planner} planner runs pipelines side by side: its 'width' is missing")
     stages = d.get("stages")
     if not isinstance(stages, list) or not stages:
         raise PlanError("'stages' must be a non-empty list of {\"layers\": [first, last], \"replicas\": r}")

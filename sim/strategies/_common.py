@@ -272,8 +272,8 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
         check_field(name, getattr(spec, name), stages=spec.stages)
     if spec.replicas is not None:
         if len(spec.replicas) != spec.stages:
-            raise StrategyError(f"replicas must give each of the {spec.stages} stages a count >= 1, "
-                                f"got {spec.replicas!r}")
+            raise StrategyError(f"replicas {','.join(map(str, spec.replicas))} name {len(spec.replicas)} "
+                                f"stage(s), but the schedule has {spec.stages}: give one count per stage")
         if spec.width != 1:
             raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
