@@ -520,6 +520,7 @@ def cmd_sweep(args) -> int:
 
     grid = sweep.grid_from_args(args)  # every value checked before any work
     if args.ray is not None:
+        sweep.check_ray_address(args.ray)
         sweep.import_ray()
     out = _output_dir(args.out)
     started = time.perf_counter()

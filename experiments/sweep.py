@@ -481,6 +481,38 @@ def import_ray():
     return ray
 
 
+#: Seconds to wait for a Ray address to accept a connection before giving up
+#: (Ray itself retries an unreachable cluster for minutes).
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_ray_address(address: str) -> tuple[str, int] | None:
+    """``auto`` (None), or the (host, port) of ``HOST:PORT`` or
+    ``ray://HOST:PORT``; a one-line :class:`GridError` for anything else."""
+    if address == "auto":
+        return None
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise GridError(f"--ray takes auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _reachable(address: str) -> None:
+    """Refuse, after at most :data:`RAY_CONNECT_TIMEOUT_S`, an address where
+    nothing accepts a connection."""
+    import socket
+
+    where = check_ray_address(address)
+    if where is None:
+        return
+    try:
+        socket.create_connection(where, timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise GridError(f"cannot reach Ray at {address}: {e.strerror or type(e).__name__} "
+                        f"(waited up to {RAY_CONNECT_TIMEOUT_S:g} s)") from None
+
+
 @contextmanager
 def ray_session(address: str):
     """Ray connected: as it already is in this process, else to ``address``
@@ -492,10 +524,11 @@ def ray_session(address: str):
     if connect:
         import logging
 
+        _reachable(address)
         try:
             ray.init(address=None if address == "auto" else address, include_dashboard=False,
                      logging_level=logging.ERROR, log_to_driver=False)
-        except ConnectionError as e:
+        except (ConnectionError, ValueError) as e:
             raise GridError(f"cannot connect to Ray at {address}: {first_line(e)}") from None
     try:
         yield max(1, int(ray.cluster_resources().get("CPU", 1)))

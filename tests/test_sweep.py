@@ -148,6 +148,22 @@ def test_ray_missing_is_one_line(monkeypatch, tmp_path, capsys) -> None:
     assert code == 2 and err.count("\n") == 1 and "pip install 'pipesim[ray]'" in err
 
 
+@pytest.mark.parametrize("address", ["nonsense", "", "host:notaport", "host:70000", "ray://:10001"])
+def test_a_malformed_ray_address_is_one_line(address, tmp_path, capsys) -> None:
+    code, _, err = run(capsys, "sweep", "--ray", address, "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "--ray takes auto, HOST:PORT or ray://HOST:PORT" in err, err
+    assert sweep.check_ray_address("ray://head:10001") == ("head", 10001)
+    assert sweep.check_ray_address("auto") is None
+
+
+def test_an_unreachable_ray_address_is_refused_in_bounded_time(tmp_path, capsys) -> None:
+    """Ray retries an address nobody answers on for minutes; pipesim asks
+    the port first (port 1 on this machine refuses at once)."""
+    pytest.importorskip("ray")
+    code, _, err = run(capsys, "sweep", "--ray", "127.0.0.1:1", "--stages", "2", "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "cannot reach Ray at 127.0.0.1:1" in err, err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
