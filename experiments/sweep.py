@@ -550,6 +550,12 @@ def run_ray(chunks: list, hardware: dict, advance: Advance) -> Iterator[tuple[in
             rows = ray.get(done[0])
             advance(len(rows))
             yield from rows
+    except KeyboardInterrupt:
+        # Ray (2.x) can abort the process when tasks are cancelled right after
+        # Ctrl-C interrupted a wait; leaving them to the session's shutdown
+        # stops them on a cluster started here (and lets the interrupt out)
+        pending = []
+        raise
     finally:
         for ref in pending:
             ray.cancel(ref)
