@@ -58,8 +58,10 @@ from pipesim.sim.workload import check_microbatch_size
 
 SWEEP_VERSION = 1
 
-#: Axes that are not ScheduleSpec fields: what the schedule runs on.
-RUN_AXES: dict[str, object] = {"model": str, "hardware": str, "microbatch_size": int | None}
+#: Axes that are not ScheduleSpec fields: what the schedule runs on, and
+#: whether every backward recomputes its stage's forward (``simulate``'s
+#: ``recompute``; off unless the grid sweeps it).
+RUN_AXES: dict[str, object] = {"model": str, "hardware": str, "microbatch_size": int | None, "recompute": bool}
 
 #: Axes a sweep has when neither a grid file nor a flag gives them. Asynchronous
 #: schedules are compared over 4 iterations, in steady state (as ``pipesim compare``).
@@ -353,7 +355,8 @@ def evaluate_point(config: dict, hardware: dict) -> dict:
     try:
         with gc_paused():  # as every simulation: see pipesim.sim._gc
             summary = summarize(simulate(ScheduleSpec(**spec_fields), config["model"], hardware[config["hardware"]],
-                                         microbatch_size=config.get("microbatch_size")))
+                                         microbatch_size=config.get("microbatch_size"),
+                                         recompute=config.get("recompute", False)))
     except InputError as e:
         return {**config, "status": "skipped", "reason": first_line(e)}
     return {**config, "status": "ok", **{k: summary[k] for k in KEY_FIGURES},

@@ -234,3 +234,15 @@ def test_a_reader_that_stops_early_loses_no_file(tmp_path) -> None:
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert {p.name for p in (tmp_path / "o").iterdir()} >= {"sweep.json", "sweep.csv", "sweep.html"}
+
+
+def test_recomputation_is_a_sweep_axis() -> None:
+    """``--set recompute=false true``: every backward re-runs its forward, so
+    the stash shrinks to the layers' inputs and the passes take longer."""
+    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (4,), "microbatches": (8,), "iterations": (2,),
+                            "model": ("bert-large",), "hardware": ("pcie-4gpu",), "recompute": (False, True)})
+    assert "recompute" in sweep.columns(grid)
+    plain, recomputed = sweep.run_sweep(grid, workers=1, progress=False)["points"]
+    assert (plain["recompute"], recomputed["recompute"]) == (False, True)
+    assert recomputed["peak_memory_bytes_max"] < plain["peak_memory_bytes_max"]
+    assert recomputed["throughput_samples_per_s"] < plain["throughput_samples_per_s"]
