@@ -164,7 +164,8 @@ def _add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", har
     g = p.add_mutually_exclusive_group()
     list_choices(g.add_argument("--model", default=None, help=f"catalog model (default: {model})"), _catalog_models)
     g.add_argument("--profile", default=None,
-                   help="per-layer cost profile: JSON (from `pipesim profile` or hand-written) or PipeDream's graph.txt")
+                   help="per-layer cost profile: JSON (from `pipesim profile` or hand-written) or PipeDream's "
+                        "graph.txt")
     list_choices(p.add_argument("--hardware", default=None,
                                 help=f"preset, preset-xN (N nodes) or a JSON file (default: {hardware})"),
                  _hardware_presets)
@@ -402,7 +403,8 @@ def cmd_simulate(args) -> int:
             p = summary["plan"]
             if p["steady_window"]:
                 this_run = (f"this run {p['steady_samples_per_s']:.1f} in steady state, "
-                            f"{_rate(summary['throughput_samples_per_s'])} over the whole run (fill and drain included)")
+                            f"{_rate(summary['throughput_samples_per_s'])} over the whole run "
+                            "(fill and drain included)")
             else:  # nothing to leave out: say so rather than call the whole run steady
                 this_run = (f"this run {_rate(summary['throughput_samples_per_s'])} over the whole run, too short "
                             "for a steady state (3 iterations or more leave out the fill and drain)")
@@ -713,7 +715,8 @@ def _plan_replicas(args, hw, gpus: int, say):
     options = _plan_options(args)
     given = {k: getattr(args, k) for k in ("iterations", "confirm", "refine") if getattr(args, k) is not None}
     return plan(PlanRequest(args.strategy, profile, hw, gpus, microbatches=args.microbatches, options=options,
-                            recv_lookahead=args.recv_lookahead, model=args.model, profile_path=_recorded_path(args.profile),
+                            recv_lookahead=args.recv_lookahead, model=args.model,
+                            profile_path=_recorded_path(args.profile),
                             recompute=args.recompute, replicas=args.replicas, straight=args.straight, **given),
                 progress=say)
 

@@ -152,7 +152,7 @@ def render_plan(plan: dict) -> str:
     lines.append("stages:")
     for k, s in enumerate(best["stages"]):
         # a width plan's stage has one replica in each pipeline; pipelines may share devices (AvgPipe)
-        where = (f"in each of {width} pipelines" if width is not None else
+        where = ((f"in each of {width} pipelines" if width > 1 else "in its one pipeline") if width is not None else
                  f"on {s['replicas']} device{'s' if s['replicas'] > 1 else ''}")
         lines.append(f"  stage {k}: layers {s['layers'][0]}-{s['layers'][1]} {where}")
     lines.append(f"candidates ({len(plan['candidates'])}, best first; planner {plan['planner_seconds']:.2f} s):")

@@ -9,7 +9,8 @@ staleness) beside its configuration: ``sweep.json``, ``sweep.csv`` and
 **The grid** is one tuple of values per axis. An axis is any
 :class:`~pipesim.sim.strategies.ScheduleSpec` field (strategy, stages,
 microbatches, iterations, width, chunks, alpha, ..., and whatever field the
-spec gains later) or a run setting (model, hardware, microbatch_size). Values
+spec gains later) or a run setting (model, hardware, microbatch_size,
+recompute). Values
 are read by the field's type annotation, so a new field can be swept the day
 it exists: ``--set NAME=V [V ...]`` on the command line (commas make a tuple:
 ``--set replicas=15,1 3,1``) or ``{"NAME": [values]}`` in a JSON grid file. A
@@ -490,14 +491,14 @@ RAY_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_ray_address(address: str) -> tuple[str, int] | None:
-    """``auto`` (None), or the (host, port) of ``HOST:PORT`` or
+    """``auto`` or ``local`` (None), or the (host, port) of ``HOST:PORT`` or
     ``ray://HOST:PORT``; a one-line :class:`GridError` for anything else."""
-    if address == "auto":
+    if address in ("auto", "local"):  # local: always a new instance on this machine (Ray's own spelling)
         return None
     rest = address[len("ray://"):] if address.startswith("ray://") else address
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise GridError(f"--ray takes auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+        raise GridError(f"--ray takes auto, local, HOST:PORT or ray://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -512,8 +513,8 @@ def _reachable(address: str) -> None:
     try:
         socket.create_connection(where, timeout=RAY_CONNECT_TIMEOUT_S).close()
     except OSError as e:
-        raise GridError(f"cannot reach Ray at {address}: {e.strerror or type(e).__name__} "
-                        f"(waited up to {RAY_CONNECT_TIMEOUT_S:g} s)") from None
+        waited = f" after {RAY_CONNECT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else ""
+        raise GridError(f"cannot reach Ray at {address}: {e.strerror or 'no answer'}{waited}") from None
 
 
 @contextmanager
@@ -521,7 +522,9 @@ def ray_session(address: str):
     """Ray connected: as it already is in this process, else to ``address``
     (``auto``: the cluster RAY_ADDRESS names or one running on this machine,
     else a new local instance on this machine's cores), shut down on the way
-    out only if connected here. Yields the CPUs the cluster has."""
+    out only if connected here. Yields the CPUs the cluster has and whether
+    the session is this call's own (so :func:`run_ray` knows whether its
+    shutdown will stop what is left running)."""
     ray = import_ray()
     connect = not ray.is_initialized()
     if connect:
@@ -534,15 +537,17 @@ def ray_session(address: str):
         except (ConnectionError, ValueError) as e:
             raise GridError(f"cannot connect to Ray at {address}: {first_line(e)}") from None
     try:
-        yield max(1, int(ray.cluster_resources().get("CPU", 1)))
+        yield max(1, int(ray.cluster_resources().get("CPU", 1))), connect
     finally:
         if connect:
             ray.shutdown()
 
 
-def run_ray(chunks: list, hardware: dict, advance: Advance) -> Iterator[tuple[int, dict]]:
+def run_ray(chunks: list, hardware: dict, advance: Advance, own_session: bool = False) -> Iterator[tuple[int, dict]]:
     """Chunks as Ray tasks of a connected Ray (:func:`ray_session`), rows in
-    completion order; the hardware table is put in the object store once."""
+    completion order; the hardware table is put in the object store once.
+    Tasks left when it stops are cancelled, except after Ctrl-C in a session
+    of its own (``own_session``), whose shutdown stops them (see below)."""
     ray = import_ray()
     task = ray.remote(evaluate_chunk)
     shared = ray.put(hardware)
@@ -555,9 +560,11 @@ def run_ray(chunks: list, hardware: dict, advance: Advance) -> Iterator[tuple[in
             yield from rows
     except KeyboardInterrupt:
         # Ray (2.x) can abort the process when tasks are cancelled right after
-        # Ctrl-C interrupted a wait; leaving them to the session's shutdown
-        # stops them on a cluster started here (and lets the interrupt out)
-        pending = []
+        # Ctrl-C interrupted a wait; in a session of our own its shutdown
+        # stops them instead (and the interrupt gets out). A caller's Ray
+        # outlives us: its tasks are still cancelled.
+        if own_session:
+            pending = []
         raise
     finally:
         for ref in pending:
@@ -599,8 +606,8 @@ def run_sweep(grid: dict[str, tuple], *, workers: int | None = None, ray: str | 
     rows: list[dict | None] = [None] * len(points)
     with points_bar(len(points), progress) as advance:
         if ray is not None:
-            with ray_session(ray) as cpus:
-                for i, row in run_ray(chunked(points, cpus), hardware, advance):
+            with ray_session(ray) as (cpus, own):
+                for i, row in run_ray(chunked(points, cpus), hardware, advance, own_session=own):
                     rows[i] = row
         else:
             workers = workers or usable_cores()
@@ -804,7 +811,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if flag in listed:
             list_choices(action, listed[flag])
     p.add_argument("--set", dest="set_axes", nargs="+", action="append", default=None, metavar=("NAME=V", "V"),
-                   help="sweep any ScheduleSpec field or microbatch_size: --set NAME=V [V ...], repeatable; "
+                   help="sweep any ScheduleSpec field, microbatch_size or recompute: --set NAME=V [V ...], repeatable; "
                         "commas make a tuple (--set replicas=15,1 3,1)")
     p.add_argument("--grid", default=None, metavar="FILE.json", help="JSON grid file {\"axis\": [values], ...}; flags override its axes")
     g = p.add_mutually_exclusive_group()

@@ -320,7 +320,8 @@ def ceiling(strategy: str, p: int, m: int) -> dict:
     for name, rate in (("bare_model", bare_model_rate), ("engine_run", engine_run_rate)):
         raw = max(raw_simpy_rate() for _ in range(3))
         row = rate(strategy, p, m)
-        out[name] = {**row, "raw_simpy_timeouts_per_s": round(raw), "ratio_to_raw_simpy": round(row["actions_per_s"] / raw, 4)}
+        out[name] = {**row, "raw_simpy_timeouts_per_s": round(raw),
+                     "ratio_to_raw_simpy": round(row["actions_per_s"] / raw, 4)}
     return out
 
 

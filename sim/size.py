@@ -96,7 +96,7 @@ def check_size(spec: ScheduleSpec) -> None:
     available = available_memory_bytes()
     if passes is None or devices is None or available is None:
         return
-    if devices > passes and devices * BYTES_PER_PASS > available:
+    if devices * BYTES_PER_PASS > available:  # the devices alone do not fit, whatever the passes
         raise SizeError(
             f"{spec.strategy} with {devices:,} devices would need at least {_gib(devices * BYTES_PER_PASS)} "
             f"({BYTES_PER_PASS // 1024} KiB per device) and this machine has {_gib(available)} available: "
@@ -108,8 +108,8 @@ def check_size(spec: ScheduleSpec) -> None:
         f"{spec.strategy} with {spec.stages} stages, {spec.microbatches} micro-batches and {spec.iterations} "
         f"iteration(s) computes {passes:,} stage passes; at {BYTES_PER_PASS // 1024} KiB each that needs "
         f"{_gib(passes * BYTES_PER_PASS)} and this machine has {_gib(available)} available (at most "
-        f"{available // BYTES_PER_PASS - devices:,} passes on its {devices:,} devices): use fewer micro-batches, "
-        "iterations or stages"
+        f"{max(0, available // BYTES_PER_PASS - devices):,} passes on its {devices:,} devices): use fewer "
+        "micro-batches, iterations or stages"
     )
 
 

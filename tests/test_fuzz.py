@@ -494,3 +494,8 @@ def test_size_limit_comes_from_available_memory(monkeypatch):
     assert size.estimate_devices(wide) == 10**12 + 1
     with pytest.raises(size.SizeError, match="with 1,000,000,000,001 devices would need"):
         size.check_size(wide)
+    # as many devices as passes, too many for memory: refused by the devices, no negative budget
+    with pytest.raises(size.SizeError, match="with 1,000,000,000 devices would need"):
+        size.check_size(ScheduleSpec("1f1b", 10**9, 1))
+    # counting a huge spec's collectives lists nothing (a sweep counts every point's work first)
+    assert size.estimate_work(ScheduleSpec("pipedream", 10**12, 1)) == 10**12

@@ -601,7 +601,8 @@ def test_a_strategy_that_runs_no_configuration_found_is_refused(tmp_path, capsys
 @pytest.mark.parametrize("argv,message", [
     (["simulate", "--no-stashing"], "the plan fixes the strategy's options"),
     (["compare", "--strategy", "gpipe"], "name the strategies to compare with --strategies"),
-    (["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"], "needs microbatches >= stages (m=8 < p=16)"),
+    (["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"],
+     "needs microbatches >= stages (m=8 < p=16)"),
     (["compare", "--planned", "--stages", "8", "--hardware", "pcie-4gpu"], "pcie-4gpu has 4 devices"),
     # sized before it is built: a run too large for memory is one line, not a machine filling up
     (["compare", "--strategies", "gpipe,1f1b", "--microbatches", "20000000"], "computes 320,000,000 stage passes"),

@@ -17,7 +17,8 @@ BARE = ("gpipe", "1f1b", "interleaved-1f1b", "pipedream", "pipedream-2bw")
 
 
 @settings(max_examples=40, deadline=None)
-@given(strategy=st.sampled_from(BARE), p=st.integers(1, 6), m=st.integers(1, 10), model=st.sampled_from(("uniform", "vgg16")))
+@given(strategy=st.sampled_from(BARE), p=st.integers(1, 6), m=st.integers(1, 10),
+       model=st.sampled_from(("uniform", "vgg16")))
 def test_bare_model_ends_when_the_engine_does(strategy, p, m, model) -> None:
     spec = ScheduleSpec(strategy, p, m)
     try:
@@ -42,6 +43,7 @@ def test_ceiling_reports_both_runs_against_raw_simpy() -> None:
         row = out[name]
         assert row["compute_actions"] == 4 * 8 * 2 + 4  # passes and one update per stage
         assert row["actions_per_s"] > 0 and row["raw_simpy_timeouts_per_s"] > 0
-        assert row["ratio_to_raw_simpy"] == pytest.approx(row["actions_per_s"] / row["raw_simpy_timeouts_per_s"], rel=1e-3)
+        expected = row["actions_per_s"] / row["raw_simpy_timeouts_per_s"]
+        assert row["ratio_to_raw_simpy"] == pytest.approx(expected, rel=1e-3)
     text = render({"raw_simpy_timeouts_per_s": 1, "cases": [], "target": {}, "ceiling": out})
     assert "the bare SimPy model" in text and "the engine's SimPy run" in text

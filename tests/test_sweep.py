@@ -151,9 +151,10 @@ def test_ray_missing_is_one_line(monkeypatch, tmp_path, capsys) -> None:
 @pytest.mark.parametrize("address", ["nonsense", "", "host:notaport", "host:70000", "ray://:10001"])
 def test_a_malformed_ray_address_is_one_line(address, tmp_path, capsys) -> None:
     code, _, err = run(capsys, "sweep", "--ray", address, "--out", str(tmp_path))
-    assert code == 2 and err.count("\n") == 1 and "--ray takes auto, HOST:PORT or ray://HOST:PORT" in err, err
+    assert code == 2 and err.count("\n") == 1 and "--ray takes auto, local, HOST:PORT or ray://HOST:PORT" in err, err
     assert sweep.check_ray_address("ray://head:10001") == ("head", 10001)
-    assert sweep.check_ray_address("auto") is None
+    assert sweep.check_ray_address("[::1]:6379") == ("::1", 6379)
+    assert sweep.check_ray_address("auto") is None and sweep.check_ray_address("local") is None
 
 
 def test_an_unreachable_ray_address_is_refused_in_bounded_time(tmp_path, capsys) -> None:

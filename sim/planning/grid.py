@@ -67,8 +67,8 @@ from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strate
 from ..workload import Profile
 from .cost import LinkModel, stage_memory, update_seconds
 from .layout import traits_of
-from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
-                   memory_limit, out_of_memory, steady_throughput)
+from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
+                   check_served, memory_limit, out_of_memory, steady_throughput)
 from .search import Tables, memory_terms
 
 PLANNER = "width-depth"
@@ -140,7 +140,6 @@ class Score:
 def check_grid_request(req: GridRequest) -> None:
     """One-line errors for a request the grid cannot plan."""
     check_served(req.strategy, PLANNER, "width x depth")
-    strategy = get_strategy(req.strategy)
     check_counts(req, ("gpus", "batch_size", "iterations"))
     check_counts(req, ("confirm",), minimum=0)
     if req.gpus > MAX_GPUS:
@@ -152,9 +151,7 @@ def check_grid_request(req: GridRequest) -> None:
         raise PlanError(f"micro-batch sizes must be whole numbers >= 1, got {req.microbatch_sizes!r}")
     if not req.recompute or any(not isinstance(r, bool) for r in req.recompute):
         raise PlanError(f"recompute choices must be True and/or False, got {req.recompute!r}")
-    bad = sorted(set(req.options) - set(strategy.options) | set(req.options) & {"replicas", "width"})
-    if bad:
-        raise PlanError(f"option {bad[0]!r} is not a plan option of {req.strategy} (the planner chooses the width)")
+    check_plan_options(req.strategy, req.options, {"replicas", "width"}, "the planner chooses the width")
 
 
 def shapes(req: GridRequest, layers: int) -> list[Shape]:
@@ -329,8 +326,10 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
                  key=lambda i: (not ranked[i].out_of_memory, ranked[i].simulated, ranked[i].samples_per_s))
     best = ranked[chosen].params
     return Plan(strategy=req.strategy, model=req.model or grid.profile(best["microbatch_size"]).name,
-                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus, microbatches=best["microbatches"],
+                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus,
+                microbatches=best["microbatches"],
                 iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
                 candidates=tuple(ranked), chosen=chosen, data_parallel_samples_per_s=None, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead, profile=req.profile_path, planner=PLANNER,
+                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
+                profile=req.profile_path, planner=PLANNER,
                 width=best["width"], recompute=best["recompute"], batch_size=req.batch_size)

@@ -654,15 +654,21 @@ def check_request(req: PlanRequest) -> None:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:
         raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
-    chosen = sorted(set(req.options) & {"replicas", "width"})
-    if chosen:
-        raise PlanError(f"option {chosen[0]!r} is not a plan option of {req.strategy} (the planner chooses the "
-                        "replicas)")
-    unknown = sorted(set(req.options) - set(strategy.options))
+    check_plan_options(req.strategy, req.options, {"replicas", "width"}, "the planner chooses the replicas")
+
+
+def check_plan_options(strategy: str, options: dict, chosen: set[str], why: str) -> None:
+    """One-line errors for ``options`` a planner cannot plan with: one it
+    chooses itself (``chosen``, ``why`` says so), or one ``strategy`` does not
+    take (naming those it does)."""
+    mine = sorted(set(options) & chosen)
+    if mine:
+        raise PlanError(f"option {mine[0]!r} is not a plan option of {strategy} ({why})")
+    takes = set(get_strategy(strategy).options)
+    unknown = sorted(set(options) - takes)
     if unknown:
-        takes = sorted(set(strategy.options) - {"replicas", "width"})
-        raise PlanError(f"{req.strategy} has no option {unknown[0]!r} to plan with (it takes: "
-                        f"{', '.join(takes) or 'none'})")
+        raise PlanError(f"{strategy} has no option {unknown[0]!r} to plan with (it takes: "
+                        f"{', '.join(sorted(takes - chosen)) or 'none'})")
 
 
 def _check_held(req: PlanRequest) -> None:
@@ -720,7 +726,8 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
                 microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
                 options=dict(req.options),
                 candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead, profile=req.profile_path, recompute=req.recompute,
+                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
+                profile=req.profile_path, recompute=req.recompute,
                 held_to=None if held is None else notation(held))
 
 

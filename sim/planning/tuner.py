@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..hardware import Hardware
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
+from ..strategies import ScheduleSpec, StrategyError, build_schedule
 from ..workload import Profile
-from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_served,
-                   memory_limit, out_of_memory, steady_throughput)
+from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
+                   check_served, memory_limit, out_of_memory, steady_throughput)
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -70,7 +70,6 @@ class TuneRequest:
 def check_tune_request(req: TuneRequest) -> None:
     """One-line errors for a request the tuner cannot serve."""
     check_served(req.strategy, PLANNER, "the tuner")
-    strategy = get_strategy(req.strategy)
     check_counts(req, ("gpus", "batch_size", "iterations"))
     for name in ("pipelines", "microbatches"):
         v = getattr(req, name)
@@ -82,10 +81,7 @@ def check_tune_request(req: TuneRequest) -> None:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if not isinstance(req.recompute, bool):
         raise PlanError(f"recompute must be True or False, got {req.recompute!r}")
-    bad = sorted(set(req.options) - set(strategy.options) | set(req.options) & {"width"})
-    if bad:
-        raise PlanError(f"option {bad[0]!r} is not a tuning option of {req.strategy} (the tuner chooses the "
-                        "pipelines)")
+    check_plan_options(req.strategy, req.options, {"width"}, "the tuner chooses the pipelines")
 
 
 def grid(req: TuneRequest) -> list[tuple[int, int]]:
@@ -167,9 +163,11 @@ def tune(req: TuneRequest, progress: Callable[[str], None] | None = None) -> Pla
     chosen = max(range(len(found)), key=lambda i: (not found[i].out_of_memory, found[i].samples_per_s))
     best = found[chosen].params
     return Plan(strategy=req.strategy, model=req.model or profiles[best["microbatch_size"]].name,
-                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus, microbatches=best["microbatches"],
+                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus,
+                microbatches=best["microbatches"],
                 iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
                 candidates=tuple(found), chosen=chosen, data_parallel_samples_per_s=None,
-                memory_limit_bytes=_limit(req), planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
+                memory_limit_bytes=_limit(req), planner_seconds=time.perf_counter() - started,
+                recv_lookahead=req.recv_lookahead,
                 profile=req.profile_path, planner=PLANNER, width=best["pipelines"], recompute=req.recompute,
                 batch_size=req.batch_size)

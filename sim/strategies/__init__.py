@@ -29,8 +29,8 @@ from . import (
 from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError, check_field
 
 __all__ = [
-    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field", "find_strategy",
-    "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
+    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field",
+    "find_strategy", "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
 ]
 
 #: Every strategy, in the order listings and comparisons use.

@@ -87,8 +87,10 @@ def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> i
 
 def ring_transfers(spec: ScheduleSpec) -> int:
     """A replicated stage all-reduces after every step of its replicas."""
+    if spec.replicas is None:  # one replica per stage, nothing to all-reduce (not listed: a size check runs this)
+        return 0
     total = spec.microbatches * spec.iterations
-    return sum(-(-total // r) * ring_steps(r) for r in stage_replicas(spec))
+    return sum(-(-total // r) * ring_steps(r) for r in spec.replicas)
 
 
 STRATEGY = Strategy(
