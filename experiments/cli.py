@@ -133,10 +133,11 @@ _STRATEGY_FLAGS = {
 
 
 def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = False, one_strategy: bool = True,
-                       iterations: int = 1) -> None:
+                       iterations: int = 1, stages: int = DEFAULT_STAGES, imports_csv: bool = False) -> None:
     """The flags that shape a schedule; ``one_strategy`` adds ``--strategy``
     (``compare`` names several with ``--strategies`` instead), ``iterations``
-    is the default the help states."""
+    and ``stages`` are the defaults the help states, ``imports_csv`` whether
+    the command also takes a schedule CSV (whose own sizes then apply)."""
     from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
 
     if one_strategy:
@@ -144,13 +145,13 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = 
                      _strategy_names)
     p.add_argument("--stages", type=positive, default=None,
                    help="pipeline depth in devices per replica (data-parallel: devices) "
-                        "(default: 4, or as many as --replicas names)")
+                        f"(default: {stages}, or as many as --replicas names)")
     p.add_argument("--microbatches", type=positive, default=None,
-                   help="micro-batches per iteration per replica, m (default: 8; an imported CSV: the one a "
-                        "pipesim CSV records, else inferred)")
+                   help="micro-batches per iteration per replica, m (default: 8"
+                        + ("; an imported CSV: the one a pipesim CSV records, else inferred)" if imports_csv else ")"))
     p.add_argument("--iterations", type=positive, default=None,
-                   help="iterations K (asynchronous schedules run K*m micro-batches) "
-                        f"(default: {iterations}; an imported pipesim CSV: the one it records)")
+                   help=f"iterations K (asynchronous schedules run K*m micro-batches) (default: {iterations}"
+                        + ("; an imported pipesim CSV: the one it records)" if imports_csv else ")"))
     p.add_argument("--width", type=positive, default=None,
                    help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)")
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
@@ -186,11 +187,18 @@ def _spec(args, strategy: str | None = None):
     take are left out, so one set of flags can drive every strategy;
     otherwise an option the strategy does not use is an error.
     """
-    from pipesim.sim.strategies import ScheduleSpec
+    from pipesim.sim.strategies import ScheduleSpec, StrategyError, get_strategy, strategy_options
 
     name = strategy if strategy is not None else args.strategy
+    options = _strategy_options(args, strategy)
+    if strategy is None:  # a flag given for an option the strategy ignores is a mistake, even at its default
+        get_strategy(name)  # an unknown name first, naming the choices
+        ignored = sorted(set(options) - set(strategy_options(name)))
+        if ignored:
+            flag = "--no-stashing" if ignored[0] == "stashing" else f"--{ignored[0]}"
+            raise StrategyError(f"{flag} does not apply to {name}")
     return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
-                        iterations=args.iterations or 1, **_strategy_options(args, strategy))
+                        iterations=args.iterations or 1, **options)
 
 
 def _strategy_options(args, strategy: str | None = None) -> dict:
@@ -840,7 +848,7 @@ def cmd_figure(args) -> int:
     from .figures import bubble_figure
 
     path = bubble_figure(_output_dir(args.out))
-    print(f"wrote {path}")
+    print(f"wrote {path} and {path.with_suffix('.json').name} (its data)")
     return 0
 
 
@@ -1012,7 +1020,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     p = sub.add_parser("simulate", help="simulate one strategy or an imported schedule")
-    _add_schedule_args(p, strategy_required=False)
+    _add_schedule_args(p, imports_csv=True)
     p.add_argument("--schedule", default=None, help="schedule CSV (torch or pipesim spelling) instead of --strategy")
     _add_machine_args(p)
     p.add_argument("--out", default="out/simulate", help="output folder")
@@ -1117,7 +1125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("validate", help="run a schedule for real and reconcile it with the simulation")
-    _add_schedule_args(p, strategy_required=True)
+    _add_schedule_args(p, strategy_required=True, iterations=4, stages=2)
     p.set_defaults(stages=2, iterations=4)
     _model_args(p)
     p.add_argument("--backend", choices=("gloo", "nccl", "single"), default="gloo",

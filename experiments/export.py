@@ -103,6 +103,15 @@ def png_supported() -> bool:
     return kaleido_available() and find_browser() is not None
 
 
+def png_skipped_reason() -> str:
+    """Why :func:`png_supported` is false, in a few words, for a "skipped" line."""
+    if os.environ.get("PIPESIM_PNG", "1") == "0":
+        return "PIPESIM_PNG=0"
+    if not kaleido_available():
+        return "needs kaleido"
+    return "needs Chrome/Chromium for kaleido" if find_browser() is None else "the export failed or timed out"
+
+
 def write_png(fig, path: str | Path, *, width: int = 1400, height: int | None = None,
               scale: float = 2.0, timeout: float = 180.0) -> bool:
     """Write ``fig`` as a PNG at ``path``; ``True`` on success.

@@ -46,7 +46,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .export import write_png
+from .export import png_skipped_reason, write_png
 from pipesim.sim.errors import InputError
 from pipesim.sim.metrics import round_sig
 
@@ -287,7 +287,7 @@ def bubble_figure(
     if png:
         ok = write_png(fig, out / "bubbles.png", width=1300, height=560)
         if progress:
-            print("wrote bubbles.png" if ok else "bubbles.png skipped (needs kaleido and Chrome/Chromium)",
+            print("wrote bubbles.png" if ok else f"bubbles.png skipped ({png_skipped_reason()})",
                   file=sys.stderr, flush=True)
     return html
 

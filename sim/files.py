@@ -12,9 +12,10 @@ from .errors import InputError
 
 
 def read_text(path, what: str, error: type[InputError]) -> str:
-    """The text of ``path``; ``error`` saying "<what> file <path> not found" or why it cannot be read."""
+    """The text of ``path``; ``error`` saying "<what> file <path> not found" or why it cannot be read.
+    A leading byte-order mark (Excel and Windows editors write one) is not text."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return f.read()
     except FileNotFoundError:
         raise error(f"{what} file {path} not found") from None

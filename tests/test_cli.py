@@ -57,6 +57,9 @@ def test_same_inputs_give_byte_identical_outputs(tmp_path, capsys) -> None:
         (["simulate", "--schedule", "/nonexistent/schedule.csv"], "schedule file /nonexistent/schedule.csv not found"),
         (["simulate", "--strategy", "1f1b", "--stages", "8", "--hardware", "pcie-4gpu"], "has 4 devices"),
         (["simulate", "--strategy", "pipedream", "--width", "2"], "width"),
+        # a flag for an option the strategy ignores is refused even at the option's default
+        (["simulate", "--strategy", "1f1b", "--chunks", "2"], "--chunks does not apply to 1f1b"),
+        (["schedule", "--strategy", "gpipe", "--no-stashing"], "--no-stashing does not apply to gpipe"),
         (["simulate"], "--strategy"),
         (["compare", "--strategies", "gpipe,,1f1b"], "unknown strategy ''"),
         (["compare", "--strategies", "1f1b,nope"], "unknown strategy 'nope'"),

@@ -468,3 +468,20 @@ def test_pipesim_csv_keeps_what_its_rows_cannot_say():
     assert schedule_from_csv(to_csv(s), strategy="mine").strategy == "mine"
     with pytest.raises(ScheduleError, match="malformed pipesim header"):
         schedule_from_csv("# pipesim {not json\n" + to_csv(s).split("\n", 1)[1])
+
+
+def test_a_csv_saved_with_a_byte_order_mark_imports_as_without() -> None:
+    """Excel and Windows editors start a UTF-8 file with a byte-order mark."""
+    from pipesim.sim.interchange import load_schedule_csv
+
+    s = build_schedule(ScheduleSpec("1f1b", 2, 4))
+    text = to_csv(s)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        plain, marked = Path(d) / "plain.csv", Path(d) / "marked.csv"
+        plain.write_text(text, encoding="utf-8")
+        marked.write_text(text, encoding="utf-8-sig")
+        assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+        assert load_schedule_csv(marked) == load_schedule_csv(plain) == s

@@ -231,6 +231,15 @@ def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
     code = main(["simulate", "--strategy", "1f1b", "--stages", "2", "--profile", str(tmp_path / "profile.json"),
                  "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "sim"), "--summary-only"])
     assert code == 0, capsys.readouterr().err
+    # validate with that profile at another micro-batch size, or with none there: one line, before any measuring
+    for profile, size, message in ((tmp_path / "profile.json", "16", "was measured at micro-batch size 8, this "
+                                    "run uses 16: pass --microbatch-size 8"),
+                                   (tmp_path / "none.json", "8", "not found")):
+        code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", "32",
+                     "--microbatch-size", size, "--backend", "single", "--profile", str(profile),
+                     "--out", str(tmp_path / "v")])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -306,17 +306,14 @@ def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device,
                   say) -> tuple[Profile, Hardware]:
     """The profile and hardware to simulate with: given files, or measured
     here; checked against the schedule and the model."""
-    # the hardware first: the profile's per-pass overhead leaves out what it charges transfers
+    prof = _profile_file(cfg) if cfg.profile_path else None  # a bad file is named before any measuring
+    # the hardware before a measured profile: its per-pass overhead leaves out what it charges transfers
     if cfg.hardware_path:
         hw = load_hardware(cfg.hardware_path)
     else:
         say(f"measuring {cfg.backend} links and the optimizer's bandwidth ...")
         hw = hardware_for(cfg, device, schedule.num_devices, model=model)
-    if cfg.profile_path:
-        prof = load_profile(cfg.profile_path)
-        if prof.microbatch_size != cfg.microbatch_size:
-            prof = replace(prof, microbatch_size=cfg.microbatch_size)
-    else:
+    if prof is None:
         say(f"profiling {cfg.model} layers on {device} ...")
         prof = profile(cfg, device, model=model, hardware=hw)
     if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
@@ -325,6 +322,18 @@ def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device,
     if model.num_layers != prof.num_layers:
         raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
     return prof, hw
+
+
+def _profile_file(cfg: ValidateConfig) -> Profile:
+    """``--profile``'s profile, which must have been measured at the run's
+    micro-batch size: its times and activation sizes are that size's, and
+    relabelling them would predict another run than the one measured."""
+    prof = load_profile(cfg.profile_path)
+    if prof.microbatch_size != cfg.microbatch_size:
+        raise ValidateError(f"the profile {cfg.profile_path} was measured at micro-batch size "
+                            f"{prof.microbatch_size}, this run uses {cfg.microbatch_size}: pass --microbatch-size "
+                            f"{prof.microbatch_size}, or profile again at {cfg.microbatch_size}")
+    return prof
 
 
 def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: SimResult, say):
