@@ -868,7 +868,7 @@ def cmd_profile(args) -> int:
     import json
 
     from pipesim.sim.workload import save_profile
-    from pipesim.validate.harness import ValidateConfig, hardware_for, model_of, profile, torch_device
+    from pipesim.validate.harness import ValidateConfig, check_fits, hardware_for, model_of, profile, torch_device
 
     out = _output_dir(args.out)
     cfg = ValidateConfig(strategy="gpipe", model=args.model, backend=args.backend,
@@ -876,6 +876,7 @@ def cmd_profile(args) -> int:
                          model_depth=args.model_depth, seed=args.seed, profile_repeats=args.repeats)
     device = torch_device(args.backend)
     model = model_of(cfg)
+    check_fits(cfg, model)
     _progress(f"measuring {args.backend} point-to-point links and the optimizer's bandwidth ...")
     hw = hardware_for(cfg, device, args.devices, model=model)
     _progress(f"profiling {args.model} layers on {device} (micro-batch {args.microbatch_size}) ...")

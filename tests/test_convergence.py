@@ -171,6 +171,7 @@ def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
 @pytest.mark.parametrize("extra, fragment", [
     (["--stages", "8"], "model-depth"),
     (["--strategies", "nope"], "unknown strategy"),
+    (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
     (["--update-batch", "7"], "does not split"),
     (["--lr", "0"], "lr"),
     (["--model", "resnet"], "unknown model"),

@@ -247,6 +247,10 @@ def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
     (["validate", "--strategy", "nope"], "unknown strategy"),
     (["validate", "--strategy", "1f1b", "--backend", "nccl"], "GPUs"),
     (["validate", "--strategy", "1f1b", "--stages", "9", "--backend", "single"], "stages"),
+    # a micro-batch whose activations alone exceed memory: refused before its batch is built
+    (["validate", "--strategy", "1f1b", "--microbatch-size", "100000000", "--backend", "single"],
+     "use a smaller --microbatch-size"),
+    (["profile", "--microbatch-size", "100000000", "--backend", "single"], "use a smaller --microbatch-size"),
 ])
 def test_cli_validate_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
     code = main([*argv, "--out", str(tmp_path)])

@@ -50,6 +50,7 @@ from torch import nn
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
+from pipesim.sim.strategies._common import check_executable
 from .models import build_model, split
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .schedule import PipelineSchedule
@@ -74,10 +75,10 @@ def strategy_names() -> list[str]:
 
 def resolve(name: str) -> tuple[str, dict]:
     """(registered strategy, its options) of a run's strategy name."""
-    if name in VARIANTS:
-        return VARIANTS[name]
-    get_strategy(name)  # a StrategyError naming the choices
-    return name, {}
+    strategy, options = VARIANTS[name] if name in VARIANTS else (name, {})
+    get_strategy(strategy)  # a StrategyError naming the choices
+    check_executable(strategy, "real-tensor executors")  # refused here, before any run trains
+    return strategy, options
 
 
 @dataclass(frozen=True)

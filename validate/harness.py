@@ -43,7 +43,7 @@ from pipesim.sim.workload import Profile, load_profile
 from .allocator import keep_freed_memory
 from .executor import emulate, iteration_losses
 from .launch import core_assignment, measure_wake_slice
-from .models import RealModel, build_model
+from .models import RealModel, build_model, layer_stats
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .profiler import ProfileSettings, kernel_bandwidths, profile_model
 from .reconcile import compare, iteration_time, measured_result
@@ -110,6 +110,23 @@ def check_machine(cfg: ValidateConfig, schedule: Schedule) -> None:
             raise ValidateError(f"{cfg.strategy} needs {n} worker processes but this machine has {cores} cores: "
                                 "timings would measure the OS scheduler (pass --oversubscribe to run anyway, "
                                 "or use --backend single)")
+
+
+def check_fits(cfg: ValidateConfig, model: RealModel) -> None:
+    """Refuse, before anything is measured, a micro-batch whose one forward
+    and backward alone would not fit in this machine's memory: what one
+    sample's layers output and stash (measured with a micro-batch of one,
+    :func:`~pipesim.validate.models.layer_stats`) times the micro-batch
+    size. A lower bound (stages hold several micro-batches in flight), so
+    what it refuses cannot run; it keeps a typo from building the batch."""
+    from pipesim.sim.size import available_memory_bytes
+
+    per_sample = sum(s.activation_bytes + s.stash_bytes for s in layer_stats(model, 1))
+    need, available = per_sample * cfg.microbatch_size, available_memory_bytes()
+    if available is not None and need > available:
+        raise ValidateError(f"a micro-batch of {cfg.microbatch_size} samples of {cfg.model} needs at least "
+                            f"{need / 2**30:,.1f} GiB for its activations ({per_sample:,} bytes a sample) and this "
+                            f"machine has {available / 2**30:,.1f} GiB available: use a smaller --microbatch-size")
 
 
 def build(cfg: ValidateConfig) -> Schedule:
@@ -270,6 +287,7 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     if schedule.num_stages > model.num_layers:  # fail before any measuring
         raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
                             f"{model.num_layers} (raise --model-depth)")
+    check_fits(cfg, model)
     prof, hw = _measurements(cfg, schedule, device, model, say)
     costs = partition(prof, schedule.num_stages)
     starts = tuple(c.first_layer for c in costs)
