@@ -90,6 +90,7 @@ def simulate_schedule(
     check_run_options(recv_lookahead=recv_lookahead)
     check_recompute(recompute)
     check_on_spans(on_spans)
+    schedule, profile = one_optimizer(schedule, profile)
     hw = resolve_hardware(hardware)
     info = {"model": profile.name, "hardware": hw.name, "optimizer": profile.optimizer}
     if recompute:
@@ -119,6 +120,28 @@ def simulate_schedule(
     if on_spans is not None:
         on_spans(chosen)
     return chosen
+
+
+#: The optimizer a schedule records when its spec names none (ScheduleSpec's default).
+DEFAULT_OPTIMIZER = "sgd"
+
+
+def one_optimizer(schedule: Schedule, profile: Profile) -> tuple[Schedule, Profile]:
+    """The schedule and profile agreeing on the optimizer the run prices
+    (update traffic, optimizer state) and records: the schedule's when it
+    names another than the default (``ScheduleSpec(optimizer="adam")``, a
+    sweep of ``optimizer``), else the model's (BERT and GPT train with
+    Adam). A summary whose options said sgd beside Adam's memory
+    contradicted itself, and a swept optimizer changed nothing. (The
+    default cannot be told from a spec that names SGD: an Adam model runs
+    with SGD only from a profile that says so.)"""
+    named = schedule.options.get("optimizer", DEFAULT_OPTIMIZER)
+    chosen = named if named != DEFAULT_OPTIMIZER else profile.optimizer
+    if profile.optimizer != chosen:
+        profile = replace(profile, optimizer=chosen)
+    if named != chosen:
+        schedule = replace(schedule, options={**schedule.options, "optimizer": chosen})
+    return schedule, profile
 
 
 def check_recompute(recompute) -> None:

@@ -28,7 +28,7 @@ CASES = [
     ("--strategy spectrain --stages 4 --microbatches 8 --hardware pcie-4gpu", "398a1d846dd2247d"),
     ("--strategy avgpipe --stages 4 --microbatches 8 --hardware pcie-4gpu", "ae78c7672d8d33f4"),
     ("--strategy data-parallel --stages 4 --microbatches 8 --hardware pcie-4gpu", "a6a5db07dbd85381"),
-    ("--strategy 1f1b --stages 4 --microbatches 8 --hardware pipedream-cluster-a-x4 --model gnmt", "677b62260c724fad"),
+    ("--strategy 1f1b --stages 4 --microbatches 8 --hardware pipedream-cluster-a-x4 --model gnmt", "904fde4b024bd757"),
     ("--strategy 1f1b --replicas 3,1 --microbatches 8 --hardware pcie-4gpu", "1ad46c47ad7136cc"),
     ("--strategy pipedream-2bw --replicas 2,2 --microbatches 8 --hardware pcie-4gpu", "bd849f7ecec72d53"),
     ("--strategy avgpipe --stages 4 --width 2 --microbatches 8 --hardware dgx1-v100 --iterations 2",

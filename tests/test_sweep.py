@@ -247,3 +247,18 @@ def test_recomputation_is_a_sweep_axis() -> None:
     assert (plain["recompute"], recomputed["recompute"]) == (False, True)
     assert recomputed["peak_memory_bytes_max"] < plain["peak_memory_bytes_max"]
     assert recomputed["throughput_samples_per_s"] < plain["throughput_samples_per_s"]
+
+
+def test_a_swept_optimizer_is_the_one_the_run_prices_and_records() -> None:
+    """``optimizer=adam`` on an SGD model prices Adam's two moments (more
+    memory); a model that trains with Adam records adam, not the spec's
+    default, beside Adam's memory."""
+    from pipesim.sim.api import simulate
+    from pipesim.sim.metrics import summarize
+
+    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (2,), "microbatches": (4,), "iterations": (1,),
+                            "model": ("vgg16",), "hardware": ("pcie-4gpu",), "optimizer": ("sgd", "adam")})
+    sgd, adam = sweep.run_sweep(grid, workers=1, progress=False)["points"]
+    assert adam["peak_memory_bytes_max"] > sgd["peak_memory_bytes_max"]
+    summary = summarize(simulate(ScheduleSpec("1f1b", 2, 4), "bert-large", "pcie-4gpu"))
+    assert summary["options"]["optimizer"] == summary["meta"]["optimizer"] == "adam"
