@@ -31,7 +31,9 @@ makespan.
   **(p−1)/(3m + p−1)**. Drawn for m ≥ p, where ZB-H1 is defined.
 
 Strategies that say they need m ≥ p (``Strategy.needs_m_ge_p``: interleaved,
-2BW, zero-bubble) are not simulated below p; a simulation that rejects its
+2BW, zero-bubble) are not drawn below p, where their papers do not define them
+(2BW refuses such a run; interleaved and zero-bubble build one, which
+``simulate`` runs, but it is not the schedule the curves describe); a simulation that rejects its
 parameters (an :class:`~pipesim.sim.errors.InputError`) is skipped and listed
 in ``bubbles.json`` under ``"skipped"``.
 """
@@ -154,7 +156,8 @@ def bubble_data(
         for name in strategies:
             for m in microbatches:
                 if needs_m_ge_p(name) and m < p:
-                    skipped.append({"strategy": name, "stages": p, "microbatches": m, "reason": "needs m >= p"})
+                    skipped.append({"strategy": name, "stages": p, "microbatches": m,
+                                    "reason": "drawn for m >= p only, where the strategy is defined"})
                 else:
                     plan.append((p, name, m))
     simulated: dict[str, dict[str, dict[str, list]]] = {str(p): {} for p in stages}

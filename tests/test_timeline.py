@@ -323,7 +323,7 @@ def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
     assert data["simulated"]["4"]["broken"]["m"] == [1, 4, 8, 16]
     reasons = {(s["strategy"], s["stages"], s["microbatches"]): s["reason"] for s in data["skipped"]}
     assert "m must be even-ish" in reasons[("broken", 4, 2)]
-    assert reasons[("interleaved-1f1b", 8, 4)] == "needs m >= p"
+    assert reasons[("interleaved-1f1b", 8, 4)] == "drawn for m >= p only, where the strategy is defined"
     # analytic curves
     a4, a8 = data["analytic"]["4"], data["analytic"]["8"]
     assert a4["gpipe_1f1b"]["bubble"][a4["gpipe_1f1b"]["m"].index(4)] == pytest.approx(3 / 7)
