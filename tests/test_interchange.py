@@ -485,3 +485,11 @@ def test_a_csv_saved_with_a_byte_order_mark_imports_as_without() -> None:
         marked.write_text(text, encoding="utf-8-sig")
         assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
         assert load_schedule_csv(marked) == load_schedule_csv(plain) == s
+
+
+def test_torch_csv_of_an_asynchronous_strategy_says_what_it_loses(capsys) -> None:
+    assert main(["schedule", "--strategy", "pipedream", "--format", "torch-csv"]) == 0
+    err = capsys.readouterr().err
+    assert "read back from it is a flushed schedule; --format csv keeps them" in err
+    assert main(["schedule", "--strategy", "1f1b", "--format", "torch-csv"]) == 0
+    assert capsys.readouterr().err == ""
