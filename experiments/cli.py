@@ -195,8 +195,7 @@ def _spec(args, strategy: str | None = None):
         get_strategy(name)  # an unknown name first, naming the choices
         ignored = sorted(set(options) - set(strategy_options(name)))
         if ignored:
-            flag = "--no-stashing" if ignored[0] == "stashing" else f"--{ignored[0]}"
-            raise StrategyError(f"{flag} does not apply to {name}")
+            raise StrategyError(f"{_flag_of(ignored[0])} does not apply to {name}")
     return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
                         iterations=args.iterations or 1, **options)
 
@@ -219,7 +218,12 @@ def _strategy_options(args, strategy: str | None = None) -> dict:
 
 def _option_flags(args) -> list[str]:
     """The flags that gave the command line's strategy options, as typed."""
-    return ["--no-stashing" if k == "stashing" else f"--{k}" for k in _strategy_options(args)]
+    return list(map(_flag_of, _strategy_options(args)))
+
+
+def _flag_of(option: str) -> str:
+    """The command-line flag that sets strategy option ``option``."""
+    return "--no-stashing" if option == "stashing" else f"--{option}"
 
 
 def _profile(args, hardware, schedule):
