@@ -920,6 +920,7 @@ def cmd_validate(args) -> int:
     from .overlay import write_merged_trace, write_overlay_html
     from pipesim.sim.metrics import dumps
     from pipesim.sim.workload import save_profile
+    from pipesim.sim.planning.plan import notation as notation_of
     from pipesim.validate.harness import ValidateConfig, run_validation
     from pipesim.validate.stage import OptimizerConfig
 
@@ -941,7 +942,10 @@ def cmd_validate(args) -> int:
     save_profile(v.profile, out / "profile.json")
     (out / "hardware.json").write_text(json.dumps(v.hardware.to_json(), indent=1) + "\n")
     flagged = r["flagged_actions"]
-    title = (f"{cfg.strategy}, {r['stages']} stages, {cfg.model}, {cfg.backend}: iteration "
+    replicas = dict(cfg.strategy_options).get("replicas")
+    shape = (f"stages replicated {notation_of(replicas)}" if replicas else
+             f"{r['stages']} stages" + (f" x {cfg.replicas} pipelines" if cfg.replicas > 1 else ""))
+    title = (f"{cfg.strategy}, {shape}, {cfg.model}, {cfg.backend}: iteration "
              f"{r['iteration_time_measured_s'] * 1e3:.2f} ms measured, {r['iteration_time_predicted_s'] * 1e3:.2f} ms "
              f"predicted ({r['iteration_time_error']:+.1%})")
     write_overlay_html(v.measured, v.predicted, out / "overlay.html", title=title, flagged=flagged)

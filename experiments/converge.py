@@ -424,13 +424,15 @@ def table(doc: dict) -> list[list[str]]:
     """Rows for the console: per depth, the reference lr and each strategy's
     final accuracy there (mean, worst..best seed, diverged seeds)."""
     rows = []
+    # in the order --strategies named them (the document's keys are sorted)
+    order = list(dict.fromkeys(lay["strategy"] for lay in doc["settings"]["layouts"]))
     for p, info in doc["summary"].items():
         lr = info["reference_lr"]
         if lr is None:
             rows.append([p, "-", f"{info['reference_strategy']} diverged at every learning rate", "", ""])
             continue
-        for name, cells in info["accuracy"].items():
-            cell = cells.get(str(lr))
+        for name in sorted(info["accuracy"], key=lambda n: (order.index(n) if n in order else len(order), n)):
+            cell = info["accuracy"][name].get(str(lr))
             if cell:
                 rows.append([p, str(lr), name, f"{100 * cell['mean']:.1f}",
                              f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"

@@ -248,3 +248,13 @@ def test_runs_in_a_pool_give_the_serial_records_and_leave_no_process():
     assert [r["strategy"] for r in pooled] == ["data-parallel", "1f1b", "pipedream"]
     assert pooled == train_all(ConvergeConfig(**{**cfg.__dict__, "jobs": 1}))
     assert multiprocessing.active_children() == []
+
+
+def test_the_console_table_lists_strategies_in_the_order_given():
+    from pipesim.experiments.converge import table
+
+    cell = {"0.1": {"mean": 0.9, "min": 0.9, "max": 0.9, "diverged": 0, "seeds": 1}}
+    doc = {"settings": {"layouts": [{"strategy": "spectrain"}, {"strategy": "1f1b"}, {"strategy": "avgpipe"}]},
+           "summary": {"2": {"reference_lr": 0.1, "reference_strategy": "1f1b",
+                             "accuracy": {"1f1b": cell, "avgpipe": cell, "spectrain": cell}}}}
+    assert [row[2] for row in table(doc)] == ["spectrain", "1f1b", "avgpipe"]
