@@ -295,11 +295,11 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             summary = summarize(result)
             if plan is not None:
                 from pipesim.sim.metrics import round_sig
-                from pipesim.sim.planning.plan import has_steady_window, steady_throughput
+                from pipesim.sim.planning.plan import steady_state
 
+                rate, windowed = steady_state(result)
                 summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
-                                   "steady_samples_per_s": round_sig(steady_throughput(result)),
-                                   "steady_window": has_steady_window(result)}
+                                   "steady_samples_per_s": round_sig(rate), "steady_window": windowed}
             if out is not None:
                 write_summary(summary, out / "summary.json")
                 if outputs:

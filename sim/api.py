@@ -122,8 +122,8 @@ def simulate_schedule(
     return chosen
 
 
-#: The optimizer a schedule records when its spec names none (ScheduleSpec's default).
-DEFAULT_OPTIMIZER = "sgd"
+#: The optimizer a schedule records when its spec names none.
+DEFAULT_OPTIMIZER = ScheduleSpec.optimizer  # the dataclass field's default
 
 
 def one_optimizer(schedule: Schedule, profile: Profile) -> tuple[Schedule, Profile]:

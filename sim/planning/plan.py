@@ -548,26 +548,27 @@ def steady_throughput(result: SimResult) -> float:
     and a later one, leaving out the last m, over the time between, the
     window a whole number of bursts (the replica counts' least common
     multiple) so it starts and ends at the same point of one. Runs too short
-    for a window (:func:`has_steady_window`): their whole-run throughput. A
+    for a window (:func:`steady_state` says which): their whole-run throughput. A
     micro-batch run as several ids (tensor parallelism's shards,
     ``Strategy.shards``) counts once.
     """
+    return steady_state(result)[0]
+
+
+def steady_state(result: SimResult) -> tuple[float, bool]:
+    """:func:`steady_throughput`, and whether the run was long enough for it
+    to leave out the fill and drain (three iterations or more, flushed or
+    streamed); else the throughput is the whole run's. One pass over the
+    spans answers both."""
     s = result.schedule
     strategy = find_strategy(s.strategy)
     shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
     window = _steady_window(result)
     if window is None:
         whole = result.makespan
-        return s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0
+        return (s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0), False
     span, seconds = window
-    return span * result.microbatch_size / shards / seconds
-
-
-def has_steady_window(result: SimResult) -> bool:
-    """Whether the run is long enough for :func:`steady_throughput` to leave
-    out its fill and drain (three iterations or more, flushed or streamed);
-    else it is the whole run's."""
-    return _steady_window(result) is not None
+    return span * result.microbatch_size / shards / seconds, True
 
 
 def _steady_window(result: SimResult) -> tuple[int, float] | None:
@@ -753,9 +754,9 @@ def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int) -> int:
         i = _best(out)
         c = out[i]
         if c.refused:
-            raise NothingRunsError(f"{req.strategy} runs none of the configurations found with {m} micro-batches per "
-                            f"iteration (the best, {c.config}: {c.note.removeprefix('not simulated: ')}); "
-                            "plan with more micro-batches")
+            raise NothingRunsError(f"{req.strategy} runs none of the configurations found with {m} micro-batches "
+                                   f"per iteration (the best, {c.config}: {c.note.removeprefix('not simulated: ')}); "
+                                   "plan with more micro-batches")
         if c.simulated or c.microbatches is not None:
             return i
         spec, _, note = _run_for(c, req, m)
