@@ -422,19 +422,23 @@ def converge(cfg: ConvergeConfig, out: Path, *, progress: Callable[[int, int, di
 
 def table(doc: dict) -> list[list[str]]:
     """Rows for the console: per depth, the reference lr and each strategy's
-    final accuracy there (mean, worst..best seed, diverged seeds)."""
+    final accuracy there (mean, worst..best seed, diverged seeds). Where the
+    reference diverged at every lr, a row says so and the others follow at
+    the smallest lr run, where they were least likely to diverge too."""
     rows = []
     # in the order --strategies named them (the document's keys are sorted)
     order = list(dict.fromkeys(lay["strategy"] for lay in doc["settings"]["layouts"]))
     for p, info in doc["summary"].items():
-        lr = info["reference_lr"]
+        lr = None if info["reference_lr"] is None else str(info["reference_lr"])
         if lr is None:
             rows.append([p, "-", f"{info['reference_strategy']} diverged at every learning rate", "", ""])
-            continue
+            lr = min((x for cells in info["accuracy"].values() for x in cells), key=float, default=None)
+            if lr is None:
+                continue
         for name in sorted(info["accuracy"], key=lambda n: (order.index(n) if n in order else len(order), n)):
-            cell = info["accuracy"][name].get(str(lr))
+            cell = info["accuracy"][name].get(lr)
             if cell:
-                rows.append([p, str(lr), name, f"{100 * cell['mean']:.1f}",
+                rows.append([p, lr, name, f"{100 * cell['mean']:.1f}",
                              f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"
                              + (f" ({cell['diverged']}/{cell['seeds']} diverged)" if cell["diverged"] else "")])
     return rows

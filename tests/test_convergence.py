@@ -258,3 +258,21 @@ def test_the_console_table_lists_strategies_in_the_order_given():
            "summary": {"2": {"reference_lr": 0.1, "reference_strategy": "1f1b",
                              "accuracy": {"1f1b": cell, "avgpipe": cell, "spectrain": cell}}}}
     assert [row[2] for row in table(doc)] == ["spectrain", "1f1b", "avgpipe"]
+
+
+def test_the_console_table_shows_the_others_when_the_reference_always_diverged():
+    """Data parallelism diverging at every lr must not hide how the pipelines
+    fared: they are listed at the smallest lr run."""
+    from pipesim.experiments.converge import table
+
+    gone = {"mean": 0.1, "min": 0.1, "max": 0.1, "diverged": 1, "seeds": 1}
+    fine = {"mean": 0.8, "min": 0.8, "max": 0.8, "diverged": 0, "seeds": 1}
+    doc = {"settings": {"layouts": [{"strategy": "data-parallel"}, {"strategy": "1f1b"}]},
+           "summary": {"2": {"reference_lr": None, "reference_strategy": "data-parallel",
+                             "accuracy": {"data-parallel": {"0.1": gone, "0.05": gone},
+                                          "1f1b": {"0.1": gone, "0.05": fine}}}}}
+    rows = table(doc)
+    assert rows[0][2] == "data-parallel diverged at every learning rate"
+    assert [(row[1], row[2], row[3]) for row in rows[1:]] == [("0.05", "data-parallel", "10.0"),
+                                                             ("0.05", "1f1b", "80.0")]
+    assert "(1/1 diverged)" in rows[1][4]
