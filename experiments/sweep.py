@@ -659,8 +659,11 @@ def to_csv(doc: dict) -> str:
 
 
 def label(row: dict, axes: Iterable[str]) -> str:
-    """A point's configuration for a hover text: every axis but the panel's."""
-    return ", ".join(f"{a}={_cell(row[a])}" for a in axes if a in row and a not in ("model", "hardware"))
+    """A point's configuration for a hover text or the console: every axis
+    but the panel's, a value swept as ``none`` spelled so (not left empty
+    as in the CSV)."""
+    return ", ".join(f"{a}={'none' if row[a] is None else _cell(row[a])}" for a in axes
+                     if a in row and a not in ("model", "hardware"))
 
 
 def pareto_front(rows: Sequence[dict]) -> list[dict]:

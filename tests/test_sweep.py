@@ -142,6 +142,16 @@ def test_cli_writes_table_csv_and_figure(tmp_path, capsys) -> None:
     assert "pipesim-sweep" in html and "× out of memory" in html and "fastest that fits" in html
 
 
+def test_a_value_swept_as_none_is_spelled_none_in_the_console_and_empty_in_the_csv() -> None:
+    doc = {"columns": ["strategy", "microbatch_size", "recompute"],
+           "points": [{"strategy": "1f1b", "microbatch_size": None, "recompute": False},
+                      {"strategy": "1f1b", "microbatch_size": 2, "recompute": True}]}
+    axes = ["strategy", "microbatch_size", "recompute", "width"]  # width: not taken by these points
+    assert [sweep.label(p, axes) for p in doc["points"]] == [
+        "strategy=1f1b, microbatch_size=none, recompute=false", "strategy=1f1b, microbatch_size=2, recompute=true"]
+    assert sweep.to_csv(doc).splitlines()[1:] == ["1f1b,,false", "1f1b,2,true"]
+
+
 def test_ray_missing_is_one_line(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     code, _, err = run(capsys, "sweep", "--ray", "auto", "--out", str(tmp_path))
