@@ -239,11 +239,13 @@ def _profile(args, hardware, schedule):
 
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
-                  keep: bool = False, plan=None, spec=None) -> dict:
+                  keep: bool = False, plan=None, spec=None, built=None) -> dict:
     """Simulate one schedule: ``plan`` (a :class:`~pipesim.sim.planning.plan.PlanFile`)
     gives the strategy, replicas and split, ``spec`` its run (default: the
     plan's, with the command line's micro-batches and iterations); else
-    ``--schedule``, or the strategy with the command line's options."""
+    ``--schedule``, or the strategy with the command line's options.
+    ``built``: that schedule, already built (and its size checked) by the
+    caller."""
     from pipesim.sim.api import resolve_hardware, simulate_schedule
     from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.metrics import summarize, write_summary
@@ -264,13 +266,16 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     else:
         if spec is None:
             spec = plan.spec(args.microbatches, args.iterations) if plan is not None else _spec(args, strategy)
-        check_size(spec)
-        phases.insert(0, "building the schedule")
+        if built is None:
+            check_size(spec)
+            phases.insert(0, "building the schedule")
         passes = estimate_work(spec) or 0
     with phase_bar(phases, passes) as step:
         if spec is not None:
-            step("building the schedule")
-            schedule = build_schedule(spec)
+            schedule = built
+            if schedule is None:
+                step("building the schedule")
+                schedule = build_schedule(spec)
         profile = _profile(args, hw, schedule)
         if plan is not None and plan.layers != len(profile.layers):
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
@@ -477,7 +482,7 @@ def cmd_compare(args) -> int:
         raise UsageError(f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
                          f"e.g. --strategies {args.one_strategy}")
     strategies = _compared(args.strategies)
-    _check_compared(args, strategies)
+    built = _check_compared(args, strategies)
     out = _output_dir(args.out)
     plans, left_out = _compare_plans(args, strategies, out) if args.planned else ({}, {})
     strategies = [name for name in strategies if name not in left_out]
@@ -489,7 +494,7 @@ def cmd_compare(args) -> int:
         print(f"[{i}/{len(strategies)}] simulating {strategy} ...", file=sys.stderr, flush=True)
         planned = plans[strategy][0] if strategy in plans else None
         s = _simulate_one(args, strategy, out / strategy, outputs=True, plan=planned,
-                          spec=None if planned is None else planned.spec())
+                          spec=None if planned is None else planned.spec(), built=built.pop(strategy, None))
         summaries[strategy] = s
         if base is None:
             base = s["throughput_samples_per_s"]
@@ -559,12 +564,13 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-def _check_compared(args, strategies: list[str]) -> None:
+def _check_compared(args, strategies: list[str]) -> dict:
     """Refuse, in one line and before any planning or simulating, what one
     of the compared strategies cannot run: a machine with fewer devices than
     asked for, and, for each strategy simulated as asked (not planned), the
     sizes it refuses (data parallelism splits the micro-batches evenly over
-    the devices, 2BW needs at least as many as stages)."""
+    the devices, 2BW needs at least as many as stages). Returns the
+    schedules built for the check, by strategy, for the runs to use."""
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import plannable
     from pipesim.sim.size import check_size
@@ -573,11 +579,14 @@ def _check_compared(args, strategies: list[str]) -> None:
     hw = resolve_hardware(args.hardware or "ideal")
     if args.planned:
         hw.check_devices(args.stages)
+    built = {}
     for name in strategies:
         if not (args.planned and name in plannable("replicas")):
             spec = _spec(args, name)
             check_size(spec)  # before building: a run too large for memory is refused, not built
-            hw.check_devices(build_schedule(spec).num_devices)
+            built[name] = build_schedule(spec)
+            hw.check_devices(built[name].num_devices)
+    return built
 
 
 def _without_time(record: dict) -> dict:

@@ -125,6 +125,19 @@ def test_compare_runs_a_subset(tmp_path, capsys) -> None:
     assert "pipesim-comparison" in html and "max staleness" in html
 
 
+def test_compare_builds_each_schedule_once(tmp_path, capsys, monkeypatch) -> None:
+    """The schedule built to check the machine's devices is the one simulated."""
+    from pipesim.sim import strategies
+
+    built = []
+    real = strategies.build_schedule
+    monkeypatch.setattr(strategies, "build_schedule", lambda spec: built.append(spec.strategy) or real(spec))
+    code, _, err = run(capsys, "compare", "--strategies", "gpipe,1f1b", "--stages", "2", "--microbatches", "4",
+                       "--out", str(tmp_path))
+    assert code == 0, err
+    assert built == ["gpipe", "1f1b"]
+
+
 @pytest.mark.slow
 def test_console_script_entry_point(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "pipesim.experiments.cli", "simulate", "--strategy", "nope"],
