@@ -15,7 +15,9 @@ Prints, measured in one process so the ratios hold on a noisy machine:
   imports included), which only the command-line layer can measure;
 * what SimPy's event loop alone costs for the target: the leanest SimPy
   model of its schedule, recording nothing (:func:`bare_model_seconds`),
-  and the engine's own SimPy run alone, each against the raw rate;
+  the floor under any simulator that keeps the IR and the result as Python
+  objects (:func:`object_floor`), and the engine's own SimPy run alone, each
+  against the raw rate;
 * peak memory of that path for m = 256 ... 2048 at p = 64, each in a fresh
   interpreter, as bytes per compute action: a flat column means memory grows
   linearly with the actions.
@@ -33,7 +35,10 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from heapq import heappush
+from itertools import starmap
+from operator import attrgetter
 from pathlib import Path
 
 import simpy
@@ -44,8 +49,9 @@ from .api import model_for, simulate, split_for
 from .cliargs import bench_main
 from .engine import CostModel, _run_events, _Signal, _Walker, prepared_run
 from .hardware import load_hardware
-from .ir import COMPUTE_OPS, UPDATE, B, F, Schedule, ScheduleError
+from .ir import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
 from .metrics import summarize, write_summary
+from .results import Span
 from .strategies import ScheduleSpec, build_schedule
 
 #: The machine of every timed case but the small real-model ones: transfers are free.
@@ -309,6 +315,49 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def object_floor(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
+    """A floor under the time of any simulator of this schedule that keeps
+    pipesim's IR and result as Python objects (:class:`~pipesim.sim.ir.Action`
+    s in, :class:`~pipesim.sim.results.Span` s out), whatever else it does
+    better: building the schedule, the bare model's event loop
+    (:func:`bare_model_seconds`), and creating, with nothing else done, the
+    objects a run must add: the Action of each transfer end the lowering
+    posts, and every Span of the engine's result. Each part is the best of
+    ``repeat``; their sum, as a rate, is the most such a simulator reaches.
+    No validation, dataflow, transfer handling, memory or version
+    accounting or summary is in it."""
+    spec = ScheduleSpec(strategy, p, m)
+    schedule, stage_costs, actions = _uniform_on_ideal(strategy, p, m)
+    with gc_paused():
+        run = prepared_run(schedule, stage_costs, IDEAL)
+        run.execute()
+    fields = attrgetter("device", "stream", "action", "start", "end", "peer", "flow", "nbytes")
+    span_args = list(map(fields, run.spans))
+    ends = [s.action for s in run.spans if s.stream in ("send", "recv")]
+    del run
+    make_action = partial(tuple.__new__, Action)
+    parts = {
+        "build_s": _best(lambda: build_schedule(spec), repeat),
+        "event_loop_s": min(bare_model_seconds(schedule, stage_costs)[0] for _ in range(repeat)),
+        "objects_s": _best(lambda: (list(map(make_action, ends)), list(starmap(Span, span_args))), repeat),
+    }
+    seconds = sum(parts.values())
+    return {"compute_actions": actions, "transfer_ends": len(ends), "spans": len(span_args),
+            **{k: round(v, 4) for k, v in parts.items()}, "seconds": round(seconds, 4),
+            "actions_per_s": round(actions / seconds)}
+
+
+def _best(fn, repeat: int) -> float:
+    """The shortest of ``repeat`` wall times of ``fn()``, the collector paused."""
+    times = []
+    for _ in range(repeat):
+        with gc_paused():
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def ceiling(strategy: str, p: int, m: int) -> dict:
     """How much of SimPy's raw rate the event loop of this schedule uses up
     before anything is recorded, and how much the engine's run: the
@@ -317,7 +366,8 @@ def ceiling(strategy: str, p: int, m: int) -> dict:
     machine's speed drifts between the parts of a bench, and a raw rate
     caught in a slow moment would flatter the ratio)."""
     out = {}
-    for name, rate in (("bare_model", bare_model_rate), ("engine_run", engine_run_rate)):
+    for name, rate in (("bare_model", bare_model_rate), ("object_floor", object_floor),
+                       ("engine_run", engine_run_rate)):
         raw = max(raw_simpy_rate() for _ in range(3))
         row = rate(strategy, p, m)
         out[name] = {**row, "raw_simpy_timeouts_per_s": round(raw),
@@ -343,10 +393,17 @@ def render(report: dict) -> str:
     ceil = report.get("ceiling")
     if ceil:
         for name, what in (("bare_model", "the bare SimPy model of it (the engine's event loop, nothing recorded)"),
+                           ("object_floor", "floor of an object IR (build + that event loop + creating the "
+                                            "transfer ends' Actions and the result's Spans)"),
                            ("engine_run", "the engine's SimPy run of it alone (spans and transfers included)")):
-            r = ceil[name]
+            r = ceil.get(name)
+            if r is None:
+                continue
             lines.append(f"  {what}: best {r['seconds']:.3f} s, {r['actions_per_s']:,} actions/s, "
                          f"{r['ratio_to_raw_simpy']:.3f}x raw SimPy ({r['raw_simpy_timeouts_per_s']:,}/s)")
+            if name == "object_floor":
+                lines.append(f"    = build {r['build_s']:.3f} s + event loop {r['event_loop_s']:.3f} s + "
+                             f"{r['transfer_ends']:,} Actions and {r['spans']:,} Spans {r['objects_s']:.3f} s")
     if report.get("memory"):
         lines.append(f"{'peak memory':<12} {'m':>5} {'actions':>8} {'peak RSS':>10} {'after imports':>14} "
                      f"{'bytes/action':>13}")

@@ -39,11 +39,19 @@ def test_bare_model_refuses_what_it_does_not_model(strategy) -> None:
 
 def test_ceiling_reports_both_runs_against_raw_simpy() -> None:
     out = ceiling("1f1b", 4, 8)
-    for name in ("bare_model", "engine_run"):
+    for name in ("bare_model", "object_floor", "engine_run"):
         row = out[name]
         assert row["compute_actions"] == 4 * 8 * 2 + 4  # passes and one update per stage
         assert row["actions_per_s"] > 0 and row["raw_simpy_timeouts_per_s"] > 0
         expected = row["actions_per_s"] / row["raw_simpy_timeouts_per_s"]
         assert row["ratio_to_raw_simpy"] == pytest.approx(expected, rel=1e-3)
     text = render({"raw_simpy_timeouts_per_s": 1, "cases": [], "target": {}, "ceiling": out})
-    assert "the bare SimPy model" in text and "the engine's SimPy run" in text
+    assert "the bare SimPy model" in text and "the engine's SimPy run" in text and "floor of an object IR" in text
+    floor = out["object_floor"]
+    # its parts are what it says: every span of the engine's run, an Action per transfer end
+    result = simulate(ScheduleSpec("1f1b", 4, 8))
+    assert floor["spans"] == len(result.spans)
+    assert floor["transfer_ends"] == sum(s.stream in ("send", "recv") for s in result.spans) == 2 * 3 * 8 * 2
+    assert floor["seconds"] == pytest.approx(floor["build_s"] + floor["event_loop_s"] + floor["objects_s"], abs=3e-4)
+    # the bare loop is one of its parts
+    assert floor["event_loop_s"] <= floor["seconds"]
