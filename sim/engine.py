@@ -285,6 +285,10 @@ class _Run:
         self.finished = [False] * schedule.num_devices
         self.blocked: dict[int, tuple] = {}
         self.flows = count()  # flow ids pairing each send with its receive
+        #: (stage, ring devices) -> whether its ring has its links to itself (ring_alone)
+        self.alone_rings: dict[tuple, bool] = {}
+        #: the links point-to-point transfers and each stage's ring use (traffic_links), once asked
+        self.traffic: tuple | None = None
         #: how a compute action runs when the device is a CPU core (_CpuRun)
         self.on_core = None
 
@@ -475,7 +479,7 @@ class _Run:
         start = self.env.now
         if len(devices) > 1:
             for size in buffers:
-                yield from self.ring_allreduce(devices, size, op is not AVERAGE)
+                yield from self.ring_allreduce(devices, size, op is not AVERAGE, stage=stage)
         if op is AVERAGE:
             dur = self.costs.averaging(stage, max(local.values()))
             if dur:
@@ -486,19 +490,30 @@ class _Run:
                                    nbytes=nbytes if len(devices) > 1 else 0))
         self.fire(token)
 
-    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True):
+    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True, *, stage: int | None = None):
         """2(n-1) steps; in each, every device sends 1/n of the buffer to its
         ring neighbour, and the step lasts until the slowest transfer is done.
         The ring follows :meth:`Hardware.ring_order`, as the closed form does.
         (``reduce``: whether the buffers are summed, not only exchanged;
-        accelerators reduce inside the ring's steps at no extra time.)"""
+        accelerators reduce inside the ring's steps at no extra time.
+        ``stage``: whose collective it is, for :meth:`ring_steps`.)"""
         devices = list(self.hw.ring_order(devices))
         chunk = math.ceil(nbytes / len(devices))
-        yield from self.ring_steps(devices, chunk, 2 * (len(devices) - 1))
+        yield from self.ring_steps(devices, chunk, 2 * (len(devices) - 1), stage=stage)
 
-    def ring_steps(self, devices: list[int], chunk: int, steps: int):
+    def ring_steps(self, devices: list[int], chunk: int, steps: int, *, stage: int | None = None):
         """``steps`` steps of a ring (``devices`` in ring order), each moving
-        ``chunk`` bytes over every edge at once."""
+        ``chunk`` bytes over every edge at once.
+
+        Simulated step by step, a ring costs a process per edge per step:
+        2n(n-1) for n devices, which made data parallelism over a thousand
+        GPUs take half a minute. Where no other traffic of the run can ever
+        touch the ring's links and no two of its edges share one
+        (:meth:`ring_alone`, for ``stage``'s collective), every step lasts
+        exactly its slowest edge, so all steps but the last are skipped in
+        one event at the very time the step-by-step ring reaches (the same
+        float sums); the last runs as usual, so the events that end the
+        collective are the ones the step-by-step ring makes."""
         n = len(devices)
         # every step moves a chunk over the same ring edges: look them up once
         edges = []
@@ -512,8 +527,84 @@ class _Run:
                 edges.append((route, dur))
         if not edges:  # free links: the all-reduce takes no time
             return
+        if steps > 1 and stage is not None and self.ring_alone(stage, devices, edges):
+            longest = max(dur for _, dur in edges)
+            at = self.env.now
+            for _ in range(steps - 1):
+                at += longest  # as each step's all_of fires: its start plus its slowest edge
+            skip = simpy.Event(self.env)
+            skip._ok, skip._value = True, None
+            heappush(self.env._queue, (at, NORMAL, next(self.env._eid), skip))
+            yield skip
+            steps = 1
         for _ in range(steps):
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
+
+    def ring_alone(self, stage: int, devices: list[int], edges: list) -> bool:
+        """Whether ``stage``'s ring over ``devices`` (its timed ``edges``,
+        ``(route, seconds)``) has its links to itself, step after step: no
+        two of its edges share a link, no point-to-point transfer of the run
+        and no other stage's ring uses one of them, and the stage's
+        collectives never overlap (on each of its devices, every collective
+        of the stage is posted only after a compute action has waited for
+        the one before). Then no request ever queues on its links."""
+        key = (stage, tuple(devices))
+        alone = self.alone_rings.get(key)
+        if alone is None:
+            names = [link.name for route, _ in edges for link in route]
+            alone = (len(set(names)) == len(names) and set(names).isdisjoint(self.links_besides(stage))
+                     and all(self.collectives_serial(stage, dev) for dev in devices))
+            self.alone_rings[key] = alone
+        return alone
+
+    def links_besides(self, stage: int) -> set[str]:
+        """Names of the links that point-to-point transfers and the rings of
+        the collectives of stages other than ``stage`` can use in this run."""
+        if self.traffic is None:
+            self.traffic = self.traffic_links()
+        p2p, rings = self.traffic
+        return p2p.union(*(links for k, links in rings.items() if k != stage))
+
+    def traffic_links(self) -> tuple[set[str], dict[int, set[str]]]:
+        """The links of every point-to-point transfer the programs post, and
+        per stage with collectives the links of its ring (over the devices
+        that post them), read once from the compiled programs."""
+        ends: dict = {}  # transfer token -> the device that posted its first end
+        pairs: set[tuple[int, int]] = set()
+        groups: dict[int, set[int]] = defaultdict(set)
+        for dev, program in enumerate(self.programs):
+            for posts, _, _, _ in program:
+                for x, tok in posts:
+                    if type(tok) is Arrival:
+                        other = ends.pop(tok, None)
+                        if other is None:
+                            ends[tok] = dev
+                        else:
+                            pairs.add((dev, other))
+                    elif x.op in _RING_OPS:
+                        groups[x.stage].add(dev)
+        p2p = {link.name for a, b in pairs for link in self.hw.route(a, b)}
+        rings = {}
+        for stage, devs in groups.items():
+            order = self.hw.ring_order(sorted(devs))
+            rings[stage] = {link.name for i, src in enumerate(order)
+                            for link in self.hw.route(src, order[(i + 1) % len(order)])}
+        return p2p, rings
+
+    def collectives_serial(self, stage: int, dev: int) -> bool:
+        """Whether, on ``dev``, every collective of ``stage`` is posted only
+        after some compute action has waited for the stage's collective
+        before it."""
+        pending = None
+        for posts, _, waits, _ in self.programs[dev]:
+            for x, tok in posts:
+                if x.op in _RING_OPS and x.stage == stage:
+                    if pending is not None:
+                        return False
+                    pending = tok
+            if pending is not None and pending in waits:
+                pending = None
+        return True
 
 
 def _run_events(env: simpy.Environment) -> None:
@@ -759,7 +850,7 @@ class _CpuRun(_Run):
         recv_s = self.transfer_cpu(nbytes)[1]
         return recv_s, lambda: self.charge(dst, recv_s)
 
-    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True):
+    def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True, *, stage: int | None = None):
         """On cores, a collective is what pipesim's gloo runtime does
         (:mod:`pipesim.validate.runtime`: for bit-identical results every
         replica sends its whole buffer to every other and each reduces them
@@ -778,11 +869,14 @@ class _CpuRun(_Run):
         start = self.env.now
         for d in devices:
             self.charge(d, work)
-        yield from super().ring_allreduce(devices, nbytes)
+        yield from super().ring_allreduce(devices, nbytes, stage=stage)
         left = work - (self.env.now - start)
         if left > 0:
             yield self.env.timeout(left)
 
+
+#: The collectives that run as a ring over the stage's devices.
+_RING_OPS = frozenset({REDUCE_GRAD, AVERAGE, ALLREDUCE})
 
 #: How each kind of post that is not a transfer is posted. A table on the
 #: class, not of bound methods on the run: those would form a reference cycle

@@ -1,6 +1,7 @@
 """The simulator's fast paths agree with the general code they short-cut:
 the version plan's and the validator's for plain programs (F, B, UPDATE
-only), and the one-pass lowering and compilation of compute-only schedules.
+only), the one-pass lowering and compilation of compute-only schedules, and
+the engine's skipping of ring steps where a ring has its links to itself.
 Each fast path gives up (None / False) on anything else, so they are held
 here against the general code on the schedules that take them, and on ones
 that must not."""
@@ -152,3 +153,89 @@ def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatc
             simulate(ScheduleSpec("1f1b", 2, 2), "bert-large", "pcie-4gpu")
         errors.append((type(caught.value), caught.value.args, type(caught.value.__cause__)))
     assert errors[0] == errors[1]
+
+
+# -- a ring that has its links to itself skips its steps ---------------------
+
+
+def _spans_and_memory(result):
+    return ([(s.device, s.stream, tuple(s.action), s.start, s.end, s.peer, s.flow, s.nbytes) for s in result.spans],
+            [(m.device, list(m.times), list(m.totals)) for m in result.memory])
+
+
+def _step_by_step(monkeypatch):
+    """Every ring simulated step by step, as before the skip existed."""
+    from pipesim.sim import engine
+
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges: False)
+
+
+def _counting_rings(monkeypatch) -> list:
+    from pipesim.sim import engine
+
+    seen, real = [], engine._Run.ring_alone
+    monkeypatch.setattr(engine._Run, "ring_alone",
+                        lambda self, *args: seen.append(real(self, *args)) or seen[-1])
+    return seen
+
+
+@given(hardware=st.sampled_from(["dgx-h100-x2", "dgx1-v100-x4", "p3.16xlarge-x8", "pipedream-cluster-b-x2"]),
+       devices=st.integers(2, 16), m_per=st.integers(1, 2), iterations=st.integers(1, 2),
+       model=st.sampled_from(["uniform", "vgg16", "gpt-1.3b"]))
+@settings(max_examples=25, deadline=None)
+def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devices, m_per, iterations, model):
+    """Data parallelism has no other traffic: its gradient ring skips all
+    but its last step, and every span and memory change is where the
+    step-by-step ring puts it, to the last bit."""
+    from pipesim.sim.api import simulate
+
+    spec = ScheduleSpec("data-parallel", devices, devices * m_per, iterations=iterations)
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _counting_rings(mp)
+        fast = simulate(spec, model, hardware)
+    assert seen and all(seen)  # the skip was taken, by every ring
+    with pytest.MonkeyPatch.context() as mp:
+        _step_by_step(mp)
+        slow = simulate(spec, model, hardware)
+    assert _spans_and_memory(fast) == _spans_and_memory(slow)
+    assert fast.link_bytes == slow.link_bytes
+
+
+@pytest.mark.parametrize(("spec", "hardware", "why"), [
+    (ScheduleSpec("1f1b", 2, 4, width=4), "dgx-h100-x2", "its transfers use the rings' ports"),
+    (ScheduleSpec("data-parallel", 4, 8), "pcie-4gpu", "every edge of the ring crosses the one bus"),
+])
+def test_a_ring_that_shares_its_links_is_simulated_step_by_step(spec, hardware, why, monkeypatch):
+    from pipesim.sim.api import simulate
+
+    seen = _counting_rings(monkeypatch)
+    simulate(spec, "vgg16", hardware)
+    assert seen and not any(seen), why
+
+
+def test_skipping_a_ring_that_shares_its_links_would_be_wrong(monkeypatch):
+    """The conditions matter: on a bus, where a ring's edges queue for the
+    bus within each step, skipping steps as if they did not gives another
+    (shorter) run."""
+    from pipesim.sim import engine
+    from pipesim.sim.api import simulate
+
+    spec = ScheduleSpec("data-parallel", 4, 8)
+    right = simulate(spec, "vgg16", "pcie-4gpu").makespan
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges: True)
+    assert simulate(spec, "vgg16", "pcie-4gpu").makespan < right
+
+
+def test_collectives_posted_before_the_last_was_awaited_are_not_serial():
+    from pipesim.sim.api import simulate
+    from pipesim.sim.engine import prepared_run
+    from pipesim.sim.hardware import load_hardware
+    from pipesim.sim.ir import UPDATE
+
+    result = simulate(ScheduleSpec("data-parallel", 4, 8, iterations=2), "vgg16", "dgx-h100")
+    run = prepared_run(result.schedule, result.stage_costs, load_hardware("dgx-h100"))
+    assert all(run.collectives_serial(0, dev) for dev in range(4))
+    # the same programs with each device's UPDATE no longer waiting for its all-reduce
+    run.programs = [[entry._replace(waits=()) if entry.action is not None and entry.action.op is UPDATE
+                     else entry for entry in program] for program in run.programs]
+    assert not any(run.collectives_serial(0, dev) for dev in range(4))
