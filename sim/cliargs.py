@@ -13,6 +13,7 @@ what happens if I don't".
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import os
 import sys
@@ -46,9 +47,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that raises :class:`UsageError` instead of exiting."""
 
+    #: What argparse takes for a negative number, a value and not a flag:
+    #: its own -1 and -.5, and lists of numbers that start negative
+    #: (``--replicas -1,2``), so the option's check names the bad value
+    #: instead of argparse saying the option got no argument.
+    NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d[\d.]*(,[-\d.]*)+$")
+
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE  # argparse's private hook, same since 3.2
 
     def error(self, message: str):  # one line, exit 2, no usage dump
         raise UsageError(f"{self.prog}: {message}")

@@ -66,6 +66,10 @@ def test_same_inputs_give_byte_identical_outputs(tmp_path, capsys) -> None:
         (["simulate", "--schedule", "x.csv", "--no-stashing", "--tau", "2"], "--no-stashing, --tau configure a strategy"),
         (["simulate", "--schedule", "x.csv", "--strategy", "1f1b"], "--strategy configure a strategy"),
         (["frobnicate"], "invalid choice"),
+        # a value list that starts negative is the option's bad value, not an unknown flag
+        (["simulate", "--strategy", "1f1b", "--stages", "2", "--replicas", "-1,2"],
+         "argument --replicas: expected replicas per stage like 15,1, got '-1,2'"),
+        (["simulate", "--strategy", "1f1b", "--stages", "-2"], "argument --stages: must be >= 1, got -2"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> None:
