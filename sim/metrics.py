@@ -121,7 +121,7 @@ def summarize(result: SimResult) -> dict:
         "devices_count": s.num_devices,
         "replicas": s.num_replicas,
         "stage_replicas": list(s.replicas),
-        "microbatches": s.num_microbatches,
+        "microbatches": s.num_microbatches // shards,  # tensor parallelism: m, not its m*d shard ids
         "iterations": s.num_iterations,
         "microbatch_size": result.microbatch_size,
         "makespan_s": _r(makespan),

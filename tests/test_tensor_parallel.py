@@ -53,6 +53,11 @@ def test_throughput_counts_each_microbatch_once():
     one = summarize(simulate(ScheduleSpec("tensor-parallel", 1, 4), "uniform", "ideal"))
     four = summarize(simulate(ScheduleSpec("tensor-parallel", 4, 4), "uniform", "ideal"))
     assert one["throughput_samples_per_s"] == pytest.approx(four["throughput_samples_per_s"])
+    # and the summary says so: m micro-batches, whose samples over the makespan are the throughput
+    for s in (one, four):
+        assert s["microbatches"] == 4
+        samples = s["microbatches"] * s["iterations"] * s["microbatch_size"]
+        assert s["throughput_samples_per_s"] == pytest.approx(samples / s["makespan_s"], rel=1e-6)
 
 
 def test_steady_throughput_counts_each_microbatch_once():
