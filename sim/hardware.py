@@ -808,7 +808,13 @@ def load_hardware(name_or_path: str) -> Hardware:
         return _parse_text(res.read_text(encoding="utf-8"), f"preset {key}")
     m = _NODES_RE.match(key)
     if m and m["base"] in names and int(m["nodes"]) >= 1:
-        return load_hardware(m["base"]).with_nodes(int(m["nodes"]))
+        base, nodes = load_hardware(m["base"]), int(m["nodes"])
+        if base.nodes > 1:  # x4-x2: eight nodes, or two? neither is said: refused
+            root = _NODES_RE.match(base.name)
+            raise HardwareError(
+                f"{m['base']} is already {base.nodes} nodes; name the node count once "
+                f"({root['base'] if root else base.name}-x{base.nodes * nodes} for {base.nodes * nodes} nodes)")
+        return base.with_nodes(nodes)
     if os.path.isfile(key):
         return _parse_text(read_text(key, "hardware", HardwareError), f"hardware file {key}")
     if os.sep in key or "/" in key or key.endswith(".json"):

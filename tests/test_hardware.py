@@ -167,6 +167,11 @@ def test_node_suffix_builds_any_count_like_the_files():
     assert load_hardware("dgx-h100-x16").num_devices == 128
     with pytest.raises(HardwareError, match="no NICs"):
         load_hardware("pcie-4gpu-x2")
+    # a node count on a preset that already has nodes is refused, not reinterpreted
+    with pytest.raises(HardwareError, match=r"dgx1-v100-x4 is already 4 nodes.*dgx1-v100-x8 for 8 nodes"):
+        load_hardware("dgx1-v100-x4-x2")
+    with pytest.raises(HardwareError, match="p3.16xlarge-x8 is already 8 nodes"):
+        load_hardware("p3.16xlarge-x8-x1")
 
 
 def test_pipedream_cluster_a_four_pcie_servers_on_10_gbps():
