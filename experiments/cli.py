@@ -160,8 +160,10 @@ def _add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = 
                        help=f"{text} (default: {OPTION_DEFAULTS[name]})")
 
 
-def _add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", hardware: str = "ideal") -> None:
-    """The model and machine flags; ``model`` and ``hardware`` are the defaults the help states."""
+def _add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", hardware: str = "ideal",
+                      takes_plan: bool = False) -> None:
+    """The model and machine flags; ``model`` and ``hardware`` are the defaults the help states,
+    ``takes_plan`` whether the command also takes ``--plan`` (whose run overrides a default)."""
     g = p.add_mutually_exclusive_group()
     list_choices(g.add_argument("--model", default=None, help=f"catalog model (default: {model})"), _catalog_models)
     g.add_argument("--profile", default=None,
@@ -174,7 +176,7 @@ def _add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", har
                    help="samples per micro-batch (default: the model's)")
     p.add_argument("--recv-lookahead", type=nonnegative, default=None,
                    help="post receives this many compute actions early (0 = right before use) "
-                        "(default: 1; with --plan, the plan's)")
+                        + ("(default: 1; with --plan, the plan's)" if takes_plan else "(default: 1)"))
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation, checkpointed per layer: every backward re-runs its stage's "
                         "forward, and a micro-batch keeps only its layers' inputs until then")
@@ -1043,7 +1045,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate one strategy or an imported schedule")
     _add_schedule_args(p, imports_csv=True)
     p.add_argument("--schedule", default=None, help="schedule CSV (torch or pipesim spelling) instead of --strategy")
-    _add_machine_args(p)
+    _add_machine_args(p, takes_plan=True)
     p.add_argument("--out", default="out/simulate", help="output folder")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     p.add_argument("--summary-only", action="store_true", help="write only summary.json (skip trace and timeline)")

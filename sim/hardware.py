@@ -707,8 +707,10 @@ def _opt_int(d: dict, key: str, where: str) -> int | None:
 def _hardware_from_json(d: Any) -> Hardware:
     d = _obj(d, "hardware", _TOP_KEYS)
     name = d.get("name")
-    if not isinstance(name, str) or not name:
+    if name is None or name == "":
         raise HardwareError("missing or empty field 'name'")
+    if not isinstance(name, str):
+        raise HardwareError(f"name must be a string, got {name!r}")
     dev = _obj(d.get("device"), "device", _DEVICE_KEYS) if "device" in d else None
     if dev is None:
         raise HardwareError("missing field 'device'")
@@ -736,6 +738,11 @@ def _hardware_from_json(d: Any) -> Hardware:
         raise HardwareError("intra_node.mesh must be a list of [a, b, lanes] integer triples")
     if kind == "mesh" and not mesh:
         raise HardwareError("intra_node.kind 'mesh' needs a non-empty 'mesh' list")
+    pairs = [frozenset(e[:2]) for e in mesh]
+    twice = next((sorted(p) for i, p in enumerate(pairs) if p in pairs[:i]), None)
+    if twice is not None:  # the lanes of one would silently replace the other's
+        raise HardwareError(f"intra_node.mesh lists the pair {twice[0]}, {twice[-1]} twice (either direction); "
+                            "give its lanes once")
     ic = Interconnect(
         kind=kind,
         bandwidth=_num(intra, "bandwidth", "intra_node", math.inf if kind == "ideal" else None),

@@ -507,7 +507,8 @@ def to_csv(schedule: Schedule, *, torch_only: bool = False) -> str:
             for a in prog:
                 if a.replica:
                     raise ScheduleError(
-                        f"{format_action(a)}: torch's CSV has no replicas; export replica 0 only"
+                        f"{format_action(a)}: torch's CSV holds one pipeline and this schedule has "
+                        "replicas; --format csv keeps them"
                     )
             prog = [a for a in prog if a.op in TORCH_OPS]
         writer.writerow(program_cells(prog, torch_only=torch_only))

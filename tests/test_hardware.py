@@ -283,6 +283,12 @@ def test_direct_construction_defaults_to_ideal_interconnect():
             ' "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}'),
             "do not fill nodes",
         ),
+        ('{"name": 5, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}', "name must be a string, got 5"),
+        (
+            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+            ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 1, 2], [1, 0, 1]]}}'),
+            "lists the pair 0, 1 twice",
+        ),
     ],
 )
 def test_malformed_files_give_one_line_errors(tmp_path, text, fragment):

@@ -197,7 +197,7 @@ def test_replicas_round_trip_through_pipesim_csv_only(strategy, kw):
     s = build_schedule(ScheduleSpec(strategy, 2, 4, iterations=2, **kw))
     back = schedule_from_csv(to_csv(s), microbatches=s.num_microbatches, iterations=2, strategy=strategy)
     assert back == s
-    with pytest.raises(ScheduleError, match="no replicas"):
+    with pytest.raises(ScheduleError, match="holds one pipeline and this schedule has replicas"):
         to_csv(s, torch_only=True)
 
 
