@@ -139,7 +139,12 @@ def render_plan(plan: dict) -> str:
            f"{plan['microbatches']} micro-batches per pipeline per iteration, {plan['microbatches'] * width} in all")
     lines = [f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']} "
              f"(micro-batch {plan['microbatch_size']}, {per})"]
-    how = "simulated, steady state" if plan["predicted_is_simulated"] else "cost model only: no candidate simulated"
+    if not plan["predicted_is_simulated"]:
+        how = "cost model only: no candidate simulated"
+    elif plan.get("predicted_is_steady", True):
+        how = "simulated, steady state"
+    else:
+        how = f"simulated over the whole run of {plan['iterations']} iteration(s), too short for a steady state"
     held = f" among splits of {plan['held_to']} only" if plan.get("held_to") else ""
     lines.append(f"chosen{held}: {plan['config']}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")
     dp, speedup = plan.get("data_parallel_samples_per_s"), plan.get("speedup_vs_dp")

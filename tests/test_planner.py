@@ -322,6 +322,79 @@ def test_steady_throughput_leaves_out_fill_and_drain() -> None:
     assert summarize(result)["throughput_samples_per_s"] < steady_throughput(result)
 
 
+@pytest.mark.parametrize(("replicas", "starts", "m"), [((3, 1), (0, 17), 3), ((3, 1), (0, 17), 6),
+                                                     ((2, 1, 1), (0, 10, 25), 2), ((2, 1, 1), (0, 10, 25), 4)])
+def test_a_streams_steady_state_does_not_depend_on_the_run_length(replicas, starts, m) -> None:
+    """On one split, every run long enough for a window measures the same
+    rate, to the last digits; one too short says so rather than measure the
+    drain. (With m one burst of the replicas, a 3-iteration window once
+    ended on the drain's quicker burst: +16% on 15-1.)"""
+    from pipesim.sim.api import model_for
+    from pipesim.sim.planning.plan import steady_state
+
+    hw = load_hardware("pipedream-cluster-a")
+    rates = {}
+    for k in (3, 4, 6, 12):
+        s = build_schedule(ScheduleSpec("pipedream", len(replicas), m, iterations=k, replicas=replicas))
+        rate, windowed = steady_state(simulate_schedule(s, model_for(s, "pipedream-vgg16", hw, None), hw,
+                                                        starts=starts))
+        if windowed:
+            rates[k] = rate
+    assert len(rates) >= 2 and 12 in rates
+    assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-9), rates
+    if m == math.lcm(*replicas):
+        assert 3 not in rates  # no burst between its fill and its drain
+
+
+def test_a_plan_at_one_burst_per_iteration_measures_the_steady_state(tmp_path, capsys) -> None:
+    """15-1 planned at m = 15 lengthens its confirmation run until it has a
+    steady state, and so rates 15-1 as the default m = 30 does."""
+    rates = {}
+    for m in ("15", "30"):
+        code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
+                             "pipedream-cluster-a-x4", "--gpus", "16", "--microbatches", m, "--json",
+                             "--out", str(tmp_path / m))
+        assert code == 0, err
+        record = json.loads(out)
+        assert record["config"] == "15-1" and record["predicted_is_steady"]
+        rates[m] = record["predicted_samples_per_s"]
+    assert rates["15"] == pytest.approx(rates["30"], rel=1e-6)
+
+
+def test_a_plan_of_one_micro_batch_still_simulates_data_parallelism(tmp_path, capsys) -> None:
+    """The landmarks are simulated whatever run their replicas need, so a
+    plan never chooses a pipeline at half data parallelism's rate because
+    data parallelism was left to the cost model."""
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
+                         "pipedream-cluster-a-x4", "--gpus", "16", "--microbatches", "1", "--json",
+                         "--out", str(tmp_path))
+    assert code == 0, err
+    record = json.loads(out)
+    landmarks = [c for c in record["candidates"] if c["source"] in ("data parallelism", "straight")]
+    assert landmarks and all(c["simulated_samples_per_s"] is not None for c in landmarks)
+    assert record["speedup_vs_dp"] >= 1 - 1e-9
+
+
+def test_a_choice_left_unsimulated_is_costed_at_the_run_it_records(tmp_path, capsys) -> None:
+    """--confirm 0 at one micro-batch: 15-1 records the 15 per iteration its
+    replicas need, and its memory is the model's at that run, not at one."""
+    from pipesim.sim.planning.search import Config
+
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
+                         "pipedream-cluster-a-x4", "--replicas", "15,1", "--microbatches", "1", "--confirm", "0",
+                         "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    record = json.loads(out)
+    assert not record["predicted_is_simulated"] and record["microbatches"] == 15
+    profile = model_profile("pipedream-vgg16", load_hardware("pipedream-cluster-a-x4").device)
+    hw = load_hardware("pipedream-cluster-a-x4")
+    at_run = Planner(tables=Tables(profile, False), traits=traits_of("pipedream"), microbatches=15,
+                     iterations=record["iterations"], devices=16,
+                     setting=CostSetting.of(profile, hw, record["memory_limit_bytes"]), options={})
+    starts = tuple(st["layers"][0] for st in record["stages"])
+    assert record["peak_memory_bytes"] == at_run.estimate(Config(starts, (15, 1))).peak_memory_bytes
+
+
 def test_layout_for_agrees_with_the_schedule_it_predicts() -> None:
     """The planner's formulas (from a probe) against the IR of the schedules they stand for."""
     for strategy in ("gpipe", "1f1b", "pipedream", "pipedream-2bw"):
@@ -638,6 +711,19 @@ def _written_plan(tmp_path) -> str:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     return path
+
+
+def test_a_plan_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
+                         "pipedream-cluster-a-x4", "--iterations", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "too short for a steady state" in out.splitlines()[1] and "simulated, steady state" not in out
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["predicted_is_simulated"] and not record["predicted_is_steady"]
+    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "plan.json"), "--summary-only",
+                         "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    assert "samples/s over its whole run; this run" in next(x for x in out.splitlines() if x.startswith("plan "))
 
 
 def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:

@@ -68,7 +68,7 @@ from ..workload import Profile
 from .cost import LinkModel, stage_memory, update_seconds
 from .layout import traits_of
 from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
-                   check_served, memory_limit, out_of_memory, steady_throughput)
+                   check_served, memory_limit, out_of_memory, steady_state)
 from .search import Tables, memory_terms
 
 PLANNER = "width-depth"
@@ -280,7 +280,8 @@ class _Grid:
         result = simulate_schedule(schedule, self.profile(p["microbatch_size"]), req.hardware,
                                    recv_lookahead=req.recv_lookahead, starts=cand.starts, recompute=p["recompute"])
         peak = max(t.peak_bytes for t in result.memory)
-        return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=p["microbatches"],
+        rate, steady = steady_state(result)
+        return replace(cand, simulated_samples_per_s=rate, steady=steady, microbatches=p["microbatches"],
                        iterations=req.iterations, peak_memory_bytes=peak,
                        out_of_memory=out_of_memory(result, self.limit))
 

@@ -52,6 +52,7 @@ import json
 import math
 import os
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,7 +61,7 @@ from typing import Any
 from ..errors import InputError
 from ..files import parse_json, read_text
 from ..hardware import Hardware
-from ..ir import PASS_OPS
+from ..ir import PASS_OPS, F
 from ..metrics import round_sig
 from ..results import SimResult
 from ..strategies import (
@@ -214,6 +215,10 @@ class Candidate:
     note: str = ""
     params: dict = field(default_factory=dict)
     refused: bool = False
+    #: whether the simulated throughput is a steady state (its run had a
+    #: window leaving out the fill and drain: :func:`steady_state`), not
+    #: the whole run's
+    steady: bool = True
 
     @property
     def simulated(self) -> bool:
@@ -246,6 +251,8 @@ class Candidate:
             "bottleneck": self.bottleneck,
             "boundary_bytes": int(self.boundary_bytes),
         }
+        if self.simulated:
+            d["steady_state"] = self.steady
         if self.note:
             d["note"] = self.note
         if self.refused:
@@ -326,6 +333,7 @@ class Plan:
             "stages": [s.to_json() for s in best.stages],
             "predicted_samples_per_s": round_sig(self.predicted_samples_per_s),
             "predicted_is_simulated": best.simulated,
+            "predicted_is_steady": best.simulated and best.steady,
             "analytic_samples_per_s": round_sig(best.analytic_samples_per_s),
             "data_parallel_samples_per_s": None if self.data_parallel_samples_per_s is None
             else round_sig(self.data_parallel_samples_per_s),
@@ -354,7 +362,7 @@ WIDTH_PLANNERS = frozenset({"width-depth", "tuner"})
 PLAN_KEYS = frozenset({
     "plan_version", "strategy", "model", "profile", "hardware", "hardware_spec", "gpus", "requested_microbatches",
     "microbatches", "iterations", "microbatch_size", "options", "config", "stages", "predicted_samples_per_s",
-    "predicted_is_simulated", "analytic_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
+    "predicted_is_simulated", "predicted_is_steady", "analytic_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
     "peak_memory_bytes", "memory_limit_bytes", "out_of_memory", "bottleneck", "planner_seconds", "chosen",
     "candidates", "planner", "recompute", "recv_lookahead", "width", "batch_size", "held_to",
 })
@@ -395,6 +403,9 @@ class PlanFile:
     recv_lookahead: int = 1
     #: the devices the plan runs on, when it says (a run must use as many)
     gpus: int | None = None
+    #: whether ``predicted_samples_per_s`` is a simulated steady state (not
+    #: a whole run too short for one, nor the cost model's figure)
+    predicted_is_steady: bool = True
 
     def machine(self) -> Hardware | str:
         """The machine to run the plan on: the one it was planned for when
@@ -513,6 +524,11 @@ def plan_file(d: Any) -> PlanFile:
     lookahead = d.get("recv_lookahead", 1)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise PlanError(f"'recv_lookahead' must be a whole number >= 0, got {lookahead!r}")
+    simulated = d.get("predicted_is_simulated", True)
+    steady = d.get("predicted_is_steady", simulated)  # plans from before the field: steady when simulated
+    for key, v in (("predicted_is_simulated", simulated), ("predicted_is_steady", steady)):
+        if not isinstance(v, bool):
+            raise PlanError(f"{key!r} must be true or false, got {v!r}")
     machine = d.get("hardware_spec")
     if machine is not None:
         try:
@@ -528,6 +544,7 @@ def plan_file(d: Any) -> PlanFile:
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
         width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead, gpus=gpus,
+        predicted_is_steady=steady and simulated,
     )
 
 
@@ -577,15 +594,24 @@ def _steady_window(result: SimResult) -> tuple[int, float] | None:
     s = result.schedule
     k, m = s.num_iterations, s.num_microbatches
     last: dict[int, float] = {}
+    entered = -math.inf  # when the last micro-batch entered the pipeline (its first stage's forward)
     for sp in result.by_stream()["compute"]:
         a = sp.action
         if a.op in PASS_OPS and sp.end > last.get(a.microbatch, -math.inf):
             last[a.microbatch] = sp.end
+        if a.op is F and a.stage == 0 and sp.start > entered:
+            entered = sp.start
     strategy = find_strategy(s.strategy)
     if strategy is not None and strategy.asynchronous:
         done = sorted(last.values())
         burst = math.lcm(*s.replicas)
-        span = (len(done) - 2 * m) // burst * burst
+        # The window ends before the drain: short of the last m completions,
+        # and at a completion no later than the last micro-batch's entry (from
+        # then on nothing new enters and the stages finish what they hold
+        # faster). Ending on the first of the last m, as it once did, took in
+        # the drain's quicker burst: +16% on a 15-1 plan's 3 iterations.
+        limit = min(len(done) - m - 1, bisect_right(done, entered) - 1)
+        span = (limit - m) // burst * burst
         first, end = m, m + span
     else:
         done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
@@ -712,14 +738,14 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         if i in others and confirmed >= req.confirm:
             break
         say(f"confirming {out[i].config} with the engine")
-        out[i] = _confirm(out[i], req, m)
+        out[i] = _confirm(out[i], req, m, planner)
         confirmed += out[i].simulated and i in others
     chosen = _best(out)
     if (held is None and req.refine > 0 and out[chosen].simulated and not out[chosen].out_of_memory
             and len(out[chosen].stages) > 1):
         say(f"confirming other splits of {out[chosen].config}")
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
-    chosen = _runnable_choice(out, req, m)
+    chosen = _runnable_choice(out, req, m, planner)
     say("simulating data parallelism")
     dp = data_parallel_throughput(req)
     return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name,
@@ -744,7 +770,7 @@ def _best(cands: list[Candidate]) -> int:
                                                  cands[i].simulated, cands[i].samples_per_s))
 
 
-def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int) -> int:
+def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int, planner: Planner) -> int:
     """:func:`_best`, once its run is known. A choice nobody simulated (with
     ``confirm=0``, or whose run was too long to confirm) gets the run that
     suits its replicas (:func:`_run_for`), which ``simulate --plan`` runs;
@@ -760,8 +786,7 @@ def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int) -> int:
         if c.simulated or c.microbatches is not None:
             return i
         spec, _, note = _run_for(c, req, m)
-        out[i] = (replace(c, refused=True, note=note) if spec is None
-                  else replace(c, microbatches=spec.microbatches, iterations=spec.iterations))
+        out[i] = replace(c, refused=True, note=note) if spec is None else _at_run(planner, c, spec)
 
 
 def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanRequest, m: int) -> list[Candidate]:
@@ -777,7 +802,7 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
     starts = [Config(c.starts, c.replicas), planner.best_split(c.replicas)]
     met = _splits_met(planner, [s for s in starts if s is not None], skip={Config(x.starts, x.replicas) for x in out},
                       limit=req.refine, floor=(1 - REFINE_WITHIN) * c.analytic_samples_per_s)
-    return [_confirm(_candidate(planner, cfg, "refinement", est), req, m) for cfg, est in met]
+    return [_confirm(_candidate(planner, cfg, "refinement", est), req, m, planner) for cfg, est in met]
 
 
 def _splits_met(planner: Planner, starts: list[Config], *, skip, limit: int,
@@ -891,7 +916,9 @@ def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits)
 def _run_for(cand: Candidate, req: PlanRequest, m: int):
     """The run that suits ``cand``'s replicas: the first of :func:`_runs`
     the strategy builds, as (its spec, its schedule, ""); (spec, None, why)
-    when it is longer than a confirmation may be (:data:`MAX_RUN_STRETCH`);
+    when it is longer than a confirmation may be (:data:`MAX_RUN_STRETCH`,
+    which the landmarks, data parallelism and the straight pipeline, are
+    never held to: every plan is measured against them);
     (None, None, why) when the strategy refuses every run."""
     from ..size import check_size
 
@@ -904,13 +931,13 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
         except StrategyError as e:
             note = f"not simulated: {e}"
             continue
-        if mb * k > MAX_RUN_STRETCH * m * req.iterations:
+        if mb * k > MAX_RUN_STRETCH * m * req.iterations and cand.source not in LANDMARKS:
             return spec, None, f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
         return spec, schedule, ""
     return None, None, note
 
 
-def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
+def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner) -> Candidate:
     """``cand`` simulated with the engine, or a note saying why it was not
     (and ``refused`` if the strategy cannot run it)."""
     from ..api import simulate_schedule
@@ -919,14 +946,56 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int) -> Candidate:
     if spec is None:
         return replace(cand, note=note, refused=True)
     if schedule is None:
-        return replace(cand, note=note, microbatches=spec.microbatches, iterations=spec.iterations)
-    result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
-                               starts=cand.starts, recompute=req.recompute)
+        return replace(_at_run(planner, cand, spec), note=note)
+    while True:
+        result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
+                                   starts=cand.starts, recompute=req.recompute)
+        rate, steady = steady_state(result)
+        longer = _longer_run(spec, steady, cand, req, m)
+        if longer is None:
+            break
+        spec, schedule = longer
     peak = max(t.peak_bytes for t in result.memory)
-    return replace(cand, simulated_samples_per_s=steady_throughput(result), microbatches=spec.microbatches,
+    return replace(cand, simulated_samples_per_s=rate, steady=steady, microbatches=spec.microbatches,
                    iterations=spec.iterations, peak_memory_bytes=peak,
                    out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
                    note="")
+
+
+def _at_run(planner: Planner, cand: Candidate, spec: ScheduleSpec) -> Candidate:
+    """``cand`` (not simulated) with the run ``spec`` gives it, costed by the
+    model at that run: its memory is the run's (a 15-1 planned at one
+    micro-batch runs 15 per iteration and holds what they stash), and it is
+    out of memory if that does not fit."""
+    at = replace(planner, microbatches=spec.microbatches, iterations=spec.iterations)
+    est = at.estimate(Config(cand.starts, cand.replicas))
+    return replace(cand, microbatches=spec.microbatches, iterations=spec.iterations,
+                   analytic_samples_per_s=est.samples_per_s, peak_memory_bytes=est.peak_memory_bytes,
+                   out_of_memory=not at.setting.fits(est))
+
+
+def _longer_run(spec: ScheduleSpec, steady: bool, cand: Candidate, req: PlanRequest, m: int):
+    """The run to simulate instead of ``spec``'s when it had no steady
+    state though one was asked for (:data:`ITERATIONS` or more): twice its
+    iterations, as (spec, schedule), within the stretch :func:`_run_for`
+    allows (and never past that many times the iterations asked for);
+    else None. A stream whose micro-batches per iteration are
+    only a burst or two of its replicas (PipeDream's 15-1 at m = 15) has
+    no burst between its fill and its drain in three iterations."""
+    from ..size import check_size
+
+    if steady or req.iterations < ITERATIONS:
+        return None
+    longer = replace(spec, iterations=spec.iterations * 2)
+    if longer.iterations > MAX_RUN_STRETCH * req.iterations or (
+            longer.microbatches * longer.iterations > MAX_RUN_STRETCH * m * req.iterations
+            and cand.source not in LANDMARKS):
+        return None
+    try:
+        check_size(longer)
+        return longer, build_schedule(longer)
+    except (StrategyError, InputError):
+        return None
 
 
 def data_parallel_throughput(req: PlanRequest) -> float | None:

@@ -35,7 +35,7 @@ from ..hardware import Hardware
 from ..strategies import ScheduleSpec, StrategyError, build_schedule
 from ..workload import Profile
 from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
-                   check_served, memory_limit, out_of_memory, steady_throughput)
+                   check_served, memory_limit, out_of_memory, steady_state)
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -129,11 +129,11 @@ def measure(req: TuneRequest, pipelines: int, microbatches: int, profiles: dict)
         return note
     result = simulate_schedule(schedule, profiles[b], req.hardware, recv_lookahead=req.recv_lookahead,
                                recompute=req.recompute)
-    rate = steady_throughput(result)
+    rate, steady = steady_state(result)
     peak = max(t.peak_bytes for t in result.memory)
     stages = tuple(Stage(c.first_layer, c.last_layer, pipelines) for c in result.stage_costs)
     return Candidate(config=name, stages=stages, source="tuner", analytic_samples_per_s=rate,
-                     simulated_samples_per_s=rate, microbatches=microbatches, iterations=req.iterations,
+                     simulated_samples_per_s=rate, steady=steady, microbatches=microbatches, iterations=req.iterations,
                      peak_memory_bytes=peak, out_of_memory=out_of_memory(result, _limit(req)),
                      bottleneck="measured by the engine",
                      params=params | {"depth": schedule.num_stages})
