@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -491,6 +492,8 @@ def cmd_compare(args) -> int:
     strategies = [name for name in strategies if name not in left_out]
     if not strategies:
         raise UsageError("pipesim compare: nothing left to compare: " + "; ".join(left_out.values()))
+    for name, why in left_out.items():
+        print(f"left out {name}: {why}", file=sys.stderr, flush=True)
     rows, summaries = [], {}
     base = None
     for i, strategy in enumerate(strategies, 1):
@@ -623,8 +626,7 @@ def _compare_plans(args, strategies: list[str], out: Path) -> dict:
             record = plan(PlanRequest(name, profile, hw, args.stages, microbatches=args.microbatches or 8,
                                       iterations=args.iterations, options=options, recv_lookahead=args.recv_lookahead,
                                       model=args.model, profile_path=_recorded_path(args.profile))).to_json()
-        except NothingRunsError as e:
-            print(f"left out {name}: {e}", file=sys.stderr, flush=True)
+        except NothingRunsError as e:  # said once: by cmd_compare, as a note or as its error
             left_out[name] = str(e)
             continue
         write_plan(record, out / name)
@@ -667,14 +669,18 @@ def cmd_plan(args) -> int:
         raise UsageError(f"pipesim plan: {hw.name} has no fixed device count; give --gpus N")
     planner = _planner(args)
     out = _output_dir(args.out)
-    with _plan_progress() as say:
+    from pipesim.sim.planning.plan import ITERATIONS
+
+    m = args.microbatches or gpus
+    with _plan_progress(gpus * m * (args.iterations or ITERATIONS)) as say:
         record = _PLANNERS[planner](args, hw, gpus, say).to_json()
     written = write_plan(record, out)
     if args.json:
         sys.stdout.write(dumps(record))
     else:
         print(render_plan(record))
-        print(f"wrote {', '.join(p.name for p in written)} to {out} (pipesim simulate --plan {out}/plan.json)")
+        print(f"wrote {', '.join(p.name for p in written)} to {out} "
+              f"(pipesim simulate --plan {shlex.quote(str(out / 'plan.json'))})")
     if record["out_of_memory"]:  # the files show every candidate; the answer is that none will do
         from pipesim.sim.planning.plan import PlanError
 
@@ -796,11 +802,17 @@ _PLANNERS = {"replicas": _plan_replicas, "width-depth": _plan_width_depth, "tune
 
 
 @contextmanager
-def _plan_progress():
+def _plan_progress(passes: int):
     """A progress line on stderr for a terminal (after a second): what the
-    planner is doing. Elsewhere nothing: a plan takes a second or two."""
+    planner is doing. Elsewhere (a log, a pipe) nothing for the usual plan
+    of a second or two, but one line per step when its confirmation runs
+    are long (``passes``, a straight pipeline's stage passes, past
+    :data:`~.progress.PROGRESS_PASSES`, as for a simulation)."""
     if not sys.stderr.isatty():
-        yield None
+        from .progress import PROGRESS_PASSES
+
+        yield None if passes < PROGRESS_PASSES else (lambda msg: print(f"planning: {msg}", file=sys.stderr,
+                                                                       flush=True))
         return
     from tqdm import tqdm
 

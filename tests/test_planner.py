@@ -503,6 +503,8 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
         (lambda d: d.update(hardware_spec={"name": "x"}), "'hardware_spec'"),
         (lambda d: d.update(strategy="zb-h1"), "zb-h1 is not planned by the replicas planner this plan names"),
         (lambda d: d.update(planner="width-depth", strategy="pipedream-2bw"), "its 'width' is missing"),
+        (lambda d: d.update(config="8-8"), "'config' is '8-8', but the stages' replicas are 15-1"),
+        (lambda d: d.update(predicted_is_steady="yes"), "'predicted_is_steady' must be true or false"),
     ],
 )
 def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsys) -> None:
@@ -669,6 +671,11 @@ def test_a_strategy_that_runs_no_configuration_found_is_refused(tmp_path, capsys
     assert "left out pipedream-2bw: pipedream-2bw runs none" in err
     doc = json.loads((tmp_path / "comparison.json").read_text())
     assert doc["order"] == ["1f1b"] and "pipedream-2bw" in doc["left_out"]
+    # with nothing left, the reason is said once, as the error
+    code, out, err = run(capsys, "compare", "--planned", "--model", "vgg16", "--hardware", "pcie-4gpu",
+                         "--strategies", "pipedream-2bw", "--stages", "4", "--microbatches", "2",
+                         "--iterations", "2", "--out", str(tmp_path / "none"))
+    assert code == 2 and err.count("pipedream-2bw runs none") == 1 and "left out" not in err, err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -736,6 +743,42 @@ def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
         assert ("in steady state, " in line) is steady and ("too short for a steady state" in line) is not steady
         summary = json.loads((tmp_path / iterations / "summary.json").read_text())
         assert summary["plan"]["steady_window"] is steady
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # the machine's device count is the limit to name, not the model's layers
+    (["--straight", "--gpus", "100"], "pcie-4gpu has 4 devices, not 100"),
+    # replicas as --replicas spells them, not as "straight"
+    (["--hardware", "ideal", "--gpus", "20", "--replicas", ",".join(["1"] * 20)],
+     "replicas 1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1 make 20 stages, but vgg16 has 16 layers"),
+    # confirmation runs too large for memory are refused before any search
+    (["--gpus", "4", "--microbatches", "100000000"], "computes 1,200,000,000 stage passes"),
+])
+def test_plan_requests_are_refused_naming_the_right_limit(argv, message, tmp_path, capsys) -> None:
+    code, _, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", *argv, "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_long_plan_reports_its_steps_in_a_log(tmp_path, capsys, monkeypatch) -> None:
+    """Off a terminal a plan says nothing unless its confirmation runs are
+    long; then it says what it is doing, a line per step, on stderr."""
+    from pipesim.experiments import progress
+
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
+                         "--out", str(tmp_path / "short"))
+    assert code == 0 and "planning:" not in err
+    monkeypatch.setattr(progress, "PROGRESS_PASSES", 10)
+    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
+                         "--out", str(tmp_path / "long"))
+    assert code == 0 and "planning: searching splits and replicas" in err and "planning: confirming" in err
+    assert "planning:" not in out
+
+
+def test_the_plans_hint_quotes_a_folder_with_a_space(tmp_path, capsys) -> None:
+    folder = tmp_path / "my plans"
+    code, out, _ = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
+                       "--out", str(folder))
+    assert code == 0 and f"(pipesim simulate --plan '{folder}/plan.json')" in out
 
 
 def test_a_plan_where_nothing_fits_is_an_error_that_keeps_its_files(tmp_path, capsys) -> None:

@@ -521,6 +521,8 @@ def plan_file(d: Any) -> PlanFile:
     name = d.get("config")
     if name is not None and not isinstance(name, str):
         raise PlanError(f"'config' must be a string, got {name!r}")
+    if planner == "replicas" and name is not None and name != notation(reps):  # others name their own shapes
+        raise PlanError(f"'config' is {name!r}, but the stages' replicas are {notation(reps)}")
     lookahead = d.get("recv_lookahead", 1)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise PlanError(f"'recv_lookahead' must be a whole number >= 0, got {lookahead!r}")
@@ -676,11 +678,12 @@ def check_request(req: PlanRequest) -> None:
     for flag in ("recompute", "straight"):
         if not isinstance(getattr(req, flag), bool):
             raise PlanError(f"{flag} must be True or False, got {getattr(req, flag)!r}")
-    _check_held(req)
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
     if req.gpus > MAX_GPUS:
         raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
+    _check_held(req)  # after the machine's count: a limit the machine sets is the one to name
+    _check_run_size(req)
     check_plan_options(req.strategy, req.options, {"replicas", "width"}, "the planner chooses the replicas")
 
 
@@ -698,6 +701,16 @@ def check_plan_options(strategy: str, options: dict, chosen: set[str], why: str)
                         f"{', '.join(sorted(takes - chosen)) or 'none'})")
 
 
+def _check_run_size(req: PlanRequest) -> None:
+    """Refuse, before any search, confirmation runs too large for this
+    machine's memory: the straight pipeline's, one stage per device, runs
+    the most stage passes of any candidate."""
+    from ..size import check_size
+
+    m = req.microbatches or req.gpus
+    check_size(ScheduleSpec(req.strategy, min(req.gpus, req.profile.num_layers), m, iterations=req.iterations))
+
+
 def _check_held(req: PlanRequest) -> None:
     """One-line errors for a configuration the search cannot be held to."""
     if req.replicas is None:
@@ -712,10 +725,16 @@ def _check_held(req: PlanRequest) -> None:
     if not isinstance(reps, tuple) or not reps or any(type(r) is not int or r < 1 for r in reps):
         raise PlanError(f"replicas must be a non-empty tuple of positive ints, got {reps!r}")
     if sum(reps) != req.gpus:
-        raise PlanError(f"replicas {notation(reps)} use {sum(reps)} devices, not the {req.gpus} planned for")
+        raise PlanError(f"replicas {_listed(reps)} use {sum(reps)} devices, not the {req.gpus} planned for")
     if len(reps) > req.profile.num_layers:
-        raise PlanError(f"replicas {notation(reps)} make {len(reps)} stages, but {req.profile.name} has "
+        raise PlanError(f"replicas {_listed(reps)} make {len(reps)} stages, but {req.profile.name} has "
                         f"{req.profile.num_layers} layers")
+
+
+def _listed(replicas: tuple[int, ...]) -> str:
+    """Replicas as ``--replicas`` spells them (``15,1``; ``1,1,1``, where
+    :func:`notation` would say "straight")."""
+    return ",".join(map(str, replicas))
 
 
 def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
