@@ -231,13 +231,10 @@ def _flag_of(option: str) -> str:
 
 def _profile(args, hardware, schedule):
     from pipesim.sim.api import model_for
-    from pipesim.sim.workload import load_profile
+    from pipesim.sim.workload import at_microbatch_size, load_profile
 
     if args.profile:
-        from dataclasses import replace
-
-        prof = load_profile(args.profile)
-        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
+        return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
     return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages)
 
 
@@ -647,12 +644,9 @@ def _plan_profile(args, hardware, devices: int):
     from pipesim.sim.models import model_profile
 
     if args.profile:
-        from dataclasses import replace
+        from pipesim.sim.workload import at_microbatch_size, load_profile
 
-        from pipesim.sim.workload import load_profile
-
-        prof = load_profile(args.profile)
-        return replace(prof, microbatch_size=args.microbatch_size) if args.microbatch_size else prof
+        return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
     model = args.model or "uniform"
     return model_profile(model, hardware.device, args.microbatch_size, layers=devices if model == "uniform" else None)
 

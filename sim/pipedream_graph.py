@@ -101,7 +101,7 @@ from .workload import (
     Profile,
     WorkloadError,
     bytes_problem,
-    check_microbatch_size,
+    rescaled,
 )
 
 _NODE_RE = re.compile(
@@ -455,28 +455,3 @@ def catalog_profile(name: str, microbatch_size: int | None = None, optimizer: st
         profile = rescaled(profile, microbatch_size)
     return profile
 
-
-def rescaled(profile: Profile, microbatch_size: int) -> Profile:
-    """``profile`` with times and activation bytes scaled by ``microbatch_size / profile.microbatch_size``.
-
-    An approximation, and the notes say so: activations grow exactly with the
-    batch, but GPU kernels do not time linearly in it (a small batch uses the
-    GPU less well, so its time per sample is longer than this predicts).
-    Weights do not scale.
-    """
-    check_microbatch_size(microbatch_size)
-    r = microbatch_size / profile.microbatch_size
-    layers = tuple(
-        replace(
-            la,
-            forward_s=la.forward_s * r,
-            backward_s=la.backward_s * r,
-            backward_input_s=None if la.backward_input_s is None else la.backward_input_s * r,
-            activation_bytes=round(la.activation_bytes * r),
-            stash_bytes=round(la.stash_bytes * r),
-        )
-        for la in profile.layers
-    )
-    note = (f"rescaled linearly from the profiled batch of {profile.microbatch_size} to {microbatch_size}: "
-            "an approximation (kernel times are not linear in the batch size)")
-    return replace(profile, layers=layers, microbatch_size=microbatch_size, notes=f"{profile.notes}; {note}")

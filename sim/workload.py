@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import InputError
@@ -357,3 +357,46 @@ def save_profile(profile: Profile, path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(profile.to_json(), f, indent=1)
         f.write("\n")
+
+
+def rescaled(profile: Profile, microbatch_size: int) -> Profile:
+    """``profile`` with times and activation bytes scaled by ``microbatch_size / profile.microbatch_size``.
+
+    An approximation, and the notes say so: activations grow exactly with the
+    batch, but GPU kernels do not time linearly in it (a small batch uses the
+    GPU less well, so its time per sample is longer than this predicts).
+    Weights do not scale.
+    """
+    check_microbatch_size(microbatch_size)
+    r = microbatch_size / profile.microbatch_size
+    layers = tuple(
+        replace(
+            la,
+            forward_s=la.forward_s * r,
+            backward_s=la.backward_s * r,
+            backward_input_s=None if la.backward_input_s is None else la.backward_input_s * r,
+            activation_bytes=round(la.activation_bytes * r),
+            stash_bytes=round(la.stash_bytes * r),
+        )
+        for la in profile.layers
+    )
+    note = (f"rescaled linearly from the profiled batch of {profile.microbatch_size} to {microbatch_size}: "
+            "an approximation (kernel times are not linear in the batch size)")
+    return replace(profile, layers=layers, microbatch_size=microbatch_size, notes=f"{profile.notes}; {note}")
+
+
+def at_microbatch_size(profile: Profile, microbatch_size: int | None) -> Profile:
+    """``profile`` run at ``microbatch_size`` samples per micro-batch (None:
+    as it is). A profile that knows its batch (any but 1: a JSON profile's
+    ``microbatch_size``, the images of a PipeDream graph's input node) is
+    :func:`rescaled` to it, as the catalog's measured models are, so the
+    same graph.txt gives the same run by ``--profile`` and by ``--model``.
+    A profile of batch 1 (unstated, or a graph whose batch cannot be read)
+    is taken to have been measured at ``microbatch_size``: that only sets
+    the samples each micro-batch counts."""
+    if microbatch_size is None or microbatch_size == profile.microbatch_size:
+        return profile
+    check_microbatch_size(microbatch_size)
+    if profile.microbatch_size == 1:
+        return replace(profile, microbatch_size=microbatch_size)
+    return rescaled(profile, microbatch_size)

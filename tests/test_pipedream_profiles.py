@@ -177,6 +177,40 @@ def test_cli_simulates_catalog_names_and_graph_files(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_graph_file_at_another_batch_runs_as_the_catalog_model_does(tmp_path, capsys):
+    """--microbatch-size rescales a profile that knows its batch (AlexNet's
+    graph.txt: 256 images), as the catalog's name does: the same file by
+    --profile and by --model gives the same run. Before, the file kept its
+    256-image times and counted 64 samples: a quarter of the throughput."""
+    from pipesim.experiments.cli import main
+
+    rates = []
+    for source in (["--profile", str(catalog_file("pipedream-alexnet"))], ["--model", "pipedream-alexnet"]):
+        out = tmp_path / source[0].strip("-")
+        assert main(["simulate", "--strategy", "pipedream", *source, "--hardware", "pipedream-cluster-a-x4",
+                     "--replicas", "14,1,1", "--microbatches", "28", "--iterations", "3", "--microbatch-size", "64",
+                     "--out", str(out), "--summary-only"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["microbatch_size"] == 64
+        rates.append(summary["throughput_samples_per_s"])
+    assert rates[0] == rates[1]
+    capsys.readouterr()
+
+
+def test_a_profile_of_unknown_batch_takes_the_size_it_is_given():
+    """Batch 1 (unstated) is taken to be what --microbatch-size says: the
+    samples counted change, the times do not."""
+    from pipesim.sim.workload import LayerCost, Profile, at_microbatch_size
+
+    prof = Profile("x", (LayerCost("a", forward_s=1e-3, backward_s=2e-3, param_bytes=8, activation_bytes=4,
+                                   stash_bytes=4),))
+    declared = at_microbatch_size(prof, 16)
+    assert declared.microbatch_size == 16 and declared.layers == prof.layers
+    known = at_microbatch_size(declared, 32)  # now it knows its batch: rescaled
+    assert known.layers[0].forward_s == pytest.approx(2e-3) and known.layers[0].stash_bytes == 8
+    assert at_microbatch_size(prof, None) is prof
+
+
 def test_plan_of_a_graph_file_names_its_model(tmp_path, capsys):
     """``plan --profile`` records the profile's model, not the default
     catalog model it replaces."""
