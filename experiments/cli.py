@@ -229,23 +229,25 @@ def _flag_of(option: str) -> str:
     return "--no-stashing" if option == "stashing" else f"--{option}"
 
 
-def _profile(args, hardware, schedule):
+def _profile(args, hardware, schedule, uniform_layers: int | None = None):
     from pipesim.sim.api import model_for
     from pipesim.sim.workload import at_microbatch_size, load_profile
 
     if args.profile:
         return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
-    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages)
+    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages,
+                     uniform_layers=uniform_layers)
 
 
 def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
-                  keep: bool = False, plan=None, spec=None, built=None) -> dict:
+                  keep: bool = False, plan=None, spec=None, built=None, uniform_layers: int | None = None) -> dict:
     """Simulate one schedule: ``plan`` (a :class:`~pipesim.sim.planning.plan.PlanFile`)
     gives the strategy, replicas and split, ``spec`` its run (default: the
     plan's, with the command line's micro-batches and iterations); else
     ``--schedule``, or the strategy with the command line's options.
     ``built``: that schedule, already built (and its size checked) by the
-    caller."""
+    caller; ``uniform_layers``: the ``uniform`` model's layers, where
+    several runs must share one model (:func:`_uniform_layers`)."""
     from pipesim.sim.api import resolve_hardware, simulate_schedule
     from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.metrics import summarize, write_summary
@@ -276,7 +278,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             if schedule is None:
                 step("building the schedule")
                 schedule = build_schedule(spec)
-        profile = _profile(args, hw, schedule)
+        profile = _profile(args, hw, schedule, uniform_layers)
         if plan is not None and plan.layers != len(profile.layers):
             raise UsageError(f"the plan splits {plan.layers} layers; {profile.name} has {len(profile.layers)}")
         if plan is not None and plan.gpus is not None and schedule.num_devices != plan.gpus:
@@ -484,8 +486,9 @@ def cmd_compare(args) -> int:
                          f"e.g. --strategies {args.one_strategy}")
     strategies = _compared(args.strategies)
     built = _check_compared(args, strategies)
+    layers = _uniform_layers(args, built)
     out = _output_dir(args.out)
-    plans, left_out = _compare_plans(args, strategies, out) if args.planned else ({}, {})
+    plans, left_out = _compare_plans(args, strategies, out, layers) if args.planned else ({}, {})
     strategies = [name for name in strategies if name not in left_out]
     if not strategies:
         raise UsageError("pipesim compare: nothing left to compare: " + "; ".join(left_out.values()))
@@ -497,7 +500,8 @@ def cmd_compare(args) -> int:
         print(f"[{i}/{len(strategies)}] simulating {strategy} ...", file=sys.stderr, flush=True)
         planned = plans[strategy][0] if strategy in plans else None
         s = _simulate_one(args, strategy, out / strategy, outputs=True, plan=planned,
-                          spec=None if planned is None else planned.spec(), built=built.pop(strategy, None))
+                          spec=None if planned is None else planned.spec(), built=built.pop(strategy, None),
+                          uniform_layers=layers)
         summaries[strategy] = s
         if base is None:
             base = s["throughput_samples_per_s"]
@@ -567,6 +571,16 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _uniform_layers(args, built: dict) -> int | None:
+    """The layers of the one ``uniform`` model every compared strategy runs:
+    as many as the most model stages any of them has (interleaving's p·v),
+    and at least ``--stages``, so each gets whole layers. None for any other
+    model (a catalog model's layers are its own)."""
+    if args.profile or (args.model or COMPARE_MODEL) != "uniform":
+        return None
+    return max([args.stages, *(s.num_stages for s in built.values())])
+
+
 def _check_compared(args, strategies: list[str]) -> dict:
     """Refuse, in one line and before any planning or simulating, what one
     of the compared strategies cannot run: a machine with fewer devices than
@@ -597,7 +611,7 @@ def _without_time(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "planner_seconds"}
 
 
-def _compare_plans(args, strategies: list[str], out: Path) -> dict:
+def _compare_plans(args, strategies: list[str], out: Path, uniform_layers: int | None = None) -> dict:
     """``compare --planned``: plan every strategy that takes per-stage replicas
     on the ``--stages`` devices (written to ``<out>/<strategy>/plan.json`` and
     ``pareto.html``): strategy -> (its PlanFile, its record), and strategy ->
@@ -612,7 +626,7 @@ def _compare_plans(args, strategies: list[str], out: Path) -> dict:
     from .plans import write_plan
 
     hw = resolve_hardware(args.hardware or "ideal")
-    profile = _plan_profile(args, hw, args.stages)
+    profile = _plan_profile(args, hw, uniform_layers or args.stages)
     planned, left_out = {}, {}
     for name in strategies:
         if name not in plannable("replicas"):  # compare plans splits and replicas

@@ -31,19 +31,22 @@ def resolve_hardware(hardware: str | Hardware) -> Hardware:
 
 
 def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_size: int | None,
-              pipeline_depth: int = 1) -> Profile:
+              pipeline_depth: int = 1, uniform_layers: int | None = None) -> Profile:
     """The catalog model costed on ``hardware``'s device.
 
     ``uniform`` gets one layer per model stage, so each stage costs exactly
     F = 1 ms, B = 2 ms. A single-stage schedule (data parallelism) gets
     ``pipeline_depth`` layers instead, the depth the strategy was asked for, so
     each device holds the whole model a pipeline of that depth would split.
+    ``uniform_layers`` fixes the count instead, so several schedules run one
+    model (``pipesim compare``: interleaving's two model stages per device
+    would otherwise get twice the layers of the others).
     """
     if microbatch_size is not None:
         check_microbatch_size(microbatch_size)
     layers = None
     if model == "uniform":
-        layers = schedule.num_stages if schedule.num_stages > 1 else pipeline_depth
+        layers = uniform_layers or (schedule.num_stages if schedule.num_stages > 1 else pipeline_depth)
     return model_profile(model, hardware.device, microbatch_size, layers=layers)
 
 

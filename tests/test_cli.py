@@ -129,6 +129,24 @@ def test_compare_runs_a_subset(tmp_path, capsys) -> None:
     assert "pipesim-comparison" in html and "max staleness" in html
 
 
+def test_compare_runs_one_uniform_model_for_every_strategy(tmp_path, capsys) -> None:
+    """uniform is one layer per model stage when simulated alone; compared,
+    every strategy runs the same model: as many layers as interleaving's
+    p*v model stages (before, interleaving ran twice the layers the others
+    did and read 0.58x of gpipe)."""
+    code, _, err = run(capsys, "compare", "--strategies", "gpipe,interleaved-1f1b,data-parallel,pipedream",
+                       "--model", "uniform", "--hardware", "ideal", "--stages", "4", "--microbatches", "8",
+                       "--out", str(tmp_path))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "comparison.json").read_text())["strategies"]
+    model_ms = {name: round(sum(st["forward_s"] for st in s["stages_info"]) * 1e3, 9) for name, s in doc.items()}
+    assert set(model_ms.values()) == {8.0}, model_ms  # 8 layers of F = 1 ms, whoever splits them
+    # the bubbles are then the textbook's: (p-1)/(m+p-1) for GPipe, (p-1)/(v*m+p-1) interleaved
+    assert doc["gpipe"]["bubble_fraction"] == pytest.approx(3 / 11, abs=1e-6)
+    assert doc["interleaved-1f1b"]["bubble_fraction"] == pytest.approx(3 / 19, abs=1e-6)
+    assert doc["interleaved-1f1b"]["throughput_samples_per_s"] > doc["gpipe"]["throughput_samples_per_s"]
+
+
 def test_compare_builds_each_schedule_once(tmp_path, capsys, monkeypatch) -> None:
     """The schedule built to check the machine's devices is the one simulated."""
     from pipesim.sim import strategies
