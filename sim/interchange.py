@@ -40,6 +40,7 @@ from .ir import (
     to_csv,
 )
 from .strategies._common import flush_iteration
+from .workload import OPTIMIZER_STATE_MULTIPLIER
 
 __all__ = ["schedule_from_csv", "to_csv", "load_schedule_csv"]
 
@@ -64,6 +65,7 @@ def schedule_from_csv(
     leave that to the engine (see :func:`pipesim.sim.engine.simulate`).
     """
     header, text = csv_header(text)
+    _check_header(header)
     microbatches = header.get("microbatches") if microbatches is None else microbatches
     iterations = header.get("iterations", 1) if iterations is None else iterations
     strategy = header.get("strategy", "imported") if strategy is None else strategy
@@ -104,6 +106,21 @@ def schedule_from_csv(
     if check:
         validate(schedule)
     return schedule
+
+
+def _check_header(header: dict) -> None:
+    """The header is pipesim's own (``--format csv`` writes it). Its
+    strategy is the schedule's name: one this pipesim does not build (an
+    imported schedule written back, ``imported``) labels the schedule and
+    runs as imported. An optimizer it does not price is named here as the
+    header's, not blamed later on the model's profile."""
+    name = header.get("strategy")
+    if name is not None and not isinstance(name, str):
+        raise ScheduleError(f"row 1: the pipesim header's strategy must be a name, got {name!r}")
+    optimizer = header.get("options", {}).get("optimizer")
+    if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+        raise ScheduleError(f"row 1: the pipesim header's optimizer must be one of "
+                            f"{', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
 
 
 def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) -> list[Action]:

@@ -90,6 +90,17 @@ def test_malformed_profile_and_schedule(tmp_path, capsys) -> None:
     deadlock.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
     code, _, err = run(capsys, "simulate", "--schedule", str(deadlock), "--out", str(tmp_path))
     assert code == 2 and "deadlock" in err and "waits for" in err
+    # a pipesim header's optimizer is named as the header's, not blamed on the model's profile
+    code, csv_text, _ = run(capsys, "schedule", "--strategy", "1f1b", "--stages", "2", "--microbatches", "4",
+                            "--format", "csv")
+    assert code == 0
+    for old, new, message in (('"strategy":"1f1b"', '"strategy":5', "header's strategy must be a name"),
+                              ('"optimizer":"sgd"', '"optimizer":"adamw"', "header's optimizer must be one of")):
+        assert old in csv_text
+        edited = tmp_path / "edited.csv"
+        edited.write_text(csv_text.replace(old, new))
+        code, _, err = run(capsys, "simulate", "--schedule", str(edited), "--out", str(tmp_path / "e"))
+        assert code == 2 and message in err and "profile" not in err and err.count("\n") == 1, err
 
 
 def test_torch_csv_out_and_back_in(tmp_path, capsys) -> None:
