@@ -87,6 +87,12 @@ def schedule_from_csv(
         microbatches = -(-(max(mbs) + 1) // iterations)
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be >= 1, got {microbatches}")
+    if max(mbs) >= microbatches * iterations:  # a run too short for the ids: say what m counts
+        said = f" (its header says {header['microbatches']})" if "microbatches" in header else ""
+        raise ScheduleError(
+            f"the CSV's passes run micro-batches 0..{max(mbs)}, more than m={microbatches} x {iterations} "
+            f"iteration(s) hold: an imported schedule's m counts every micro-batch of an iteration, over all "
+            f"its replicas{said}")
     replicas = header.get("replicas") or [1 + max((a.replica for a in actions if a.stage == k), default=0)
                                          for k in range(num_stages)]
     if not has_versions:

@@ -518,3 +518,20 @@ def test_a_lowered_csv_read_back_runs_as_its_compute_order_does(spec, hardware):
     direct, again = (simulate_schedule(s, model_for(s, "vgg16", hw, None), hw) for s in (built, read))
     assert again.makespan == direct.makespan
     assert again.stage_costs == direct.stage_costs
+
+
+def test_a_csv_read_with_too_few_micro_batches_says_what_m_counts():
+    """--microbatches on an import counts every micro-batch of an iteration
+    (over all replicas): given per pipeline, the ids overflow, and the error
+    says so and what the header records instead of "out of range"."""
+    from pipesim.sim.interchange import schedule_from_csv
+    from pipesim.sim.ir import ScheduleError, to_csv
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    text = to_csv(build_schedule(ScheduleSpec("1f1b", 2, 4, width=2)))
+    with pytest.raises(ScheduleError, match=r"micro-batches 0\.\.7, more than m=4 x 1 iteration\(s\) hold: an "
+                                            r"imported schedule's m counts every micro-batch of an iteration, over "
+                                            r"all its replicas \(its header says 8\)"):
+        schedule_from_csv(text, microbatches=4)
+    assert schedule_from_csv(text).num_microbatches == 8
+
