@@ -535,3 +535,21 @@ def test_a_csv_read_with_too_few_micro_batches_says_what_m_counts():
         schedule_from_csv(text, microbatches=4)
     assert schedule_from_csv(text).num_microbatches == 8
 
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name):
+    """torch's CSV has no updates: read back, each goes right after its
+    stage's last backward and the sends that follow, before any receive
+    (which serves a later pass and, at --recv-lookahead 0, sits right
+    before it). So the lowered schedule comes back action for action.
+    Before, an update went after a following receive: interleaving's mid-
+    drain updates and every iteration's last one moved a slot."""
+    from pipesim.sim.interchange import schedule_from_csv
+    from pipesim.sim.ir import to_csv
+    from pipesim.sim.lowering import lower
+    from pipesim.sim.strategies import ScheduleSpec, build_schedule
+
+    lowered = lower(build_schedule(ScheduleSpec(name, 2, 4, iterations=2)), recv_lookahead=0)
+    read = schedule_from_csv(to_csv(lowered, torch_only=True), iterations=2)
+    assert read.programs == lowered.programs

@@ -30,6 +30,8 @@ from ..ir import (
     COMPUTE_OPS,
     OVERLAP_F_B,
     PASS_OPS,
+    RECV_B,
+    RECV_F,
     REDUCE_GRAD,
     UPDATE,
     WEIGHT_GRADIENT_OPS,
@@ -43,6 +45,8 @@ from ..ir import (
 
 
 _new = tuple.__new__  # see flush_iteration
+#: Receives, which flush_iteration's update goes before (they serve a later pass).
+_RECV_OPS = frozenset({RECV_F, RECV_B})
 
 
 class StrategyError(InputError):
@@ -363,10 +367,13 @@ def flush_iteration(
     the last backward (B or W) of each (replica, stage) comes ``[REDUCE_GRAD]
     UPDATE@v(t+1) [AVERAGE]``. In an order that carries communication (an
     imported schedule) the update is the next compute action: it goes after
-    the sends, receives and FSDP actions posted right after that backward
-    (torch's REDUCE_GRAD is among them), which are posted the moment the
-    backward ends, as the lowering pass places them. Other actions keep their
-    place.
+    the sends and FSDP actions posted right after that backward (torch's
+    REDUCE_GRAD is among them), which are posted the moment the backward
+    ends, as the lowering pass places them, and before any receive there: a
+    receive serves a later pass, and torch posts it right before that pass
+    (a torch CSV's receives, ``--recv-lookahead 0``, then read back exactly,
+    the update between them and the backward, as the lowering placed it).
+    Other actions keep their place.
     """
     last: dict[tuple[int, int], int] = {}
     for pos, a in enumerate(order):
@@ -375,7 +382,8 @@ def flush_iteration(
     n = len(order)
     ends: dict[int, tuple[int, int]] = {}
     for rs, pos in last.items():
-        while pos + 1 < n and order[pos + 1].op not in COMPUTE_OPS and order[pos + 1].op is not OVERLAP_F_B:
+        while (pos + 1 < n and order[pos + 1].op not in COMPUTE_OPS and order[pos + 1].op is not OVERLAP_F_B
+               and order[pos + 1].op not in _RECV_OPS):
             pos += 1
         ends[pos] = rs
     out: list[Action] = []
