@@ -427,7 +427,7 @@ def cmd_simulate(args) -> int:
                             "(fill and drain included)")
             else:  # nothing to leave out: say so rather than call the whole run steady
                 this_run = (f"this run {_rate(summary['throughput_samples_per_s'])} over the whole run, too short "
-                            "for a steady state (3 iterations or more leave out the fill and drain)")
+                            "for a steady state (no whole period between its fill and its drain: run more iterations)")
             planned = "in steady state" if p["predicted_is_steady"] else "over its whole run"
             print(f"plan {p['config']}: planned {p['predicted_samples_per_s']:.1f} samples/s {planned}; " + this_run)
         written = "summary.json" if args.summary_only else "summary.json, trace.json, timeline.html"

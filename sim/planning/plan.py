@@ -608,11 +608,13 @@ def _steady_window(result: SimResult) -> tuple[int, float] | None:
         done = sorted(last.values())
         period = _stream_period(s)
         # The window ends before the drain: at the m-th completion from the
-        # end at the latest, and at one no later than the last micro-batch's
-        # entry (from then on nothing new enters and the stages finish what
-        # they hold faster). Without the second bound a 15-1 plan at m = 15
-        # ended its window on the drain's quicker burst: +16% in 3 iterations.
-        limit = min(len(done) - m, bisect_right(done, entered) - 1)
+        # end at the latest, and no later than the completion that follows
+        # the last micro-batch's entry (the micro-batches then in flight are
+        # the drain: with nothing new entering, the stages finish them
+        # faster). Without the second bound a 15-1 plan at m = 15, 30 of
+        # whose 45 micro-batches were in flight at the last entry, ended its
+        # window on the drain's quicker burst: +16% in 3 iterations.
+        limit = min(len(done) - m, bisect_right(done, entered))
         span = (limit - m) // period * period
         first, end = m, m + span
     else:
