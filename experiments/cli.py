@@ -306,6 +306,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
 
                 rate, windowed = steady_state(result)
                 summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
+                                   "predicted_is_simulated": plan.predicted_is_simulated,
                                    "predicted_is_steady": plan.predicted_is_steady,
                                    "steady_samples_per_s": round_sig(rate), "steady_window": windowed}
             if out is not None:
@@ -429,6 +430,8 @@ def cmd_simulate(args) -> int:
                 this_run = (f"this run {_rate(summary['throughput_samples_per_s'])} over the whole run, too short "
                             "for a steady state (no whole period between its fill and its drain: run more iterations)")
             planned = "in steady state" if p["predicted_is_steady"] else "over its whole run"
+            if not p["predicted_is_simulated"]:
+                planned += " (the cost model's)"
             print(f"plan {p['config']}: planned {p['predicted_samples_per_s']:.1f} samples/s {planned}; " + this_run)
         written = "summary.json" if args.summary_only else "summary.json, trace.json, timeline.html"
         print(f"wrote {written} to {out} in {time.perf_counter() - started:.2f} s")

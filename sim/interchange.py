@@ -28,6 +28,8 @@ from .ir import (
     MICROBATCH_OPS,
     OVERLAP_F_B,
     PASS_OPS,
+    RECV_B,
+    RECV_F,
     REDUCE_GRAD,
     Action,
     B,
@@ -140,8 +142,9 @@ def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) ->
     REDUCE_GRAD is dropped: with one replica the update takes its place.
     """
     prog = [a for a in prog if a.op is not REDUCE_GRAD]
+    ahead = receives_ahead(prog)
     if one_iteration:
-        return flush_iteration(prog, 0, reduce=False)
+        return flush_iteration(prog, 0, reduce=False, receives_ahead=ahead)
     out: list[Action] = []
     start, t, first = 0, 0, None
     for pos, a in enumerate(prog):
@@ -158,10 +161,41 @@ def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) ->
                 f"(micro-batch i belongs to iteration i // m, here m = {m})")
         elif it > t:
             cut = pos - 1 if pos and prog[pos - 1].op is OVERLAP_F_B else pos
-            out += flush_iteration(prog[start:cut], t, reduce=False)
+            out += flush_iteration(prog[start:cut], t, reduce=False, receives_ahead=ahead)
             start, t, first = cut, it, a
-    out += flush_iteration(prog[start:], t, reduce=False)
+    out += flush_iteration(prog[start:], t, reduce=False, receives_ahead=ahead)
     return out
+
+
+def receives_ahead(prog: list[Action]) -> bool:
+    """Whether a program posts its receives ahead of the passes that consume
+    them (a lowering with ``recv_lookahead`` of 1 or more): some receive is
+    followed by another compute action before its own. A torch CSV has no
+    updates, so this is what says on which side of a receive the update
+    that was between them went (:func:`flush_iteration`)."""
+    waiting: list[Action] = []  # receives posted, their pass not reached yet
+    unit: list[Action] = []  # the passes of the compute action under way (an OVERLAP_F_B has two)
+    paired = 0  # passes still to come of an OVERLAP_F_B unit
+    for a in prog:
+        if a.op in (RECV_F, RECV_B):
+            waiting.append(a)
+        elif a.op is OVERLAP_F_B:
+            paired = 2
+        elif a.op in PASS_OPS:
+            unit.append(a)
+            paired = max(paired - 1, 0)
+            if paired:
+                continue
+            if any(not any(_consumes(p, r) for p in unit) for r in waiting):
+                return True
+            waiting.clear()
+            unit.clear()
+    return False
+
+
+def _consumes(a: Action, recv: Action) -> bool:
+    """Whether pass ``a`` is the one that ``recv`` brings the input of."""
+    return (a.stage, a.microbatch) == (recv.stage, recv.microbatch) and (a.op is F) == (recv.op is RECV_F)
 
 
 def _check_torch_1f1b_numbering(actions: list[Action], num_stages: int) -> None:

@@ -537,19 +537,35 @@ def test_a_csv_read_with_too_few_micro_batches_says_what_m_counts():
 
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
-def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name):
+@pytest.mark.parametrize(("name", "lookahead"), [("gpipe", 0), ("1f1b", 0), ("interleaved-1f1b", 0), ("zb-h1", 0),
+                                                 ("1f1b", 1), ("zb-h1", 1)])
+def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name, lookahead):
     """torch's CSV has no updates: read back, each goes right after its
     stage's last backward and the sends that follow, before any receive
     (which serves a later pass and, at --recv-lookahead 0, sits right
     before it). So the lowered schedule comes back action for action.
     Before, an update went after a following receive: interleaving's mid-
-    drain updates and every iteration's last one moved a slot."""
+    drain updates and every iteration's last one moved a slot. Receives
+    posted ahead (a lookahead of 1) keep the update after them, as then."""
     from pipesim.sim.interchange import schedule_from_csv
     from pipesim.sim.ir import to_csv
     from pipesim.sim.lowering import lower
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
-    lowered = lower(build_schedule(ScheduleSpec(name, 2, 4, iterations=2)), recv_lookahead=0)
+    lowered = lower(build_schedule(ScheduleSpec(name, 2, 4, iterations=2)), recv_lookahead=lookahead)
     read = schedule_from_csv(to_csv(lowered, torch_only=True), iterations=2)
     assert read.programs == lowered.programs
+
+
+def test_receives_ahead_is_read_off_the_order():
+    from pipesim.sim.interchange import receives_ahead
+    from pipesim.sim.ir import parse_cell
+
+    def prog(cells):
+        return [a for c in cells.split() for a in parse_cell(c)]
+
+    assert not receives_ahead(prog("1RECV_F0 1F0 1RECV_F1 1F1 1RECV_B0 1B0"))  # each right before its pass
+    assert receives_ahead(prog("1RECV_F0 1F0 1RECV_F1 1RECV_B0 1F1 1B0"))  # RECV_B0 waits across 1F1
+    # a DualPipeV unit consumes both its receives: not ahead
+    assert not receives_ahead(prog("1RECV_F2 1RECV_B0 (1F2;1B0)OVERLAP_F_B 1RECV_F3 1F3"))
+

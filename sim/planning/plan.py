@@ -95,6 +95,11 @@ REFINE_WITHIN = 0.25
 #: reference points, pure data parallelism and the straight pipeline, and the
 #: best split of a configuration the request holds the search to.
 LANDMARKS = ("data parallelism", "straight", "held")
+#: The landmarks every plan is measured against, simulated whatever run
+#: their replicas need (data parallelism's is one multiple of the devices,
+#: the straight pipeline's the run asked for): a held configuration's
+#: replicas may need a run hundreds of times longer, and keep the limit.
+UNSTRETCHED = ("data parallelism", "straight")
 #: The most devices a plan is searched for (the search grows with their
 #: square: GPT-1.3B on DGX H100s takes about 3 s at 64 and 8 s at 128 here).
 MAX_GPUS = 128
@@ -333,7 +338,7 @@ class Plan:
             "stages": [s.to_json() for s in best.stages],
             "predicted_samples_per_s": round_sig(self.predicted_samples_per_s),
             "predicted_is_simulated": best.simulated,
-            "predicted_is_steady": best.simulated and best.steady,
+            "predicted_is_steady": best.steady,  # the cost model's figure is a steady state too
             "analytic_samples_per_s": round_sig(best.analytic_samples_per_s),
             "data_parallel_samples_per_s": None if self.data_parallel_samples_per_s is None
             else round_sig(self.data_parallel_samples_per_s),
@@ -403,8 +408,10 @@ class PlanFile:
     recv_lookahead: int = 1
     #: the devices the plan runs on, when it says (a run must use as many)
     gpus: int | None = None
-    #: whether ``predicted_samples_per_s`` is a simulated steady state (not
-    #: a whole run too short for one, nor the cost model's figure)
+    #: whether ``predicted_samples_per_s`` came from the engine (not the
+    #: cost model alone) and is a steady state (not a whole run too short
+    #: for one; the cost model's figure always is)
+    predicted_is_simulated: bool = True
     predicted_is_steady: bool = True
 
     def machine(self) -> Hardware | str:
@@ -527,7 +534,7 @@ def plan_file(d: Any) -> PlanFile:
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise PlanError(f"'recv_lookahead' must be a whole number >= 0, got {lookahead!r}")
     simulated = d.get("predicted_is_simulated", True)
-    steady = d.get("predicted_is_steady", simulated)  # plans from before the field: steady when simulated
+    steady = d.get("predicted_is_steady", True)  # plans from before the field: every figure a steady state
     for key, v in (("predicted_is_simulated", simulated), ("predicted_is_steady", steady)):
         if not isinstance(v, bool):
             raise PlanError(f"{key!r} must be true or false, got {v!r}")
@@ -546,7 +553,7 @@ def plan_file(d: Any) -> PlanFile:
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
         width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead, gpus=gpus,
-        predicted_is_steady=steady and simulated,
+        predicted_is_simulated=simulated, predicted_is_steady=steady,
     )
 
 
@@ -950,22 +957,26 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
     """The run that suits ``cand``'s replicas: the first of :func:`_runs`
     the strategy builds, as (its spec, its schedule, ""); (spec, None, why)
     when it is longer than a confirmation may be (:data:`MAX_RUN_STRETCH`,
-    which the landmarks, data parallelism and the straight pipeline, are
-    never held to: every plan is measured against them);
+    which data parallelism and the straight pipeline are never held to:
+    :data:`UNSTRETCHED`) or too large for this machine's memory;
     (None, None, why) when the strategy refuses every run."""
-    from ..size import check_size
+    from ..size import SizeError, check_size
 
     note = ""
     for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
         spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
+        if mb * k > MAX_RUN_STRETCH * m * req.iterations and cand.source not in UNSTRETCHED:
+            # not built either: a run hundreds of times the one asked for takes as long to build
+            return spec, None, f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
         try:
             check_size(spec)
             schedule = build_schedule(spec)
+        except SizeError:
+            return spec, None, (f"not simulated: a run that suits these replicas ({mb * k} micro-batches) does not "
+                                "fit in this machine's memory")
         except StrategyError as e:
             note = f"not simulated: {e}"
             continue
-        if mb * k > MAX_RUN_STRETCH * m * req.iterations and cand.source not in LANDMARKS:
-            return spec, None, f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
         return spec, schedule, ""
     return None, None, note
 
@@ -1022,7 +1033,7 @@ def _longer_run(spec: ScheduleSpec, steady: bool, cand: Candidate, req: PlanRequ
     longer = replace(spec, iterations=spec.iterations * 2)
     if longer.iterations > MAX_RUN_STRETCH * req.iterations or (
             longer.microbatches * longer.iterations > MAX_RUN_STRETCH * m * req.iterations
-            and cand.source not in LANDMARKS):
+            and cand.source not in UNSTRETCHED):
         return None
     try:
         check_size(longer)

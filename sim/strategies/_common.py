@@ -355,6 +355,7 @@ def flush_iteration(
     *,
     reduce: bool,
     average: bool = False,
+    receives_ahead: bool = False,
 ) -> list[Action]:
     """One flushed iteration ``t`` of one device, with versions and updates.
 
@@ -369,10 +370,11 @@ def flush_iteration(
     imported schedule) the update is the next compute action: it goes after
     the sends and FSDP actions posted right after that backward (torch's
     REDUCE_GRAD is among them), which are posted the moment the backward
-    ends, as the lowering pass places them, and before any receive there: a
-    receive serves a later pass, and torch posts it right before that pass
-    (a torch CSV's receives, ``--recv-lookahead 0``, then read back exactly,
-    the update between them and the backward, as the lowering placed it).
+    ends, as the lowering pass places them. A receive there serves a later
+    pass: posted right before it (torch's way, ``--recv-lookahead 0``), it
+    comes after the update; posted ahead of it (``receives_ahead``, a
+    lookahead of 1 or more), before, since the update is a compute action
+    it was posted ahead of. Either way the lowering's order comes back.
     Other actions keep their place.
     """
     last: dict[tuple[int, int], int] = {}
@@ -383,7 +385,7 @@ def flush_iteration(
     ends: dict[int, tuple[int, int]] = {}
     for rs, pos in last.items():
         while (pos + 1 < n and order[pos + 1].op not in COMPUTE_OPS and order[pos + 1].op is not OVERLAP_F_B
-               and order[pos + 1].op not in _RECV_OPS):
+               and (receives_ahead or order[pos + 1].op not in _RECV_OPS)):
             pos += 1
         ends[pos] = rs
     out: list[Action] = []
