@@ -569,20 +569,17 @@ class _Run:
         """The links of every point-to-point transfer the programs post, and
         per stage with collectives the links of its ring (over the devices
         that post them), read once from the compiled programs."""
-        ends: dict = {}  # transfer token -> the device that posted its first end
-        pairs: set[tuple[int, int]] = set()
+        senders: dict = {}  # transfer token -> the device that sends it
+        receivers: dict = {}  # and the device that receives it
         groups: dict[int, set[int]] = defaultdict(set)
         for dev, program in enumerate(self.programs):
             for posts, _, _, _ in program:
                 for x, tok in posts:
                     if type(tok) is Arrival:
-                        other = ends.pop(tok, None)
-                        if other is None:
-                            ends[tok] = dev
-                        else:
-                            pairs.add((dev, other))
+                        (senders if x.op in SEND_OPS else receivers)[tok] = dev
                     elif x.op in _RING_OPS:
                         groups[x.stage].add(dev)
+        pairs = {(src, receivers[tok]) for tok, src in senders.items() if tok in receivers}  # routes are directed
         p2p = {link.name for a, b in pairs for link in self.hw.route(a, b)}
         rings = {}
         for stage, devs in groups.items():

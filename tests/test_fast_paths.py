@@ -201,6 +201,31 @@ def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devic
     assert fast.link_bytes == slow.link_bytes
 
 
+@pytest.mark.parametrize(("spec", "hardware"), [
+    (ScheduleSpec("1f1b", 2, 4, width=2, iterations=2), "dgx1-v100-x4"),
+    (ScheduleSpec("pipedream", 2, 8, replicas=(4, 1), iterations=2), "dgx1-v100-x4"),
+    (ScheduleSpec("pipedream", 2, 8, replicas=(2, 2), iterations=2), "p3.16xlarge-x8"),
+    (ScheduleSpec("gpipe", 4, 8, width=2, iterations=2), "pipedream-cluster-b-x2"),
+    (ScheduleSpec("pipedream-2bw", 4, 8, width=2, iterations=2), "dgx1-v100"),
+])
+def test_pipelines_rings_beside_their_transfers_skip_to_the_same_result(spec, hardware):
+    """On an NVLink mesh a replicated stage's ring runs over links no
+    transfer of the pipelines uses, so its steps are skipped while the
+    pipelines' transfers go on beside it: every span, memory change and
+    link byte is still the step-by-step ring's."""
+    from pipesim.sim.api import simulate
+
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _counting_rings(mp)
+        fast = simulate(spec, "vgg16", hardware)
+    assert seen and all(seen)
+    with pytest.MonkeyPatch.context() as mp:
+        _step_by_step(mp)
+        slow = simulate(spec, "vgg16", hardware)
+    assert _spans_and_memory(fast) == _spans_and_memory(slow)
+    assert fast.link_bytes == slow.link_bytes
+
+
 @pytest.mark.parametrize(("spec", "hardware", "why"), [
     (ScheduleSpec("1f1b", 2, 4, width=4), "dgx-h100-x2", "its transfers use the rings' ports"),
     (ScheduleSpec("data-parallel", 4, 8), "pcie-4gpu", "every edge of the ring crosses the one bus"),
