@@ -571,21 +571,23 @@ def steady_throughput(result: SimResult) -> float:
     pass). A stream (``Strategy.asynchronous``) finishes micro-batches one by
     one, in bursts where replicated stages step together: with the M
     completion times sorted, the micro-batches completed between the m-th
-    and a later one, leaving out the last m, over the time between, the
-    window a whole number of bursts (the replica counts' least common
-    multiple) so it starts and ends at the same point of one. Runs too short
-    for a window (:func:`steady_state` says which): their whole-run throughput. A
-    micro-batch run as several ids (tensor parallelism's shards,
-    ``Strategy.shards``) counts once.
+    and a later one over the time between, the window a whole number of
+    periods (:func:`_stream_period`) so it starts and ends at the same point
+    of one, and ending before the drain (at the m-th completion from the end
+    at the latest, and at the first after the last micro-batch's entry).
+    Runs too short for a window (:func:`steady_state` says which): their
+    whole-run throughput. A micro-batch run as several ids (tensor
+    parallelism's shards, ``Strategy.shards``) counts once.
     """
     return steady_state(result)[0]
 
 
 def steady_state(result: SimResult) -> tuple[float, bool]:
     """:func:`steady_throughput`, and whether the run was long enough for it
-    to leave out the fill and drain (three iterations or more, flushed or
-    streamed); else the throughput is the whole run's. One pass over the
-    spans answers both."""
+    to leave out the fill and drain (a flushed schedule's three iterations
+    or more; a stream's, at least one whole period between its fill and its
+    drain, which three iterations do not always hold); else the throughput
+    is the whole run's. One pass over the spans answers both."""
     s = result.schedule
     strategy = find_strategy(s.strategy)
     shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
