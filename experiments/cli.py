@@ -590,22 +590,32 @@ def _check_compared(args, strategies: list[str]) -> dict:
     asked for, and, for each strategy simulated as asked (not planned), the
     sizes it refuses (data parallelism splits the micro-batches evenly over
     the devices, 2BW needs at least as many as stages). Returns the
-    schedules built for the check, by strategy, for the runs to use."""
+    schedules built for the check, by strategy, for the runs to use: as many
+    as half this machine's available memory holds together (each alone
+    passed the size check; a strategy whose schedule is not kept builds it
+    again for its run)."""
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import plannable
-    from pipesim.sim.size import check_size
+    from pipesim.sim.size import BYTES_PER_PASS, available_memory_bytes, check_size, estimate_passes
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
     if args.planned:
         hw.check_devices(args.stages)
     built = {}
+    available = available_memory_bytes()
+    keep = None if available is None else available // 2 // BYTES_PER_PASS  # passes the kept schedules may hold
     for name in strategies:
         if not (args.planned and name in plannable("replicas")):
             spec = _spec(args, name)
             check_size(spec)  # before building: a run too large for memory is refused, not built
-            built[name] = build_schedule(spec)
-            hw.check_devices(built[name].num_devices)
+            schedule = build_schedule(spec)
+            hw.check_devices(schedule.num_devices)
+            passes = estimate_passes(spec) or 0
+            if keep is None or passes <= keep:  # kept for its run; one too big to keep beside the rest is rebuilt
+                built[name] = schedule
+                keep = None if keep is None else keep - passes
+            del schedule
     return built
 
 
@@ -772,7 +782,7 @@ def _profile_for(args, hw, gpus: int):
 
     default = _plan_profile(args, hw, gpus)
     batch = args.batch_size or 4 * gpus * default.microbatch_size
-    if args.profile:  # measured at one size: not rescaled
+    if args.profile:  # one size: the profile's, or --microbatch-size's (at_microbatch_size)
         return (lambda b: replace(default, microbatch_size=b)), (default.microbatch_size,), batch
     model = args.model or "uniform"
     layers = gpus if model == "uniform" else None

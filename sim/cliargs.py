@@ -51,7 +51,7 @@ class Parser(argparse.ArgumentParser):
     #: its own -1 and -.5, and lists of numbers that start negative
     #: (``--replicas -1,2``), so the option's check names the bad value
     #: instead of argparse saying the option got no argument.
-    NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d[\d.]*(,[-\d.]*)+$")
+    NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\.?\d[\d.]*(,[-\d.]*)+$")
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)

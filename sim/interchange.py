@@ -126,7 +126,7 @@ def _check_header(header: dict) -> None:
     if name is not None and not isinstance(name, str):
         raise ScheduleError(f"row 1: the pipesim header's strategy must be a name, got {name!r}")
     optimizer = header.get("options", {}).get("optimizer")
-    if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
+    if optimizer is not None and (not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE_MULTIPLIER):
         raise ScheduleError(f"row 1: the pipesim header's optimizer must be one of "
                             f"{', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
 

@@ -169,6 +169,15 @@ def test_compare_builds_each_schedule_once(tmp_path, capsys, monkeypatch) -> Non
                        "--out", str(tmp_path))
     assert code == 0, err
     assert built == ["gpipe", "1f1b"]
+    # with no memory to keep them beside each other, each is built again for its run
+    from pipesim.sim import size
+
+    built.clear()
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: size.BYTES_PER_PASS * 40)  # each fits, not two
+    code, _, err = run(capsys, "compare", "--strategies", "gpipe,1f1b", "--stages", "2", "--microbatches", "4",
+                       "--out", str(tmp_path / "again"))
+    assert code == 0, err
+    assert built == ["gpipe", "1f1b", "gpipe", "1f1b"]
 
 
 @pytest.mark.slow
