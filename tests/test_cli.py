@@ -95,7 +95,8 @@ def test_malformed_profile_and_schedule(tmp_path, capsys) -> None:
                             "--format", "csv")
     assert code == 0
     for old, new, message in (('"strategy":"1f1b"', '"strategy":5', "header's strategy must be a name"),
-                              ('"optimizer":"sgd"', '"optimizer":"adamw"', "header's optimizer must be one of")):
+                              ('"optimizer":"sgd"', '"optimizer":"adamw"', "header's optimizer must be one of"),
+                              ('"optimizer":"sgd"', '"optimizer":["adam"]', "header's optimizer must be one of")):
         assert old in csv_text
         edited = tmp_path / "edited.csv"
         edited.write_text(csv_text.replace(old, new))
