@@ -375,6 +375,30 @@ def test_a_plan_of_one_micro_batch_still_simulates_data_parallelism(tmp_path, ca
     assert record["speedup_vs_dp"] >= 1 - 1e-9
 
 
+def test_a_held_configuration_keeps_the_run_limit(monkeypatch):
+    """Only data parallelism and the straight pipeline are simulated whatever
+    run they need: a held 11-13-15-16 would need 34,320 micro-batches per
+    iteration (its replicas' least common multiple) and is left to the
+    model, neither simulated nor built in full."""
+    from pipesim.sim import api
+    from pipesim.sim.planning import plan as planning
+
+    hw = load_hardware("dgx-h100-x8")
+    profile = model_profile("vgg16", hw.device)
+    runs, simulated = [], []
+    real_build, real_simulate = planning.build_schedule, api.simulate_schedule
+    monkeypatch.setattr(planning, "build_schedule", lambda spec: runs.append(spec.microbatches * spec.iterations)
+                        or real_build(spec))
+    monkeypatch.setattr(api, "simulate_schedule", lambda schedule, *a, **k: simulated.append(
+        schedule.num_microbatches * schedule.num_iterations) or real_simulate(schedule, *a, **k))
+    rec = plan(PlanRequest("pipedream", profile, hw, 55, replicas=(11, 13, 15, 16))).to_json()
+    held = rec["candidates"][rec["chosen"]]
+    assert held["source"] == "held" and held["simulated_samples_per_s"] is None
+    assert "needs 102960 micro-batches" in held["note"]
+    assert max(runs) <= 34320  # one iteration of it, to see that the strategy builds it
+    assert all(n <= 8 * 55 * 3 for n in simulated)  # nothing near the held run was simulated
+
+
 def test_a_choice_left_unsimulated_is_costed_at_the_run_it_records(tmp_path, capsys) -> None:
     """--confirm 0 at one micro-batch: 15-1 records the 15 per iteration its
     replicas need, and its memory is the model's at that run, not at one."""

@@ -968,7 +968,15 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
     for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
         spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
         if mb * k > MAX_RUN_STRETCH * m * req.iterations and cand.source not in UNSTRETCHED:
-            # not built either: a run hundreds of times the one asked for takes as long to build
+            # too long to confirm; whether the strategy builds it at all shows in the fewest
+            # iterations that spread its micro-batches evenly over every stage's replicas (a run
+            # hundreds of times the one asked for would take as long to build as to run)
+            cycle = math.lcm(*cand.replicas)
+            try:
+                build_schedule(replace(spec, iterations=min(k, cycle // math.gcd(cycle, mb))))
+            except StrategyError as e:
+                note = f"not simulated: {e}"
+                continue
             return spec, None, f"not simulated: a run that suits these replicas needs {mb * k} micro-batches"
         try:
             check_size(spec)
