@@ -222,8 +222,10 @@ class Candidate:
     refused: bool = False
     #: whether the simulated throughput is a steady state (its run had a
     #: window leaving out the fill and drain: :func:`steady_state`), not
-    #: the whole run's
+    #: the whole run's, and whether that window was seen to have settled
+    #: (:func:`steady_measure`; the choice is run longer until it has)
     steady: bool = True
+    settled: bool = True
 
     @property
     def simulated(self) -> bool:
@@ -258,6 +260,7 @@ class Candidate:
         }
         if self.simulated:
             d["steady_state"] = self.steady
+            d["settled"] = self.settled
         if self.note:
             d["note"] = self.note
         if self.refused:
@@ -588,20 +591,40 @@ def steady_state(result: SimResult) -> tuple[float, bool]:
     or more; a stream's, at least one whole period between its fill and its
     drain, which three iterations do not always hold); else the throughput
     is the whole run's. One pass over the spans answers both."""
+    rate, windowed, _ = steady_measure(result)
+    return rate, windowed
+
+
+def steady_measure(result: SimResult) -> tuple[float, bool, bool]:
+    """:func:`steady_state`, and whether the window is seen to be settled:
+    a flushed schedule's always is (its iterations repeat); a stream's when
+    its last two periods took the same time (or its last two double
+    periods: some alternate), the window then reaching back over every
+    period that did. A stream still settling when the run ends (2BW's 8-8
+    at m = 16 takes four windows) has a window, but not a settled one: a
+    planner runs it longer."""
     s = result.schedule
     strategy = find_strategy(s.strategy)
     shards = strategy.shards(s.options) if strategy is not None else 1  # tensor parallelism: d ids per sample
     window = _steady_window(result)
     if window is None:
         whole = result.makespan
-        return (s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0), False
-    span, seconds = window
-    return span * result.microbatch_size / shards / seconds, True
+        return (s.total_microbatches * result.microbatch_size / shards / whole if whole > 0 else 0.0), False, False
+    span, seconds, settled = window
+    return span * result.microbatch_size / shards / seconds, True, settled
 
 
-def _steady_window(result: SimResult) -> tuple[int, float] | None:
-    """(micro-batch ids, seconds) of :func:`steady_throughput`'s window, None
-    when the run has none."""
+#: Periods of a stream this close in duration count as equal (a settled
+#: stream repeats them to float rounding).
+SETTLED_REL = 1e-6
+#: Multiples of the period tried for a settled stream (some alternate two
+#: patterns of one period).
+PERIOD_MULTIPLES = (1, 2, 3, 4)
+
+
+def _steady_window(result: SimResult) -> tuple[int, float, bool] | None:
+    """(micro-batch ids, seconds, settled) of :func:`steady_throughput`'s
+    window, None when the run has none."""
     s = result.schedule
     k, m = s.num_iterations, s.num_microbatches
     last: dict[int, float] = {}
@@ -615,7 +638,6 @@ def _steady_window(result: SimResult) -> tuple[int, float] | None:
     strategy = find_strategy(s.strategy)
     if strategy is not None and strategy.asynchronous:
         done = sorted(last.values())
-        period = _stream_period(s)
         # The window ends before the drain: at the m-th completion from the
         # end at the latest, and no later than the completion that follows
         # the last micro-batch's entry (the micro-batches then in flight are
@@ -624,15 +646,39 @@ def _steady_window(result: SimResult) -> tuple[int, float] | None:
         # whose 45 micro-batches were in flight at the last entry, ended its
         # window on the drain's quicker burst: +16% in 3 iterations.
         limit = min(len(done) - m, bisect_right(done, entered))
-        span = (limit - m) // period * period
-        first, end = m, m + span
-    else:
-        done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
-        span = (k - 2) * m
-        first, end = 0, k - 2
-    if span <= 0 or done[end] <= done[first]:
+        return _settled_window(done, m, limit, _stream_period(s))
+    done = [max(last[i] for i in range(t * m, (t + 1) * m)) for t in range(k)]  # iteration ends
+    if k < 3 or done[k - 2] <= done[0]:
         return None
-    return span, done[end] - done[first]
+    return (k - 2) * m, done[k - 2] - done[0], True
+
+
+def _settled_window(done: list[float], m: int, limit: int, period: int) -> tuple[int, float, bool] | None:
+    """The window of a stream's sorted completion times ``done``: whole
+    periods, on boundaries m + j·period, ending at the last at or before
+    ``limit``. Settled where its last block of one period (or of a few:
+    :data:`PERIOD_MULTIPLES`) took as long as the block before it; then it
+    starts at the earliest block that did too, leaving out the start-up's
+    slower or quicker ones. Otherwise every period from the m-th
+    completion, not settled."""
+    if limit - m < period:
+        return None
+    end = m + (limit - m) // period * period
+    for q in PERIOD_MULTIPLES:
+        size = q * period
+        if end - 2 * size < 0:
+            break
+        block = done[end] - done[end - size]
+        start = end - size
+        # back over every block that took as long, the m-th completion's
+        # boundary no limit: a block before it that did is settled too
+        while start - size >= 0 and math.isclose(done[start] - done[start - size], block, rel_tol=SETTLED_REL):
+            start -= size
+        if start < end - size:
+            return end - start, done[end] - done[start], True
+    if done[end] <= done[m]:
+        return None
+    return end - m, done[end] - done[m], False
 
 
 def _stream_period(schedule: Schedule) -> int:
@@ -787,6 +833,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
             and len(out[chosen].stages) > 1):
         say(f"confirming other splits of {out[chosen].config}")
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
+    chosen = _settled_choice(out, req, m, planner, say)
     chosen = _runnable_choice(out, req, m, planner)
     say("simulating data parallelism")
     dp = data_parallel_throughput(req)
@@ -810,6 +857,24 @@ def _best(cands: list[Candidate]) -> int:
     and that the strategy can run."""
     return max(range(len(cands)), key=lambda i: (not cands[i].refused, not cands[i].out_of_memory,
                                                  cands[i].simulated, cands[i].samples_per_s))
+
+
+def _settled_choice(out: list[Candidate], req: PlanRequest, m: int, planner: Planner, say) -> int:
+    """:func:`_best`, its figure from a settled window: a choice whose
+    window had not settled (:func:`steady_measure`) is run longer until it
+    has (:func:`_longer_run`), and the choice made again, until the choice
+    has settled or cannot run longer. Only the choice pays for it: the
+    others' figures from three iterations rank them (a stream still
+    settling was off by up to 14% either way)."""
+    tried: set[int] = set()
+    while True:
+        i = _best(out)
+        c = out[i]
+        if not c.simulated or c.settled or i in tried:
+            return i
+        tried.add(i)
+        say(f"running {c.config} longer, until its steady state settles")
+        out[i] = _confirm(c, req, m, planner, settle=True)
 
 
 def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int, planner: Planner) -> int:
@@ -991,9 +1056,11 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
     return None, None, note
 
 
-def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner) -> Candidate:
+def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner, *, settle: bool = False) -> Candidate:
     """``cand`` simulated with the engine, or a note saying why it was not
-    (and ``refused`` if the strategy cannot run it)."""
+    (and ``refused`` if the strategy cannot run it). A run with no steady
+    window (``settle``: or with one not settled yet) is run again with
+    twice the iterations (:func:`_longer_run`)."""
     from ..api import simulate_schedule
 
     spec, schedule, note = _run_for(cand, req, m)
@@ -1004,13 +1071,13 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner) -> Can
     while True:
         result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
                                    starts=cand.starts, recompute=req.recompute)
-        rate, steady = steady_state(result)
-        longer = _longer_run(spec, steady, cand, req, m)
+        rate, steady, settled = steady_measure(result)
+        longer = _longer_run(spec, settled if settle else steady, cand, req, m)
         if longer is None:
             break
         spec, schedule = longer
     peak = max(t.peak_bytes for t in result.memory)
-    return replace(cand, simulated_samples_per_s=rate, steady=steady, microbatches=spec.microbatches,
+    return replace(cand, simulated_samples_per_s=rate, steady=steady, settled=settled, microbatches=spec.microbatches,
                    iterations=spec.iterations, peak_memory_bytes=peak,
                    out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
                    note="")
@@ -1028,17 +1095,19 @@ def _at_run(planner: Planner, cand: Candidate, spec: ScheduleSpec) -> Candidate:
                    out_of_memory=not at.setting.fits(est))
 
 
-def _longer_run(spec: ScheduleSpec, steady: bool, cand: Candidate, req: PlanRequest, m: int):
-    """The run to simulate instead of ``spec``'s when it had no steady
-    state though one was asked for (:data:`ITERATIONS` or more): twice its
+def _longer_run(spec: ScheduleSpec, enough: bool, cand: Candidate, req: PlanRequest, m: int):
+    """The run to simulate instead of ``spec``'s when its window was not
+    ``enough`` (none, or not settled: :func:`steady_measure`) though a
+    steady state was asked for (:data:`ITERATIONS` or more): twice its
     iterations, as (spec, schedule), within the stretch :func:`_run_for`
-    allows (and never past that many times the iterations asked for);
-    else None. A stream whose micro-batches per iteration are
-    only a burst or two of its replicas (PipeDream's 15-1 at m = 15) has
-    no burst between its fill and its drain in three iterations."""
+    allows (and never past that many times the iterations asked for); else
+    None. A stream whose micro-batches per iteration are only a burst or
+    two of its replicas (PipeDream's 15-1 at m = 15) has no burst between
+    its fill and its drain in three iterations; 2BW's 8-8 at m = 16
+    settles in its fifth."""
     from ..size import check_size
 
-    if steady or req.iterations < ITERATIONS:
+    if enough or req.iterations < ITERATIONS:
         return None
     longer = replace(spec, iterations=spec.iterations * 2)
     if longer.iterations > MAX_RUN_STRETCH * req.iterations or (
