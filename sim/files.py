@@ -25,10 +25,27 @@ def read_text(path, what: str, error: type[InputError]) -> str:
         raise error(f"{what} file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object (json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def parse_json(text: str, source: str, error: type[InputError]) -> Any:
-    """``text`` parsed as JSON; ``error`` naming ``source`` and where it is malformed."""
+    """``text`` parsed as JSON; ``error`` naming ``source`` and where it is
+    malformed, or the key an object gives twice (which one counted would
+    otherwise be json's choice: the last)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise error(f"{source}: the key {e.args[0]!r} appears twice in one object") from None
     except json.JSONDecodeError as e:
         raise error(f"{source}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     except ValueError as e:  # an integer literal beyond Python's digit limit

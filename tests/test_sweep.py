@@ -216,6 +216,8 @@ def test_bad_grid_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> Non
         ('{"stages": []}', "sweep axis stages has no values"),
         ('{"frobs": [1]}', "unknown sweep axis 'frobs'"),
         ('{"stages": [4, -2]}', "sweep axis stages: stages must be >= 1, got -2"),
+        # json would keep the last silently; an axis given twice is an error, as on the command line
+        ('{"stages": [2], "microbatches": [4], "stages": [4]}', "the key 'stages' appears twice in one object"),
     ],
 )
 def test_bad_grid_file_is_one_line_and_exit_2(content, message, capsys, tmp_path) -> None:
