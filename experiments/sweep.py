@@ -504,9 +504,17 @@ def check_ray_address(address: str) -> tuple[str, int] | None:
 
 def _reachable(address: str) -> None:
     """Refuse, after at most :data:`RAY_CONNECT_TIMEOUT_S`, an address where
-    nothing accepts a connection."""
+    nothing accepts a connection: the one given, or for ``auto`` the one
+    RAY_ADDRESS names (Ray would otherwise retry it for minutes)."""
     import socket
 
+    if address == "auto" and os.environ.get("RAY_ADDRESS", "") not in ("", "auto", "local"):
+        named = os.environ["RAY_ADDRESS"]
+        try:
+            check_ray_address(named)
+        except GridError:
+            raise GridError(f"RAY_ADDRESS takes HOST:PORT or ray://HOST:PORT for --ray auto, got {named!r}") from None
+        return _reachable(named)
     where = check_ray_address(address)
     if where is None:
         return

@@ -175,6 +175,18 @@ def test_an_unreachable_ray_address_is_refused_in_bounded_time(tmp_path, capsys)
     assert code == 2 and err.count("\n") == 1 and "cannot reach Ray at 127.0.0.1:1" in err, err
 
 
+def test_ray_auto_checks_the_address_ray_address_names(tmp_path, capsys, monkeypatch) -> None:
+    """--ray auto connects where RAY_ADDRESS says: a dead one is refused at
+    once, as a dead --ray address is (Ray itself retried it for minutes)."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    code, _, err = run(capsys, "sweep", "--ray", "auto", "--stages", "2", "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "cannot reach Ray at 127.0.0.1:1" in err, err
+    monkeypatch.setenv("RAY_ADDRESS", "nonsense")
+    code, _, err = run(capsys, "sweep", "--ray", "auto", "--stages", "2", "--out", str(tmp_path))
+    assert code == 2 and "RAY_ADDRESS takes HOST:PORT" in err, err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
