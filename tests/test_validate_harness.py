@@ -232,14 +232,27 @@ def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
                  "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "sim"), "--summary-only"])
     assert code == 0, capsys.readouterr().err
     # validate with that profile at another micro-batch size, or with none there: one line, before any measuring
-    for profile, size, message in ((tmp_path / "profile.json", "16", "was measured at micro-batch size 8, this "
-                                    "run uses 16: pass --microbatch-size 8"),
-                                   (tmp_path / "none.json", "8", "not found")):
-        code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", "32",
+    for profile, size, width, message in ((tmp_path / "profile.json", "16", "32", "was measured at micro-batch "
+                                           "size 8, this run uses 16: pass --microbatch-size 8"),
+                                          (tmp_path / "none.json", "8", "32", "not found"),
+                                          # a profile of another model size: its layers are not this model's
+                                          (tmp_path / "profile.json", "8", "64", "measured on another model size")):
+        code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", width,
                      "--microbatch-size", size, "--backend", "single", "--profile", str(profile),
-                     "--out", str(tmp_path / "v")])
+                     "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "v")])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    # the profile (written for SGD) is priced with the optimizer the run uses
+    from pipesim.validate import harness
+    from pipesim.validate.stage import OptimizerConfig
+
+    cfg = ValidateConfig("1f1b", stages=2, microbatches=4, model="mlp", backend="single", microbatch_size=8,
+                         model_width=32, optimizer=OptimizerConfig(kind="adam"),
+                         profile_path=str(tmp_path / "profile.json"), hardware_path=str(tmp_path / "hardware.json"))
+    schedule = harness.build(cfg)
+    prof, _ = harness._measurements(cfg, schedule, harness.torch_device("single"), harness.model_of(cfg),
+                                    lambda msg: None)
+    assert prof.optimizer == "adam" and load_profile(tmp_path / "profile.json").optimizer == "sgd"
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -339,7 +339,22 @@ def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device,
                             f"{schedule.num_devices}")
     if model.num_layers != prof.num_layers:
         raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
-    return prof, hw
+    _check_same_model(cfg, model, prof)
+    # the optimizer is the run's: a profile's layer times do not depend on it, its updates' cost does
+    # (priced from the hardware's update bandwidth), and `pipesim profile` always writes SGD
+    return replace(prof, optimizer=cfg.optimizer.kind), hw
+
+
+def _check_same_model(cfg: ValidateConfig, model: RealModel, prof: Profile) -> None:
+    """A profile file must be of the model this run builds: its layers'
+    weights are the model's (a profile of ``--model-width 512`` priced a
+    width-64 run's layers eight times too slow)."""
+    sizes = [sum(p.nbytes for p in layer.parameters()) for layer in model.layers]
+    for k, (mine, theirs) in enumerate(zip(sizes, (la.param_bytes for la in prof.layers), strict=True)):
+        if mine != theirs:
+            raise ValidateError(f"the profile's layer {k} has {theirs:,} bytes of weights, {cfg.model}'s here "
+                                f"{mine:,}: it was measured on another model size (--model-width, --model-depth); "
+                                "profile this one, or pass the sizes it was measured at")
 
 
 def _profile_file(cfg: ValidateConfig) -> Profile:
