@@ -242,6 +242,12 @@ def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
                      "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "v")])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    # a profile measured in one backend's runtime is not another's (its per-pass overhead is the runtime's)
+    code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", "32",
+                 "--microbatch-size", "8", "--backend", "gloo", "--profile", str(tmp_path / "profile.json"),
+                 "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    assert code == 2 and "was measured with --backend single" in err and len(err.strip().splitlines()) == 1, err
     # the profile (written for SGD) is priced with the optimizer the run uses
     from pipesim.validate import harness
     from pipesim.validate.stage import OptimizerConfig

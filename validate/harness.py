@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
@@ -362,11 +363,26 @@ def _profile_file(cfg: ValidateConfig) -> Profile:
     micro-batch size: its times and activation sizes are that size's, and
     relabelling them would predict another run than the one measured."""
     prof = load_profile(cfg.profile_path)
+    measured_in = _profiled_backend(prof)
+    if measured_in is not None and measured_in != cfg.backend:
+        raise ValidateError(f"the profile {cfg.profile_path} was measured with --backend {measured_in} (its per-pass "
+                            f"overhead is that runtime's), this run uses {cfg.backend}: pass --backend {measured_in}, "
+                            f"or profile again with --backend {cfg.backend}")
     if prof.microbatch_size != cfg.microbatch_size:
         raise ValidateError(f"the profile {cfg.profile_path} was measured at micro-batch size "
                             f"{prof.microbatch_size}, this run uses {cfg.microbatch_size}: pass --microbatch-size "
                             f"{prof.microbatch_size}, or profile again at {cfg.microbatch_size}")
     return prof
+
+
+def _profiled_backend(prof: Profile) -> str | None:
+    """The backend ``pipesim profile`` measured ``prof`` with, as its notes
+    say (a distributed one adds its runtime's per-pass overhead); None for a
+    profile it did not write."""
+    if "measured by pipesim profile" not in prof.notes:
+        return None
+    found = re.search(r"per-pass overhead measured in the (\w+) runtime", prof.notes)
+    return found.group(1) if found else "single"
 
 
 def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: SimResult, say):
