@@ -394,6 +394,15 @@ def chunked(points: Sequence[dict], workers: int) -> list[list[tuple[int, dict]]
     return [[(i, points[i]) for i in order[k:k + size]] for k in range(0, len(order), size)]
 
 
+def local_workers(points: int, workers: int | None) -> int:
+    """The local processes a sweep of ``points`` runs on when asked for
+    ``workers`` (None: every usable core): no more than it has chunks, since
+    a process with no chunk only costs its start."""
+    workers = workers or usable_cores()
+    size = max(1, min(MAX_CHUNK_POINTS, points // (workers * CHUNKS_PER_WORKER)))
+    return max(1, min(workers, -(-points // size)))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity), else the machine's."""
     try:
@@ -618,9 +627,8 @@ def run_sweep(grid: dict[str, tuple], *, workers: int | None = None, ray: str | 
                 for i, row in run_ray(chunked(points, cpus), hardware, advance, own_session=own):
                     rows[i] = row
         else:
-            workers = workers or usable_cores()
-            chunks = chunked(points, workers)
-            workers = min(workers, len(chunks))
+            chunks = chunked(points, workers or usable_cores())
+            workers = local_workers(len(points), workers)  # as many as there are chunks, at most
             run = run_in_process(chunks, hardware, advance) if workers == 1 else \
                 run_local(chunks, hardware, advance, workers)
             for i, row in run:
@@ -802,9 +810,9 @@ AXIS_FLAGS = {
 
 
 def _model_names() -> list[str]:
-    from pipesim.sim.models import model_names
+    from pipesim.sim.models import measured_model_names, model_names
 
-    return model_names()
+    return model_names() + measured_model_names()
 
 
 def _preset_names() -> list[str]:

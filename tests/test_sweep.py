@@ -286,3 +286,18 @@ def test_a_swept_optimizer_is_the_one_the_run_prices_and_records() -> None:
     assert adam["peak_memory_bytes_max"] > sgd["peak_memory_bytes_max"]
     summary = summarize(simulate(ScheduleSpec("1f1b", 2, 4), "bert-large", "pcie-4gpu"))
     assert summary["options"]["optimizer"] == summary["meta"]["optimizer"] == "adam"
+
+
+def test_the_console_says_how_many_workers_ran(tmp_path, capsys) -> None:
+    """A sweep starts no more processes than it has chunks of points, and says
+    so when fewer than asked; its files are those of any other count."""
+    assert sweep.local_workers(12, 50) == 12 and sweep.local_workers(12, 2) == 2 and sweep.local_workers(1, 8) == 1
+    code, out, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--stages", "2", "4", "--microbatches", "4",
+                         "8", "16", "--workers", "50", "--out", str(tmp_path / "many"))
+    assert code == 0, err
+    assert "on 12 local worker(s) of the 50 asked for" in out
+    code, _, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--stages", "2", "4", "--microbatches", "4",
+                       "8", "16", "--workers", "1", "--out", str(tmp_path / "one"))
+    assert code == 0, err
+    assert (tmp_path / "many" / "sweep.json").read_bytes() == (tmp_path / "one" / "sweep.json").read_bytes()
+
