@@ -345,3 +345,20 @@ def test_bench_validate_prints_every_configuration_in_one_table():
     assert "mlp, 2 stages: median |error| 11.0% (target 5%), worst 1f1b -20.0%, 1 of 2 within 15%" in text
     assert "gpt-small, 4 stages: median |error| 2.0%" in text
     assert "all: median |error| 2.5% (target 5%), worst 1f1b -20.0%, 3 of 4 within 15%" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
+    (["--strategies", "interleaved-1f1b", "--model-depth", "1", "--repeats", "1"],
+     "interleaved-1f1b: 4 stages need at least that many layers"),
+])
+def test_bench_validate_refuses_before_measuring(argv, message, capsys, monkeypatch):
+    """What `pipesim validate` refuses at once, its benchmark refuses before
+    profiling the model too (it measured for seconds, then said so)."""
+    from pipesim.validate import harness
+
+    monkeypatch.setattr(harness, "profile", lambda *a, **k: pytest.fail("profiled before refusing"))
+    code = main(["bench", "validate", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main, positive, run_command
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
+from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import save_profile
 from .models import model_names
 
@@ -43,9 +44,11 @@ def _say(msg: str) -> None:
 def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
         repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None,
         stages: int = 2) -> dict:
-    from .harness import ValidateConfig, hardware_for, model_of, profile, run_validation, torch_device
+    from .harness import ValidateConfig, ValidateError, hardware_for, model_of, profile, run_validation, torch_device
 
     chosen = default_strategies() if strategies is None else list(strategies)
+    for name in chosen:  # before any measuring: one line, as `pipesim validate` refuses them
+        check_executable(name, "real-tensor executors")
     schedules = [build_schedule(ScheduleSpec(name, stages, microbatches)) for name in chosen]
     if model_depth is None:
         model_depth = _depth_for(model, max(s.num_stages for s in schedules))
@@ -53,8 +56,12 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
                           iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
                           model_depth=model_depth, oversubscribe=True)
     device = torch_device(backend)
-    _say(f"profiling {model} (micro-batch {microbatch_size}, depth {model_depth}) on {device} ...")
     real = model_of(base)
+    for name, schedule in zip(chosen, schedules, strict=True):
+        if schedule.num_stages > real.num_layers:
+            raise ValidateError(f"{name}: {schedule.num_stages} stages need at least that many layers; {model} has "
+                                f"{real.num_layers} (raise --model-depth)")
+    _say(f"profiling {model} (micro-batch {microbatch_size}, depth {model_depth}) on {device} ...")
     rows = []
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
     # parallelism's replicas), each pinned to its core
