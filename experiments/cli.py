@@ -488,8 +488,8 @@ def cmd_compare(args) -> int:
         raise UsageError(f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
                          f"e.g. --strategies {args.one_strategy}")
     strategies = _compared(args.strategies)
-    built = _check_compared(args, strategies)
-    layers = _uniform_layers(args, built)
+    built, depths = _check_compared(args, strategies)
+    layers = _uniform_layers(args, depths)
     out = _output_dir(args.out)
     plans, left_out = _compare_plans(args, strategies, out, layers) if args.planned else ({}, {})
     strategies = [name for name in strategies if name not in left_out]
@@ -577,17 +577,18 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-def _uniform_layers(args, built: dict) -> int | None:
+def _uniform_layers(args, depths: dict) -> int | None:
     """The layers of the one ``uniform`` model every compared strategy runs:
-    as many as the most model stages any of them has (interleaving's p·v),
-    and at least ``--stages``, so each gets whole layers. None for any other
-    model (a catalog model's layers are its own)."""
+    as many as the most model stages any of them has (``depths``, by
+    strategy: interleaving's p·v), and at least ``--stages``, so each gets
+    whole layers. None for any other model (a catalog model's layers are
+    its own)."""
     if args.profile or (args.model or COMPARE_MODEL) != "uniform":
         return None
-    return max([args.stages, *(s.num_stages for s in built.values())])
+    return max([args.stages, *depths.values()])
 
 
-def _check_compared(args, strategies: list[str]) -> dict:
+def _check_compared(args, strategies: list[str]) -> tuple[dict, dict]:
     """Refuse, in one line and before any planning or simulating, what one
     of the compared strategies cannot run: a machine with fewer devices than
     asked for, and, for each strategy simulated as asked (not planned), the
@@ -596,7 +597,7 @@ def _check_compared(args, strategies: list[str]) -> dict:
     schedules built for the check, by strategy, for the runs to use: as many
     as half this machine's available memory holds together (each alone
     passed the size check; a strategy whose schedule is not kept builds it
-    again for its run)."""
+    again for its run); and every checked strategy's model stages."""
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import plannable
     from pipesim.sim.size import BYTES_PER_PASS, available_memory_bytes, check_size, estimate_passes
@@ -605,7 +606,7 @@ def _check_compared(args, strategies: list[str]) -> dict:
     hw = resolve_hardware(args.hardware or "ideal")
     if args.planned:
         hw.check_devices(args.stages)
-    built = {}
+    built, depths = {}, {}
     available = available_memory_bytes()
     keep = None if available is None else available // 2 // BYTES_PER_PASS  # passes the kept schedules may hold
     for name in strategies:
@@ -614,12 +615,13 @@ def _check_compared(args, strategies: list[str]) -> dict:
             check_size(spec)  # before building: a run too large for memory is refused, not built
             schedule = build_schedule(spec)
             hw.check_devices(schedule.num_devices)
+            depths[name] = schedule.num_stages
             passes = estimate_passes(spec) or 0
             if keep is None or passes <= keep:  # kept for its run; one too big to keep beside the rest is rebuilt
                 built[name] = schedule
                 keep = None if keep is None else keep - passes
             del schedule
-    return built
+    return built, depths
 
 
 def _without_time(record: dict) -> dict:

@@ -159,6 +159,20 @@ def test_compare_runs_one_uniform_model_for_every_strategy(tmp_path, capsys) -> 
     assert doc["interleaved-1f1b"]["throughput_samples_per_s"] > doc["gpipe"]["throughput_samples_per_s"]
 
 
+def test_compare_counts_the_uniform_layers_of_schedules_it_did_not_keep(tmp_path, capsys, monkeypatch) -> None:
+    """With memory for no schedule to be kept beside the others, every
+    strategy still runs the one model (the layers came from the kept ones
+    only, and interleaving's 8 stages met a 4-layer model)."""
+    from pipesim.sim import size
+
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: size.BYTES_PER_PASS * 300)
+    code, _, err = run(capsys, "compare", "--strategies", "1f1b,interleaved-1f1b", "--model", "uniform",
+                       "--hardware", "ideal", "--stages", "4", "--microbatches", "8", "--out", str(tmp_path))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "comparison.json").read_text())["strategies"]
+    assert {round(sum(st["forward_s"] for st in s["stages_info"]) * 1e3, 9) for s in doc.values()} == {8.0}
+
+
 def test_compare_builds_each_schedule_once(tmp_path, capsys, monkeypatch) -> None:
     """The schedule built to check the machine's devices is the one simulated."""
     from pipesim.sim import strategies

@@ -440,6 +440,19 @@ def test_a_held_configuration_keeps_the_run_limit(monkeypatch):
     assert all(n <= 8 * 55 * 3 for n in simulated)  # nothing near the held run was simulated
 
 
+def test_a_held_configuration_too_big_even_to_probe_is_a_note(monkeypatch):
+    """Replicas whose least common multiple makes one iteration bigger than
+    memory holds are not built at all (it ended in MemoryError)."""
+    from pipesim.sim import size
+
+    monkeypatch.setattr(size, "available_memory_bytes", lambda: 20_000 * size.BYTES_PER_PASS)
+    hw = load_hardware("dgx-h100-x8")
+    rec = plan(PlanRequest("pipedream", model_profile("vgg16", hw.device), hw, 55,
+                           replicas=(11, 13, 15, 16))).to_json()
+    held = rec["candidates"][rec["chosen"]]
+    assert "more than this machine's memory holds" in held["note"] and held["simulated_samples_per_s"] is None
+
+
 def test_a_choice_left_unsimulated_is_costed_at_the_run_it_records(tmp_path, capsys) -> None:
     """--confirm 0 at one micro-batch: 15-1 records the 15 per iteration its
     replicas need, and its memory is the model's at that run, not at one."""

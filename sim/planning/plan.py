@@ -1037,8 +1037,13 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
             # iterations that spread its micro-batches evenly over every stage's replicas (a run
             # hundreds of times the one asked for would take as long to build as to run)
             cycle = math.lcm(*cand.replicas)
+            probe = replace(spec, iterations=min(k, cycle // math.gcd(cycle, mb)))
             try:
-                build_schedule(replace(spec, iterations=min(k, cycle // math.gcd(cycle, mb))))
+                check_size(probe)  # replicas of a huge least common multiple: not even that is built
+                build_schedule(probe)
+            except SizeError:
+                return spec, None, (f"not simulated: a run that suits these replicas needs {mb * k} micro-batches, "
+                                    "more than this machine's memory holds")
             except StrategyError as e:
                 note = f"not simulated: {e}"
                 continue
