@@ -37,9 +37,10 @@ def pipesim(*argv: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory) -> Path:
-    layers = build_model("mlp").num_layers
+    model = build_model("mlp")  # a hand-written profile of this model: its layers' weights are the model's
+    weights = [sum(p.nbytes for p in layer.parameters()) for layer in model.layers]
     path = tmp_path_factory.mktemp("profile") / "profile.json"
-    save_profile(Profile("mlp", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, 4096, 4096, 4096) for i in range(layers)),
+    save_profile(Profile("mlp", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, w, 4096, 4096) for i, w in enumerate(weights)),
                          microbatch_size=8), path)
     return path
 
