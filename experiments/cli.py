@@ -229,12 +229,19 @@ def _flag_of(option: str) -> str:
     return "--no-stashing" if option == "stashing" else f"--{option}"
 
 
-def _profile(args, hardware, schedule, uniform_layers: int | None = None):
-    from pipesim.sim.api import model_for
+def _profile_file(args):
+    """``--profile``'s profile at ``--microbatch-size`` (one rule for every
+    command: :func:`~pipesim.sim.workload.at_microbatch_size`)."""
     from pipesim.sim.workload import at_microbatch_size, load_profile
 
+    return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
+
+
+def _profile(args, hardware, schedule, uniform_layers: int | None = None):
+    from pipesim.sim.api import model_for
+
     if args.profile:
-        return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
+        return _profile_file(args)
     return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages,
                      uniform_layers=uniform_layers)
 
@@ -676,9 +683,7 @@ def _plan_profile(args, hardware, devices: int):
     from pipesim.sim.models import model_profile
 
     if args.profile:
-        from pipesim.sim.workload import at_microbatch_size, load_profile
-
-        return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
+        return _profile_file(args)
     model = args.model or "uniform"
     return model_profile(model, hardware.device, args.microbatch_size, layers=devices if model == "uniform" else None)
 
