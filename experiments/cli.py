@@ -563,10 +563,10 @@ def cmd_sweep(args) -> int:
     doc = sweep.run_sweep(grid, workers=args.workers, ray=args.ray)
     seconds = time.perf_counter() - started
     written = sweep.write_outputs(doc, out)  # before any printing: a reader that stops early loses no file
-    where = (f"Ray ({args.ray})" if args.ray else
-             f"{sweep.local_workers(len(doc['points']), args.workers)} local worker(s)"
+    ran = sweep.local_workers(len(doc["points"]), args.workers)
+    where = (f"Ray ({args.ray})" if args.ray else f"{ran} local worker(s)"
              + (f" of the {args.workers} asked for (one per chunk of points)"
-                if args.workers and sweep.local_workers(len(doc['points']), args.workers) < args.workers else ""))
+                if args.workers and ran < args.workers else ""))
     print(f"{len(doc['points'])} points: {doc['simulated']} simulated, {doc['skipped']} skipped, "
           f"{sum(bool(p.get('out_of_memory')) for p in doc['points'])} out of memory; "
           f"{seconds:.2f} s on {where}")

@@ -390,7 +390,7 @@ def chunked(points: Sequence[dict], workers: int) -> list[list[tuple[int, dict]]
     points each, so the chunks still running at the end are cheap ones and
     no worker waits long for another."""
     order = sorted(range(len(points)), key=lambda i: (-estimated_work(points[i]), i))
-    size = max(1, min(MAX_CHUNK_POINTS, len(points) // (workers * CHUNKS_PER_WORKER)))
+    size = _chunk_size(len(points), workers)
     return [[(i, points[i]) for i in order[k:k + size]] for k in range(0, len(order), size)]
 
 
@@ -399,8 +399,12 @@ def local_workers(points: int, workers: int | None) -> int:
     ``workers`` (None: every usable core): no more than it has chunks, since
     a process with no chunk only costs its start."""
     workers = workers or usable_cores()
-    size = max(1, min(MAX_CHUNK_POINTS, points // (workers * CHUNKS_PER_WORKER)))
-    return max(1, min(workers, -(-points // size)))
+    return max(1, min(workers, -(-points // _chunk_size(points, workers))))
+
+
+def _chunk_size(points: int, workers: int) -> int:
+    """Points per chunk (:func:`chunked`)."""
+    return max(1, min(MAX_CHUNK_POINTS, points // (workers * CHUNKS_PER_WORKER)))
 
 
 def usable_cores() -> int:

@@ -514,11 +514,9 @@ class _Run:
         one event at the very time the step-by-step ring reaches (the same
         float sums); the last runs as usual, so the events that end the
         collective are the ones the step-by-step ring makes."""
-        n = len(devices)
         # every step moves a chunk over the same ring edges: look them up once
         edges = []
-        for i, src in enumerate(devices):
-            dst = devices[(i + 1) % n]
+        for src, dst in _ring_pairs(devices):
             route = self.hw.route(src, dst)
             for link in route:
                 self.link_bytes[link.name] += chunk * steps
@@ -583,9 +581,8 @@ class _Run:
         p2p = {link.name for a, b in pairs for link in self.hw.route(a, b)}
         rings = {}
         for stage, devs in groups.items():
-            order = self.hw.ring_order(sorted(devs))
-            rings[stage] = {link.name for i, src in enumerate(order)
-                            for link in self.hw.route(src, order[(i + 1) % len(order)])}
+            rings[stage] = {link.name for src, dst in _ring_pairs(self.hw.ring_order(sorted(devs)))
+                            for link in self.hw.route(src, dst)}
         return p2p, rings
 
     def collectives_serial(self, stage: int, dev: int) -> bool:
@@ -602,6 +599,11 @@ class _Run:
             if pending is not None and pending in waits:
                 pending = None
         return True
+
+
+def _ring_pairs(order: Sequence[int]) -> list[tuple[int, int]]:
+    """The (sender, receiver) edges of a ring visiting ``order``."""
+    return [(src, order[(i + 1) % len(order)]) for i, src in enumerate(order)]
 
 
 def _run_events(env: simpy.Environment) -> None:

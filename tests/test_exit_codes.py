@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from pipesim.sim.workload import LayerCost, Profile, save_profile
-from pipesim.validate.models import build_model
+from pipesim.validate.models import build_model, layer_param_bytes
 
 #: The console script's entry point (console_main) in this interpreter: the
 #: same install the tests import, whatever else is on PATH.
@@ -38,7 +38,7 @@ def pipesim(*argv: str, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory) -> Path:
     model = build_model("mlp")  # a hand-written profile of this model: its layers' weights are the model's
-    weights = [sum(p.nbytes for p in layer.parameters()) for layer in model.layers]
+    weights = [layer_param_bytes(layer) for layer in model.layers]
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     save_profile(Profile("mlp", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, w, 4096, 4096) for i, w in enumerate(weights)),
                          microbatch_size=8), path)

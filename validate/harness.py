@@ -44,7 +44,7 @@ from pipesim.sim.workload import Profile, load_profile
 from .allocator import keep_freed_memory
 from .executor import emulate, iteration_losses
 from .launch import core_assignment, measure_wake_slice
-from .models import RealModel, build_model, layer_stats
+from .models import RealModel, build_model, layer_param_bytes, layer_stats
 from .numerics import EXECUTOR_THREADS, intra_op_threads
 from .profiler import ProfileSettings, kernel_bandwidths, profile_model
 from .reconcile import compare, iteration_time, measured_result
@@ -350,7 +350,7 @@ def _check_same_model(cfg: ValidateConfig, model: RealModel, prof: Profile) -> N
     """A profile file must be of the model this run builds: its layers'
     weights are the model's (a profile of ``--model-width 512`` priced a
     width-64 run's layers eight times too slow)."""
-    sizes = [sum(p.nbytes for p in layer.parameters()) for layer in model.layers]
+    sizes = [layer_param_bytes(layer) for layer in model.layers]
     for k, (mine, theirs) in enumerate(zip(sizes, (la.param_bytes for la in prof.layers), strict=True)):
         if mine != theirs:
             raise ValidateError(f"the profile's layer {k} has {theirs:,} bytes of weights, {cfg.model}'s here "

@@ -402,6 +402,11 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), s.data_ptr())
 
 
+def layer_param_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of ``layer``'s weights: a profile's ``param_bytes``."""
+    return sum(p.nbytes for p in layer.parameters())
+
+
 def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.device = "cpu") -> list[LayerStats]:
     """Measure each layer's bytes with one forward + backward of a real micro-batch.
 
@@ -432,7 +437,7 @@ def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.d
             LayerStats(
                 index=i,
                 name=model.layer_names[i],
-                param_bytes=sum(p.nbytes for p in layer.parameters()),
+                param_bytes=layer_param_bytes(layer),
                 activation_bytes=out.nbytes,
                 stash_bytes=sum(saved.values()),
                 output_shape=tuple(out.shape),

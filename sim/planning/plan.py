@@ -64,6 +64,7 @@ from ..hardware import Hardware
 from ..ir import PASS_OPS, UPDATE, F, Schedule
 from ..metrics import round_sig
 from ..results import SimResult
+from ..size import SizeError, check_size
 from ..strategies import (
     ScheduleSpec,
     StrategyError,
@@ -774,8 +775,6 @@ def _check_run_size(req: PlanRequest) -> None:
     """Refuse, before any search, confirmation runs too large for this
     machine's memory: the straight pipeline's, one stage per device, runs
     the most stage passes of any candidate."""
-    from ..size import check_size
-
     m = req.microbatches or req.gpus
     check_size(ScheduleSpec(req.strategy, min(req.gpus, req.profile.num_layers), m, iterations=req.iterations))
 
@@ -1027,12 +1026,10 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
     which data parallelism and the straight pipeline are never held to:
     :data:`UNSTRETCHED`) or too large for this machine's memory;
     (None, None, why) when the strategy refuses every run."""
-    from ..size import SizeError, check_size
-
     note = ""
     for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
         spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
-        if mb * k > MAX_RUN_STRETCH * m * req.iterations and cand.source not in UNSTRETCHED:
+        if _too_long(mb * k, cand, req, m):
             # too long to confirm; whether the strategy builds it at all shows in the fewest
             # iterations that spread its micro-batches evenly over every stage's replicas (a run
             # hundreds of times the one asked for would take as long to build as to run)
@@ -1059,6 +1056,14 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
             continue
         return spec, schedule, ""
     return None, None, note
+
+
+def _too_long(microbatches: int, cand: Candidate, req: PlanRequest, m: int) -> bool:
+    """Whether a run of ``microbatches`` in all is longer than a confirmation
+    of ``cand`` may be: :data:`MAX_RUN_STRETCH` times the run asked for, a
+    limit data parallelism and the straight pipeline are not held to
+    (:data:`UNSTRETCHED`)."""
+    return microbatches > MAX_RUN_STRETCH * m * req.iterations and cand.source not in UNSTRETCHED
 
 
 def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner, *, settle: bool = False) -> Candidate:
@@ -1110,14 +1115,11 @@ def _longer_run(spec: ScheduleSpec, enough: bool, cand: Candidate, req: PlanRequ
     two of its replicas (PipeDream's 15-1 at m = 15) has no burst between
     its fill and its drain in three iterations; 2BW's 8-8 at m = 16
     settles in its fifth."""
-    from ..size import check_size
-
     if enough or req.iterations < ITERATIONS:
         return None
     longer = replace(spec, iterations=spec.iterations * 2)
-    if longer.iterations > MAX_RUN_STRETCH * req.iterations or (
-            longer.microbatches * longer.iterations > MAX_RUN_STRETCH * m * req.iterations
-            and cand.source not in UNSTRETCHED):
+    if longer.iterations > MAX_RUN_STRETCH * req.iterations or _too_long(longer.microbatches * longer.iterations,
+                                                                       cand, req, m):
         return None
     try:
         check_size(longer)
