@@ -103,14 +103,14 @@ class _Outputs:
     timeline beside it."""
 
     def __init__(self, out: Path) -> None:
-        from .background import TraceWriter
+        from pipesim.experiments.background import TraceWriter
 
         self.out = out
         self.trace = TraceWriter(out / "trace.json")
         self.start = self.trace.start
 
     def finish(self, result) -> None:
-        from .timeline import write_timeline_html
+        from pipesim.experiments.timeline import write_timeline_html
 
         self.trace.hand_over(result)
         write_timeline_html(result, self.out / "timeline.html")

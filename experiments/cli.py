@@ -44,8 +44,8 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from .background import TraceWriter
-from .progress import no_progress, phase_bar
+from pipesim.experiments.background import TraceWriter
+from pipesim.experiments.progress import no_progress, phase_bar
 from pipesim.sim._gc import kept_until_exit, retain
 from pipesim.sim.cliargs import (
     Parser,
@@ -256,8 +256,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     caller; ``uniform_layers``: the ``uniform`` model's layers, where
     several runs must share one model (:func:`_uniform_layers`)."""
     from pipesim.sim.api import resolve_hardware, simulate_schedule
-    from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.metrics import summarize, write_summary
+    from pipesim.sim.size import check_size, estimate_work
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
@@ -338,8 +338,8 @@ def _trace_writer(out: Path, step) -> TraceWriter:
 
 def _write_timeline(result, out: Path, step) -> None:
     """timeline.html and, for small runs with a browser at hand, timeline.png."""
-    from .export import png_supported, write_png
-    from .timeline import timeline_figure, write_timeline_html
+    from pipesim.experiments.export import png_supported, write_png
+    from pipesim.experiments.timeline import timeline_figure, write_timeline_html
 
     step("writing timeline.html")
     write_timeline_html(result, out / "timeline.html")
@@ -543,7 +543,7 @@ def cmd_compare(args) -> int:
         document["left_out"] = left_out
         print("left out (no configuration it can run was planned): " + ", ".join(left_out))
     (out / "comparison.json").write_text(dumps(document))
-    from .figures import write_comparison
+    from pipesim.experiments.figures import write_comparison
 
     write_comparison(strategies, summaries, out)
     print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json"
@@ -552,7 +552,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from . import sweep
+    from pipesim.experiments import sweep
 
     grid = sweep.grid_from_args(args)  # every value checked before any work
     if args.ray is not None:
@@ -648,7 +648,7 @@ def _compare_plans(args, strategies: list[str], out: Path, uniform_layers: int |
 
     if args.replicas is not None or args.width is not None:
         raise UsageError("pipesim compare: --planned chooses the replicas; leave out --replicas and --width")
-    from .plans import write_plan
+    from pipesim.experiments.plans import write_plan
 
     hw = resolve_hardware(args.hardware or "ideal")
     profile = _plan_profile(args, hw, uniform_layers or args.stages)
@@ -689,10 +689,9 @@ def _plan_profile(args, hardware, devices: int):
 
 
 def cmd_plan(args) -> int:
+    from pipesim.experiments.plans import render_plan, write_plan
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import dumps
-
-    from .plans import render_plan, write_plan
 
     hw = resolve_hardware(args.hardware)
     gpus = args.gpus or (sum(args.replicas) if args.replicas else hw.num_devices)
@@ -840,7 +839,7 @@ def _plan_progress(passes: int):
     are long (``passes``, a straight pipeline's stage passes, past
     :data:`~.progress.PROGRESS_PASSES`, as for a simulation)."""
     if not sys.stderr.isatty():
-        from .progress import PROGRESS_PASSES
+        from pipesim.experiments.progress import PROGRESS_PASSES
 
         yield None if passes < PROGRESS_PASSES else (lambda msg: print(f"planning: {msg}", file=sys.stderr,
                                                                        flush=True))
@@ -901,13 +900,13 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run
+    from pipesim.experiments.bench import run
 
     return run(args.name, args.args)
 
 
 def cmd_figure(args) -> int:
-    from .figures import bubble_figure
+    from pipesim.experiments.figures import bubble_figure
 
     path = bubble_figure(_output_dir(args.out))
     print(f"wrote {path} and {path.with_suffix('.json').name} (its data)")
@@ -972,10 +971,10 @@ def cmd_profile(args) -> int:
 def cmd_validate(args) -> int:
     import json
 
-    from .overlay import write_merged_trace, write_overlay_html
+    from pipesim.experiments.overlay import write_merged_trace, write_overlay_html
     from pipesim.sim.metrics import dumps
-    from pipesim.sim.workload import save_profile
     from pipesim.sim.planning.plan import notation as notation_of
+    from pipesim.sim.workload import save_profile
     from pipesim.validate.harness import ValidateConfig, run_validation
     from pipesim.validate.stage import OptimizerConfig
 
@@ -1043,7 +1042,7 @@ def _positive_float(text: str) -> float:
 
 
 def cmd_converge(args) -> int:
-    from .converge import ConvergeConfig, runs_of, converge, table
+    from pipesim.experiments.converge import ConvergeConfig, converge, runs_of, table
 
     out = _output_dir(args.out)
     cfg = ConvergeConfig(model=args.model, stages=tuple(args.stages), strategies=tuple(args.strategies),
@@ -1070,7 +1069,7 @@ def cmd_converge(args) -> int:
 def cmd_reproduce(args) -> int:
     """Predict a paper's published figures, write results.json, report.md and
     the figures to ``--out``/<paper>/, and print the report."""
-    from .reproduce.runner import papers_for, run
+    from pipesim.experiments.reproduce.runner import papers_for, run
 
     papers_for(args.paper)  # an unknown or missing paper fails in one line before any work
     out = _output_dir(args.out)
@@ -1211,12 +1210,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("sweep", help="simulate a grid of configurations in parallel (local workers or Ray)")
-    from .sweep import add_arguments as sweep_arguments
+    from pipesim.experiments.sweep import add_arguments as sweep_arguments
 
     sweep_arguments(p)
     p.set_defaults(func=cmd_sweep)
 
-    from .bench import BENCHES, describe
+    from pipesim.experiments.bench import BENCHES, describe
 
     p = sub.add_parser("bench", help="benchmarks: print their figures (tables, or --json)",
                        description="Run one benchmark; `pipesim bench NAME --help` lists its options.",
@@ -1225,7 +1224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     p.set_defaults(func=cmd_bench)
 
-    from .converge import ConvergeConfig
+    from pipesim.experiments.converge import ConvergeConfig
 
     d = ConvergeConfig()
     p = sub.add_parser("converge", help="train every strategy on the same samples and compare held-out accuracy")

@@ -397,7 +397,7 @@ FIGURES = {"learning_curves": learning_curves_figure, "final_accuracy": final_ac
 
 def write(doc: dict, out: Path, *, png: bool = True) -> list[Path]:
     """``curves.json`` and every figure (HTML, and PNG when possible)."""
-    from .export import write_png
+    from pipesim.experiments.export import write_png
 
     written = [out / "curves.json"]
     written[0].write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")

@@ -48,7 +48,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .export import png_skipped_reason, write_png
+from pipesim.experiments.export import png_skipped_reason, write_png
 from pipesim.sim.errors import InputError
 from pipesim.sim.metrics import round_sig
 

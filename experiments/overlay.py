@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
-from .export import png_supported, write_png
-from .timeline import OP_ORDER, PALETTE, apply_timeline_layout
+
+from pipesim.experiments.export import png_supported, write_png
+from pipesim.experiments.timeline import OP_ORDER, PALETTE, apply_timeline_layout
 from pipesim.sim.results import SimResult, Span
 from pipesim.sim.trace import chrome_trace, dumps
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from .export import write_png
+from pipesim.experiments.export import write_png
 
 GIB = 2**30
 #: Rows of candidates :func:`render_plan` lists.

@@ -711,7 +711,7 @@ def sweep_figure(doc: dict):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from .figures import STRATEGY_COLORS
+    from pipesim.experiments.figures import STRATEGY_COLORS
 
     panels = list(itertools.product(doc["axes"]["model"], doc["axes"]["hardware"]))
     cols = min(3, len(panels))
@@ -764,7 +764,7 @@ def sweep_figure(doc: dict):
 def write_outputs(doc: dict, out: Path, *, png: bool = True) -> list[str]:
     """``sweep.json``, ``sweep.csv``, ``sweep.html`` (self-contained) and
     ``sweep.png`` when a browser can draw it; the names written."""
-    from .export import write_png
+    from pipesim.experiments.export import write_png
 
     (out / "sweep.json").write_text(to_json(doc), encoding="utf-8")
     (out / "sweep.csv").write_text(to_csv(doc), encoding="utf-8")

@@ -15,8 +15,8 @@ fused path of the device when it is available, :func:`set_backend` or
 ``backend=`` forces one.
 """
 
-from .averaging import elastic_average
-from .backend import (
+from pipesim.kernels.averaging import elastic_average
+from pipesim.kernels.backend import (
     BACKENDS,
     get_backend,
     native_available,
@@ -25,16 +25,10 @@ from .backend import (
     triton_available,
     use_backend,
 )
-from .buffers import DoubleBuffer, StashFullError, VersionPool, WeightStash
-from .cost import KERNELS, bytes_moved
-from .module import (
-    PredictionGroup,
-    Predictor,
-    elastic_average_modules,
-    optimizer_kind,
-    predict_module,
-)
-from .prediction import (
+from pipesim.kernels.buffers import DoubleBuffer, StashFullError, VersionPool, WeightStash
+from pipesim.kernels.cost import KERNELS, bytes_moved
+from pipesim.kernels.module import PredictionGroup, Predictor, elastic_average_modules, optimizer_kind, predict_module
+from pipesim.kernels.prediction import (
     InplacePrediction,
     adam_coefficients,
     predict_adam,

@@ -10,14 +10,9 @@ total Σ x_r + x̃ is conserved, which a sequential replica-by-replica update
 from __future__ import annotations
 
 import torch
-from ._checks import (
-    as_tensor_list,
-    check_aligned,
-    check_reference,
-    group_indices,
-    take,
-)
-from .prediction import _bump, impl_for
+
+from pipesim.kernels._checks import as_tensor_list, check_aligned, check_reference, group_indices, take
+from pipesim.kernels.prediction import _bump, impl_for
 
 
 def elastic_average(replicas, center, alpha: float, *, backend: str | None = None) -> None:

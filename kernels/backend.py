@@ -21,7 +21,8 @@ import contextlib
 import os
 
 import torch
-from .native import native_available, native_unavailable_reason
+
+from pipesim.kernels.native import native_available, native_unavailable_reason
 
 BACKENDS = ("auto", "foreach", "native", "triton")
 

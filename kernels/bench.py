@@ -24,8 +24,8 @@ import math
 import time
 
 import torch
-from pipesim.sim.cliargs import UsageError, bench_main, positive, run_command
-from . import (
+
+from pipesim.kernels import (
     DoubleBuffer,
     WeightStash,
     bytes_moved,
@@ -35,9 +35,10 @@ from . import (
     predict_sgd_,
     triton_available,
 )
-from ._checks import DEFAULT_LAUNCH, check_launch_shape
-from .native import native_available
-from .prediction import empty_like_all
+from pipesim.kernels._checks import DEFAULT_LAUNCH, check_launch_shape
+from pipesim.kernels.native import native_available
+from pipesim.kernels.prediction import empty_like_all
+from pipesim.sim.cliargs import UsageError, bench_main, positive, run_command
 
 TARGET_PCT_COPY = 80.0
 TARGET_LOOP_CPU = 3.0
@@ -261,7 +262,7 @@ def _variants(backends: list[str], launches) -> list[tuple[str, tuple[int, int] 
 
 def _launched(kern, shape: tuple[int, int]):
     """``kern`` with the Triton kernels launched at ``shape`` (block, warps)."""
-    from . import triton_kernels
+    from pipesim.kernels import triton_kernels
 
     def run():
         with triton_kernels.launch_shape(*shape):

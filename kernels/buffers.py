@@ -24,10 +24,11 @@ copy only what the semantics require:
 from __future__ import annotations
 
 import torch
-from . import foreach
-from ._checks import as_tensor_list, check_aligned, group_indices, take
-from .prediction import _bump, empty_like_all, impl_for
 from torch import Tensor
+
+from pipesim.kernels import foreach
+from pipesim.kernels._checks import as_tensor_list, check_aligned, group_indices, take
+from pipesim.kernels.prediction import _bump, empty_like_all, impl_for
 
 
 class StashFullError(RuntimeError):

@@ -10,7 +10,8 @@ once, every result written once.
 from __future__ import annotations
 
 import torch
-from ._checks import FLOAT_DTYPES
+
+from pipesim.kernels._checks import FLOAT_DTYPES
 
 # kernel -> (weight-sized reads+writes, state-sized reads+writes, per-replica weight traffic)
 _TRAFFIC = {

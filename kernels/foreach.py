@@ -36,8 +36,10 @@ import threading
 from functools import lru_cache
 
 import torch
-from ._checks import opmath_dtype
 from torch import Tensor
+
+from pipesim.kernels._checks import opmath_dtype
+
 
 def _l2_bytes() -> int:
     """Size of one core's L2 cache, from the OS; 1 MiB when it does not say."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from . import foreach
-from .averaging import elastic_average
-from .prediction import (
+from torch import Tensor, nn
+
+from pipesim.kernels import foreach
+from pipesim.kernels.averaging import elastic_average
+from pipesim.kernels.prediction import (
     InplacePrediction,
     empty_like_all,
     predict_adam,
@@ -28,7 +30,6 @@ from .prediction import (
     predict_sgd,
     predict_sgd_,
 )
-from torch import Tensor, nn
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:

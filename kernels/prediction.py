@@ -30,8 +30,10 @@ from __future__ import annotations
 import math
 
 import torch
-from . import foreach, native
-from ._checks import (
+from torch import Tensor
+
+from pipesim.kernels import foreach, native
+from pipesim.kernels._checks import (
     as_tensor_list,
     check_aligned,
     check_distance,
@@ -40,15 +42,14 @@ from ._checks import (
     group_indices,
     take,
 )
-from .backend import resolve
-from torch import Tensor
+from pipesim.kernels.backend import resolve
 
 
 def impl_for(lists: list[list[Tensor]], backend: str | None):
     """The module that runs one group: Triton or the C loops where chosen and able, else foreach."""
     name = resolve(backend, lists[0][0].device)
     if name == "triton":
-        from . import triton_kernels
+        from pipesim.kernels import triton_kernels
         if triton_kernels.supports(lists):
             return triton_kernels
     elif name == "native" and native.supports(lists):

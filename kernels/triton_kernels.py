@@ -35,9 +35,10 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
-from ._checks import DEFAULT_LAUNCH, check_launch_shape
-from .foreach import flat_view
 from torch import Tensor
+
+from pipesim.kernels._checks import DEFAULT_LAUNCH, check_launch_shape
+from pipesim.kernels.foreach import flat_view
 
 #: Elements and warps per program of every launch (:func:`launch_shape`
 #: changes them inside a ``with``: the kernels benchmark sweeps them).

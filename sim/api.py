@@ -13,17 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ._gc import gc_paused
-from .engine import check_on_spans, check_run_options
-from .engine import simulate as run_engine
-from .hardware import Hardware, load_hardware
-from .ir import P2P_OPS, Schedule
-from .models import model_profile
-from .partition import StageCost, check_split, partition, recomputed, split_at
-from .results import SimResult
-from .size import check_size
-from .strategies import ScheduleSpec, build_schedule, find_strategy
-from .workload import Profile, WorkloadError, check_microbatch_size
+from pipesim.sim._gc import gc_paused
+from pipesim.sim.engine import check_on_spans, check_run_options
+from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.hardware import Hardware, load_hardware
+from pipesim.sim.ir import P2P_OPS, Schedule
+from pipesim.sim.models import model_profile
+from pipesim.sim.partition import StageCost, check_split, partition, recomputed, split_at
+from pipesim.sim.results import SimResult
+from pipesim.sim.size import check_size
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, find_strategy
+from pipesim.sim.workload import Profile, WorkloadError, check_microbatch_size
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:
@@ -191,8 +191,8 @@ def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, l
     limit_bytes = hardware.device.memory_bytes
     p = schedule.num_stages
     if (hardware.intra_node.kind != "ideal" or hardware.nodes > 1) and check_split(profile, p):
-        from .planning.layout import layout_of
-        from .planning.search import CostSetting, Tables, ranked_splits
+        from pipesim.sim.planning.layout import layout_of
+        from pipesim.sim.planning.search import CostSetting, Tables, ranked_splits
 
         hardware.check_devices(schedule.num_devices)
         layout = layout_of(schedule, recv_lookahead)
@@ -251,8 +251,8 @@ def simulate(
 
 
 def _check_simulate_arguments(spec, model, profile) -> None:
-    from .strategies import StrategyError
-    from .workload import WorkloadError
+    from pipesim.sim.strategies import StrategyError
+    from pipesim.sim.workload import WorkloadError
 
     if not isinstance(spec, ScheduleSpec):
         raise StrategyError(f"spec must be a ScheduleSpec, got {type(spec).__name__}")

@@ -44,15 +44,15 @@ from pathlib import Path
 import simpy
 from simpy.events import NORMAL
 
-from ._gc import gc_paused
-from .api import model_for, simulate, split_for
-from .cliargs import bench_main
-from .engine import CostModel, _run_events, _Signal, _Walker, prepared_run
-from .hardware import load_hardware
-from .ir import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
-from .metrics import summarize, write_summary
-from .results import Span
-from .strategies import ScheduleSpec, build_schedule
+from pipesim.sim._gc import gc_paused
+from pipesim.sim.api import model_for, simulate, split_for
+from pipesim.sim.cliargs import bench_main
+from pipesim.sim.engine import CostModel, _run_events, _Signal, _Walker, prepared_run
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.ir import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
+from pipesim.sim.metrics import summarize, write_summary
+from pipesim.sim.results import Span
+from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 #: The machine of every timed case but the small real-model ones: transfers are free.
 IDEAL = load_hardware("ideal")
@@ -249,7 +249,7 @@ peak_rss_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 def peak_rss_child(strategy: str, p: int, m: int) -> None:
     """In a fresh interpreter: print the peak resident set in bytes after
     the imports and after ``simulate`` and ``summarize`` of (strategy, p, m)."""
-    from .metrics import summarize as summarize_
+    from pipesim.sim.metrics import summarize as summarize_
 
     before = peak_rss_bytes()
     with gc_paused():
@@ -422,6 +422,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipesim.sim.bench
 
 
 if __name__ == "__main__":
-    from .cliargs import run_command
+    from pipesim.sim.cliargs import run_command
 
     sys.exit(run_command(main))

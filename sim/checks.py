@@ -29,17 +29,9 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .dataflow import (
-    Arrival,
-    Gathered,
-    backward_op,
-    compile_plan,
-    producer_of,
-    split_stages,
-    token_name,
-)
-from .dataflow import transfer_key as send_key
-from .ir import (
+from pipesim.sim.dataflow import Arrival, Gathered, backward_op, compile_plan, producer_of, split_stages, token_name
+from pipesim.sim.dataflow import transfer_key as send_key
+from pipesim.sim.ir import (
     COLLECTIVE_OPS,
     FLOW,
     FSDP_OPS,
@@ -461,7 +453,7 @@ def _crossings(s: Schedule, placement: dict) -> int:
 
 def _check_deadlock(s: Schedule) -> None:
     """Abstract execution with zero durations; raise naming a waiting cycle."""
-    from .lowering import group  # lowering builds on this module
+    from pipesim.sim.lowering import group  # lowering builds on this module
 
     programs = compile_plan(s, group(s))
     where = providers(programs)

@@ -13,13 +13,13 @@ what happens if I don't".
 from __future__ import annotations
 
 import argparse
-import re
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 
-from .errors import InputError, RunError
+from pipesim.sim.errors import InputError, RunError
 
 
 class UsageError(InputError):

@@ -33,7 +33,7 @@ from collections import defaultdict
 from itertools import repeat
 from typing import NamedTuple, Union
 
-from .ir import (
+from pipesim.sim.ir import (
     ALLREDUCE,
     AVERAGE,
     COMPUTE_OPS,

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 import simpy
 from simpy.events import NORMAL
 
-from ._gc import gc_paused, retain
-from .checks import describe_wait_cycle, providers, validate
-from .dataflow import Arrival, Entry, compile_lowered, compile_plan
-from .errors import InputError
-from .ir import (
+from pipesim.sim._gc import gc_paused, retain
+from pipesim.sim.checks import describe_wait_cycle, providers, validate
+from pipesim.sim.dataflow import Arrival, Entry, compile_lowered, compile_plan
+from pipesim.sim.errors import InputError
+from pipesim.sim.ir import (
     ALLREDUCE,
     AVERAGE,
     COMPUTE_OPS,
@@ -55,13 +55,13 @@ from .ir import (
     W,
     boundary_stage,
 )
-from .lowering import plan
-from .partition import StageCost
-from .results import SimResult, Span
-from .workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
+from pipesim.sim.lowering import plan
+from pipesim.sim.partition import StageCost
+from pipesim.sim.results import SimResult, Span
+from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
 
 if TYPE_CHECKING:
-    from .hardware import Hardware
+    from pipesim.sim.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def check_on_spans(on_spans) -> None:
 
 
 def _check_arguments(schedule, stage_costs, hardware, check) -> None:
-    from .hardware import Hardware, HardwareError
+    from pipesim.sim.hardware import Hardware, HardwareError
 
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a pipesim.sim.ir.Schedule, got {type(schedule).__name__}")
@@ -206,7 +206,7 @@ def _check_arguments(schedule, stage_costs, hardware, check) -> None:
 
 def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta,
               on_spans):
-    from .trackers import track  # after the engine: derived accounting
+    from pipesim.sim.trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
         raise ScheduleError(

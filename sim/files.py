@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import InputError
+from pipesim.sim.errors import InputError
 
 
 def read_text(path, what: str, error: type[InputError]) -> str:

@@ -65,9 +65,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InputError
-from .files import parse_json, read_text
-from .workload import MAX_SECONDS, shown
+from pipesim.sim.errors import InputError
+from pipesim.sim.files import parse_json, read_text
+from pipesim.sim.workload import MAX_SECONDS, shown
 
 
 class HardwareError(InputError):

@@ -22,9 +22,9 @@ what to do.
 
 from __future__ import annotations
 
-from .checks import validate
-from .files import read_text
-from .ir import (
+from pipesim.sim.checks import validate
+from pipesim.sim.files import read_text
+from pipesim.sim.ir import (
     MICROBATCH_OPS,
     OVERLAP_F_B,
     PASS_OPS,
@@ -41,8 +41,8 @@ from .ir import (
     parse_csv,
     to_csv,
 )
-from .strategies._common import flush_iteration
-from .workload import OPTIMIZER_STATE_MULTIPLIER
+from pipesim.sim.strategies._common import flush_iteration
+from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER
 
 __all__ = ["schedule_from_csv", "to_csv", "load_schedule_csv"]
 

@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from .errors import InputError
+from pipesim.sim.errors import InputError
 
 
 class ScheduleError(InputError):

@@ -29,11 +29,10 @@ actions, and :func:`lower` flattens it back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import NamedTuple
 
-from .dataflow import Arrival, Post, transfer_key
-from .ir import (
+from pipesim.sim.dataflow import Arrival, Post, transfer_key
+from pipesim.sim.ir import (
     COMPUTE_OPS,
     FLOW,
     OVERLAP_F_B,

@@ -19,9 +19,9 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
-from .ir import PASS_OPS
-from .results import SimResult
-from .strategies import find_strategy
+from pipesim.sim.ir import PASS_OPS
+from pipesim.sim.results import SimResult
+from pipesim.sim.strategies import find_strategy
 
 SUMMARY_VERSION = 1
 

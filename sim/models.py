@@ -105,9 +105,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import pipedream_graph
-from .hardware import DeviceSpec
-from .workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
+from pipesim.sim import pipedream_graph
+from pipesim.sim.hardware import DeviceSpec
+from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
 
 #: Bytes per parameter in every catalog profile (fp32 master weights).
 PARAM_BYTES = 4

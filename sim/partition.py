@@ -47,12 +47,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
-from .models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
-from .workload import Profile, WorkloadError
+
+from pipesim.sim.models import UNIFORM_PARAM_BYTES, UNIFORM_STASH_BYTES
+from pipesim.sim.workload import Profile, WorkloadError
 
 if TYPE_CHECKING:
-    from .hardware import Hardware
-    from .planning.layout import Layout
+    from pipesim.sim.hardware import Hardware
+    from pipesim.sim.planning.layout import Layout
 
 _REL_TOL = 1e-9
 
@@ -251,7 +252,7 @@ def partition(
     if not check_split(profile, num_stages):  # a single contiguous split: nothing to choose
         return split_at(profile, range(0, n, n // num_stages))
     if layout is not None:
-        from .planning.search import CostSetting, Tables, split_for_layout
+        from pipesim.sim.planning.search import CostSetting, Tables, split_for_layout
 
         return split_for_layout(Tables(profile), layout, CostSetting.of(profile, hardware, limit))
     times = np.array([la.forward_s + la.backward_s for la in profile.layers], dtype=float)

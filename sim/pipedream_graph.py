@@ -95,14 +95,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from .workload import (
-    MAX_SECONDS,
-    LayerCost,
-    Profile,
-    WorkloadError,
-    bytes_problem,
-    rescaled,
-)
+from pipesim.sim.workload import MAX_SECONDS, LayerCost, Profile, WorkloadError, bytes_problem, rescaled
 
 _NODE_RE = re.compile(
     r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<forward>[^,]*), "

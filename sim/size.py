@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 
-from .errors import InputError
-from .strategies import ScheduleSpec, find_strategy
+from pipesim.sim.errors import InputError
+from pipesim.sim.strategies import ScheduleSpec, find_strategy
 
 #: Memory one stage pass costs a simulation, upper bound. Measured (peak RSS
 #: over m = 256 -> 1024 on 16 stages): 3.3-4.6 KiB for every strategy on the

@@ -48,9 +48,9 @@ from itertools import groupby, islice
 from operator import itemgetter
 from pathlib import Path
 
-from ._gc import gc_paused
-from .ir import Action, Op
-from .results import STREAMS, SimResult, Span
+from pipesim.sim._gc import gc_paused
+from pipesim.sim.ir import Action, Op
+from pipesim.sim.results import STREAMS, SimResult, Span
 
 #: Flow arrows are v1 flow events; Perfetto matches them by (cat, name, id).
 FLOW_CAT = "transfer"

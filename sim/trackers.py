@@ -37,18 +37,18 @@ from operator import attrgetter
 
 import numpy as np
 
-from .dataflow import backward_op, split_stages
-from .ir import (
+from pipesim.sim.dataflow import backward_op, split_stages
+from pipesim.sim.ir import (
     AVERAGE,
     COMPUTE_OPS,
     INPUT_GRADIENT_OPS,
     PASS_OPS,
-    WEIGHT_GRADIENT_OPS,
-    Action,
     PREDICT,
     RECV_F,
     REDUCE_GRAD,
     UPDATE,
+    WEIGHT_GRADIENT_OPS,
+    Action,
     B,
     F,
     I,
@@ -56,9 +56,8 @@ from .ir import (
     Schedule,
     W,
 )
-from .results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
-
-from .workload import WorkloadError
+from pipesim.sim.results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
+from pipesim.sim.workload import WorkloadError
 
 _CAT = {name: i for i, name in enumerate(MEMORY_CATEGORIES)}
 

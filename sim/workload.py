@@ -49,8 +49,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import InputError
-from .files import parse_json, read_text
+from pipesim.sim.errors import InputError
+from pipesim.sim.files import parse_json, read_text
 
 #: Optimizer state kept per weight byte: SGD with momentum keeps one
 #: momentum buffer, Adam two moments.
@@ -341,7 +341,7 @@ def load_profile(path) -> Profile:
     (:mod:`pipesim.sim.pipedream_graph`, told apart by content and name);
     :class:`WorkloadError` naming the file and the problem."""
     # imported here: pipedream_graph builds on this module's classes
-    from .pipedream_graph import graph_file_profile, looks_like_graph
+    from pipesim.sim.pipedream_graph import graph_file_profile, looks_like_graph
 
     text = read_text(path, "profile", WorkloadError)
     graph = looks_like_graph(path, text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pipesim.experiments.cli import main
 from pipesim.validate import data as data_mod
 from pipesim.validate.convergence import (
@@ -198,6 +199,7 @@ def test_the_distributed_runtime_trains_the_same_bits(tmp_path):
 def test_layer_curvature_is_each_blocks_top_hessian_eigenvalue():
     """Power iteration against the explicit Hessian of each layer's block on a tiny mlp."""
     import torch
+
     from pipesim.validate.convergence import layer_curvature
     from pipesim.validate.models import build_model
 

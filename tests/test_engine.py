@@ -14,7 +14,7 @@ from pipesim.sim.checks import validate
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
-from pipesim.sim.ir import B, F, I, PASS_OPS, W, Schedule, ScheduleError, parse_action, to_csv
+from pipesim.sim.ir import PASS_OPS, B, F, I, Schedule, ScheduleError, W, parse_action, to_csv
 from pipesim.sim.metrics import dumps, summarize
 from pipesim.sim.partition import StageCost, stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from pipesim.sim.workload import LayerCost, Profile, save_profile
 from pipesim.validate.models import build_model, layer_param_bytes
 

@@ -25,10 +25,11 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pipesim.experiments import cli
 from pipesim.sim import api, size
-from pipesim.sim.cliargs import EXIT_USAGE
 from pipesim.sim.checks import validate
+from pipesim.sim.cliargs import EXIT_USAGE
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware import load_hardware

@@ -9,6 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipesim.sim.hardware import (
     DeviceSpec,
     Hardware,

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from pipesim.sim.checks import validate
 from pipesim.sim.interchange import schedule_from_csv
 from pipesim.sim.ir import (
-    F,
     P2P_OPS,
     Action,
+    F,
     Op,
     Schedule,
     ScheduleError,

@@ -13,6 +13,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
 from pipesim.kernels import DoubleBuffer, StashFullError, VersionPool, WeightStash
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)

@@ -17,11 +17,12 @@ import subprocess
 import sys
 import textwrap
 
-import pipesim.kernels as K
 import pytest
 import torch
-from pipesim.kernels.backend import resolve, triton_available
 from test_kernels import DTYPES, check, make, ref_adam, ref_elastic, ref_sgd
+
+import pipesim.kernels as K
+from pipesim.kernels.backend import resolve, triton_available
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -168,6 +169,7 @@ def test_triton_kernels_compile_for_hopper_with_vector_loads():
     except ImportError as exc:  # a Triton without this compile API
         pytest.skip(f"Triton compile API unavailable: {exc}")
     import triton.language as tl
+
     from pipesim.kernels import triton_kernels as tk
 
     sig = {"W": "*i64", "M": "*i64", "V": "*i64", "O": "*i64", "NUMELS": "*i64", "BLK_T": "*i32",

@@ -17,9 +17,10 @@ import subprocess
 import sys
 import textwrap
 
-import pipesim.kernels as K
 import pytest
 import torch
+
+import pipesim.kernels as K
 from pipesim.kernels import foreach, native
 from pipesim.kernels.prediction import impl_for
 

@@ -7,6 +7,7 @@ import re
 from collections import Counter
 
 import pytest
+
 from pipesim.experiments import overlay
 from pipesim.experiments.overlay import (
     DIV_ID,

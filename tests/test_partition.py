@@ -9,6 +9,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.models import model_profile
 from pipesim.sim.partition import (

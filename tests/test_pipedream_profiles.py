@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from pipesim.sim.hardware import DeviceSpec
 from pipesim.sim.models import measured_model_names, model_names, model_parameters, model_profile
 from pipesim.sim.pipedream_graph import CATALOG, catalog_file, catalog_profile, input_nodes, parse_graph

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipesim.experiments.cli import main
 from pipesim.experiments.plans import frontier, pareto_figure
 from pipesim.sim.api import simulate, simulate_schedule

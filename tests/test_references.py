@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from pipesim.sim.engine import simulate
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.partition import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.validate.executor import emulate
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
-from torch import nn
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_reproduce_runner import check_results_shape
+
 from pipesim.experiments.reproduce import pipedream, runner, spectrain
 from pipesim.experiments.reproduce.base import with_published
 from pipesim.sim.api import resolve_hardware
-
-from test_reproduce_runner import check_results_shape
 
 
 @pytest.fixture

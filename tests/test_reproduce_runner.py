@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from pipesim.experiments.cli import main
 from pipesim.experiments.reproduce import runner
 from pipesim.experiments.reproduce.base import Claim, Paper, Row

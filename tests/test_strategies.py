@@ -29,7 +29,6 @@ from pipesim.sim.ir import (
     W,
     format_action,
 )
-from pipesim.sim.strategies._common import warmup
 from pipesim.sim.strategies import (
     ScheduleSpec,
     StrategyError,
@@ -39,6 +38,7 @@ from pipesim.sim.strategies import (
     strategy_names,
     strategy_options,
 )
+from pipesim.sim.strategies._common import warmup
 
 try:  # the validator is written concurrently; use it once it exists
     from pipesim.sim.checks import validate

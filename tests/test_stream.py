@@ -15,13 +15,14 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+from toy import SeededData, tanh_layers
+
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.schedule import PipelineSchedule, _timeline
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
 from pipesim.validate.stream import StreamError, moved_on, updates
-from torch import nn
-from toy import SeededData, tanh_layers
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics

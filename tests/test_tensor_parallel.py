@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import ALLREDUCE, B, F, UPDATE, REDUCE_GRAD, parse_action
+from pipesim.sim.ir import ALLREDUCE, REDUCE_GRAD, UPDATE, B, F, parse_action
 from pipesim.sim.metrics import summarize
 from pipesim.sim.models import uniform_profile
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
 from pipesim.sim.workload import Profile
-from dataclasses import replace
 
 ACT = 1 << 20  # bytes of each layer's hidden state in the closed-form test
 

@@ -9,7 +9,6 @@ from fractions import Fraction
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pipesim.sim.errors import InputError
 
 from pipesim.experiments import export, figures, timeline
 from pipesim.experiments.figures import (
@@ -20,7 +19,9 @@ from pipesim.experiments.figures import (
     needs_m_ge_p,
 )
 from pipesim.experiments.timeline import DIV_ID, PALETTE, timeline_figure, write_timeline_html
+from pipesim.sim.errors import InputError
 from pipesim.sim.ir import Op
+
 
 def _load_trace_tests():
     # the synthetic SimResult lives in test_trace.py; load it by path so this

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pipesim.validate.torchbench import (
     compare_with_torch,
     default_starts,

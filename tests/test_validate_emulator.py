@@ -12,6 +12,9 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+from toy import SeededData, tanh_layers
+
 from pipesim.sim.engine import simulate
 from pipesim.sim.hardware import load_hardware
 from pipesim.sim.ir import Action, Op
@@ -19,8 +22,6 @@ from pipesim.sim.partition import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
-from torch import nn
-from toy import SeededData, tanh_layers
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics

@@ -11,12 +11,13 @@ import math
 from dataclasses import replace
 
 import pytest
+
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
+from pipesim.sim.ir import PASS_OPS
 from pipesim.sim.results import MemoryTrack, Span
 from pipesim.sim.strategies import ScheduleSpec
 from pipesim.sim.workload import load_profile
-from pipesim.sim.ir import PASS_OPS
 from pipesim.validate import executor, harness
 from pipesim.validate.harness import (
     ValidateConfig,

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from pipesim.sim.hardware import Hardware
 from pipesim.validate import commprofile
 from pipesim.validate import launch as launch_mod

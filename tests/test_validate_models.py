@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from pipesim.sim.errors import InputError
 from pipesim.validate import data
-from pipesim.validate.numerics import intra_op_threads
 from pipesim.validate.models import (
     LayerStats,
     RealModel,
@@ -19,6 +19,7 @@ from pipesim.validate.models import (
     model_names,
     split,
 )
+from pipesim.validate.numerics import intra_op_threads
 
 ALL_MODELS = ["gpt-small", "lstm", "mlp", "vgg-small"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pipesim.sim.checks import validate
 from pipesim.sim.dataflow import Arrival
 from pipesim.sim.engine import simulate
@@ -28,6 +29,7 @@ from pipesim.sim.ir import Op, ScheduleError
 from pipesim.sim.partition import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.validate.executor import compiled, emulate, iteration_losses
+from pipesim.validate.numerics import EXECUTOR_THREADS
 from pipesim.validate.runtime import (
     Job,
     build_stages,
@@ -36,7 +38,6 @@ from pipesim.validate.runtime import (
     transfer_peers,
     transfer_tag,
 )
-from pipesim.validate.numerics import EXECUTOR_THREADS
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)

@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipesim.sim.hardware import DeviceSpec, load_hardware
 from pipesim.sim.models import (
     PARAM_BYTES,

@@ -25,17 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pipesim.sim.cliargs import bench_main, positive, run_command
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import save_profile
-from .models import model_names
+from pipesim.validate.models import model_names
+
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -44,7 +45,15 @@ def _say(msg: str) -> None:
 def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
         repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None,
         stages: int = 2) -> dict:
-    from .harness import ValidateConfig, ValidateError, hardware_for, model_of, profile, run_validation, torch_device
+    from pipesim.validate.harness import (
+        ValidateConfig,
+        ValidateError,
+        hardware_for,
+        model_of,
+        profile,
+        run_validation,
+        torch_device,
+    )
 
     chosen = default_strategies() if strategies is None else list(strategies)
     for name in chosen:  # before any measuring: one line, as `pipesim validate` refuses them
@@ -91,7 +100,7 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
 def _depth_for(model: str, stages: int) -> int:
     """The model's default depth, deepened until it has a layer for each of
     ``stages`` (interleaved 1F1B's virtual stages: two per device)."""
-    from .models import build_model
+    from pipesim.validate.models import build_model
 
     default = build_model(model)
     return default.config["depth"] + max(0, stages - default.num_layers)

@@ -41,10 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from pipesim.sim.cliargs import bench_main, int_at_least, positive, run_command
 from pipesim.sim.hardware import Hardware
-from .launch import LaunchContext, launch
-from .numerics import intra_op_threads
+from pipesim.validate.launch import LaunchContext, launch
+from pipesim.validate.numerics import intra_op_threads
 
 __all__ = [
     "DEFAULT_COLLECTIVE_SIZES",

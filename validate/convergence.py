@@ -47,14 +47,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from pipesim.sim.strategies._common import check_executable
-from .models import build_model, split
-from .numerics import EXECUTOR_THREADS, intra_op_threads
-from .schedule import PipelineSchedule
-from .stage import OptimizerConfig, PipelineStage
+from pipesim.validate.models import build_model, split
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
+from pipesim.validate.schedule import PipelineSchedule
+from pipesim.validate.stage import OptimizerConfig, PipelineStage
 
 #: A run has diverged once its held-out loss exceeds this many times the untrained model's.
 DIVERGENCE_FACTOR = 2.0
@@ -298,7 +299,7 @@ def _distributed_worker(ctx, run: Run) -> dict | None:
 def train_distributed(run: Run, *, timeout_s: float = 600.0) -> dict:
     """One run on the distributed runtime (gloo, one process per device);
     bit-identical to :func:`train`."""
-    from .launch import launch
+    from pipesim.validate.launch import launch
 
     devices = build_schedule(plan(run).spec).num_devices
     return launch(_distributed_worker, devices, args=(run,), backend="gloo", timeout_s=timeout_s,

@@ -57,6 +57,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
 from pipesim.sim.errors import InputError
 
 __all__ = [

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
+
 from pipesim.kernels import elastic_average
 from pipesim.sim.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir import (
@@ -57,9 +59,8 @@ from pipesim.sim.ir import (
 from pipesim.sim.lowering import plan
 from pipesim.sim.strategies import schedule_option
 from pipesim.sim.strategies._common import check_executable
-from .numerics import EXECUTOR_THREADS, intra_op_threads
-from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
-from torch import Tensor
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
+from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
 # ---------------------------------------------------------------- collectives
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
+
 from pipesim.sim.engine import simulate as run_engine
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware import Hardware, load_hardware
@@ -41,15 +42,15 @@ from pipesim.sim.results import MemoryTrack, SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workload import Profile, load_profile
-from .allocator import keep_freed_memory
-from .executor import emulate, iteration_losses
-from .launch import core_assignment, measure_wake_slice
-from .models import RealModel, build_model, layer_param_bytes, layer_stats
-from .numerics import EXECUTOR_THREADS, intra_op_threads
-from .profiler import ProfileSettings, kernel_bandwidths, profile_model
-from .reconcile import compare, iteration_time, measured_result
-from .runtime import Job, build_stages, run_distributed
-from .stage import OptimizerConfig
+from pipesim.validate.allocator import keep_freed_memory
+from pipesim.validate.executor import emulate, iteration_losses
+from pipesim.validate.launch import core_assignment, measure_wake_slice
+from pipesim.validate.models import RealModel, build_model, layer_param_bytes, layer_stats
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
+from pipesim.validate.profiler import ProfileSettings, kernel_bandwidths, profile_model
+from pipesim.validate.reconcile import compare, iteration_time, measured_result
+from pipesim.validate.runtime import Job, build_stages, run_distributed
+from pipesim.validate.stage import OptimizerConfig
 
 BACKENDS = ("gloo", "nccl", "single")
 
@@ -164,7 +165,7 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
     with intra_op_threads(_executor_threads(device)):
         prof = profile_model(model, device=device, settings=settings, progress=progress)
     if cfg.backend in ("gloo", "nccl"):
-        from .profiler import measure_dispatch
+        from pipesim.validate.profiler import measure_dispatch
 
         boundary = int(statistics.median(la.activation_bytes for la in prof.layers[:-1] or prof.layers))
         o_f, o_b = measure_dispatch(cfg.backend, boundary, timeout_s=min(cfg.timeout_s, 120.0))
@@ -180,7 +181,7 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
 def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
                  model: RealModel | None = None) -> Hardware:
     """This machine as the simulator sees it: measured links and update bandwidth."""
-    from .commprofile import hardware_json, measure_p2p
+    from pipesim.validate.commprofile import hardware_json, measure_p2p
 
     model = model or model_of(cfg)
     with intra_op_threads(_executor_threads(device)):
@@ -392,7 +393,7 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    from .runtime import boundary_specs, warm_up
+    from pipesim.validate.runtime import boundary_specs, warm_up
 
     say(f"running every stage in this process on {device} ...")
     with intra_op_threads(_executor_threads(device)):

@@ -114,8 +114,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+
 from pipesim.sim.errors import InputError, RunError
-from .allocator import keep_freed_memory
+from pipesim.validate.allocator import keep_freed_memory
 
 __all__ = ["BACKENDS", "LaunchContext", "LaunchError", "LaunchTimeout", "MAX_TIMEOUT_S", "WorkerError", "launch"]
 

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pipesim.sim.errors import InputError
-from . import data as _data
 from torch import nn
+
+from pipesim.sim.errors import InputError
+from pipesim.validate import data as _data
 
 __all__ = [
     "LayerStats",

@@ -38,12 +38,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from pipesim.sim.ir import Action, B, F, I, UPDATE
-from pipesim.sim.workload import LayerCost, Profile
-from .allocator import keep_freed_memory
-from .models import RealModel, layer_stats
-from .stage import OptimizerConfig, PipelineStage
 from torch import nn
+
+from pipesim.sim.ir import UPDATE, Action, B, F, I
+from pipesim.sim.workload import LayerCost, Profile
+from pipesim.validate.allocator import keep_freed_memory
+from pipesim.validate.models import RealModel, layer_stats
+from pipesim.validate.stage import OptimizerConfig, PipelineStage
 
 
 @dataclass(frozen=True)
@@ -244,8 +245,7 @@ def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
     """
     from pipesim.sim.engine import CostModel
     from pipesim.sim.ir import AVERAGE, PREDICT
-
-    from .executor import run_collective
+    from pipesim.validate.executor import run_collective
 
     device = torch.device(device)
     keep_freed_memory()
@@ -324,7 +324,7 @@ def _relay_loss(out, target):
 
 def _dispatch_worker(ctx, numel: int, microbatches: int, iterations: int):
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
-    from .runtime import execute
+    from pipesim.validate.runtime import execute
 
     sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches,
                                         iterations=iterations))
@@ -349,8 +349,8 @@ def measure_dispatch(backend: str = "gloo", nbytes: int = 1 << 17, *, microbatch
     :func:`pipesim.validate.harness.profile` uses them as the profile's
     per-pass overhead when they exceed the in-process figure.
     """
-    from .runtime import launch_settings
-    from .launch import launch
+    from pipesim.validate.launch import launch
+    from pipesim.validate.runtime import launch_settings
 
     numel = max(1, nbytes // 4)
     out = launch(_dispatch_worker, 2, args=(numel, microbatches, iterations), backend=backend,

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
 from pipesim.sim.dataflow import Arrival, CollectiveDone
 from pipesim.sim.ir import (
     AVERAGE,
@@ -60,7 +61,7 @@ from pipesim.sim.ir import (
     transfer_stages,
 )
 from pipesim.sim.strategies import schedule_option
-from .executor import (
+from pipesim.validate.executor import (
     Clock,
     DeviceExecutor,
     LocalComm,
@@ -75,9 +76,8 @@ from .executor import (
     stage_replicas,
     write_back,
 )
-from .numerics import EXECUTOR_THREADS
-from .stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
-
+from pipesim.validate.numerics import EXECUTOR_THREADS
+from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
 #: collectives exchanged point to point use tags from here up
 COLLECTIVE_TAG_BASE = 1 << 30
@@ -360,7 +360,7 @@ class Job:
 
 def build_stages(job: Job, keys, device: torch.device):
     """The model's stage modules and a PipelineStage for every (replica, stage) in ``keys``."""
-    from .models import build_model, split
+    from pipesim.validate.models import build_model, split
 
     model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
     modules = split(model, list(job.starts))
@@ -510,7 +510,7 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
     """Run jobs of the same device count one after another in one set of worker
     processes (start-up is the expensive part of a short run)."""
     from pipesim.sim.checks import validate
-    from .launch import launch
+    from pipesim.validate.launch import launch
 
     if not jobs:
         return []

@@ -42,11 +42,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from pipesim.sim.ir import AVERAGE, Schedule
-from .executor import RunOutput, emulate, initial_centres, iteration_losses
-from .numerics import EXECUTOR_THREADS, intra_op_threads
-from .stage import OptimizerConfig
-from .stream import Part, Stream, StreamError, moved, moved_on, stream_builder, updates
+from pipesim.validate.executor import RunOutput, emulate, initial_centres, iteration_losses
+from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
+from pipesim.validate.stage import OptimizerConfig
+from pipesim.validate.stream import Part, Stream, StreamError, moved, moved_on, stream_builder, updates
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ class PipelineSchedule:
         return out
 
     def _run_distributed(self, sched: Schedule, data) -> RunOutput | None:
-        from .runtime import execute
+        from pipesim.validate.runtime import execute
 
         world = dist.get_world_size()
         if world != sched.num_devices:

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from pipesim.kernels import VersionPool, adam_coefficients, predict_adam, predict_sgd
-from pipesim.kernels import foreach
+from torch import Tensor, nn
+
+from pipesim.kernels import VersionPool, adam_coefficients, foreach, predict_adam, predict_sgd
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
-from torch import Tensor, nn
 
 OPTIMIZERS = ("sgd", "adam")
 

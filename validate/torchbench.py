@@ -84,11 +84,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command, seconds
 from pipesim.sim.errors import InputError
 from pipesim.sim.strategies import get_strategy, strategies
-
-from .numerics import EXECUTOR_THREADS
+from pipesim.validate.numerics import EXECUTOR_THREADS
 
 __all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
            "machine", "main", "pipesim_throughput", "torch_worker"]
@@ -141,9 +141,10 @@ class TorchJob:
 
 def _torch_run(ctx, job: TorchJob) -> dict:
     import torch.distributed as dist
-    from .models import build_model, split
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
+
+    from pipesim.validate.models import build_model, split
 
     rank, world = ctx.rank, ctx.world_size
     model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
@@ -347,7 +348,7 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     processes took meanwhile (:class:`CpuMeter`): figures from launches
     where it is well above 0 were measured on a contended machine.
     """
-    from .models import build_model, split
+    from pipesim.validate.models import build_model, split
 
     schedules = tuple(schedules)
     _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats, warmup_iterations)
@@ -397,8 +398,8 @@ def _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, w
           seed) -> tuple[list, list]:
     """The same work for both sides: pipesim's jobs and torch's."""
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
-    from .runtime import Job
-    from .stage import OptimizerConfig
+    from pipesim.validate.runtime import Job
+    from pipesim.validate.stage import OptimizerConfig
 
     total = warmup_iterations + iterations
     optim = OptimizerConfig(kind="sgd", lr=LR, momentum=MOMENTUM, scale_grads=True)
@@ -418,8 +419,8 @@ def _alternate(pjobs, tjobs, schedules, cpu_launch: dict, repeats: int, progress
     """``repeats`` rounds of one pipesim launch then one torch launch (so
     drift on a shared machine hits both sides alike): per round, each
     schedule's throughput record, and the CPU other processes took."""
-    from .launch import launch
-    from .runtime import run_many
+    from pipesim.validate.launch import launch
+    from pipesim.validate.runtime import run_many
 
     first = tjobs[0]
     pipesim_runs: list[list[dict]] = []

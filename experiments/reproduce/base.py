@@ -234,7 +234,7 @@ def bars_beside_published(rows: Sequence[Row], title: str, yaxis: str, group: Ca
 
 def write_figure(fig, out_dir: Path, name: str, width: int = 1100, height: int = 520) -> list[Path]:
     """``name.html`` (self-contained) and ``name.png`` when a browser exists."""
-    from ..export import write_png
+    from pipesim.experiments.export import write_png
 
     out_dir.mkdir(parents=True, exist_ok=True)
     html = out_dir / f"{name}.html"

@@ -33,11 +33,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipesim.experiments.reproduce.base import (
+    Claim,
+    Paper,
+    Progress,
+    Row,
+    bars_beside_published,
+    no_progress,
+    write_figure,
+)
 from pipesim.sim.api import resolve_hardware
 from pipesim.sim.models import model_profile
 from pipesim.sim.planning.plan import PlanRequest, data_parallel_throughput, notation, plan
-
-from .base import Claim, Paper, Progress, Row, bars_beside_published, no_progress, write_figure
 
 NAME = "pipedream"
 FIGURE = "table1"

@@ -28,9 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipesim.experiments.reproduce.base import (
+    Claim,
+    Paper,
+    Progress,
+    Row,
+    claims_table,
+    comparison_table,
+    with_published,
+)
 from pipesim.sim.errors import InputError
-
-from .base import Claim, Paper, Progress, Row, claims_table, comparison_table, with_published
 
 #: The papers ``pipesim reproduce`` knows, and the module that reproduces each.
 PAPERS = {"pipedream": "pipedream", "2bw": "twobw", "spectrain": "spectrain"}

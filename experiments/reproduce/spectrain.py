@@ -61,14 +61,21 @@ from importlib.resources import files
 from pathlib import Path
 
 from pipesim.experiments.converge import PUBLISHED as PUBLISHED_ACCURACY
+from pipesim.experiments.reproduce.base import (
+    Claim,
+    Paper,
+    Progress,
+    Row,
+    bars_beside_published,
+    no_progress,
+    write_figure,
+)
 from pipesim.sim.api import resolve_hardware, simulate
 from pipesim.sim.hardware import DeviceSpec
 from pipesim.sim.models import model_profile
 from pipesim.sim.planning.plan import steady_throughput
 from pipesim.sim.strategies import ScheduleSpec
 from pipesim.sim.workload import LayerCost, Profile
-
-from .base import Claim, Paper, Progress, Row, bars_beside_published, no_progress, write_figure
 
 NAME = "spectrain"
 FIGURE = "speedup"

@@ -45,6 +45,7 @@ from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
+from pipesim.experiments.reproduce.base import Claim, Paper, Progress, Row, bars_beside_published, write_figure
 from pipesim.sim.api import simulate_schedule
 from pipesim.sim.hardware import Hardware, load_hardware
 from pipesim.sim.models import model_profile
@@ -52,8 +53,6 @@ from pipesim.sim.planning.cost import LinkModel
 from pipesim.sim.planning.grid import GridRequest, plan_grid
 from pipesim.sim.planning.plan import Candidate, steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
-
-from .base import Claim, Paper, Progress, Row, bars_beside_published, write_figure
 
 NAME = "2bw"
 GIB = 2**30

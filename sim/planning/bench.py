@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from ..cliargs import bench_main
+from pipesim.sim.cliargs import bench_main
 
 #: (model, hardware, GPUs, target seconds)
 CASES = (
@@ -40,10 +40,10 @@ GRID_CASES = (
 def grid_seconds(model: str, hardware: str, gpus: int, batch: int, strategy: str,
                  repeat: int) -> tuple[list[float], dict]:
     """Sorted wall times of the width x depth planner, and the last record."""
-    from ..hardware import load_hardware
-    from ..models import model_profile
-    from .grid import GridRequest, plan_grid
-    from .layout import traits_of
+    from pipesim.sim.hardware import load_hardware
+    from pipesim.sim.models import model_profile
+    from pipesim.sim.planning.grid import GridRequest, plan_grid
+    from pipesim.sim.planning.layout import traits_of
 
     hw = load_hardware(hardware)
     times, record = [], {}
@@ -58,10 +58,10 @@ def grid_seconds(model: str, hardware: str, gpus: int, batch: int, strategy: str
 
 def plan_seconds(model: str, hardware: str, gpus: int, strategy: str, repeat: int) -> tuple[list[float], dict]:
     """Sorted wall times of planning ``model``, and the last plan's record."""
-    from ..hardware import load_hardware
-    from ..models import model_profile
-    from .layout import traits_of
-    from .plan import PlanRequest, plan
+    from pipesim.sim.hardware import load_hardware
+    from pipesim.sim.models import model_profile
+    from pipesim.sim.planning.layout import traits_of
+    from pipesim.sim.planning.plan import PlanRequest, plan
 
     hw = load_hardware(hardware)
     profile = model_profile(model, hw.device)
@@ -139,6 +139,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipesim.sim.plann
 
 
 if __name__ == "__main__":
-    from ..cliargs import run_command
+    from pipesim.sim.cliargs import run_command
 
     sys.exit(run_command(main))

@@ -72,11 +72,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import CostModel
-from ..hardware import Hardware
-from ..ir import INPUT_GRADIENT_OPS, UPDATE, Action, F
-from ..partition import StageCost
-from .layout import BACKWARD, FORWARD, Layout, Wait
+from pipesim.sim.engine import CostModel
+from pipesim.sim.hardware import Hardware
+from pipesim.sim.ir import INPUT_GRADIENT_OPS, UPDATE, Action, F
+from pipesim.sim.partition import StageCost
+from pipesim.sim.planning.layout import BACKWARD, FORWARD, Layout, Wait
 
 #: ``(a, b)``: a + b * bytes seconds (a counts only when bytes > 0).
 Line = tuple[float, float]

@@ -60,16 +60,28 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..errors import InputError
-from ..hardware import Hardware
-from ..partition import StageCost, balanced
-from ..strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
-from ..workload import Profile
-from .cost import LinkModel, stage_memory, update_seconds
-from .layout import traits_of
-from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
-                   check_served, memory_limit, out_of_memory, steady_state)
-from .search import Tables, memory_terms
+from pipesim.sim.errors import InputError
+from pipesim.sim.hardware import Hardware
+from pipesim.sim.partition import StageCost, balanced
+from pipesim.sim.planning.cost import LinkModel, stage_memory, update_seconds
+from pipesim.sim.planning.layout import traits_of
+from pipesim.sim.planning.plan import (
+    ITERATIONS,
+    MAX_GPUS,
+    Candidate,
+    Plan,
+    PlanError,
+    Stage,
+    check_counts,
+    check_plan_options,
+    check_served,
+    memory_limit,
+    out_of_memory,
+    steady_state,
+)
+from pipesim.sim.planning.search import Tables, memory_terms
+from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
+from pipesim.sim.workload import Profile
 
 PLANNER = "width-depth"
 #: Configurations confirmed with the engine.
@@ -265,8 +277,8 @@ class _Grid:
 
     def confirm(self, cand: Candidate) -> Candidate:
         """``cand`` simulated with the engine, or a note saying why not."""
-        from ..api import simulate_schedule
-        from ..size import check_size
+        from pipesim.sim.api import simulate_schedule
+        from pipesim.sim.size import check_size
 
         p = cand.params
         req = self.req

@@ -32,7 +32,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cache
 
-from ..ir import (
+from pipesim.sim.errors import InputError
+from pipesim.sim.ir import (
     AVERAGE,
     COMPUTE_OPS,
     INPUT_GRADIENT_OPS,
@@ -45,9 +46,8 @@ from ..ir import (
     Op,
     Schedule,
 )
-from ..errors import InputError
-from ..strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
-from ..strategies._common import warmup
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
+from pipesim.sim.strategies._common import warmup
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
     if strategy is not None:
         versions = [strategy.weight_versions(schedule.options, k, p) for k in range(p)]
     else:  # an imported schedule: count what its IR keeps
-        from ..trackers import version_plan
+        from pipesim.sim.trackers import version_plan
 
         held = version_plan(schedule)[1]
         versions = [max((n for (_, st), n in held.items() if st == k), default=1) for k in range(p)]

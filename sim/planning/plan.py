@@ -58,25 +58,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..files import parse_json, read_text
-from ..hardware import Hardware
-from ..ir import PASS_OPS, UPDATE, F, Schedule
-from ..metrics import round_sig
-from ..results import SimResult
-from ..size import SizeError, check_size
-from ..strategies import (
-    ScheduleSpec,
-    StrategyError,
-    build_schedule,
-    find_strategy,
-    get_strategy,
-    strategies,
-)
-from ..workload import Profile
-from .cost import Estimate
-from .layout import traits_of
-from .search import MIN_GAIN, Config, CostSetting, Planner, Tables
+from pipesim.sim.errors import InputError
+from pipesim.sim.files import parse_json, read_text
+from pipesim.sim.hardware import Hardware
+from pipesim.sim.ir import PASS_OPS, UPDATE, F, Schedule
+from pipesim.sim.metrics import round_sig
+from pipesim.sim.planning.cost import Estimate
+from pipesim.sim.planning.layout import traits_of
+from pipesim.sim.planning.search import MIN_GAIN, Config, CostSetting, Planner, Tables
+from pipesim.sim.results import SimResult
+from pipesim.sim.size import SizeError, check_size
+from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
+from pipesim.sim.workload import Profile
 
 PLAN_VERSION = 1
 #: Candidates confirmed with the engine, besides the landmarks.
@@ -1071,7 +1064,7 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner, *, set
     (and ``refused`` if the strategy cannot run it). A run with no steady
     window (``settle``: or with one not settled yet) is run again with
     twice the iterations (:func:`_longer_run`)."""
-    from ..api import simulate_schedule
+    from pipesim.sim.api import simulate_schedule
 
     spec, schedule, note = _run_for(cand, req, m)
     if spec is None:
@@ -1132,7 +1125,7 @@ def data_parallel_throughput(req: PlanRequest) -> float | None:
     """Steady-state throughput of data parallelism on the request's devices,
     the micro-batches per iteration rounded up to a multiple of them (the
     baseline every plan's speedup is over)."""
-    from ..api import simulate
+    from pipesim.sim.api import simulate
 
     n, m = req.gpus, req.microbatches or req.gpus
     spec = ScheduleSpec(DATA_PARALLEL, n, -(-m // n) * n, iterations=req.iterations)

@@ -47,18 +47,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..hardware import Hardware
-from ..partition import StageCost, balanced, recomputed, stage_cost
-from ..workload import Profile
-from .cost import (
-    Estimate,
-    LinkModel,
-    envelope,
-    estimate,
-    held_activations,
-    update_seconds,
-)
-from .layout import Layout, Traits, layout_for
+from pipesim.sim.hardware import Hardware
+from pipesim.sim.partition import StageCost, balanced, recomputed, stage_cost
+from pipesim.sim.planning.cost import Estimate, LinkModel, envelope, estimate, held_activations, update_seconds
+from pipesim.sim.planning.layout import Layout, Traits, layout_for
+from pipesim.sim.workload import Profile
 
 _REL_TOL = 1e-9
 #: Rounds of local search at most (each takes the best neighbour).

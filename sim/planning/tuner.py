@@ -30,12 +30,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import InputError
-from ..hardware import Hardware
-from ..strategies import ScheduleSpec, StrategyError, build_schedule
-from ..workload import Profile
-from .plan import (ITERATIONS, MAX_GPUS, Candidate, Plan, PlanError, Stage, check_counts, check_plan_options,
-                   check_served, memory_limit, out_of_memory, steady_state)
+from pipesim.sim.errors import InputError
+from pipesim.sim.hardware import Hardware
+from pipesim.sim.planning.plan import (
+    ITERATIONS,
+    MAX_GPUS,
+    Candidate,
+    Plan,
+    PlanError,
+    Stage,
+    check_counts,
+    check_plan_options,
+    check_served,
+    memory_limit,
+    out_of_memory,
+    steady_state,
+)
+from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule
+from pipesim.sim.workload import Profile
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -103,7 +115,7 @@ def schedule_on_gpus(req: TuneRequest, pipelines: int, microbatches: int):
         spec = ScheduleSpec(req.strategy, depth, microbatches, iterations=req.iterations, width=pipelines,
                             **req.options)
         try:
-            from ..size import check_size
+            from pipesim.sim.size import check_size
 
             check_size(spec)
             schedule = build_schedule(spec)
@@ -117,7 +129,7 @@ def schedule_on_gpus(req: TuneRequest, pipelines: int, microbatches: int):
 def measure(req: TuneRequest, pipelines: int, microbatches: int, profiles: dict) -> Candidate | str:
     """One (N, m) simulated with the engine (see the module doc), or why it
     cannot run on the GPUs."""
-    from ..api import simulate_schedule
+    from pipesim.sim.api import simulate_schedule
 
     b = req.batch_size // microbatches
     if b not in profiles:

@@ -13,8 +13,8 @@ parallelism excepted, see their modules).
 
 from __future__ import annotations
 
-from ..ir import Schedule
-from . import (
+from pipesim.sim.ir import Schedule
+from pipesim.sim.strategies import (
     avgpipe,
     data_parallel,
     gpipe,
@@ -26,7 +26,14 @@ from . import (
     tensor_parallel,
     zero_bubble,
 )
-from ._common import OPTION_DEFAULTS, PLACEMENTS, ScheduleSpec, Strategy, StrategyError, check_field
+from pipesim.sim.strategies._common import (
+    OPTION_DEFAULTS,
+    PLACEMENTS,
+    ScheduleSpec,
+    Strategy,
+    StrategyError,
+    check_field,
+)
 
 __all__ = [
     "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field",

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from ..errors import InputError
-from ..ir import (
+from pipesim.sim.errors import InputError
+from pipesim.sim.ir import (
     AVERAGE,
     COMPUTE_OPS,
     OVERLAP_F_B,
@@ -42,7 +42,6 @@ from ..ir import (
     Schedule,
     routed,
 )
-
 
 _new = tuple.__new__  # see flush_iteration
 #: Receives, which flush_iteration's update goes before (they serve a later pass).
@@ -103,7 +102,7 @@ class ScheduleSpec:
         if isinstance(self.replicas, list):
             object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.width is None:
-            from . import find_strategy  # the registry imports this module
+            from pipesim.sim.strategies import find_strategy  # the registry imports this module
 
             found = find_strategy(self.strategy)
             object.__setattr__(self, "width", found.default_width if found else 1)
@@ -255,7 +254,7 @@ class Strategy:
 
 def check_executable(strategy_name: str, executor: str) -> None:
     """Refuse, in one line, a schedule whose strategy says real tensors cannot run it."""
-    from . import find_strategy  # the registry imports this module
+    from pipesim.sim.strategies import find_strategy  # the registry imports this module
 
     found = find_strategy(strategy_name)
     if found is not None and not found.executable:
@@ -282,7 +281,7 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
             raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
     if "width" not in uses and spec.width != 1:
-        from . import strategies  # the registry imports this module
+        from pipesim.sim.strategies import strategies  # the registry imports this module
 
         wide = [s.name for s in strategies() if "width" in s.options]
         raise StrategyError(

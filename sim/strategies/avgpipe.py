@@ -27,8 +27,8 @@ docs/semantics.md, not a verified reproduction:
 
 from __future__ import annotations
 
-from ..ir import Action, Schedule, routed
-from ._common import (
+from pipesim.sim.ir import Action, Schedule, routed
+from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,
     check_spec,

@@ -10,8 +10,15 @@ width > 1) come from :func:`~pipesim.sim.strategies._common.flush_schedule`.
 
 from __future__ import annotations
 
-from ..ir import B, F, Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flushed, replicated_schedule, stage_replicas
+from pipesim.sim.ir import B, F, Schedule
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    Strategy,
+    check_spec,
+    flushed,
+    replicated_schedule,
+    stage_replicas,
+)
 
 NAME = "gpipe"
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import Action, B, F, Schedule
-from ._common import (
+from pipesim.sim.ir import Action, B, F, Schedule
+from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,
     StrategyError,

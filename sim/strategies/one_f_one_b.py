@@ -14,8 +14,16 @@ schedule GPipe-like on the early stages.
 
 from __future__ import annotations
 
-from ..ir import Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flushed, one_f_one_b, replicated_schedule, stage_replicas
+from pipesim.sim.ir import Schedule
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    Strategy,
+    check_spec,
+    flushed,
+    one_f_one_b,
+    replicated_schedule,
+    stage_replicas,
+)
 
 NAME = "1f1b"
 

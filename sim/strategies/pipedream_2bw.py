@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
-from ._common import (
+from pipesim.sim.ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
+from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,
     StrategyError,

@@ -20,8 +20,8 @@ stage, whose two distances coincide, share one.
 
 from __future__ import annotations
 
-from ..ir import PREDICT, UPDATE, Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
+from pipesim.sim.ir import PREDICT, UPDATE, Action, B, F, Schedule
+from pipesim.sim.strategies._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
 
 NAME = "spectrain"
 

@@ -40,8 +40,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..ir import ALLREDUCE, Action, B, F, Schedule
-from ._common import ScheduleSpec, Strategy, check_spec, flush_iteration, ring_steps, schedule_of
+from pipesim.sim.ir import ALLREDUCE, Action, B, F, Schedule
+from pipesim.sim.strategies._common import ScheduleSpec, Strategy, check_spec, flush_iteration, ring_steps, schedule_of
 
 NAME = "tensor-parallel"
 

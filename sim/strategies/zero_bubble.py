@@ -27,8 +27,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import B, F, I, Schedule, W
-from ._common import ScheduleSpec, Strategy, check_spec, flushed, one_f_one_b, replicated_schedule, stage_replicas
+from pipesim.sim.ir import B, F, I, Schedule, W
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    Strategy,
+    check_spec,
+    flushed,
+    one_f_one_b,
+    replicated_schedule,
+    stage_replicas,
+)
 
 NAME = "zb-h1"
 
