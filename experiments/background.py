@@ -246,7 +246,7 @@ class TraceWriter:
         self.job: Background | None = None
 
     def start(self, result) -> None:
-        from pipesim.sim.trace import write_trace_once_tracked
+        from pipesim.experiments.trace import write_trace_once_tracked
 
         if self.announce is not None:
             self.announce(len(result.spans))

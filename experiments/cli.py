@@ -47,7 +47,7 @@ from pathlib import Path
 from pipesim.experiments.background import TraceWriter
 from pipesim.experiments.progress import no_progress, phase_bar
 from pipesim.sim._gc import kept_until_exit, retain
-from pipesim.sim.cliargs import (
+from pipesim.experiments.cliargs import (
     Parser,
     UsageError,
     list_choices,
@@ -97,13 +97,13 @@ def _strategy_names() -> list[str]:
 
 
 def _catalog_models() -> list[str]:
-    from pipesim.sim.models import measured_model_names, model_names
+    from pipesim.sim.workloads.catalog import measured_model_names, model_names
 
     return model_names() + measured_model_names()
 
 
 def _hardware_presets() -> list[str]:
-    from pipesim.sim.hardware import preset_names
+    from pipesim.sim.hardware.machines import preset_names
 
     return preset_names()
 
@@ -231,8 +231,9 @@ def _flag_of(option: str) -> str:
 
 def _profile_file(args):
     """``--profile``'s profile at ``--microbatch-size`` (one rule for every
-    command: :func:`~pipesim.sim.workload.at_microbatch_size`)."""
-    from pipesim.sim.workload import at_microbatch_size, load_profile
+    command: :func:`~pipesim.sim.workloads.profile.at_microbatch_size`)."""
+    from pipesim.sim.workloads.profile import at_microbatch_size
+    from pipesim.sim.workloads.readers import load_profile
 
     return at_microbatch_size(load_profile(args.profile), args.microbatch_size)
 
@@ -256,8 +257,8 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
     caller; ``uniform_layers``: the ``uniform`` model's layers, where
     several runs must share one model (:func:`_uniform_layers`)."""
     from pipesim.sim.api import resolve_hardware, simulate_schedule
-    from pipesim.sim.metrics import summarize, write_summary
-    from pipesim.sim.size import check_size, estimate_work
+    from pipesim.sim.engine.metrics import summarize, write_summary
+    from pipesim.sim.engine.size import check_size, estimate_work
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
@@ -308,7 +309,7 @@ def _simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool
             step("summarizing")
             summary = summarize(result)
             if plan is not None:
-                from pipesim.sim.metrics import round_sig
+                from pipesim.sim.engine.metrics import round_sig
                 from pipesim.sim.planning.plan import steady_state
 
                 rate, windowed = steady_state(result)
@@ -422,7 +423,7 @@ def cmd_simulate(args) -> int:
     started = time.perf_counter()
     summary = _simulate_one(args, None, out, outputs=not args.summary_only, keep=True, plan=plan)
     if args.json:
-        from pipesim.sim.metrics import dumps
+        from pipesim.sim.engine.metrics import dumps
 
         sys.stdout.write(dumps(summary))
     else:
@@ -489,7 +490,7 @@ def _compared(names: str | None) -> list[str]:
 
 
 def cmd_compare(args) -> int:
-    from pipesim.sim.metrics import dumps
+    from pipesim.sim.engine.metrics import dumps
 
     if args.one_strategy is not None:
         raise UsageError(f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
@@ -607,7 +608,7 @@ def _check_compared(args, strategies: list[str]) -> tuple[dict, dict]:
     again for its run); and every checked strategy's model stages."""
     from pipesim.sim.api import resolve_hardware
     from pipesim.sim.planning.plan import plannable
-    from pipesim.sim.size import BYTES_PER_PASS, available_memory_bytes, check_size, estimate_passes
+    from pipesim.sim.engine.size import BYTES_PER_PASS, available_memory_bytes, check_size, estimate_passes
     from pipesim.sim.strategies import build_schedule
 
     hw = resolve_hardware(args.hardware or "ideal")
@@ -680,7 +681,7 @@ def _plan_profile(args, hardware, devices: int):
     """The profile a plan is made for: ``--profile``, or the catalog model on
     the hardware's device (``uniform``: one layer per device, as a pipeline of
     that depth gets)."""
-    from pipesim.sim.models import model_profile
+    from pipesim.sim.workloads.catalog import model_profile
 
     if args.profile:
         return _profile_file(args)
@@ -787,7 +788,7 @@ def _profile_for(args, hw, gpus: int):
     batch size: --batch-size, else 4 micro-batches of the model's size per GPU."""
     from dataclasses import replace
 
-    from pipesim.sim.models import model_profile
+    from pipesim.sim.workloads.catalog import model_profile
 
     default = _plan_profile(args, hw, gpus)
     batch = args.batch_size or 4 * gpus * default.microbatch_size
@@ -854,8 +855,8 @@ def _plan_progress(passes: int):
 
 
 def cmd_schedule(args) -> int:
-    from pipesim.sim.ir import program_cells, to_csv
-    from pipesim.sim.size import check_size
+    from pipesim.sim.ir.core import program_cells, to_csv
+    from pipesim.sim.engine.size import check_size
     from pipesim.sim.strategies import build_schedule, get_strategy, strategies
 
     if args.list:
@@ -878,7 +879,7 @@ def cmd_schedule(args) -> int:
         raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
                          f"{schedule.num_devices} devices, not {args.devices}")
     if args.lowered:
-        from pipesim.sim.lowering import lower
+        from pipesim.sim.ir.lowering import lower
 
         # torch's dry run (_simulate_comms_compute) blocks a rank on a posted
         # receive, so it accepts receives only right before their consumer
@@ -928,7 +929,7 @@ def _progress(msg: str) -> None:
 def cmd_profile(args) -> int:
     import json
 
-    from pipesim.sim.workload import save_profile
+    from pipesim.sim.workloads.readers import save_profile
     from pipesim.validate.harness import ValidateConfig, check_fits, hardware_for, model_of, profile, torch_device
 
     out = _output_dir(args.out)
@@ -972,9 +973,9 @@ def cmd_validate(args) -> int:
     import json
 
     from pipesim.experiments.overlay import write_merged_trace, write_overlay_html
-    from pipesim.sim.metrics import dumps
+    from pipesim.sim.engine.metrics import dumps
     from pipesim.sim.planning.plan import notation as notation_of
-    from pipesim.sim.workload import save_profile
+    from pipesim.sim.workloads.readers import save_profile
     from pipesim.validate.harness import ValidateConfig, run_validation
     from pipesim.validate.stage import OptimizerConfig
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.metrics import round_sig
+from pipesim.sim.engine.metrics import round_sig
 
 #: Accuracies (%) the papers publish, by their setting and strategy name as
 #: ``pipesim converge`` spells it ("pipedream-nostash" is vanilla

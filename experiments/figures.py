@@ -50,7 +50,7 @@ from plotly.subplots import make_subplots
 
 from pipesim.experiments.export import png_skipped_reason, write_png
 from pipesim.sim.errors import InputError
-from pipesim.sim.metrics import round_sig
+from pipesim.sim.engine.metrics import round_sig
 
 DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_STAGES: tuple[int, ...] = (4, 8)
@@ -111,7 +111,7 @@ def default_simulate(strategy: str, stages: int, microbatches: int) -> float:
     """Bubble fraction of one simulation on the ``uniform`` model and
     ``ideal`` hardware, through :func:`pipesim.sim.api.simulate`."""
     from pipesim.sim.api import simulate
-    from pipesim.sim.metrics import summarize
+    from pipesim.sim.engine.metrics import summarize
     from pipesim.sim.strategies import ScheduleSpec
 
     spec = ScheduleSpec(strategy=strategy, stages=stages, microbatches=microbatches)

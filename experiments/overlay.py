@@ -1,6 +1,6 @@
 """Measured against simulated, on one time axis: where the model is wrong.
 
-``pipesim validate`` ends with two :class:`~pipesim.sim.results.SimResult` s of
+``pipesim validate`` ends with two :class:`~pipesim.sim.engine.results.SimResult` s of
 the same schedule, one measured and one predicted. Their numbers are compared
 in ``report.json`` (:mod:`pipesim.validate.reconcile`); this module is for
 *seeing* where they diverge, which a table of errors does not show (a late
@@ -31,8 +31,8 @@ import plotly.graph_objects as go
 
 from pipesim.experiments.export import png_supported, write_png
 from pipesim.experiments.timeline import OP_ORDER, PALETTE, apply_timeline_layout
-from pipesim.sim.results import SimResult, Span
-from pipesim.sim.trace import chrome_trace, dumps
+from pipesim.sim.engine.results import SimResult, Span
+from pipesim.experiments.trace import chrome_trace, dumps
 
 DIV_ID = "pipesim-overlay"
 
@@ -320,7 +320,7 @@ def merged_trace(measured: SimResult, predicted: SimResult) -> dict:
 
 
 def write_merged_trace(measured: SimResult, predicted: SimResult, path: str | Path) -> Path:
-    """Write :func:`merged_trace` with :func:`pipesim.sim.trace.dumps` (same
+    """Write :func:`merged_trace` with :func:`pipesim.experiments.trace.dumps` (same
     inputs, same bytes) and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

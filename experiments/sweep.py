@@ -52,10 +52,10 @@ from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
-from pipesim.sim.cliargs import bench_main, first_line, list_choices, positive
+from pipesim.experiments.cliargs import bench_main, first_line, list_choices, positive
 from pipesim.sim.errors import InputError, RunError
 from pipesim.sim.strategies import ScheduleSpec, check_field, get_strategy, strategies, strategy_names
-from pipesim.sim.workload import check_microbatch_size
+from pipesim.sim.workloads.profile import check_microbatch_size
 
 SWEEP_VERSION = 1
 
@@ -299,7 +299,7 @@ def _check_range(axis: str, values: tuple) -> None:
 
 def _check_models(names: Iterable[str]) -> None:
     """Every catalog model, computed or measured (PipeDream's profiles)."""
-    from pipesim.sim.models import measured_model_names, model_names
+    from pipesim.sim.workloads.catalog import measured_model_names, model_names
 
     known = model_names() + measured_model_names()
     for name in names:
@@ -350,7 +350,7 @@ def evaluate_point(config: dict, hardware: dict) -> dict:
     ``status: skipped`` and the reason the strategy or simulator gave."""
     from pipesim.sim._gc import gc_paused
     from pipesim.sim.api import simulate
-    from pipesim.sim.metrics import summarize
+    from pipesim.sim.engine.metrics import summarize
 
     spec_fields = {k: v for k, v in config.items() if k not in RUN_AXES}
     try:
@@ -375,7 +375,7 @@ def evaluate_chunk(chunk: list[tuple[int, dict]], hardware: dict) -> list[tuple[
 def estimated_work(config: dict) -> int:
     """What a point's simulation time grows with (its stage passes and
     collective steps, as the strategy counts them); 1 if unknown."""
-    from pipesim.sim.size import estimate_work
+    from pipesim.sim.engine.size import estimate_work
 
     spec_fields = {k: v for k, v in config.items() if k not in RUN_AXES}
     try:
@@ -447,7 +447,7 @@ def _pool_context():
     if "forkserver" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not POSIX
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipesim.sim.api", "pipesim.sim.metrics", __name__])
+    ctx.set_forkserver_preload(["pipesim.sim.api", "pipesim.sim.engine.metrics", __name__])
     return ctx
 
 
@@ -814,13 +814,13 @@ AXIS_FLAGS = {
 
 
 def _model_names() -> list[str]:
-    from pipesim.sim.models import measured_model_names, model_names
+    from pipesim.sim.workloads.catalog import measured_model_names, model_names
 
     return model_names() + measured_model_names()
 
 
 def _preset_names() -> list[str]:
-    from pipesim.sim.hardware import preset_names
+    from pipesim.sim.hardware.machines import preset_names
 
     return preset_names()
 

@@ -1,6 +1,6 @@
 """Interactive timeline of one execution: who computes what, when.
 
-:func:`timeline_figure` turns a :class:`~pipesim.sim.results.SimResult` into a
+:func:`timeline_figure` turns a :class:`~pipesim.sim.engine.results.SimResult` into a
 plotly figure with one row per device (``device 0`` at the top), compute spans
 as horizontal bars coloured by action type and, on a thinner sub-row
 ``device N comm`` under each device, sends, receives and collectives. Idle
@@ -13,7 +13,7 @@ PREDICT, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, AVERAGE), never one
 trace per span; numbers travel as binary arrays, so a 100k-span schedule stays
 a few megabytes of HTML. Beyond ``max_spans`` spans in total the communication
 rows are dropped (compute is always drawn in full) and a note says so; the
-Chrome trace (:mod:`pipesim.sim.trace`) always holds everything.
+Chrome trace (:mod:`pipesim.experiments.trace`) always holds everything.
 
 :func:`write_timeline_html` writes a self-contained page (plotly.js inlined,
 fixed ``div_id``): the same result gives byte-identical HTML.
@@ -31,9 +31,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from _plotly_utils.utils import to_typed_array_spec
 
-from pipesim.sim.ir import MICROBATCH_OPS, P2P_OPS, Op, format_action
-from pipesim.sim.metrics import bubble_fractions
-from pipesim.sim.results import SimResult
+from pipesim.sim.ir.core import MICROBATCH_OPS, P2P_OPS, Op, format_action
+from pipesim.sim.engine.metrics import bubble_fractions
+from pipesim.sim.engine.results import SimResult
 
 #: Fixed colour of every action type, shared by all pipesim figures.
 PALETTE: dict[Op, str] = {
@@ -69,7 +69,7 @@ _STREAM, _ACTION = attrgetter("stream"), attrgetter("action")
 
 
 def device_bubbles(result: SimResult) -> list[float]:
-    """Bubble fraction of every device (:func:`pipesim.sim.metrics.bubble_fractions`)."""
+    """Bubble fraction of every device (:func:`pipesim.sim.engine.metrics.bubble_fractions`)."""
     return bubble_fractions(result)
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipesim.sim.cliargs import bench_main, positive, run_command
+from pipesim.experiments.cliargs import bench_main, positive, run_command
 
 #: (ranks p, stages per rank v, micro-batches m) timed by default.
 DEFAULT_SIZES = ((4, 2, 16), (8, 2, 64), (16, 2, 128), (16, 2, 256), (32, 2, 512))

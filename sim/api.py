@@ -4,7 +4,7 @@ This is the seam every front end uses (the CLI, the figures, the validation
 harness): build the schedule, cost the model on the machine's device, split
 it into balanced stages, run the engine.
 
-Before building a spec, front ends ask :mod:`pipesim.sim.size` whether it
+Before building a spec, front ends ask :mod:`pipesim.sim.engine.size` whether it
 fits in this machine's memory.
 """
 
@@ -14,16 +14,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pipesim.sim._gc import gc_paused
-from pipesim.sim.engine import check_on_spans, check_run_options
-from pipesim.sim.engine import simulate as run_engine
-from pipesim.sim.hardware import Hardware, load_hardware
-from pipesim.sim.ir import P2P_OPS, Schedule
-from pipesim.sim.models import model_profile
-from pipesim.sim.partition import StageCost, check_split, partition, recomputed, split_at
-from pipesim.sim.results import SimResult
-from pipesim.sim.size import check_size
+from pipesim.sim.engine.core import check_on_spans, check_run_options
+from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.engine.results import SimResult
+from pipesim.sim.engine.size import check_size
+from pipesim.sim.hardware.machines import Hardware, load_hardware
+from pipesim.sim.ir.core import P2P_OPS, Schedule
+from pipesim.sim.partition.split import check_split, partition
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, find_strategy
-from pipesim.sim.workload import Profile, WorkloadError, check_microbatch_size
+from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.workloads.profile import Profile, WorkloadError, check_microbatch_size
+from pipesim.sim.workloads.stages import StageCost, recomputed, split_at
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:
@@ -90,7 +91,7 @@ def simulate_schedule(
 
     ``recompute``: activation recomputation (every backward re-runs its
     stage's forward; a micro-batch keeps only its layers' inputs until then,
-    checkpointed per layer: :func:`~pipesim.sim.partition.recomputed`), for
+    checkpointed per layer: :func:`~pipesim.sim.workloads.stages.recomputed`), for
     every strategy alike;
     the split is chosen for it and ``meta`` records it.
 
@@ -103,7 +104,7 @@ def simulate_schedule(
 
     ``on_spans`` is called once, with the result returned, as soon as its
     spans are final: before its memory is tracked when one run is made
-    (:func:`pipesim.sim.engine.simulate`), after the runs otherwise (the
+    (:func:`pipesim.sim.engine.core.simulate`), after the runs otherwise (the
     choice among several needs their memory).
     """
     check_run_options(recv_lookahead=recv_lookahead)
@@ -181,7 +182,7 @@ def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, l
 
     Communication-aware (transfers across each boundary over the links it
     crosses, each replicated stage's all-reduce, memory as this schedule
-    holds it: :func:`pipesim.sim.planning.search.ranked_splits`) on a machine
+    holds it: :func:`pipesim.sim.partition.search.ranked_splits`) on a machine
     whose devices are joined by links, for schedules that run one model stage
     per device. Compute-only elsewhere, one split: on the ``ideal`` machine
     every transfer is free and the two agree, and where a device runs
@@ -191,8 +192,8 @@ def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, l
     limit_bytes = hardware.device.memory_bytes
     p = schedule.num_stages
     if (hardware.intra_node.kind != "ideal" or hardware.nodes > 1) and check_split(profile, p):
-        from pipesim.sim.planning.layout import layout_of
-        from pipesim.sim.planning.search import CostSetting, Tables, ranked_splits
+        from pipesim.sim.partition.layout import layout_of
+        from pipesim.sim.partition.search import CostSetting, Tables, ranked_splits
 
         hardware.check_devices(schedule.num_devices)
         layout = layout_of(schedule, recv_lookahead)
@@ -252,7 +253,7 @@ def simulate(
 
 def _check_simulate_arguments(spec, model, profile) -> None:
     from pipesim.sim.strategies import StrategyError
-    from pipesim.sim.workload import WorkloadError
+    from pipesim.sim.workloads.profile import WorkloadError
 
     if not isinstance(spec, ScheduleSpec):
         raise StrategyError(f"spec must be a ScheduleSpec, got {type(spec).__name__}")
@@ -261,4 +262,4 @@ def _check_simulate_arguments(spec, model, profile) -> None:
     if not isinstance(model, str):
         raise WorkloadError(f"model must be a catalog model name, got {type(model).__name__}")
     if profile is not None and not isinstance(profile, Profile):
-        raise WorkloadError(f"profile must be a pipesim.sim.workload.Profile or None, got {type(profile).__name__}")
+        raise WorkloadError(f"profile must be a pipesim.sim.workloads.profile.Profile or None, got {type(profile).__name__}")

@@ -15,7 +15,7 @@ falls into one of two kinds that a front end must treat differently:
 
 Any other exception is a bug in pipesim and must surface with its full
 traceback, never disguised as bad input. Each layer subclasses these for its
-own errors (:class:`~pipesim.sim.ir.ScheduleError`,
+own errors (:class:`~pipesim.sim.ir.core.ScheduleError`,
 ``pipesim.validate.launch.WorkerError``, ...), so one ``except InputError``
 at the top catches all bad input and nothing else.
 """

@@ -22,9 +22,9 @@ what to do.
 
 from __future__ import annotations
 
-from pipesim.sim.checks import validate
 from pipesim.sim.files import read_text
-from pipesim.sim.ir import (
+from pipesim.sim.ir.checks import validate
+from pipesim.sim.ir.core import (
     MICROBATCH_OPS,
     OVERLAP_F_B,
     PASS_OPS,
@@ -42,7 +42,7 @@ from pipesim.sim.ir import (
     to_csv,
 )
 from pipesim.sim.strategies._common import flush_iteration
-from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER
+from pipesim.sim.workloads.profile import OPTIMIZER_STATE_MULTIPLIER
 
 __all__ = ["schedule_from_csv", "to_csv", "load_schedule_csv"]
 
@@ -64,7 +64,7 @@ def schedule_from_csv(
     largest micro-batch id found (over ``iterations``), which is what
     torch's own loader assumes. With ``check`` the result is validated,
     deadlock dry run included; a caller that simulates it right away can
-    leave that to the engine (see :func:`pipesim.sim.engine.simulate`).
+    leave that to the engine (see :func:`pipesim.sim.engine.core.simulate`).
     """
     header, text = csv_header(text)
     _check_header(header)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 from pipesim.sim.api import simulate_schedule
-from pipesim.sim.checks import validate
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule, ScheduleError
+from pipesim.sim.ir.checks import validate
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, Action, B, F, Schedule, ScheduleError
 from pipesim.sim.planning.grid import GridRequest, Shape, _Grid
 from pipesim.sim.planning.plan import steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import warmup
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
 
 MIB = 1 << 20
 F_S, B_S = 1e-3, 2e-3

@@ -161,7 +161,8 @@ def test_a_run_failing_after_its_spans_leaves_no_child(tmp_path, monkeypatch, ca
     tracking after it refuses the run (memory int64 cannot count), the
     command exits 2 with one line and the waiting child is killed and
     reaped."""
-    from pipesim.sim.workload import LayerCost, Profile, save_profile
+    from pipesim.sim.workloads.profile import LayerCost, Profile
+    from pipesim.sim.workloads.readers import save_profile
 
     half = LayerCost("l", 1.0, 2.0, 2**40, 0, 2**52, None)
     save_profile(Profile("huge-stash", (half, half)), tmp_path / "huge.json")

@@ -163,7 +163,7 @@ def test_compare_counts_the_uniform_layers_of_schedules_it_did_not_keep(tmp_path
     """With memory for no schedule to be kept beside the others, every
     strategy still runs the one model (the layers came from the kept ones
     only, and interleaving's 8 stages met a 4-layer model)."""
-    from pipesim.sim import size
+    from pipesim.sim.engine import size
 
     monkeypatch.setattr(size, "available_memory_bytes", lambda: size.BYTES_PER_PASS * 300)
     code, _, err = run(capsys, "compare", "--strategies", "1f1b,interleaved-1f1b", "--model", "uniform",
@@ -185,7 +185,7 @@ def test_compare_builds_each_schedule_once(tmp_path, capsys, monkeypatch) -> Non
     assert code == 0, err
     assert built == ["gpipe", "1f1b"]
     # with no memory to keep them beside each other, each is built again for its run
-    from pipesim.sim import size
+    from pipesim.sim.engine import size
 
     built.clear()
     monkeypatch.setattr(size, "available_memory_bytes", lambda: size.BYTES_PER_PASS * 40)  # each fits, not two
@@ -255,7 +255,8 @@ def _one_error_line(err: str) -> str:
 
 
 def test_too_large_a_run_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch) -> None:
-    from pipesim.sim import size, strategies
+    from pipesim.sim import strategies
+    from pipesim.sim.engine import size
 
     monkeypatch.setattr(size, "available_memory_bytes", lambda: 68 * size.BYTES_PER_PASS)  # 64 passes, 4 devices
     with monkeypatch.context() as m:

@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.api import simulate
-from pipesim.sim.checks import validate
-from pipesim.sim.engine import simulate as run_engine
-from pipesim.sim.hardware import load_hardware
+from pipesim.sim.ir.checks import validate
+from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
-from pipesim.sim.ir import PASS_OPS, B, F, I, Schedule, ScheduleError, W, parse_action, to_csv
-from pipesim.sim.metrics import dumps, summarize
-from pipesim.sim.partition import StageCost, stage_costs_uniform
+from pipesim.sim.ir.core import PASS_OPS, B, F, I, Schedule, ScheduleError, W, parse_action, to_csv
+from pipesim.sim.engine.metrics import dumps, summarize
+from pipesim.sim.partition.split import stage_costs_uniform
+from pipesim.sim.workloads.stages import StageCost
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 FAST = settings(max_examples=25, deadline=None)
@@ -230,8 +231,8 @@ def test_bubble_fraction_is_exact_fraction_for_interleaved() -> None:
 def test_engine_costs_kernels_by_the_bytes_they_move() -> None:
     # sim may not import kernels, so this test holds the two byte counts together.
     from pipesim.kernels import bytes_moved
-    from pipesim.sim.engine import CostModel
-    from pipesim.sim.ir import PREDICT
+    from pipesim.sim.engine.core import CostModel
+    from pipesim.sim.ir.core import PREDICT
 
     costs = stage_costs_uniform(1, param_bytes=4 * 1000)
     for optimizer, kernel in (("sgd", "predict_sgd"), ("adam", "predict_adam")):

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.engine import simulate as run_engine
-from pipesim.sim.hardware import CpuCost, Hardware, HardwareError, HostCpu, load_hardware
-from pipesim.sim.ir import F
-from pipesim.sim.partition import StageCost
+from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.hardware.machines import CpuCost, Hardware, HardwareError, HostCpu, load_hardware
+from pipesim.sim.ir.core import F
+from pipesim.sim.workloads.stages import StageCost
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 F_S, B_S = 0.010, 0.020  # every stage's forward and backward
@@ -102,7 +102,7 @@ def _core_ends(arrivals, blocks=(), wake_slice=0.0):
     transfer work ``(at, seconds)`` blocking it."""
     import simpy
 
-    from pipesim.sim.engine import _Core
+    from pipesim.sim.engine.core import _Core
 
     env = simpy.Environment()
     core = _Core(env, wake_slice)
@@ -200,8 +200,8 @@ def test_each_memory_bound_kernel_runs_at_its_own_bandwidth():
     """An UPDATE costs 5 |W| (SGD) at the device's update bandwidth, a
     PREDICT 3 |W| at its predict bandwidth; a device without them prices
     both at mem_bandwidth."""
-    from pipesim.sim.engine import CostModel
-    from pipesim.sim.ir import PREDICT, UPDATE, Action
+    from pipesim.sim.engine.core import CostModel
+    from pipesim.sim.ir.core import PREDICT, UPDATE, Action
 
     plain = load_hardware("pcie-4gpu").device
     device = replace(plain, update_bandwidth=2e9, predict_bandwidth=3e9, average_bandwidth=4e9)

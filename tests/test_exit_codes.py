@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.sim.workload import LayerCost, Profile, save_profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
+from pipesim.sim.workloads.readers import save_profile
 from pipesim.validate.models import build_model, layer_param_bytes
 
 #: The console script's entry point (console_main) in this interpreter: the
@@ -65,7 +66,7 @@ def test_a_bug_is_exit_1_with_its_traceback_never_bad_input(tmp_path):
     """A ValueError that pipesim did not raise on purpose (here: from inside
     the metrics) is a bug: it must not be reported as one line of bad input."""
     code = (
-        "import sys, pipesim.sim.metrics as m\n"
+        "import sys, pipesim.sim.engine.metrics as m\n"
         "def broken(*a, **k):\n"
         "    raise ValueError('internal inconsistency')\n"
         "m.summarize = broken\n"

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.checks import _ProgramWalk, split_stages
-from pipesim.sim.dataflow import compile_lowered, compile_plan
-from pipesim.sim.ir import Schedule, parse_cell
-from pipesim.sim.lowering import lower, plan
+from pipesim.sim.ir.checks import _ProgramWalk, split_stages
+from pipesim.sim.ir.dataflow import compile_lowered, compile_plan
+from pipesim.sim.ir.core import Schedule, parse_cell
+from pipesim.sim.ir.lowering import lower, plan
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
 from pipesim.sim.strategies._common import StrategyError
-from pipesim.sim.trackers import _plain_versions, _program_versions
+from pipesim.sim.engine.trackers import _plain_versions, _program_versions
 
 #: Strategies whose programs read only the current version (PREDICT and a
 #: split backward included; AVERAGE moves no version) and have no REDUCE_GRAD.
@@ -124,9 +124,9 @@ def test_schedules_with_communication_or_overlapped_pairs_leave_the_one_pass():
 ])
 def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, model, hardware, kw):
     """The engine's event loop against ``env.run()``: the same spans and summary."""
-    from pipesim.sim import engine
+    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
-    from pipesim.sim.metrics import summarize
+    from pipesim.sim.engine.metrics import summarize
 
     spec = ScheduleSpec(strategy, p, m, iterations=2, **kw)
     fast = simulate(spec, model, hardware)
@@ -138,7 +138,7 @@ def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, mode
 def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatch):
     """A transfer process that raises crashes the run with a copy of its
     error, caused by it, through either loop."""
-    from pipesim.sim import engine
+    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
 
     def broken_move(self, *args):
@@ -165,13 +165,13 @@ def _spans_and_memory(result):
 
 def _step_by_step(monkeypatch):
     """Every ring simulated step by step, as before the skip existed."""
-    from pipesim.sim import engine
+    from pipesim.sim.engine import core as engine
 
     monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges: False)
 
 
 def _counting_rings(monkeypatch) -> list:
-    from pipesim.sim import engine
+    from pipesim.sim.engine import core as engine
 
     seen, real = [], engine._Run.ring_alone
     monkeypatch.setattr(engine._Run, "ring_alone",
@@ -242,7 +242,7 @@ def test_skipping_a_ring_that_shares_its_links_would_be_wrong(monkeypatch):
     """The conditions matter: on a bus, where a ring's edges queue for the
     bus within each step, skipping steps as if they did not gives another
     (shorter) run."""
-    from pipesim.sim import engine
+    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
 
     spec = ScheduleSpec("data-parallel", 4, 8)
@@ -253,9 +253,9 @@ def test_skipping_a_ring_that_shares_its_links_would_be_wrong(monkeypatch):
 
 def test_collectives_posted_before_the_last_was_awaited_are_not_serial():
     from pipesim.sim.api import simulate
-    from pipesim.sim.engine import prepared_run
-    from pipesim.sim.hardware import load_hardware
-    from pipesim.sim.ir import UPDATE
+    from pipesim.sim.engine.core import prepared_run
+    from pipesim.sim.hardware.machines import load_hardware
+    from pipesim.sim.ir.core import UPDATE
 
     result = simulate(ScheduleSpec("data-parallel", 4, 8, iterations=2), "vgg16", "dgx-h100")
     run = prepared_run(result.schedule, result.stage_costs, load_hardware("dgx-h100"))

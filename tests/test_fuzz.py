@@ -27,19 +27,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesim.experiments import cli
-from pipesim.sim import api, size
-from pipesim.sim.checks import validate
-from pipesim.sim.cliargs import EXIT_USAGE
-from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim import api
+from pipesim.sim.engine import size
+from pipesim.sim.ir.checks import validate
+from pipesim.experiments.cliargs import EXIT_USAGE
+from pipesim.sim.engine.core import simulate as run_engine
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import to_csv
-from pipesim.sim.lowering import lower
-from pipesim.sim.metrics import dumps, summarize
-from pipesim.sim.models import model_profile
-from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import to_csv
+from pipesim.sim.ir.lowering import lower
+from pipesim.sim.engine.metrics import dumps, summarize
+from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names, strategy_options
-from pipesim.sim.workload import load_profile
+from pipesim.sim.workloads.readers import load_profile
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -416,7 +417,7 @@ def _validates(schedule) -> bool:
 
 @pytest.mark.parametrize("value", ["1", None, 1.0, True, -1])
 def test_recv_lookahead_is_checked_at_both_entry_points(value):
-    from pipesim.sim.ir import ScheduleError
+    from pipesim.sim.ir.core import ScheduleError
 
     spec = ScheduleSpec("1f1b", 2, 4)
     with pytest.raises(ScheduleError, match="recv_lookahead must be an integer >= 0"):
@@ -445,8 +446,8 @@ def test_on_spans_is_checked_at_every_entry_point(value):
         ({"optimizer": ["sgd"]}, "optimizer must be one of"),
         ({"check": "yes"}, "check (validate the schedule first) must be True or False"),
         ({"stage_costs": "fast"}, "stage_costs must be a sequence"),
-        ({"hardware": "ideal"}, "hardware must be a pipesim.sim.hardware.Hardware"),
-        ({"schedule": None}, "schedule must be a pipesim.sim.ir.Schedule"),
+        ({"hardware": "ideal"}, "hardware must be a pipesim.sim.hardware.machines.Hardware"),
+        ({"schedule": None}, "schedule must be a pipesim.sim.ir.core.Schedule"),
     ],
 )
 def test_engine_arguments_are_checked_up_front(kwargs, fragment):

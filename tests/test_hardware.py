@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.hardware import (
+from pipesim.sim.hardware.machines import (
     DeviceSpec,
     Hardware,
     HardwareError,

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from pipesim.experiments.cli import main
 from pipesim.sim.api import model_for, simulate_schedule
-from pipesim.sim.checks import validate
-from pipesim.sim.dataflow import Gathered, compile_plan, split_stages
-from pipesim.sim.hardware import load_hardware
+from pipesim.sim.ir.checks import validate
+from pipesim.sim.ir.dataflow import Gathered, compile_plan, split_stages
+from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     OVERLAP_F_B,
     PASS_OPS,
     RESHARD,
@@ -43,7 +43,7 @@ from pipesim.sim.ir import (
     program_cells,
     to_csv,
 )
-from pipesim.sim.lowering import group, lower
+from pipesim.sim.ir.lowering import group, lower
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -508,8 +508,8 @@ def test_a_lowered_csv_read_back_runs_as_its_compute_order_does(spec, hardware):
     apart for the first case before)."""
     from pipesim.sim.api import model_for, resolve_hardware, simulate_schedule
     from pipesim.sim.interchange import schedule_from_csv
-    from pipesim.sim.ir import to_csv
-    from pipesim.sim.lowering import lower
+    from pipesim.sim.ir.core import to_csv
+    from pipesim.sim.ir.lowering import lower
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     hw = resolve_hardware(hardware)
@@ -525,7 +525,7 @@ def test_a_csv_read_with_too_few_micro_batches_says_what_m_counts():
     (over all replicas): given per pipeline, the ids overflow, and the error
     says so and what the header records instead of "out of range"."""
     from pipesim.sim.interchange import schedule_from_csv
-    from pipesim.sim.ir import ScheduleError, to_csv
+    from pipesim.sim.ir.core import ScheduleError, to_csv
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     text = to_csv(build_schedule(ScheduleSpec("1f1b", 2, 4, width=2)))
@@ -548,8 +548,8 @@ def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name, l
     drain updates and every iteration's last one moved a slot. Receives
     posted ahead (a lookahead of 1) keep the update after them, as then."""
     from pipesim.sim.interchange import schedule_from_csv
-    from pipesim.sim.ir import to_csv
-    from pipesim.sim.lowering import lower
+    from pipesim.sim.ir.core import to_csv
+    from pipesim.sim.ir.lowering import lower
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     lowered = lower(build_schedule(ScheduleSpec(name, 2, 4, iterations=2)), recv_lookahead=lookahead)
@@ -559,7 +559,7 @@ def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name, l
 
 def test_receives_ahead_is_read_off_the_order():
     from pipesim.sim.interchange import receives_ahead
-    from pipesim.sim.ir import parse_cell
+    from pipesim.sim.ir.core import parse_cell
 
     def prog(cells):
         return [a for c in cells.split() for a in parse_cell(c)]

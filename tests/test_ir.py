@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.checks import validate
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.interchange import schedule_from_csv
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     P2P_OPS,
     Action,
     F,
@@ -20,7 +20,7 @@ from pipesim.sim.ir import (
     parse_csv,
     to_csv,
 )
-from pipesim.sim.lowering import lower
+from pipesim.sim.ir.lowering import lower
 
 
 def mk(rows: list[str], p: int, m: int, **kw) -> Schedule:
@@ -44,7 +44,7 @@ actions = st.builds(
 
 @given(actions)
 def test_action_spelling_round_trips(a: Action) -> None:
-    from pipesim.sim.ir import MICROBATCH_OPS, PREDICT
+    from pipesim.sim.ir.core import MICROBATCH_OPS, PREDICT
 
     if a.op not in MICROBATCH_OPS and a.op is not PREDICT:
         a = a._replace(microbatch=None)

@@ -35,12 +35,12 @@ from hypothesis import strategies as st
 import pipesim.kernels as K
 from pipesim.kernels import foreach
 from pipesim.kernels._checks import DEFAULT_LAUNCH
-from pipesim.kernels.bench import _variants as bench_variants
-from pipesim.kernels.bench import check_targets, launch_shapes, model_shapes, with_default_shape
-from pipesim.kernels.bench import main as bench_main
-from pipesim.kernels.bench import run as bench_run
+from pipesim.experiments.bench.kernels import _variants as bench_variants
+from pipesim.experiments.bench.kernels import check_targets, launch_shapes, model_shapes, with_default_shape
+from pipesim.experiments.bench.kernels import main as bench_main
+from pipesim.experiments.bench.kernels import run as bench_run
 from pipesim.kernels.native import native_available, native_unavailable_reason
-from pipesim.sim.cliargs import run_command
+from pipesim.experiments.cliargs import run_command
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics

@@ -20,10 +20,10 @@ from pipesim.experiments.overlay import (
 )
 from pipesim.experiments.timeline import PALETTE
 from pipesim.sim.api import simulate
-from pipesim.sim.ir import Op
-from pipesim.sim.results import SimResult, Span
+from pipesim.sim.ir.core import Op
+from pipesim.sim.engine.results import SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec
-from pipesim.sim.trace import chrome_trace, dumps
+from pipesim.experiments.trace import chrome_trace, dumps
 
 SLOW = 1.1  # the fake measurement runs everything 10% slower than predicted
 

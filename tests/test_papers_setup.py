@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipesim.sim.hardware import load_hardware, preset_names
-from pipesim.sim.models import model_parameters
+from pipesim.sim.hardware.machines import load_hardware, preset_names
+from pipesim.sim.workloads.catalog import model_parameters
 
 
 def test_p3_presets_resolve_and_share_one_calibration():
@@ -22,7 +22,7 @@ def test_p3_presets_resolve_and_share_one_calibration():
 def test_every_section_names_its_source(name):
     from importlib.resources import files
 
-    d = json.loads(files("pipesim.sim").joinpath("presets", f"{name}.json").read_text())
+    d = json.loads(files("pipesim.sim.hardware").joinpath("presets", f"{name}.json").read_text())
     assert name in preset_names() and d["notes"] and d["device"]["notes"] and d["intra_node"]["notes"]
 
 
@@ -37,7 +37,7 @@ def test_p3_calibration_point_still_yields_the_stated_45_tflops():
     V100) holds at the micro-batch the preset assumes (8): Megatron-counted
     FLOPs of every layer's forward and backward over their simulated time.
     The kernel launches make smaller micro-batches slower, larger ones faster."""
-    from pipesim.sim.models import architecture, model_profile
+    from pipesim.sim.workloads.catalog import architecture, model_profile
 
     dev = load_hardware("p3.16xlarge").device
     assert dev.kernel_overhead_s == 5e-6

@@ -10,16 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.models import model_profile
-from pipesim.sim.partition import (
-    StageCost,
-    partition,
-    split_at,
-    stage_cost,
-    stage_costs_uniform,
-)
-from pipesim.sim.workload import LayerCost, Profile, WorkloadError
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.partition.split import partition, stage_costs_uniform
+from pipesim.sim.workloads.stages import StageCost, split_at, stage_cost
+from pipesim.sim.workloads.profile import LayerCost, Profile, WorkloadError
 
 REL = 1e-9
 
@@ -252,7 +247,7 @@ def test_trivial_splits_equal_the_dynamic_program(n):
     [(2049, 2), (1024, 200)],  # over MAX_DP_LAYERS; over MAX_DP_CELLS (200 x 1025^2)
 )
 def test_dynamic_program_size_is_bounded(layers, stages):
-    from pipesim.sim.partition import MAX_DP_CELLS, MAX_DP_LAYERS
+    from pipesim.sim.partition.split import MAX_DP_CELLS, MAX_DP_LAYERS
 
     assert layers > MAX_DP_LAYERS or stages * (layers + 1) ** 2 > MAX_DP_CELLS
     prof = make_profile([1.0] * layers)
@@ -316,7 +311,7 @@ def test_vgg16_on_a_pcie_bus_cuts_where_the_activations_are_small():
     ships VGG-16's 205 MB second-layer output over the shared bridge; the
     communication-aware one does not, and is much faster."""
     from pipesim.sim.api import simulate_schedule
-    from pipesim.sim.metrics import summarize
+    from pipesim.sim.engine.metrics import summarize
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     hw = load_hardware("pcie-4gpu")
@@ -343,8 +338,8 @@ def test_shared_links_are_summed():
     """Two boundaries on one PCIe bridge, each activation and its gradient:
     the bridge carries four transfers per micro-batch, and with nothing to
     compute it is the bottleneck. Counting each boundary apart gives half."""
-    from pipesim.sim.planning.layout import layout_of
-    from pipesim.sim.planning.search import CostSetting
+    from pipesim.sim.partition.layout import layout_of
+    from pipesim.sim.partition.search import CostSetting
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     hw = load_hardware("pcie-4gpu")
@@ -361,7 +356,7 @@ def test_shared_links_are_summed():
 def test_ring_model_is_the_hardwares(name, devices):
     """The planner's ring is the hardware's, on the cube mesh (where the ring
     order is searched) as on uniform links."""
-    from pipesim.sim.planning.cost import LinkModel
+    from pipesim.sim.partition.cost import LinkModel
 
     hw = load_hardware(name)
     nbytes = 60 * len(devices) * MiB  # a multiple of n: no rounding of the chunk

@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from pipesim.sim.hardware import DeviceSpec
-from pipesim.sim.models import measured_model_names, model_names, model_parameters, model_profile
-from pipesim.sim.pipedream_graph import CATALOG, catalog_file, catalog_profile, input_nodes, parse_graph
-from pipesim.sim.workload import WorkloadError, load_profile
+from pipesim.sim.hardware.machines import DeviceSpec
+from pipesim.sim.workloads.catalog import measured_model_names, model_names, model_parameters, model_profile
+from pipesim.sim.workloads.pipedream_graph import CATALOG, catalog_file, catalog_profile, input_nodes, parse_graph
+from pipesim.sim.workloads.profile import WorkloadError
+from pipesim.sim.workloads.readers import load_profile
 
 FAST = DeviceSpec("fast", flops=1e15, mem_bandwidth=math.inf, memory_bytes=math.inf)
 SLOW = DeviceSpec("slow", flops=1e12, mem_bandwidth=1e11, memory_bytes=1e9)
@@ -201,7 +202,7 @@ def test_a_graph_file_at_another_batch_runs_as_the_catalog_model_does(tmp_path, 
 def test_a_profile_of_unknown_batch_takes_the_size_it_is_given():
     """Batch 1 (unstated) is taken to be what --microbatch-size says: the
     samples counted change, the times do not."""
-    from pipesim.sim.workload import LayerCost, Profile, at_microbatch_size
+    from pipesim.sim.workloads.profile import LayerCost, Profile, at_microbatch_size
 
     prof = Profile("x", (LayerCost("a", forward_s=1e-3, backward_s=2e-3, param_bytes=8, activation_bytes=4,
                                    stash_bytes=4),))

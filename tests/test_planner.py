@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from pipesim.experiments.cli import main
 from pipesim.experiments.plans import frontier, pareto_figure
 from pipesim.sim.api import simulate, simulate_schedule
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.metrics import summarize
-from pipesim.sim.models import model_profile
-from pipesim.sim.planning.cost import envelope
-from pipesim.sim.planning.layout import layout_for, layout_of, traits_of
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.engine.metrics import summarize
+from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.partition.cost import envelope
+from pipesim.sim.partition.layout import layout_for, layout_of, traits_of
 from pipesim.sim.planning.plan import (
     PlanError,
     PlanRequest,
@@ -28,9 +28,9 @@ from pipesim.sim.planning.plan import (
     plan_file,
     steady_throughput,
 )
-from pipesim.sim.planning.search import CostSetting, Planner, Tables, line_of
+from pipesim.sim.partition.search import CostSetting, Planner, Tables, line_of
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
 
 CLUSTER_A = load_hardware("pipedream-cluster-a-x4")
 
@@ -444,7 +444,7 @@ def test_a_held_configuration_keeps_the_run_limit(monkeypatch):
 def test_a_held_configuration_too_big_even_to_probe_is_a_note(monkeypatch):
     """Replicas whose least common multiple makes one iteration bigger than
     memory holds are not built at all (it ended in MemoryError)."""
-    from pipesim.sim import size
+    from pipesim.sim.engine import size
 
     monkeypatch.setattr(size, "available_memory_bytes", lambda: 20_000 * size.BYTES_PER_PASS)
     hw = load_hardware("dgx-h100-x8")
@@ -457,7 +457,7 @@ def test_a_held_configuration_too_big_even_to_probe_is_a_note(monkeypatch):
 def test_a_choice_left_unsimulated_is_costed_at_the_run_it_records(tmp_path, capsys) -> None:
     """--confirm 0 at one micro-batch: 15-1 records the 15 per iteration its
     replicas need, and its memory is the model's at that run, not at one."""
-    from pipesim.sim.planning.search import Config
+    from pipesim.sim.partition.search import Config
 
     code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
                          "pipedream-cluster-a-x4", "--replicas", "15,1", "--microbatches", "1", "--confirm", "0",
@@ -497,11 +497,11 @@ def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
     of 16 micro-batches; 1F1B's device also waits for the all-reduce, 2BW's
     does not (it runs behind the next window's passes), in the cost model as
     in the engine, which the model follows within 10%."""
-    from pipesim.sim.engine import CostModel
-    from pipesim.sim.engine import simulate as run_engine
-    from pipesim.sim.ir import UPDATE, Action
-    from pipesim.sim.partition import StageCost
-    from pipesim.sim.planning.cost import LinkModel, estimate
+    from pipesim.sim.engine.core import CostModel
+    from pipesim.sim.engine.core import simulate as run_engine
+    from pipesim.sim.ir.core import UPDATE, Action
+    from pipesim.sim.workloads.stages import StageCost
+    from pipesim.sim.partition.cost import LinkModel, estimate
     from pipesim.sim.planning.plan import steady_throughput
 
     costs = [StageCost(0, 0, 0.01, 0.02, 0.01, 0.01, 50_000_000, 0, 0),
@@ -671,7 +671,7 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
     machine = json.loads(json.dumps(load_hardware("pcie-4gpu").to_json()))
     machine["device"]["flops"] /= 4
     (tmp_path / "slow.json").write_text(json.dumps(machine))
-    from pipesim.sim.workload import save_profile
+    from pipesim.sim.workloads.readers import save_profile
 
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "vgg.json")
     monkeypatch.chdir(tmp_path)
@@ -705,7 +705,7 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
 
 def test_a_relative_profile_path_in_a_plan_is_read_beside_it(tmp_path) -> None:
     from pipesim.sim.planning.plan import load_plan
-    from pipesim.sim.workload import save_profile
+    from pipesim.sim.workloads.readers import save_profile
 
     (tmp_path / "prof").mkdir()
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "prof" / "vgg.json")

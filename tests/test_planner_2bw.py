@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
-from pipesim.sim.hardware import load_hardware
+from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid
 from pipesim.sim.planning.plan import PLAN_KEYS, PlanError, plan_file, steady_throughput
 from pipesim.sim.planning.tuner import TuneRequest, tune
 from pipesim.sim.strategies import ScheduleSpec, get_strategy, strategies
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
 
 MIB = 1 << 20
 IDEAL = load_hardware("ideal")

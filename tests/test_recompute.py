@@ -8,13 +8,13 @@ import pytest
 
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.partition import recomputed, split_at, stage_cost
-from pipesim.sim.planning.cost import held_activations
-from pipesim.sim.planning.layout import layout_of
-from pipesim.sim.planning.search import CostSetting, Tables, memory_terms
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.workloads.stages import recomputed, split_at, stage_cost
+from pipesim.sim.partition.cost import held_activations
+from pipesim.sim.partition.layout import layout_of
+from pipesim.sim.partition.search import CostSetting, Tables, memory_terms
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
 
 F, B = 1e-3, 2e-3
 A, S, W = 1 << 18, 1 << 20, 1 << 20  # sent per micro-batch, stashed per micro-batch, weights

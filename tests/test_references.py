@@ -47,9 +47,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipesim.sim.engine import simulate
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.engine.core import simulate
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.validate.executor import emulate
 from pipesim.validate.stage import OptimizerConfig, PipelineStage

@@ -11,7 +11,7 @@ import pytest
 
 from pipesim.experiments.reproduce import twobw
 from pipesim.experiments.reproduce.base import Paper, row_key, with_published
-from pipesim.sim.models import uniform_profile
+from pipesim.sim.workloads.catalog import uniform_profile
 
 KEYS = {"paper", "figure", "model", "hardware", "gpus", "global_batch", "technique", "metric", "predicted",
         "published", "config"}

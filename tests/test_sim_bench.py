@@ -8,8 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.api import simulate
-from pipesim.sim.bench import bare_model_seconds, ceiling, render
-from pipesim.sim.ir import ScheduleError
+from pipesim.experiments.bench.sim import bare_model_seconds, ceiling, render
+from pipesim.sim.ir.core import ScheduleError
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule
 
 #: The strategies whose programs are F, B and UPDATE of one replica per stage.

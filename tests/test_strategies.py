@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.dataflow import PassDone, producer_of, split_stages
-from pipesim.sim.ir import (
+from pipesim.sim.ir.dataflow import PassDone, producer_of, split_stages
+from pipesim.sim.ir.core import (
     AVERAGE,
     P2P_OPS,
     PASS_OPS,
@@ -41,12 +41,12 @@ from pipesim.sim.strategies import (
 from pipesim.sim.strategies._common import warmup
 
 try:  # the validator is written concurrently; use it once it exists
-    from pipesim.sim.checks import validate
+    from pipesim.sim.ir.checks import validate
 except ImportError:  # pragma: no cover
     validate = None
 
 try:
-    from pipesim.sim.lowering import lower
+    from pipesim.sim.ir.lowering import lower
 except ImportError:  # pragma: no cover
     lower = None
 

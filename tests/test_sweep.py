@@ -278,7 +278,7 @@ def test_a_swept_optimizer_is_the_one_the_run_prices_and_records() -> None:
     memory); a model that trains with Adam records adam, not the spec's
     default, beside Adam's memory."""
     from pipesim.sim.api import simulate
-    from pipesim.sim.metrics import summarize
+    from pipesim.sim.engine.metrics import summarize
 
     grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (2,), "microbatches": (4,), "iterations": (1,),
                             "model": ("vgg16",), "hardware": ("pcie-4gpu",), "optimizer": ("sgd", "adam")})

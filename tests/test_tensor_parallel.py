@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 
 from pipesim.sim.api import simulate, simulate_schedule
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import ALLREDUCE, REDUCE_GRAD, UPDATE, B, F, parse_action
-from pipesim.sim.metrics import summarize
-from pipesim.sim.models import uniform_profile
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import ALLREDUCE, REDUCE_GRAD, UPDATE, B, F, parse_action
+from pipesim.sim.engine.metrics import summarize
+from pipesim.sim.workloads.catalog import uniform_profile
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
-from pipesim.sim.workload import Profile
+from pipesim.sim.workloads.profile import Profile
 
 ACT = 1 << 20  # bytes of each layer's hidden state in the closed-form test
 
@@ -98,7 +98,7 @@ def test_fixed_part_of_a_pass_is_not_split(d):
     per-pass overhead: only the rest of a pass shrinks with d. Closed form on
     uniform layers with 0.2 ms of launches forward, 0.5 ms backward (0.25 of
     it in each half), and 0.1 / 0.3 ms of per-pass overhead."""
-    from pipesim.sim.partition import split_at
+    from pipesim.sim.workloads.stages import split_at
 
     layers = 4
     base = _profile(layers)

@@ -20,7 +20,7 @@ from pipesim.experiments.figures import (
 )
 from pipesim.experiments.timeline import DIV_ID, PALETTE, timeline_figure, write_timeline_html
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import Op
+from pipesim.sim.ir.core import Op
 
 
 def _load_trace_tests():
@@ -189,8 +189,8 @@ def test_bars_are_spans_sorted_by_device_time_and_name(rows):
     name spelt as ``str(action)``: the numpy sort and the inline spelling
     must give what the plain definition gives, ties on all three times
     (which only the name breaks) included."""
-    from pipesim.sim.ir import Action
-    from pipesim.sim.results import Span
+    from pipesim.sim.ir.core import Action
+    from pipesim.sim.engine.results import Span
 
     spans = [Span(dev, "compute", Action(op, stage, mb, version=ver, distance=dist, replica=rep), a, a + b)
              for (dev, a, b, stage, mb, ver, dist, rep), op in zip(rows, [Op.FORWARD, Op.BACKWARD] * len(rows))]
@@ -387,7 +387,7 @@ def test_default_strategies_are_the_registry():
 
 def test_bubbles_agree_with_metrics_and_default_simulate():
     from pipesim.sim.api import simulate
-    from pipesim.sim.metrics import bubble_fractions
+    from pipesim.sim.engine.metrics import bubble_fractions
     from pipesim.sim.strategies import ScheduleSpec
 
     res = simulate(ScheduleSpec("gpipe", 4, 4), model="uniform", hardware="ideal")

@@ -9,9 +9,9 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.ir import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, UPDATE, Action, B, F, Schedule
-from pipesim.sim.results import MemoryTrack, SimResult, Span
-from pipesim.sim.trace import assign_lanes, chrome_trace, dumps, write_trace
+from pipesim.sim.ir.core import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, UPDATE, Action, B, F, Schedule
+from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
+from pipesim.experiments.trace import assign_lanes, chrome_trace, dumps, write_trace
 
 MS = 1e-3
 
@@ -330,7 +330,7 @@ def test_write_trace_matches_chrome_trace(tmp_path):
 
 def test_write_trace_formats_engine_results_by_hand(tmp_path, monkeypatch):
     """Engine results take the fast writer, not the chrome_trace fallback."""
-    from pipesim.sim import trace
+    from pipesim.experiments import trace
 
     results = _engine_results()
     expected = {name: dumps(chrome_trace(res)) for name, res in results.items()}
@@ -380,7 +380,7 @@ def test_write_trace_bytes_independent_of_hash_seed(tmp_path):
         "import sys\n"
         "from pipesim.sim.api import simulate\n"
         "from pipesim.sim.strategies import ScheduleSpec\n"
-        "from pipesim.sim.trace import write_trace\n"
+        "from pipesim.experiments.trace import write_trace\n"
         "write_trace(simulate(ScheduleSpec('1f1b', 2, 4, iterations=2, width=2), hardware='pcie-4gpu'), sys.argv[1])\n"
     )
     outs = []

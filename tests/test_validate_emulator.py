@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from toy import SeededData, tanh_layers
 
-from pipesim.sim.engine import simulate
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import Action, Op
-from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.engine.core import simulate
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import Action, Op
+from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError

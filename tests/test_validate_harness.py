@@ -14,10 +14,10 @@ import pytest
 
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
-from pipesim.sim.ir import PASS_OPS
-from pipesim.sim.results import MemoryTrack, Span
+from pipesim.sim.ir.core import PASS_OPS
+from pipesim.sim.engine.results import MemoryTrack, Span
 from pipesim.sim.strategies import ScheduleSpec
-from pipesim.sim.workload import load_profile
+from pipesim.sim.workloads.readers import load_profile
 from pipesim.validate import executor, harness
 from pipesim.validate.harness import (
     ValidateConfig,
@@ -305,7 +305,7 @@ def test_bench_validate_runs_every_executable_strategy():
     """`pipesim bench validate` without --strategies runs what real tensors
     can run, and nothing the runtime refuses (a refusal lost every row)."""
     from pipesim.sim.strategies import get_strategy, strategy_names
-    from pipesim.validate.bench import default_strategies
+    from pipesim.experiments.bench.validate import default_strategies
 
     chosen = default_strategies()
     assert "tensor-parallel" not in chosen and {"gpipe", "1f1b", "spectrain", "avgpipe"} <= set(chosen)
@@ -314,7 +314,7 @@ def test_bench_validate_runs_every_executable_strategy():
 
 def test_bench_validate_deepens_the_model_for_interleaved_stages():
     """4 stages of interleaved 1F1B are 8 virtual stages: the bench's model gets a layer for each."""
-    from pipesim.validate.bench import _depth_for
+    from pipesim.experiments.bench.validate import _depth_for
     from pipesim.validate.models import build_model
 
     for name in ("mlp", "gpt-small"):
@@ -325,7 +325,7 @@ def test_bench_validate_deepens_the_model_for_interleaved_stages():
 
 
 def test_bench_validate_prints_every_configuration_in_one_table():
-    from pipesim.validate.bench import render
+    from pipesim.experiments.bench.validate import render
 
     def row(strategy, error):
         return {"strategy": strategy, "errors": [error], "error": error, "error_without_cpu_model": None,

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipesim.sim.hardware import Hardware
+from pipesim.sim.hardware.machines import Hardware
 from pipesim.validate import commprofile
 from pipesim.validate import launch as launch_mod
 from pipesim.validate.commprofile import (

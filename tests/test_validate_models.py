@@ -299,7 +299,7 @@ def test_gpt_attention_is_causal():
 
 
 @dataclass
-class _Stage:  # stands in for pipesim.sim.partition.StageCost
+class _Stage:  # stands in for pipesim.sim.workloads.stages.StageCost
     first_layer: int
     last_layer: int
 
@@ -342,7 +342,7 @@ def test_split_stages_compute_exactly_the_whole_model(model):
 
 
 def test_split_accepts_partitioner_stage_costs():
-    from pipesim.sim.partition import StageCost
+    from pipesim.sim.workloads.stages import StageCost
 
     m = build_model("mlp", width=16, depth=3)
     costs = [StageCost(0, 1, 1.0, 2.0, 1.0, 1.0, 0, 0, 0), StageCost(2, 3, 1.0, 2.0, 1.0, 1.0, 0, 0, 0)]

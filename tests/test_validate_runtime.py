@@ -21,12 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesim.sim.checks import validate
-from pipesim.sim.dataflow import Arrival
-from pipesim.sim.engine import simulate
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import Op, ScheduleError
-from pipesim.sim.partition import stage_costs_uniform
+from pipesim.sim.ir.checks import validate
+from pipesim.sim.ir.dataflow import Arrival
+from pipesim.sim.engine.core import simulate
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import Op, ScheduleError
+from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.validate.executor import compiled, emulate, iteration_losses
 from pipesim.validate.numerics import EXECUTOR_THREADS
@@ -239,7 +239,7 @@ def test_split_backward_gives_the_full_backwards_gradients(model):
 
     from torch import nn
 
-    from pipesim.sim.ir import Action, B, F, I, W
+    from pipesim.sim.ir.core import Action, B, F, I, W
     from pipesim.validate.models import build_model
     from pipesim.validate.stage import PipelineStage
 

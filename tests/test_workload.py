@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.hardware import DeviceSpec, load_hardware
-from pipesim.sim.models import (
+from pipesim.sim.hardware.machines import DeviceSpec, load_hardware
+from pipesim.sim.workloads.catalog import (
     PARAM_BYTES,
     architecture,
     model_names,
@@ -18,7 +18,8 @@ from pipesim.sim.models import (
     model_profile,
     uniform_profile,
 )
-from pipesim.sim.workload import LayerCost, Profile, WorkloadError, load_profile, save_profile
+from pipesim.sim.workloads.profile import LayerCost, Profile, WorkloadError
+from pipesim.sim.workloads.readers import load_profile, save_profile
 
 #: Compute-only device: with infinite memory bandwidth every time is FLOPs / 1e15.
 FLOPS_ONLY = DeviceSpec("flops-only", flops=1e15, mem_bandwidth=math.inf, memory_bytes=math.inf, dtype_bytes=2)
@@ -299,7 +300,7 @@ def test_layer_and_sequence_overrides():
 
 
 def test_profile_pass_overhead_is_charged_once_per_stage_pass():
-    from pipesim.sim.partition import split_at
+    from pipesim.sim.workloads.stages import split_at
 
     layers = tuple(LayerCost(f"l{i}", 1e-3, 2e-3, 100, 10, 10) for i in range(4))
     base = Profile("p", layers)
@@ -396,7 +397,7 @@ def test_layer_time_is_launches_plus_b_times_per_sample(b):
     """A transformer block on a compute-bound device: time(b) = kernels x
     overhead + b x per-sample time, forward (15 kernels) and backward (43:
     19 for the input gradient, 24 for the weight gradient), in closed form."""
-    from pipesim.sim.models import TRANSFORMER_KERNELS
+    from pipesim.sim.workloads.catalog import TRANSFORMER_KERNELS
 
     s, h = 512, 1024
     per_sample_fwd = (24 * s * h * h + 4 * s * s * h) / LAUNCHING.flops

@@ -14,7 +14,7 @@ thread settings the run uses, so everything here runs through
 * :func:`measure_memory_bandwidth` times ``c = a + alpha * b``, the access
   pattern of an optimizer step or a weight prediction.
 * :func:`hardware_json` turns the numbers into a hardware description that
-  :meth:`pipesim.sim.hardware.Hardware.from_json` accepts.
+  :meth:`pipesim.sim.hardware.machines.Hardware.from_json` accepts.
 
 Medians, not means: a single scheduler hiccup on a shared CPU box would
 otherwise dominate. On a box with fewer idle cores than threads wanting to
@@ -26,7 +26,7 @@ send between a pair sets up connections and, with NCCL, communicators).
 On CUDA the timed region is bracketed by ``torch.cuda.synchronize()``, since
 NCCL calls return once the work is queued, not when it is done.
 
-Run ``python -m pipesim.validate.commprofile`` to print a profile as JSON.
+Run ``pipesim bench comm`` (:mod:`pipesim.experiments.bench.comm`) to print a profile.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipesim.sim.cliargs import bench_main, int_at_least, positive, run_command
-from pipesim.sim.hardware import Hardware
+from pipesim.sim.hardware.machines import Hardware
 from pipesim.validate.launch import LaunchContext, launch
 from pipesim.validate.numerics import intra_op_threads
 
@@ -536,26 +535,20 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def add_arguments(ap) -> None:
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="what the ranks talk over")
-    ap.add_argument("--world-size", type=int_at_least(2), default=2, help="ranks for the all-reduce timing")
-    ap.add_argument("--repeats", type=positive, default=20, help="timed repetitions per size (median)")
-    ap.add_argument("--all-gather", action="store_true", help="time all-gather as well")
-
-
-def run_bench(opts) -> dict:
+def run_bench(backend: str, world_size: int, repeats: int, all_gather: bool) -> dict:
     """Measure the links, the collectives and the memory bandwidth, and set
-    each against the model the simulator would price it with."""
+    each against the model the simulator would price it with
+    (``pipesim bench comm``, :mod:`pipesim.experiments.bench.comm`)."""
     t0 = time.perf_counter()
-    p2p = measure_p2p(opts.backend, repeats=opts.repeats)
-    ar = measure_allreduce(opts.backend, opts.world_size, repeats=opts.repeats, all_gather=opts.all_gather)
-    if opts.backend == "nccl":
+    p2p = measure_p2p(backend, repeats=repeats)
+    ar = measure_allreduce(backend, world_size, repeats=repeats, all_gather=all_gather)
+    if backend == "nccl":
         mem = measure_memory_bandwidth("cuda")
     else:
         with intra_op_threads():  # what each launched CPU rank uses
             mem = measure_memory_bandwidth("cpu")
-    hw = Hardware.from_json(hardware_json("measured", p2p.device, 1e12, mem, 1e12, p2p, opts.world_size))
-    ranks = list(range(opts.world_size))
+    hw = Hardware.from_json(hardware_json("measured", p2p.device, 1e12, mem, 1e12, p2p, world_size))
+    ranks = list(range(world_size))
     return {"p2p": p2p.to_json(), "p2p_model_s": [p2p.predict(n) for n in p2p.sizes],
             "allreduce": ar.to_json(), "allreduce_ring_model_s": [hw.ring_allreduce_time(ranks, n) for n in ar.sizes],
             "mem_bandwidth_Bps": mem, "seconds": round(time.perf_counter() - t0, 2)}
@@ -575,12 +568,3 @@ def render(report: dict) -> str:
     lines += ["", f"memory bandwidth (c = a + alpha * b): {report['mem_bandwidth_Bps'] / 1e9:.2f} GB/s; "
                   f"{report['seconds']:.1f} s in all"]
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.validate.commprofile") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run_bench, render=render)
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_command(main))

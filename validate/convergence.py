@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
+from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from pipesim.sim.strategies._common import check_executable
 from pipesim.validate.models import build_model, split

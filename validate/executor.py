@@ -1,8 +1,8 @@
 """Execute a schedule's IR with real tensors: one walker, two ways to move data.
 
 Every executor of pipesim reads the same compiled plan
-(:func:`pipesim.sim.dataflow.compile_plan` over
-:func:`pipesim.sim.lowering.plan`): per device, each compute action with the
+(:func:`pipesim.sim.ir.dataflow.compile_plan` over
+:func:`pipesim.sim.ir.lowering.plan`): per device, each compute action with the
 sends, receives and collectives posted right before it, and the tokens it
 waits for. :class:`DeviceExecutor` walks one device's entries and does the
 tensor work through its :class:`~pipesim.validate.stage.PipelineStage` s; a
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from pipesim.kernels import elastic_average
-from pipesim.sim.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
-from pipesim.sim.ir import (
+from pipesim.sim.ir.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
+from pipesim.sim.ir.core import (
     ALLREDUCE,
     AVERAGE,
     FSDP_OPS,
@@ -56,7 +56,7 @@ from pipesim.sim.ir import (
     ScheduleError,
     W,
 )
-from pipesim.sim.lowering import plan
+from pipesim.sim.ir.lowering import plan
 from pipesim.sim.strategies import schedule_option
 from pipesim.sim.strategies._common import check_executable
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
@@ -557,7 +557,7 @@ def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], da
 
     ``stages`` holds a :class:`PipelineStage` for every (replica, stage) of
     the schedule (they may share one device: the single-device mode).
-    ``timeline`` is a :class:`~pipesim.sim.results.SimResult` of the same
+    ``timeline`` is a :class:`~pipesim.sim.engine.results.SimResult` of the same
     schedule; with ``timed`` every action is timed on the stages' device.
     ``threads`` is the intra-op thread count to compute with: the default
     is the distributed workers', which makes the result bit-identical to

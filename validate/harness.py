@@ -32,16 +32,17 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from pipesim.sim.engine import simulate as run_engine
+from pipesim.sim.engine.core import simulate as run_engine
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import Hardware, load_hardware
-from pipesim.sim.ir import Schedule
-from pipesim.sim.metrics import round_sig
-from pipesim.sim.partition import partition
-from pipesim.sim.results import MemoryTrack, SimResult, Span
+from pipesim.sim.hardware.machines import Hardware, load_hardware
+from pipesim.sim.ir.core import Schedule
+from pipesim.sim.engine.metrics import round_sig
+from pipesim.sim.partition.split import partition
+from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
-from pipesim.sim.workload import Profile, load_profile
+from pipesim.sim.workloads.profile import Profile
+from pipesim.sim.workloads.readers import load_profile
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.launch import core_assignment, measure_wake_slice
@@ -121,7 +122,7 @@ def check_fits(cfg: ValidateConfig, model: RealModel) -> None:
     :func:`~pipesim.validate.models.layer_stats`) times the micro-batch
     size. A lower bound (stages hold several micro-batches in flight), so
     what it refuses cannot run; it keeps a typo from building the batch."""
-    from pipesim.sim.size import available_memory_bytes
+    from pipesim.sim.engine.size import available_memory_bytes
 
     per_sample = sum(s.activation_bytes + s.stash_bytes for s in layer_stats(model, 1))
     need, available = per_sample * cfg.microbatch_size, available_memory_bytes()

@@ -650,7 +650,7 @@ _BUSY = "while True:\n    pass\n"
 def measure_wake_slice(core: int, timeout_s: float = 30.0) -> float:
     """Seconds a thread woken on ``core`` while another computes there runs
     before the two share it: the simulator's ``HostCpu.wake_slice_s``
-    (see :class:`pipesim.sim.engine._Core`). Linux gives a woken thread the
+    (see :class:`pipesim.sim.engine.core._Core`). Linux gives a woken thread the
     core at once and switches at a scheduler tick after its slice: 1.9–5.9 ms
     on this project's machine (4 ms ticks)."""
     import subprocess

@@ -379,7 +379,7 @@ class LayerStats:
     """Byte counts of one layer for one micro-batch, as the profile JSON wants them.
 
     ``stash_bytes`` follows the simulator's convention (see
-    ``pipesim.sim.models``): a layer's stash is its input plus its internal
+    ``pipesim.sim.workloads.catalog``): a layer's stash is its input plus its internal
     intermediates, and a tensor the layer saves that *is* its output (a
     final ReLU keeps its result) is counted with the next layer, which saves
     the same storage as its input. That way summing layers over a stage
@@ -461,7 +461,7 @@ def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Se
 
     ``stages`` is either the start layer of each stage (``[0, 3, 5]``) or the
     partitioner's output (objects with ``first_layer``/``last_layer``, e.g.
-    ``pipesim.sim.partition.StageCost``), which must cover every layer once,
+    ``pipesim.sim.workloads.stages.StageCost``), which must cover every layer once,
     in order.
     """
     n = model.num_layers

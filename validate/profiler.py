@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipesim.sim.ir import UPDATE, Action, B, F, I
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.ir.core import UPDATE, Action, B, F, I
+from pipesim.sim.workloads.profile import LayerCost, Profile
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.models import RealModel, layer_stats
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
@@ -227,7 +227,7 @@ def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
                       settings: ProfileSettings = ProfileSettings(),
                       optimizer: OptimizerConfig = OptimizerConfig()) -> dict[str, float]:
     """Bytes/s at which the simulator's byte count for each memory-bound
-    kernel (:class:`pipesim.sim.engine.CostModel`) matches the time the
+    kernel (:class:`pipesim.sim.engine.core.CostModel`) matches the time the
     runtime's own code takes for it, the whole model as one stage, each
     right after a forward and backward (the gradients warm, the rest not):
 
@@ -243,8 +243,8 @@ def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
     different fractions of the memory system (SpecTrain's update ran three
     times as long as one bandwidth for all predicted).
     """
-    from pipesim.sim.engine import CostModel
-    from pipesim.sim.ir import AVERAGE, PREDICT
+    from pipesim.sim.engine.core import CostModel
+    from pipesim.sim.ir.core import AVERAGE, PREDICT
     from pipesim.validate.executor import run_collective
 
     device = torch.device(device)

@@ -2,7 +2,7 @@
 
 A measured run comes back as :class:`~pipesim.validate.executor.Record` s
 (host nanoseconds on one clock). :func:`measured_result` turns them into the
-simulator's own :class:`~pipesim.sim.results.SimResult`, so both timelines
+simulator's own :class:`~pipesim.sim.engine.results.SimResult`, so both timelines
 go through the same metrics, trace writer and plots, and :func:`compare`
 matches them action by action: the same (device, action) is the same unit
 of work in both, because both executed the same IR.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from pipesim.sim.ir import COMPUTE_OPS, PASS_OPS, Schedule
-from pipesim.sim.metrics import bubble_fractions, round_sig
-from pipesim.sim.results import SimResult, Span
+from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, Schedule
+from pipesim.sim.engine.metrics import bubble_fractions, round_sig
+from pipesim.sim.engine.results import SimResult, Span
 
 #: relative duration error (|pred − meas| / meas) above which an action is flagged
 DURATION_THRESHOLD = 0.25

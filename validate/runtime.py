@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pipesim.sim.dataflow import Arrival, CollectiveDone
-from pipesim.sim.ir import (
+from pipesim.sim.ir.dataflow import Arrival, CollectiveDone
+from pipesim.sim.ir.core import (
     AVERAGE,
     COLLECTIVE_OPS,
     SEND_B,
@@ -509,7 +509,7 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
              ) -> list[RunOutput]:
     """Run jobs of the same device count one after another in one set of worker
     processes (start-up is the expensive part of a short run)."""
-    from pipesim.sim.checks import validate
+    from pipesim.sim.ir.checks import validate
     from pipesim.validate.launch import launch
 
     if not jobs:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipesim.sim.ir import AVERAGE, Schedule
+from pipesim.sim.ir.core import AVERAGE, Schedule
 from pipesim.validate.executor import RunOutput, emulate, initial_centres, iteration_losses
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.stage import OptimizerConfig
@@ -61,9 +61,9 @@ class _Context:
 def _timeline(schedule: Schedule):
     """The simulated order of a schedule's actions (it depends on the
     structure only, so an ideal machine and uniform stages serve)."""
-    from pipesim.sim.engine import simulate
-    from pipesim.sim.hardware import load_hardware
-    from pipesim.sim.partition import stage_costs_uniform
+    from pipesim.sim.engine.core import simulate
+    from pipesim.sim.hardware.machines import load_hardware
+    from pipesim.sim.partition.split import stage_costs_uniform
 
     return simulate(schedule, stage_costs_uniform(schedule.num_stages), load_hardware("ideal"))
 

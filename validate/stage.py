@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from pipesim.kernels import VersionPool, adam_coefficients, foreach, predict_adam, predict_sgd
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
+from pipesim.sim.ir.core import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -439,7 +439,7 @@ class PipelineStage:
     def close_gradients(self) -> None:
         """REDUCE_GRAD: the gradients accumulated so far are the ones it
         reduces and the next UPDATE applies; backwards before that UPDATE
-        accumulate into a second buffer (see :mod:`pipesim.sim.ir`)."""
+        accumulate into a second buffer (see :mod:`pipesim.sim.ir.core`)."""
         if self.closed is not None:
             raise RuntimeSemanticsError(f"stage {self.stage_index} replica {self.replica}: REDUCE_GRAD before the "
                                         "UPDATE of the gradients the previous one closed")

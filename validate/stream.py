@@ -48,10 +48,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pipesim.sim.dataflow import compile_plan
+from pipesim.sim.ir.dataflow import compile_plan
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import COMPUTE_OPS, PASS_OPS, PREDICT, UPDATE, Action, F, Schedule
-from pipesim.sim.lowering import group, lower
+from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, PREDICT, UPDATE, Action, F, Schedule
+from pipesim.sim.ir.lowering import group, lower
 from pipesim.sim.strategies import find_strategy, spec_of
 
 
@@ -154,7 +154,7 @@ class Part:
 
     def by_stream(self) -> dict[str, list]:
         """The compute spans :func:`~pipesim.validate.executor.emulate` orders
-        the part by (a :class:`~pipesim.sim.results.SimResult` look-alike)."""
+        the part by (a :class:`~pipesim.sim.engine.results.SimResult` look-alike)."""
         return {"compute": [_Span(d, s, e) for d, times in enumerate(self.times) for s, e in times]}
 
 

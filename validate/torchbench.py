@@ -67,13 +67,12 @@ median of the per-repeat ratios (each from a pipesim run and the torch run
 right after it). The CPU other processes took during each launch is
 measured (:class:`CpuMeter`) and reported next to the figures.
 
-CLI: ``python -m pipesim.validate.torchbench [--model mlp] [--microbatch-size 64]
+CLI: ``pipesim bench torch [--model mlp] [--microbatch-size 64]
 [--microbatches 8] [--iterations 6] [--repeats 3]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -85,13 +84,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipesim.sim.cliargs import bench_main, nonnegative, positive, run_command, seconds
 from pipesim.sim.errors import InputError
 from pipesim.sim.strategies import get_strategy, strategies
 from pipesim.validate.numerics import EXECUTOR_THREADS
 
 __all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
-           "machine", "main", "pipesim_throughput", "torch_worker"]
+           "machine", "pipesim_throughput", "torch_worker"]
 
 #: The strategies compared: those whose per-rank order torch runs with one
 #: stage per rank (interleaving needs several per rank, so it is left out).
@@ -232,7 +230,7 @@ def pipesim_throughput(out, *, microbatches: int, microbatch_size: int, iteratio
     it depended on (a send's record is stamped when the walker next looks,
     possibly at the end of the run, so it would overstate the span).
     """
-    from pipesim.sim.ir import UPDATE
+    from pipesim.sim.ir.core import UPDATE
 
     m = microbatches
     cut = warmup_iterations * m
@@ -505,43 +503,3 @@ def format_report(result: dict) -> str:
                      f"{r['max_first_iteration_loss_diff']:.1e}); last: pipesim "
                      f"{r['pipesim']['iteration_losses'][-1]:.6f}, torch {r['torch']['iteration_losses'][-1]:.6f}")
     return "\n".join(lines)
-
-
-def _starts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected first layers like 0,3, got {text!r}") from None
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--model", default="mlp", help="real model (mlp, gpt-small, vgg-small)")
-    p.add_argument("--stages", type=positive, default=2, help="pipeline stages, one rank each")
-    p.add_argument("--starts", type=_starts, default=None,
-                   help="first layer of each stage, e.g. 0,3 (default: a balanced split)")
-    p.add_argument("--width", type=positive, default=None, help="model width (default: the model's)")
-    p.add_argument("--depth", type=positive, default=None, help="model depth (default: the model's)")
-    p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
-    p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
-    p.add_argument("--iterations", type=positive, default=6, help="timed iterations")
-    p.add_argument("--warmup-iterations", type=nonnegative, default=2, help="untimed iterations first")
-    p.add_argument("--repeats", type=positive, default=3, help="launches per side, alternating")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
-    p.add_argument("--seed", type=nonnegative, default=0, help="seed of the weights and the data order")
-    p.add_argument("--timeout", type=seconds, default=300.0, help="seconds per launch")
-
-
-def run_bench(a) -> dict:
-    return compare_with_torch(a.model, a.stages, a.microbatches, a.microbatch_size, a.iterations,
-                              a.warmup_iterations, tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
-                              a.width, a.depth, a.seed, a.timeout, starts=a.starts, repeats=a.repeats,
-                              progress=True)
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.validate.torchbench") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run_bench, render=format_report)
-
-
-if __name__ == "__main__":
-    sys.exit(run_command(main))

@@ -43,7 +43,7 @@ from pipesim.experiments.reproduce.base import (
     write_figure,
 )
 from pipesim.sim.api import resolve_hardware
-from pipesim.sim.models import model_profile
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.planning.plan import PlanRequest, data_parallel_throughput, notation, plan
 
 NAME = "pipedream"

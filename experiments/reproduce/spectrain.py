@@ -71,11 +71,11 @@ from pipesim.experiments.reproduce.base import (
     write_figure,
 )
 from pipesim.sim.api import resolve_hardware, simulate
-from pipesim.sim.hardware import DeviceSpec
-from pipesim.sim.models import model_profile
+from pipesim.sim.hardware.machines import DeviceSpec
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.planning.plan import steady_throughput
 from pipesim.sim.strategies import ScheduleSpec
-from pipesim.sim.workload import LayerCost, Profile
+from pipesim.sim.workloads.profile import LayerCost, Profile
 
 NAME = "spectrain"
 FIGURE = "speedup"

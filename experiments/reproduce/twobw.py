@@ -47,9 +47,9 @@ from pathlib import Path
 
 from pipesim.experiments.reproduce.base import Claim, Paper, Progress, Row, bars_beside_published, write_figure
 from pipesim.sim.api import simulate_schedule
-from pipesim.sim.hardware import Hardware, load_hardware
-from pipesim.sim.models import model_profile
-from pipesim.sim.planning.cost import LinkModel
+from pipesim.sim.hardware.machines import Hardware, load_hardware
+from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.partition.cost import LinkModel
 from pipesim.sim.planning.grid import GridRequest, plan_grid
 from pipesim.sim.planning.plan import Candidate, steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule

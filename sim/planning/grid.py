@@ -15,7 +15,7 @@ Candidates
     w b dividing B, recomputation off and on; a strategy that needs m >= d
     (2BW: ``Strategy.needs_m_ge_p``) is not offered fewer. Each gets the
     split of the layers into d stages that balances per-stage compute under
-    the memory model below (:func:`~pipesim.sim.partition.balanced`).
+    the memory model below (:func:`~pipesim.sim.partition.balance.balanced`).
 Time (the paper's model, per micro-batch in steady state)
     stage k costs its compute (forward and backward; with recomputation the
     forward twice) plus its incoming communication (the activation from
@@ -61,10 +61,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import Hardware
-from pipesim.sim.partition import StageCost, balanced
-from pipesim.sim.planning.cost import LinkModel, stage_memory, update_seconds
-from pipesim.sim.planning.layout import traits_of
+from pipesim.sim.hardware.machines import Hardware
+from pipesim.sim.partition.balance import balanced
+from pipesim.sim.partition.cost import LinkModel, stage_memory, update_seconds
+from pipesim.sim.partition.layout import traits_of
+from pipesim.sim.partition.search import Tables, memory_terms
 from pipesim.sim.planning.plan import (
     ITERATIONS,
     MAX_GPUS,
@@ -79,9 +80,9 @@ from pipesim.sim.planning.plan import (
     out_of_memory,
     steady_state,
 )
-from pipesim.sim.planning.search import Tables, memory_terms
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
-from pipesim.sim.workload import Profile
+from pipesim.sim.workloads.profile import Profile
+from pipesim.sim.workloads.stages import StageCost
 
 PLANNER = "width-depth"
 #: Configurations confirmed with the engine.
@@ -278,7 +279,7 @@ class _Grid:
     def confirm(self, cand: Candidate) -> Candidate:
         """``cand`` simulated with the engine, or a note saying why not."""
         from pipesim.sim.api import simulate_schedule
-        from pipesim.sim.size import check_size
+        from pipesim.sim.engine.size import check_size
 
         p = cand.params
         req = self.req

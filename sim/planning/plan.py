@@ -58,18 +58,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipesim.sim.engine.metrics import round_sig
+from pipesim.sim.engine.results import SimResult
+from pipesim.sim.engine.size import SizeError, check_size
 from pipesim.sim.errors import InputError
 from pipesim.sim.files import parse_json, read_text
-from pipesim.sim.hardware import Hardware
-from pipesim.sim.ir import PASS_OPS, UPDATE, F, Schedule
-from pipesim.sim.metrics import round_sig
-from pipesim.sim.planning.cost import Estimate
-from pipesim.sim.planning.layout import traits_of
-from pipesim.sim.planning.search import MIN_GAIN, Config, CostSetting, Planner, Tables
-from pipesim.sim.results import SimResult
-from pipesim.sim.size import SizeError, check_size
+from pipesim.sim.hardware.machines import Hardware
+from pipesim.sim.ir.core import PASS_OPS, UPDATE, F, Schedule
+from pipesim.sim.partition.cost import Estimate
+from pipesim.sim.partition.layout import traits_of
+from pipesim.sim.partition.search import MIN_GAIN, Config, CostSetting, Planner, Tables
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
-from pipesim.sim.workload import Profile
+from pipesim.sim.workloads.profile import Profile
 
 PLAN_VERSION = 1
 #: Candidates confirmed with the engine, besides the landmarks.

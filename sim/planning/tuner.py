@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.hardware import Hardware
+from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.planning.plan import (
     ITERATIONS,
     MAX_GPUS,
@@ -47,7 +47,7 @@ from pipesim.sim.planning.plan import (
     steady_state,
 )
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule
-from pipesim.sim.workload import Profile
+from pipesim.sim.workloads.profile import Profile
 
 PLANNER = "tuner"
 #: Pipeline counts tried by default.
@@ -115,7 +115,7 @@ def schedule_on_gpus(req: TuneRequest, pipelines: int, microbatches: int):
         spec = ScheduleSpec(req.strategy, depth, microbatches, iterations=req.iterations, width=pipelines,
                             **req.options)
         try:
-            from pipesim.sim.size import check_size
+            from pipesim.sim.engine.size import check_size
 
             check_size(spec)
             schedule = build_schedule(spec)

@@ -1,8 +1,8 @@
 """Schedule generators: one small module per strategy, all producing the IR.
 
 ``build_schedule(ScheduleSpec(strategy, stages, microbatches, ...))`` returns a
-compute-only :class:`~pipesim.sim.ir.Schedule` (F/B/I/W, UPDATE, PREDICT,
-AVERAGE, REDUCE_GRAD; :func:`pipesim.sim.lowering.lower` adds SEND/RECV).
+compute-only :class:`~pipesim.sim.ir.core.Schedule` (F/B/I/W, UPDATE, PREDICT,
+AVERAGE, REDUCE_GRAD; :func:`pipesim.sim.ir.lowering.lower` adds SEND/RECV).
 Schedule logic lives only here: weight versions, updates, predictions,
 all-reduces and averaging are explicit actions, and the engine, emulator and
 runtime just execute them. Micro-batch ids are global across iterations
@@ -13,7 +13,7 @@ parallelism excepted, see their modules).
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Schedule
+from pipesim.sim.ir.core import Schedule
 from pipesim.sim.strategies import (
     avgpipe,
     data_parallel,
@@ -34,41 +34,25 @@ from pipesim.sim.strategies._common import (
     StrategyError,
     check_field,
 )
+from pipesim.sim.strategies.registry import find_strategy, get_strategy, register, strategies, strategy_names
 
 __all__ = [
     "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field",
     "find_strategy", "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
 ]
 
-#: Every strategy, in the order listings and comparisons use.
-_REGISTRY: dict[str, Strategy] = {
-    mod.STRATEGY.name: mod.STRATEGY
-    for mod in (gpipe, one_f_one_b, interleaved, zero_bubble, pipedream, pipedream_2bw, spectrain, avgpipe,
-                data_parallel, tensor_parallel)
-}
-
-
-def strategies() -> tuple[Strategy, ...]:
-    """Every registered strategy, in a stable order."""
-    return tuple(_REGISTRY.values())
-
-
-def strategy_names() -> list[str]:
-    """The strategy names ``build_schedule`` accepts, in a stable order."""
-    return list(_REGISTRY)
-
-
-def find_strategy(name: str) -> Strategy | None:
-    """The strategy called ``name``, or None (an imported schedule has none)."""
-    return _REGISTRY.get(name) if isinstance(name, str) else None
-
-
-def get_strategy(name: str) -> Strategy:
-    """The strategy called ``name``; a one-line StrategyError naming the choices if there is none."""
-    found = find_strategy(name)
-    if found is None:
-        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
-    return found
+register(
+    gpipe.STRATEGY,
+    one_f_one_b.STRATEGY,
+    interleaved.STRATEGY,
+    zero_bubble.STRATEGY,
+    pipedream.STRATEGY,
+    pipedream_2bw.STRATEGY,
+    spectrain.STRATEGY,
+    avgpipe.STRATEGY,
+    data_parallel.STRATEGY,
+    tensor_parallel.STRATEGY,
+)
 
 
 def strategy_options(name: str) -> tuple[str, ...]:

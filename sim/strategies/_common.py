@@ -1,7 +1,7 @@
 """What every strategy module shares: the spec, the error, and the building blocks.
 
 A strategy module turns a :class:`ScheduleSpec` into a compute-only
-:class:`~pipesim.sim.ir.Schedule` (F/B/I/W, UPDATE, PREDICT, AVERAGE,
+:class:`~pipesim.sim.ir.core.Schedule` (F/B/I/W, UPDATE, PREDICT, AVERAGE,
 REDUCE_GRAD; the lowering pass adds SEND/RECV later). The pieces here are the
 ones several strategies need:
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from pipesim.sim.errors import InputError
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     AVERAGE,
     COMPUTE_OPS,
     OVERLAP_F_B,
@@ -42,14 +41,11 @@ from pipesim.sim.ir import (
     Schedule,
     routed,
 )
+from pipesim.sim.strategies.registry import StrategyError, find_strategy, strategies
 
 _new = tuple.__new__  # see flush_iteration
 #: Receives, which flush_iteration's update goes before (they serve a later pass).
 _RECV_OPS = frozenset({RECV_F, RECV_B})
-
-
-class StrategyError(InputError):
-    """A schedule spec that no strategy can build (one-line message)."""
 
 
 PLACEMENTS = ("shared", "disjoint")
@@ -102,7 +98,6 @@ class ScheduleSpec:
         if isinstance(self.replicas, list):
             object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.width is None:
-            from pipesim.sim.strategies import find_strategy  # the registry imports this module
 
             found = find_strategy(self.strategy)
             object.__setattr__(self, "width", found.default_width if found else 1)
@@ -254,7 +249,6 @@ class Strategy:
 
 def check_executable(strategy_name: str, executor: str) -> None:
     """Refuse, in one line, a schedule whose strategy says real tensors cannot run it."""
-    from pipesim.sim.strategies import find_strategy  # the registry imports this module
 
     found = find_strategy(strategy_name)
     if found is not None and not found.executable:
@@ -281,7 +275,6 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
             raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
     if "width" not in uses and spec.width != 1:
-        from pipesim.sim.strategies import strategies  # the registry imports this module
 
         wide = [s.name for s in strategies() if "width" in s.options]
         raise StrategyError(

@@ -27,7 +27,7 @@ docs/semantics.md, not a verified reproduction:
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, Schedule, routed
+from pipesim.sim.ir.core import Action, Schedule, routed
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

@@ -12,7 +12,7 @@ count m/n, since micro-batch ids are per replica.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Action, B, F, Schedule
+from pipesim.sim.ir.core import Action, B, F, Schedule
 from pipesim.sim.strategies._common import ScheduleSpec, Strategy, StrategyError, check_spec, flush_schedule, ring_steps
 
 NAME = "data-parallel"

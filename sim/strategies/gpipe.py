@@ -10,7 +10,7 @@ width > 1) come from :func:`~pipesim.sim.strategies._common.flush_schedule`.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import B, F, Schedule
+from pipesim.sim.ir.core import B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipesim.sim.ir import Action, B, F, Schedule
+from pipesim.sim.ir.core import Action, B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

@@ -14,7 +14,7 @@ schedule GPipe-like on the early stages.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import Schedule
+from pipesim.sim.ir.core import Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipesim.sim.ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
+from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

@@ -25,7 +25,7 @@ replicas, and that all-reduce is hidden behind the next window, as 2BW's
 implementation and its planner's model (all-reduce / m per micro-batch,
 overlapped) have it: each replica posts ``REDUCE_GRAD`` right after the
 window's last backward (which closes the window's gradient: later
-backwards accumulate into a second buffer, see :mod:`pipesim.sim.ir`), and
+backwards accumulate into a second buffer, see :mod:`pipesim.sim.ir.core`), and
 the ``UPDATE`` that applies it, the only action waiting for the
 all-reduce, is deferred to just before the first pass that reads the
 version it makes: the first forward of window t+2 for window t's update
@@ -35,7 +35,7 @@ windows). Versions read and staleness are those of the update right after
 the window: the version an update makes is first read a window after it
 would have run. Memory is unchanged in total: while the update waits the
 stage holds the closed gradient instead of the second weight version
-(weights + gradients stay at 3|W|; :mod:`pipesim.sim.trackers`). A stage
+(weights + gradients stay at 3|W|; :mod:`pipesim.sim.engine.trackers`). A stage
 with one replica has no all-reduce to hide and keeps its update right
 after the window's last backward.
 """
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipesim.sim.ir import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
+from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

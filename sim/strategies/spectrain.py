@@ -20,7 +20,7 @@ stage, whose two distances coincide, share one.
 
 from __future__ import annotations
 
-from pipesim.sim.ir import PREDICT, UPDATE, Action, B, F, Schedule
+from pipesim.sim.ir.core import PREDICT, UPDATE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import ScheduleSpec, Strategy, asynchronous_schedule, check_spec, one_f_one_b
 
 NAME = "spectrain"

@@ -40,7 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-from pipesim.sim.ir import ALLREDUCE, Action, B, F, Schedule
+from pipesim.sim.ir.core import ALLREDUCE, Action, B, F, Schedule
 from pipesim.sim.strategies._common import ScheduleSpec, Strategy, check_spec, flush_iteration, ring_steps, schedule_of
 
 NAME = "tensor-parallel"

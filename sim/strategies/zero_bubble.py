@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipesim.sim.ir import B, F, I, Schedule, W
+from pipesim.sim.ir.core import B, F, I, Schedule, W
 from pipesim.sim.strategies._common import (
     ScheduleSpec,
     Strategy,

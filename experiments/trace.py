@@ -1,4 +1,4 @@
-"""Chrome trace event JSON for a :class:`~pipesim.sim.results.SimResult`.
+"""Chrome trace event JSON for a :class:`~pipesim.sim.engine.results.SimResult`.
 
 The output opens in Perfetto (https://ui.perfetto.dev) and chrome://tracing,
 in the same format torch.profiler writes (see ``docs/semantics.md``, "Trace
@@ -24,7 +24,7 @@ format"):
   shares a ``flow`` id; both ends sit at the middle of their slice so viewers
   bind them to it (the arrow carries the id, so the slices do not repeat it);
 * a counter (``ph: "C"``, name ``"memory"``, ``args {"bytes": ...}``) per
-  device from its :class:`~pipesim.sim.results.MemoryTrack`.
+  device from its :class:`~pipesim.sim.engine.results.MemoryTrack`.
 
 Times are the executor's own clock (simulated seconds from 0 for the engine),
 converted to integer nanoseconds before anything else, so slice boundaries
@@ -49,8 +49,8 @@ from operator import itemgetter
 from pathlib import Path
 
 from pipesim.sim._gc import gc_paused
-from pipesim.sim.ir import Action, Op
-from pipesim.sim.results import STREAMS, SimResult, Span
+from pipesim.sim.ir.core import Action, Op
+from pipesim.sim.engine.results import STREAMS, SimResult, Span
 
 #: Flow arrows are v1 flow events; Perfetto matches them by (cat, name, id).
 FLOW_CAT = "transfer"
@@ -160,7 +160,7 @@ class _Fallback(Exception):
 
 
 def _action_name(a) -> str:
-    """``str(a)``: :func:`~pipesim.sim.ir.format_action`, inlined for actions."""
+    """``str(a)``: :func:`~pipesim.sim.ir.core.format_action`, inlined for actions."""
     if type(a) is Action and (v := _OP_VALUE.get(a[0])) is not None:
         _, stage, mb, ver, dist, rep = a
         name = f"{stage}{v}" if mb is None else f"{stage}{v}{mb!s}"
@@ -650,7 +650,7 @@ def write_trace(result: SimResult, path: str | Path, *, tracked: Callable[[], No
     uses and streamed to the file, without building the document or encoding
     a dict per event: several times faster on big results. A result holding
     a value that hand-formatting could get wrong (an action that is not an
-    :class:`~pipesim.sim.ir.Action` of a known op, a field that is not an
+    :class:`~pipesim.sim.ir.core.Action` of a known op, a field that is not an
     exact int) is written through ``dumps(chrome_trace(result))`` instead.
 
     ``tracked``, if given, is called once before anything reads

@@ -2,7 +2,7 @@
 
 Each model is written down layer by layer as per-sample FLOPs, parameter
 counts and tensor sizes taken from its published architecture; a
-:class:`~pipesim.sim.hardware.DeviceSpec` turns them into times. Nothing is
+:class:`~pipesim.sim.hardware.machines.DeviceSpec` turns them into times. Nothing is
 measured, so the profiles are only as good as two assumptions, stated here
 once:
 
@@ -90,7 +90,7 @@ Measured profiles (:func:`measured_model_names`): ``pipedream-vgg16``,
 ``pipedream-alexnet``, ``pipedream-resnet18``, ``pipedream-resnet50``,
 ``pipedream-squeezenet``, ``pipedream-gnmt8`` and ``pipedream-gnmt16`` are
 the per-layer profiles PipeDream's authors published
-(:mod:`pipesim.sim.pipedream_graph`). They were measured, so they do not
+(:mod:`pipesim.sim.workloads.pipedream_graph`). They were measured, so they do not
 depend on the hardware's device, and take no ``layers`` or ``seq_len``; a
 ``microbatch_size`` other than the profiled batch rescales their times and
 activations linearly, an approximation their notes state.
@@ -105,9 +105,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipesim.sim import pipedream_graph
-from pipesim.sim.hardware import DeviceSpec
-from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
+from pipesim.sim.hardware.machines import DeviceSpec
+from pipesim.sim.workloads import pipedream_graph
+from pipesim.sim.workloads.profile import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
 
 #: Bytes per parameter in every catalog profile (fp32 master weights).
 PARAM_BYTES = 4

@@ -9,7 +9,7 @@ layout costs every split of a profile.
 
 There are two ways to get one:
 
-* :func:`layout_of` reads it off a built :class:`~pipesim.sim.ir.Schedule`
+* :func:`layout_of` reads it off a built :class:`~pipesim.sim.ir.core.Schedule`
   (the IR is the truth: the partitioner of the simulate path uses it, and the
   planner uses it for every candidate it ranks);
 * :func:`layout_for` computes it for a schedule not built yet, a strategy with
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     AVERAGE,
     COMPUTE_OPS,
     INPUT_GRADIENT_OPS,
@@ -161,7 +161,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
     if strategy is not None:
         versions = [strategy.weight_versions(schedule.options, k, p) for k in range(p)]
     else:  # an imported schedule: count what its IR keeps
-        from pipesim.sim.trackers import version_plan
+        from pipesim.sim.engine.trackers import version_plan
 
         held = version_plan(schedule)[1]
         versions = [max((n for (_, st), n in held.items() if st == k), default=1) for k in range(p)]

@@ -7,7 +7,7 @@ which the schedule fixes; *when* each of those changes happens comes from the
 spans. Keeping the accounting out of the engine means a timeline measured on
 real devices is accounted exactly like a simulated one.
 
-Memory of a device, per category (see :data:`~pipesim.sim.results.MEMORY_CATEGORIES`):
+Memory of a device, per category (see :data:`~pipesim.sim.engine.results.MEMORY_CATEGORIES`):
 
 * weights: |W| per (replica, stage) it hosts, plus |W| for every older
   version still awaiting a read (PipeDream stashing, 2BW's shadow copy): an
@@ -37,8 +37,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from pipesim.sim.dataflow import backward_op, split_stages
-from pipesim.sim.ir import (
+from pipesim.sim.engine.results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
+from pipesim.sim.ir.core import (
     AVERAGE,
     COMPUTE_OPS,
     INPUT_GRADIENT_OPS,
@@ -56,8 +56,8 @@ from pipesim.sim.ir import (
     Schedule,
     W,
 )
-from pipesim.sim.results import MEMORY_CATEGORIES, MemoryTrack, PassVersions, SimResult
-from pipesim.sim.workload import WorkloadError
+from pipesim.sim.ir.dataflow import backward_op, split_stages
+from pipesim.sim.workloads.profile import WorkloadError
 
 _CAT = {name: i for i, name in enumerate(MEMORY_CATEGORIES)}
 
@@ -70,7 +70,7 @@ def version_plan(schedule: Schedule) -> tuple[list[PassVersions], dict[tuple[int
     program positions where an extra version is created (at an update) and
     freed (at its last read), and where a second gradient buffer is taken (at
     the first weight-gradient pass after a REDUCE_GRAD, which closed the first
-    one for its UPDATE: :mod:`pipesim.sim.ir`) and freed (at that UPDATE):
+    one for its UPDATE: :mod:`pipesim.sim.ir.core`) and freed (at that UPDATE):
     ``{device: [(position, +1|-1, (replica, stage), "weights"|"gradients")]}``.
     """
     fwd: dict = {}

@@ -1,4 +1,4 @@
-"""Simulator benchmark: ``pipesim bench sim`` (or ``python -m pipesim.sim.bench``).
+"""Simulator benchmark: ``pipesim bench sim`` (or ``python -m pipesim.experiments.bench.sim``).
 
 Prints, measured in one process so the ratios hold on a noisy machine:
 
@@ -46,12 +46,12 @@ from simpy.events import NORMAL
 
 from pipesim.sim._gc import gc_paused
 from pipesim.sim.api import model_for, simulate, split_for
-from pipesim.sim.cliargs import bench_main
-from pipesim.sim.engine import CostModel, _run_events, _Signal, _Walker, prepared_run
-from pipesim.sim.hardware import load_hardware
-from pipesim.sim.ir import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
-from pipesim.sim.metrics import summarize, write_summary
-from pipesim.sim.results import Span
+from pipesim.experiments.cliargs import bench_main
+from pipesim.sim.engine.core import CostModel, _run_events, _Signal, _Walker, prepared_run
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
+from pipesim.sim.engine.metrics import summarize, write_summary
+from pipesim.sim.engine.results import Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 #: The machine of every timed case but the small real-model ones: transfers are free.
@@ -94,7 +94,7 @@ def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
     Each device's walk runs under the engine's own event machinery (its
     lean walker, one reusable timer and one reusable wake-up event per
     device, the timer scheduled straight onto SimPy's heap, the inlined
-    event loop: :mod:`pipesim.sim.engine`). A pass or update holds the
+    event loop: :mod:`pipesim.sim.engine.core`). A pass or update holds the
     timer for its duration; a forward waits for its micro-batch's forward
     on the stage before, a backward for the backward on the stage after,
     and only a walk that finds its input missing arms a wake-up; a finished
@@ -107,7 +107,7 @@ def bare_model_seconds(schedule: Schedule, stage_costs) -> tuple[float, float]:
 
     Only programs of F, B and UPDATE with one replica per stage qualify
     (GPipe, 1F1B, interleaved 1F1B, PipeDream, 2BW); anything else raises
-    :class:`~pipesim.sim.ir.ScheduleError`.
+    :class:`~pipesim.sim.ir.core.ScheduleError`.
     """
     programs = _bare_steps(schedule, stage_costs)
     env = simpy.Environment()
@@ -182,7 +182,7 @@ def bare_model_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
 def engine_run_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
     """The best of ``repeat`` SimPy runs of the engine itself on the same
     schedule and machine as :func:`bare_model_rate`: ``execute()`` of a
-    :func:`~pipesim.sim.engine.prepared_run` alone (its compile, the
+    :func:`~pipesim.sim.engine.core.prepared_run` alone (its compile, the
     validation before it and the accounting after it are not timed; its
     spans and transfers are)."""
     schedule, stage_costs, actions = _uniform_on_ideal(strategy, p, m)
@@ -241,7 +241,7 @@ MEMORY_SIZES = (256, 512, 1024, 2048)
 #: after the imports, then after the simulation.
 _PEAK_RSS_CHILD = """
 import sys
-from pipesim.sim.bench import peak_rss_child
+from pipesim.experiments.bench.sim import peak_rss_child
 peak_rss_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 """
 
@@ -249,7 +249,7 @@ peak_rss_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 def peak_rss_child(strategy: str, p: int, m: int) -> None:
     """In a fresh interpreter: print the peak resident set in bytes after
     the imports and after ``simulate`` and ``summarize`` of (strategy, p, m)."""
-    from pipesim.sim.metrics import summarize as summarize_
+    from pipesim.sim.engine.metrics import summarize as summarize_
 
     before = peak_rss_bytes()
     with gc_paused():
@@ -319,8 +319,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def object_floor(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
     """A floor under the time of any simulator of this schedule that keeps
-    pipesim's IR and result as Python objects (:class:`~pipesim.sim.ir.Action`
-    s in, :class:`~pipesim.sim.results.Span` s out), whatever else it does
+    pipesim's IR and result as Python objects (:class:`~pipesim.sim.ir.core.Action`
+    s in, :class:`~pipesim.sim.engine.results.Span` s out), whatever else it does
     better: building the schedule, the bare model's event loop
     (:func:`bare_model_seconds`), and creating, with nothing else done, the
     objects a run must add: the Action of each transfer end the lowering
@@ -416,12 +416,12 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipesim.sim.bench") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipesim.experiments.bench.sim") -> int:
     return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
                       run=run, render=render)
 
 
 if __name__ == "__main__":
-    from pipesim.sim.cliargs import run_command
+    from pipesim.experiments.cliargs import run_command
 
     sys.exit(run_command(main))

@@ -6,7 +6,7 @@ weights and stash for every contiguous layer range, as (layers + 1)² arrays):
 * :func:`ranked_splits`, the communication-aware partitioner: the stage count
   and placement are fixed (a built schedule's :class:`~.layout.Layout`) and
   only the cuts move. The partitioner's dynamic program
-  (:func:`~pipesim.sim.partition.balanced`) runs on three terms per stage:
+  (:func:`~pipesim.sim.partition.balance.balanced`) runs on three terms per stage:
   compute only (today's split, with the layout's memory), and the stage's
   busy time per micro-batch (passes, steps, all-reduce) or its incoming
   boundary's busiest link, a link several boundaries share charged once or
@@ -47,11 +47,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipesim.sim.hardware import Hardware
-from pipesim.sim.partition import StageCost, balanced, recomputed, stage_cost
-from pipesim.sim.planning.cost import Estimate, LinkModel, envelope, estimate, held_activations, update_seconds
-from pipesim.sim.planning.layout import Layout, Traits, layout_for
-from pipesim.sim.workload import Profile
+from pipesim.sim.hardware.machines import Hardware
+from pipesim.sim.partition.balance import balanced
+from pipesim.sim.partition.cost import Estimate, LinkModel, envelope, estimate, held_activations, update_seconds
+from pipesim.sim.partition.layout import Layout, Traits, layout_for
+from pipesim.sim.workloads.profile import Profile
+from pipesim.sim.workloads.stages import StageCost, recomputed, stage_cost
 
 _REL_TOL = 1e-9
 #: Rounds of local search at most (each takes the best neighbour).
@@ -67,12 +68,12 @@ class Tables:
     """Per-range sums of a profile as (layers + 1)² arrays: entry [i, j] is
     the stage of layers i .. j-1 (inf / 0 below the diagonal).
 
-    ``recompute``: activation recomputation (:func:`~pipesim.sim.partition.recomputed`):
+    ``recompute``: activation recomputation (:func:`~pipesim.sim.workloads.stages.recomputed`):
     a stage's time counts its forward twice, and :meth:`split` gives
     recomputing stage costs; memory then counts the inputs of the stage's
     layers (``checkpoints``) and the backward's peak (``peak``: the inputs
     below one layer plus its full stash, the largest over the layers), as
-    :attr:`~pipesim.sim.partition.StageCost.full_stash_bytes` does."""
+    :attr:`~pipesim.sim.workloads.stages.StageCost.full_stash_bytes` does."""
 
     def __init__(self, profile: Profile, recompute: bool = False) -> None:
         self.profile = profile

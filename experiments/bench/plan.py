@@ -1,4 +1,4 @@
-"""Planner benchmark: ``pipesim bench plan`` (or ``python -m pipesim.sim.planning.bench``).
+"""Planner benchmark: ``pipesim bench plan`` (or ``python -m pipesim.experiments.bench.plan``).
 
 Times :func:`pipesim.sim.planning.plan.plan` (search, cost model, and the
 engine confirming the best candidates: all of what the planner's time is) on
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from pipesim.sim.cliargs import bench_main
+from pipesim.experiments.cliargs import bench_main
 
 #: (model, hardware, GPUs, target seconds)
 CASES = (
@@ -40,10 +40,10 @@ GRID_CASES = (
 def grid_seconds(model: str, hardware: str, gpus: int, batch: int, strategy: str,
                  repeat: int) -> tuple[list[float], dict]:
     """Sorted wall times of the width x depth planner, and the last record."""
-    from pipesim.sim.hardware import load_hardware
-    from pipesim.sim.models import model_profile
+    from pipesim.sim.hardware.machines import load_hardware
+    from pipesim.sim.workloads.catalog import model_profile
     from pipesim.sim.planning.grid import GridRequest, plan_grid
-    from pipesim.sim.planning.layout import traits_of
+    from pipesim.sim.partition.layout import traits_of
 
     hw = load_hardware(hardware)
     times, record = [], {}
@@ -58,9 +58,9 @@ def grid_seconds(model: str, hardware: str, gpus: int, batch: int, strategy: str
 
 def plan_seconds(model: str, hardware: str, gpus: int, strategy: str, repeat: int) -> tuple[list[float], dict]:
     """Sorted wall times of planning ``model``, and the last plan's record."""
-    from pipesim.sim.hardware import load_hardware
-    from pipesim.sim.models import model_profile
-    from pipesim.sim.planning.layout import traits_of
+    from pipesim.sim.hardware.machines import load_hardware
+    from pipesim.sim.workloads.catalog import model_profile
+    from pipesim.sim.partition.layout import traits_of
     from pipesim.sim.planning.plan import PlanRequest, plan
 
     hw = load_hardware(hardware)
@@ -133,12 +133,12 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipesim.sim.planning.bench") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipesim.experiments.bench.plan") -> int:
     return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
                       run=run, render=render)
 
 
 if __name__ == "__main__":
-    from pipesim.sim.cliargs import run_command
+    from pipesim.experiments.cliargs import run_command
 
     sys.exit(run_command(main))

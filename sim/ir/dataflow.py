@@ -24,7 +24,7 @@ itself in an error message (``describe``).
 A compute action waits for the tokens in its ``waits``; communication and
 collectives never block the device's walk. The forward of an ``OVERLAP_F_B``
 also waits for what its backward needs, so the pair starts as one unit. This
-module encodes the execution model documented in :mod:`pipesim.sim.ir`.
+module encodes the execution model documented in :mod:`pipesim.sim.ir.core`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import defaultdict
 from itertools import repeat
 from typing import NamedTuple, Union
 
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     ALLREDUCE,
     AVERAGE,
     COMPUTE_OPS,
@@ -74,7 +74,7 @@ class PassDone(NamedTuple):
 class Arrival(NamedTuple):
     """The data that ``send`` (SEND_F or SEND_B) of ``stage`` sends for
     ``microbatch`` has arrived. Which replica sends it follows from the
-    routing (:meth:`~pipesim.sim.ir.Schedule.replica_of`), so it is not part
+    routing (:meth:`~pipesim.sim.ir.core.Schedule.replica_of`), so it is not part
     of the name: both ends can spell it without knowing each other."""
 
     send: Op
@@ -121,7 +121,7 @@ class Post(NamedTuple):
 class Entry(NamedTuple):
     """One compute action of a device program with its dataflow.
 
-    ``posts`` go out right before it (see :func:`pipesim.sim.lowering.plan`);
+    ``posts`` go out right before it (see :func:`pipesim.sim.ir.lowering.plan`);
     ``waits`` are the tokens it needs before it may start; ``token`` is what
     it makes available (``None`` for an UPDATE or PREDICT). ``action`` is
     ``None`` for the posts that trail a program.
@@ -206,8 +206,8 @@ def transfer_key(a: Action) -> Arrival:
 def compile_plan(schedule: Schedule, plan) -> list[list[Entry]]:
     """Per device, every compute action with its posts, waits and token.
 
-    ``plan`` is a :class:`pipesim.sim.lowering.Plan` (from
-    :func:`~pipesim.sim.lowering.plan` or :func:`~pipesim.sim.lowering.group`),
+    ``plan`` is a :class:`pipesim.sim.ir.lowering.Plan` (from
+    :func:`~pipesim.sim.ir.lowering.plan` or :func:`~pipesim.sim.ir.lowering.group`),
     whose posts already carry their transfer tokens. Written for speed: it
     visits every action the engine runs, so tokens are built inline (as
     :func:`producer_of` and :func:`transfer_key` would); the rare
@@ -263,7 +263,7 @@ def compile_lowered(schedule: Schedule, recv_lookahead: int = 1) -> list[list[En
     pass, for a compute-only schedule: the entries the engine runs, built
     straight from the programs with no plan in between.
 
-    The lowering (:func:`pipesim.sim.lowering.plan`) and the compilation
+    The lowering (:func:`pipesim.sim.ir.lowering.plan`) and the compilation
     each visit every action and build a slot or an entry per compute action
     and a token per transfer twice; here each transfer's token is built
     once, serving its receive's post and its consumer's wait. Every pass

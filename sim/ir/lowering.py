@@ -31,8 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pipesim.sim.dataflow import Arrival, Post, transfer_key
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     COMPUTE_OPS,
     FLOW,
     OVERLAP_F_B,
@@ -44,14 +43,15 @@ from pipesim.sim.ir import (
     Schedule,
     ScheduleError,
 )
+from pipesim.sim.ir.dataflow import Arrival, Post, transfer_key
 
 
 class Slot(NamedTuple):
     """Communication and collectives posted, in order, right before compute
     ``action`` (``None`` for what trails a program's last one). Each post's
-    token is its transfer's :class:`~pipesim.sim.dataflow.Arrival`, or
+    token is its transfer's :class:`~pipesim.sim.ir.dataflow.Arrival`, or
     ``None`` for a collective or an FSDP action, whose token
-    :func:`~pipesim.sim.dataflow.compile_plan` numbers."""
+    :func:`~pipesim.sim.ir.dataflow.compile_plan` numbers."""
 
     posts: tuple[Post, ...]
     action: Action | None

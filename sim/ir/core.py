@@ -141,7 +141,7 @@ COMPUTE_OPS = frozenset({F, B, I, W, UPDATE, PREDICT})
 #: Collectives across the replicas of a stage: posted without blocking, run
 #: once every replica has posted them.
 COLLECTIVE_OPS = frozenset({REDUCE_GRAD, AVERAGE, ALLREDUCE})
-#: Point-to-point communication, added by :func:`pipesim.sim.lowering.lower`.
+#: Point-to-point communication, added by :func:`pipesim.sim.ir.lowering.lower`.
 P2P_OPS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
 #: FSDP's parameter gathering and freeing, posted without blocking.
 FSDP_OPS = frozenset({UNSHARD, RESHARD})

@@ -15,7 +15,7 @@ Two kinds of check run here, in one walk over the programs:
   distance); sends and receives pair up; collectives have the same count on
   every replica.
 * **Deadlock.** An abstract execution of the execution model in
-  :mod:`pipesim.sim.ir` with zero durations: devices advance while their next
+  :mod:`pipesim.sim.ir.core` with zero durations: devices advance while their next
   action is ready. If some device never finishes, the schedule would hang on
   any executor, and the error names the chain of actions that wait on each
   other, e.g. ``1F0 (device 1) waits for 1RECV_F0 (device 1), which waits
@@ -29,9 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from pipesim.sim.dataflow import Arrival, Gathered, backward_op, compile_plan, producer_of, split_stages, token_name
-from pipesim.sim.dataflow import transfer_key as send_key
-from pipesim.sim.ir import (
+from pipesim.sim.ir.core import (
     COLLECTIVE_OPS,
     FLOW,
     FSDP_OPS,
@@ -61,6 +59,8 @@ from pipesim.sim.ir import (
     program_cells,
     routed,
 )
+from pipesim.sim.ir.dataflow import Arrival, Gathered, backward_op, compile_plan, producer_of, split_stages, token_name
+from pipesim.sim.ir.dataflow import transfer_key as send_key
 
 
 def validate(schedule: Schedule, *, deadlock: bool = True) -> None:
@@ -270,7 +270,7 @@ class _ProgramWalk:
 
     def reduce(self, a: Action, pos: int) -> None:
         """REDUCE_GRAD closes the gradients accumulated so far for the next
-        UPDATE (see :mod:`pipesim.sim.ir`); one at a time. Its replicas are
+        UPDATE (see :mod:`pipesim.sim.ir.core`); one at a time. Its replicas are
         checked across devices afterwards."""
         rs = (a.replica, a.stage)
         if rs in self.closed:
@@ -453,7 +453,7 @@ def _crossings(s: Schedule, placement: dict) -> int:
 
 def _check_deadlock(s: Schedule) -> None:
     """Abstract execution with zero durations; raise naming a waiting cycle."""
-    from pipesim.sim.lowering import group  # lowering builds on this module
+    from pipesim.sim.ir.lowering import group  # lowering builds on this module
 
     programs = compile_plan(s, group(s))
     where = providers(programs)

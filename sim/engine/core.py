@@ -7,14 +7,14 @@ a GPU with separate streams. Links are SimPy resources: transfers whose routes
 share a link (one PCIe host bridge, a node's NIC) queue for it in request
 order, which is SimPy's deterministic FIFO tie-break.
 
-The engine only produces timed :class:`~pipesim.sim.results.Span` s. Memory,
+The engine only produces timed :class:`~pipesim.sim.engine.results.Span` s. Memory,
 weight versions and staleness are derived from the spans and the schedule by
-:mod:`pipesim.sim.trackers`, so a measured timeline from real devices goes
+:mod:`pipesim.sim.engine.trackers`, so a measured timeline from real devices goes
 through exactly the same accounting.
 
 Speed matters (the target is 131k compute actions in well under two seconds),
 so the hot loop is lean: dependencies are precomputed tokens
-(:mod:`pipesim.sim.dataflow`), satisfied tokens are skipped without yielding,
+(:mod:`pipesim.sim.ir.dataflow`), satisfied tokens are skipped without yielding,
 and transfers over free links complete without a process of their own.
 """
 
@@ -33,10 +33,10 @@ import simpy
 from simpy.events import NORMAL
 
 from pipesim.sim._gc import gc_paused, retain
-from pipesim.sim.checks import describe_wait_cycle, providers, validate
-from pipesim.sim.dataflow import Arrival, Entry, compile_lowered, compile_plan
+from pipesim.sim.engine.results import SimResult, Span
 from pipesim.sim.errors import InputError
-from pipesim.sim.ir import (
+from pipesim.sim.ir.checks import describe_wait_cycle, providers, validate
+from pipesim.sim.ir.core import (
     ALLREDUCE,
     AVERAGE,
     COMPUTE_OPS,
@@ -55,13 +55,13 @@ from pipesim.sim.ir import (
     W,
     boundary_stage,
 )
-from pipesim.sim.lowering import plan
-from pipesim.sim.partition import StageCost
-from pipesim.sim.results import SimResult, Span
-from pipesim.sim.workload import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
+from pipesim.sim.ir.dataflow import Arrival, Entry, compile_lowered, compile_plan
+from pipesim.sim.ir.lowering import plan
+from pipesim.sim.workloads.profile import OPTIMIZER_STATE_MULTIPLIER, WorkloadError, check_microbatch_size
+from pipesim.sim.workloads.stages import StageCost
 
 if TYPE_CHECKING:
-    from pipesim.sim.hardware import Hardware
+    from pipesim.sim.hardware.machines import Hardware
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class CostModel:
 
     @classmethod
     def for_device(cls, stage_costs, device, optimizer: str = "sgd") -> CostModel:
-        """The cost model of ``device`` (a :class:`~pipesim.sim.hardware.DeviceSpec`),
+        """The cost model of ``device`` (a :class:`~pipesim.sim.hardware.machines.DeviceSpec`),
         with its per-kernel bandwidths."""
         return cls(tuple(stage_costs), device.mem_bandwidth, optimizer, device.update_bandwidth,
                    device.predict_bandwidth, device.average_bandwidth)
@@ -147,14 +147,14 @@ def simulate(
 ) -> SimResult:
     """Execute ``schedule`` in simulated time and return its spans and trackers.
 
-    ``stage_costs[k]`` is the :class:`~pipesim.sim.partition.StageCost` of
+    ``stage_costs[k]`` is the :class:`~pipesim.sim.workloads.stages.StageCost` of
     model stage k (the same for every replica). A compute-only schedule runs
-    as :func:`pipesim.sim.lowering.plan` lowers it (sends after producers,
+    as :func:`pipesim.sim.ir.lowering.plan` lowers it (sends after producers,
     receives ``recv_lookahead`` compute actions ahead); one that carries its
     own communication runs as it is. The result keeps the schedule as given;
     its spans record every transfer. The structure is validated first unless
     ``check`` is false; a schedule that deadlocks raises
-    :class:`~pipesim.sim.ir.ScheduleError` naming the wait cycle once the
+    :class:`~pipesim.sim.ir.core.ScheduleError` naming the wait cycle once the
     event queue runs dry (SimPy stops by itself, so it never hangs).
     Arguments of the wrong type or out of range raise an
     :class:`~pipesim.sim.errors.InputError` here, before any work.
@@ -190,23 +190,23 @@ def check_on_spans(on_spans) -> None:
 
 
 def _check_arguments(schedule, stage_costs, hardware, check) -> None:
-    from pipesim.sim.hardware import Hardware, HardwareError
+    from pipesim.sim.hardware.machines import Hardware, HardwareError
 
     if not isinstance(schedule, Schedule):
-        raise ScheduleError(f"schedule must be a pipesim.sim.ir.Schedule, got {type(schedule).__name__}")
+        raise ScheduleError(f"schedule must be a pipesim.sim.ir.core.Schedule, got {type(schedule).__name__}")
     if not isinstance(hardware, Hardware):
-        raise HardwareError(f"hardware must be a pipesim.sim.hardware.Hardware, got {type(hardware).__name__}")
+        raise HardwareError(f"hardware must be a pipesim.sim.hardware.machines.Hardware, got {type(hardware).__name__}")
     if isinstance(stage_costs, (str, bytes)) or not isinstance(stage_costs, Sequence) or not all(
         isinstance(c, StageCost) for c in stage_costs
     ):
-        raise WorkloadError("stage_costs must be a sequence of pipesim.sim.partition.StageCost, one per stage")
+        raise WorkloadError("stage_costs must be a sequence of pipesim.sim.workloads.stages.StageCost, one per stage")
     if not isinstance(check, bool):
         raise ScheduleError(f"check (validate the schedule first) must be True or False, got {check!r}")
 
 
 def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta,
               on_spans):
-    from pipesim.sim.trackers import track  # after the engine: derived accounting
+    from pipesim.sim.engine.trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
         raise ScheduleError(
@@ -248,9 +248,9 @@ def prepared_run(schedule: Schedule, stage_costs, hardware: Hardware, *, optimiz
 
 
 def compiled(schedule: Schedule, recv_lookahead: int) -> list[list[Entry]]:
-    """The entries the engine runs: :func:`~pipesim.sim.dataflow.compile_plan`
+    """The entries the engine runs: :func:`~pipesim.sim.ir.dataflow.compile_plan`
     of the lowered plan, built in one pass where the schedule is compute-only
-    (:func:`~pipesim.sim.dataflow.compile_lowered`, the common case)."""
+    (:func:`~pipesim.sim.ir.dataflow.compile_lowered`, the common case)."""
     programs = compile_lowered(schedule, recv_lookahead)
     if programs is None:
         programs = compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
@@ -791,7 +791,7 @@ class _Core:
 
 
 class _CpuRun(_Run):
-    """A run on devices that are CPU cores (:class:`~pipesim.sim.hardware.HostCpu`).
+    """A run on devices that are CPU cores (:class:`~pipesim.sim.hardware.machines.HostCpu`).
 
     Two things differ from accelerators. Devices on one core share it, each
     pass running at 1/n of its speed while n run there (:class:`_Core`; k

@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from pipesim.sim.ir import Action, Schedule
+from pipesim.sim.ir.core import Action, Schedule
 
 #: Streams of a device. Compute actions run on "compute"; sends and receives
 #: on their own streams so they overlap with compute as on a GPU; all-reduce

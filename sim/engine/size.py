@@ -11,7 +11,7 @@ too, and with the steps of its gradient all-reduces, which the engine
 simulates link by link: :func:`estimate_work` counts both, for the progress
 bar (an upper bound: a ring that has its links to itself, as data
 parallelism's does on a switched machine, runs only its last step:
-:meth:`pipesim.sim.engine._Run.ring_steps`).
+:meth:`pipesim.sim.engine.core._Run.ring_steps`).
 
 This module imports only the strategies, so a command that merely prints a
 schedule pays for no engine, numpy or SimPy at start-up.

@@ -37,7 +37,7 @@ transfer takes from its sender's and its receiver's core. A GPU's copy engines
 and NIC move data beside its kernels; a CPU's communication threads run on the
 very core the passes need, at higher priority, so every transfer stretches the
 pass it interrupts, and devices that share a core share its speed. The
-engine applies both (:mod:`pipesim.sim.engine`); hardware without ``cpu``
+engine applies both (:mod:`pipesim.sim.engine.core`); hardware without ``cpu``
 (every GPU preset) is untouched.
 
 Devices are numbered node-major: devices ``0 .. d-1`` on node 0, ``d .. 2d-1``
@@ -46,7 +46,7 @@ on node 1, and so on.
 Numbers are checked where they enter: FLOP/s finite and at least 1;
 bandwidths (bytes/s) at least 1 or unbounded (``"inf"``); memory positive or
 unbounded; latencies finite seconds within
-:data:`~pipesim.sim.workload.MAX_SECONDS`; counts integers, never booleans.
+:data:`~pipesim.sim.limits.MAX_SECONDS`; counts integers, never booleans.
 With those floors every derived time (bytes / bandwidth, FLOPs / FLOP/s) is
 finite, so no run can end with an infinite or, from infinitely fast
 devices, a zero makespan.
@@ -67,7 +67,7 @@ from typing import Any
 
 from pipesim.sim.errors import InputError
 from pipesim.sim.files import parse_json, read_text
-from pipesim.sim.workload import MAX_SECONDS, shown
+from pipesim.sim.limits import MAX_SECONDS, shown
 
 
 class HardwareError(InputError):
@@ -96,7 +96,7 @@ class DeviceSpec:
     ``kernel_overhead_s`` is the fixed time one kernel launch adds to a
     layer pass whatever its size (the launch latency between one kernel and
     the next): catalog profiles charge it once per kernel a layer launches
-    (:mod:`pipesim.sim.models`), so a pass costs a fixed part plus a part
+    (:mod:`pipesim.sim.workloads.catalog`), so a pass costs a fixed part plus a part
     proportional to the micro-batch. 0 (the default) prices layers by the
     roofline alone, as a preset whose ``flops`` is an average sustained rate
     does; measured profiles never see it (their times include it).
@@ -265,7 +265,7 @@ class HostCpu:
     there are more ranks than cores): a pass that starts while others run
     there runs alone for up to ``wake_slice_s`` (measured: how long a thread
     woken beside a busy one keeps the core), then the running passes share
-    it equally (:class:`pipesim.sim.engine._Core`). ``send`` and
+    it equally (:class:`pipesim.sim.engine.core._Core`). ``send`` and
     ``recv`` are the CPU time a transfer takes from the sender's and the
     receiver's core. That time preempts: a transfer handled while a pass runs
     on the core stretches the pass by it; on an idle core it delays the next
@@ -793,11 +793,11 @@ def _cpu_from_json(d: Any) -> HostCpu:
 
 
 def _presets():
-    return importlib.resources.files("pipesim.sim").joinpath("presets")
+    return importlib.resources.files("pipesim.sim.hardware").joinpath("presets")
 
 
 def preset_names() -> list[str]:
-    """Names of the built-in hardware presets (``sim/presets/<name>.json``)."""
+    """Names of the built-in hardware presets (``sim/hardware/presets/<name>.json``)."""
     return sorted(
         p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json")
     )

@@ -72,11 +72,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipesim.sim.engine import CostModel
-from pipesim.sim.hardware import Hardware
-from pipesim.sim.ir import INPUT_GRADIENT_OPS, UPDATE, Action, F
-from pipesim.sim.partition import StageCost
-from pipesim.sim.planning.layout import BACKWARD, FORWARD, Layout, Wait
+from pipesim.sim.engine.core import CostModel
+from pipesim.sim.hardware.machines import Hardware
+from pipesim.sim.ir.core import INPUT_GRADIENT_OPS, UPDATE, Action, F
+from pipesim.sim.partition.layout import BACKWARD, FORWARD, Layout, Wait
+from pipesim.sim.workloads.stages import StageCost
 
 #: ``(a, b)``: a + b * bytes seconds (a counts only when bytes > 0).
 Line = tuple[float, float]
@@ -167,7 +167,7 @@ class LinkModel:
 
     def ring(self, devices: tuple[int, ...]) -> Ring:
         """The ring all-reduce the engine runs over ``devices`` (in the
-        hardware's :meth:`~pipesim.sim.hardware.Hardware.ring_order`):
+        hardware's :meth:`~pipesim.sim.hardware.machines.Hardware.ring_order`):
         2(n-1) steps, each moving bytes/n over every ring edge."""
         key = tuple(sorted(set(devices)))
         found = self._rings.get(key)
@@ -243,11 +243,11 @@ def held_activations(stash_bytes, inflight, checkpoint_bytes=None, peak_bytes=No
     micro-batch keeps between its forward and its backward, the inputs of the
     stage's layers) a micro-batch keeps only those until its backward, which
     re-runs the forward and holds at most ``peak_bytes`` while it runs
-    (:attr:`~pipesim.sim.partition.StageCost.full_stash_bytes`; by default
+    (:attr:`~pipesim.sim.workloads.stages.StageCost.full_stash_bytes`; by default
     that of a one-layer stage, max(stash, input)): ``inflight - 1``
     checkpoints and one peak. Both memory checks (:func:`stage_memory`,
     :func:`.search.memory_terms`) call this, and the engine's tracker
-    (:mod:`pipesim.sim.trackers`) holds the same bytes over time."""
+    (:mod:`pipesim.sim.engine.trackers`) holds the same bytes over time."""
     if checkpoint_bytes is None:
         return stash_bytes * inflight
     full = np.maximum(stash_bytes, checkpoint_bytes) if peak_bytes is None else peak_bytes

@@ -13,7 +13,7 @@ node with several outputs, summed as PipeDream's own parser does);
 ``parameter_size`` is bytes of fp32 weights. A node line may end in
 `` -- stage_id=N`` (PipeDream's partitioned graphs); the stage is ignored.
 
-Turning a graph into a :class:`~pipesim.sim.workload.Profile` takes three
+Turning a graph into a :class:`~pipesim.sim.workloads.profile.Profile` takes three
 decisions, each the one PipeDream's own optimizer
 (``optimizer/optimizer_graph_hierarchical.py``) makes where it makes one:
 
@@ -95,7 +95,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from pipesim.sim.workload import MAX_SECONDS, LayerCost, Profile, WorkloadError, bytes_problem, rescaled
+from pipesim.sim.limits import MAX_SECONDS, bytes_problem
+from pipesim.sim.workloads.profile import LayerCost, Profile, WorkloadError, rescaled
 
 _NODE_RE = re.compile(
     r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<forward>[^,]*), "
@@ -420,7 +421,7 @@ def catalog_names() -> list[str]:
 def catalog_file(name: str):
     """The shipped graph.txt of catalog model ``name`` (an importlib resource)."""
     folder = CATALOG[name].folder
-    return importlib.resources.files("pipesim.sim").joinpath("profiles", "pipedream", folder, "graph.txt")
+    return importlib.resources.files("pipesim.sim.workloads").joinpath("profiles", "pipedream", folder, "graph.txt")
 
 
 @lru_cache(maxsize=None)

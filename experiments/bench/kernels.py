@@ -1,4 +1,4 @@
-"""Kernel benchmark: ``pipesim bench kernels`` (or ``python -m pipesim.kernels.bench``).
+"""Kernel benchmark: ``pipesim bench kernels`` (or ``python -m pipesim.experiments.bench.kernels``).
 
 For a model-sized parameter list (about 100 tensors shaped like a
 transformer's; 10M parameters on CPU, 100M on GPU) each kernel is timed
@@ -38,7 +38,7 @@ from pipesim.kernels import (
 from pipesim.kernels._checks import DEFAULT_LAUNCH, check_launch_shape
 from pipesim.kernels.native import native_available
 from pipesim.kernels.prediction import empty_like_all
-from pipesim.sim.cliargs import UsageError, bench_main, positive, run_command
+from pipesim.experiments.cliargs import UsageError, bench_main, positive, run_command
 
 TARGET_PCT_COPY = 80.0
 TARGET_LOOP_CPU = 3.0
@@ -388,7 +388,7 @@ def render(report: dict) -> str:
     ])
 
 
-def main(argv=None, prog: str = "python -m pipesim.kernels.bench") -> int:
+def main(argv=None, prog: str = "python -m pipesim.experiments.bench.kernels") -> int:
     return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
                       run=run_bench, render=render)
 

@@ -19,8 +19,8 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
-from pipesim.sim.ir import PASS_OPS
-from pipesim.sim.results import SimResult
+from pipesim.sim.engine.results import SimResult
+from pipesim.sim.ir.core import PASS_OPS
 from pipesim.sim.strategies import find_strategy
 
 SUMMARY_VERSION = 1

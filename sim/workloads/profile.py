@@ -3,11 +3,11 @@
 A :class:`Profile` is the only description of a model the simulator needs:
 per layer, the forward and backward time of one micro-batch, the parameter
 bytes, the bytes sent to the next layer and the bytes kept for the backward.
-Profiles come from the built-in catalog (:mod:`pipesim.sim.models`, computed
+Profiles come from the built-in catalog (:mod:`pipesim.sim.workloads.catalog`, computed
 from each architecture's FLOPs and sizes on a device) or from a JSON file a
 user measured (``--profile FILE``), so a real model can be simulated without
 pipesim knowing its architecture. ``--profile`` also reads PipeDream's
-``graph.txt`` profiles (:mod:`pipesim.sim.pipedream_graph`).
+``graph.txt`` profiles (:mod:`pipesim.sim.workloads.pipedream_graph`).
 
 JSON form (times in seconds, sizes in bytes, per micro-batch)::
 
@@ -44,31 +44,17 @@ pays it too).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.files import parse_json, read_text
+from pipesim.sim.limits import MAX_BYTES, bytes_problem, is_number, seconds_problem, shown
 
 #: Optimizer state kept per weight byte: SGD with momentum keeps one
 #: momentum buffer, Adam two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"sgd": 1, "adam": 2}
 
-#: Largest byte count of one field, and of a profile's total param_bytes or
-#: stash_bytes: 2**53 (8 PiB). Whole numbers up to 2**53 are exact in
-#: float64, which JSON sizes such as 1.6e7 arrive as and the partitioner sums
-#: in; and a device holds a stage's weights, gradients and optimizer state
-#: (at most 4x a total each) plus a few versions and buffers, so its memory
-#: stays below the memory tracker's int64 limit of 2**63 unless a schedule
-#: keeps about a thousand such totals alive at once, which the tracker
-#: refuses by name.
-MAX_BYTES = 2**53
-#: Longest time of one layer pass or per-pass overhead: 1e9 s (32 years).
-#: Sums over the 10**12 actions no simulation reaches stay below 1e21 s,
-#: finite and far from float64's range.
-MAX_SECONDS = 1e9
 #: Most samples per micro-batch: 2**31. Catalog costs scale with it, and a
 #: bounded product keeps FLOP and byte counts convertible to float.
 MAX_MICROBATCH_SIZE = 2**31
@@ -92,7 +78,7 @@ class LayerCost:
     ``fixed_forward_s`` / ``fixed_backward_s`` say how much of ``forward_s`` /
     ``backward_s`` is fixed per pass whatever the layer's work (kernel
     launches: :attr:`DeviceSpec.kernel_overhead_s` times the kernels the
-    layer launches, :mod:`pipesim.sim.models`). They are already inside the
+    layer launches, :mod:`pipesim.sim.workloads.catalog`). They are already inside the
     two times; they only tell a strategy that splits a layer's work over
     devices (tensor parallelism) which part every device still pays in full.
     """
@@ -142,32 +128,6 @@ class LayerCost:
         return d
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def shown(v: Any) -> str:
-    """``repr(v)`` for a message; a huge integer by its size (its digits may
-    not even be printable: Python refuses str() beyond 4300 digits)."""
-    if isinstance(v, int) and v.bit_length() > 64:
-        return f"an integer of {v.bit_length()} bits"
-    return repr(v)
-
-
-def seconds_problem(name: str, v: Any) -> str | None:
-    """Why ``v`` is not a valid duration (see MAX_SECONDS), or None."""
-    if not _is_num(v) or not (0 <= v <= MAX_SECONDS):
-        return f"{name} must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(v)}"
-    return None
-
-
-def bytes_problem(name: str, v: Any) -> str | None:
-    """Why ``v`` is not a valid byte count (see MAX_BYTES), or None."""
-    if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v <= MAX_BYTES):
-        return f"{name} must be an integer >= 0 and <= 2**53 (bytes), got {shown(v)}"
-    return None
-
-
 def check_microbatch_size(v: Any, where: str = "") -> int:
     """``v`` as samples per micro-batch; :class:`WorkloadError` unless an integer in [1, MAX_MICROBATCH_SIZE]."""
     if isinstance(v, bool) or not isinstance(v, int) or not (1 <= v <= MAX_MICROBATCH_SIZE):
@@ -187,11 +147,11 @@ def _layer_problem(layer: LayerCost) -> str | None:
         if problem:
             return problem
     bi = layer.backward_input_s
-    if bi is not None and (not _is_num(bi) or not (0 <= bi <= layer.backward_s)):
+    if bi is not None and (not is_number(bi) or not (0 <= bi <= layer.backward_s)):
         return f"backward_input_s must be between 0 and backward_s ({layer.backward_s}), got {bi!r}"
     for fixed, total in (("fixed_forward_s", "forward_s"), ("fixed_backward_s", "backward_s")):
         v, most = getattr(layer, fixed), getattr(layer, total)
-        if not _is_num(v) or not (0 <= v <= most):
+        if not is_number(v) or not (0 <= v <= most):
             return f"{fixed} must be between 0 and {total} ({most}), got {shown(v)}"
     return None
 
@@ -334,29 +294,6 @@ class Profile:
 _PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
 _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s"}
-
-
-def load_profile(path) -> Profile:
-    """Read a profile file: pipesim's JSON, or PipeDream's graph.txt
-    (:mod:`pipesim.sim.pipedream_graph`, told apart by content and name);
-    :class:`WorkloadError` naming the file and the problem."""
-    # imported here: pipedream_graph builds on this module's classes
-    from pipesim.sim.pipedream_graph import graph_file_profile, looks_like_graph
-
-    text = read_text(path, "profile", WorkloadError)
-    graph = looks_like_graph(path, text)
-    data = None if graph else parse_json(text, f"profile file {path}", WorkloadError)
-    try:
-        return graph_file_profile(path, text) if graph else Profile.from_json(data)
-    except WorkloadError as e:
-        raise WorkloadError(f"profile file {path}: {e}") from None
-
-
-def save_profile(profile: Profile, path) -> None:
-    """Write ``profile`` as JSON that :func:`load_profile` reads back unchanged."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(profile.to_json(), f, indent=1)
-        f.write("\n")
 
 
 def rescaled(profile: Profile, microbatch_size: int) -> Profile:

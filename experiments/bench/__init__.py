@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipesim.sim.cliargs import bench_main
+from pipesim.experiments.cliargs import bench_main
 
 
 def describe() -> str:
@@ -58,7 +58,7 @@ def console_script_seconds(args: list[str], repeat: int = 3) -> list[float]:
 
 
 def _sim_with_console_script(argv: list[str]) -> int:
-    from pipesim.sim import bench as sim_bench
+    from pipesim.experiments.bench import sim as sim_bench
 
     def run_all(args) -> dict:
         report = sim_bench.run(args)
@@ -147,17 +147,17 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
-    "sim": Bench("pipesim.sim.bench",
+    "sim": Bench("pipesim.experiments.bench.sim",
                  "simulated actions/s, the ratio to raw SimPy, the 131k-action target, memory per action",
                  main=_sim_with_console_script),
-    "plan": Bench("pipesim.sim.planning.bench", "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
+    "plan": Bench("pipesim.experiments.bench.plan", "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
                   main=_plan_with_console_script),
-    "kernels": Bench("pipesim.kernels.bench", "kernel bandwidth against a plain copy and a Python loop"),
-    "validate": Bench("pipesim.validate.bench", "prediction error of every strategy on this machine"),
-    "torch": Bench("pipesim.validate.torchbench", "runtime throughput against torch.distributed.pipelining"),
+    "kernels": Bench("pipesim.experiments.bench.kernels", "kernel bandwidth against a plain copy and a Python loop"),
+    "validate": Bench("pipesim.experiments.bench.validate", "prediction error of every strategy on this machine"),
+    "torch": Bench("pipesim.experiments.bench.torchbench", "runtime throughput against torch.distributed.pipelining"),
     "torch-dry-run": Bench("pipesim.experiments.torchdry",
                            "simulating a torch schedule: pipesim against torch's own dry run"),
-    "comm": Bench("pipesim.validate.commprofile", "point-to-point and all-reduce times against their models"),
+    "comm": Bench("pipesim.experiments.bench.comm", "point-to-point and all-reduce times against their models"),
     "sweep": Bench("pipesim.experiments.sweep", "a 1,000-point sweep on 1 and 2 local workers and on Ray: speedups",
                    main=lambda argv: importlib.import_module("pipesim.experiments.sweep").bench(argv)),
 }

@@ -1,6 +1,6 @@
 """Benchmark: how well does the simulator predict real runs of every strategy?
 
-``pipesim bench validate`` (or ``python -m pipesim.validate.bench``) profiles a model once on this machine
+``pipesim bench validate`` (or ``python -m pipesim.experiments.bench.validate``) profiles a model once on this machine
 (per-layer costs, pass overhead, optimizer bandwidth, point-to-point links),
 then validates every strategy with 2 (``--stages``) pipeline stages against that one
 profile: each strategy is simulated and run for real (gloo, one process per
@@ -31,10 +31,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipesim.sim.cliargs import bench_main, positive, run_command
+from pipesim.experiments.cliargs import bench_main, positive, run_command
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.strategies._common import check_executable
-from pipesim.sim.workload import save_profile
+from pipesim.sim.workloads.readers import save_profile
 from pipesim.validate.models import model_names
 
 
@@ -213,7 +213,7 @@ def _verdict(rows: list[dict]) -> str:
             f"(target 5%)")
 
 
-def main(argv=None, prog: str = "python -m pipesim.validate.bench") -> int:
+def main(argv=None, prog: str = "python -m pipesim.experiments.bench.validate") -> int:
     return bench_main(argv, prog=prog, description=__doc__.splitlines()[0], add_arguments=add_arguments,
                       run=run_bench, render=render)
 

@@ -1,0 +1,38 @@
+"""Machines: devices, links, topologies and the built-in presets.
+
+Layer 3 of :mod:`pipesim.sim`: it imports only the foundations
+(:mod:`~pipesim.sim.errors`, :mod:`~pipesim.sim.files`, :mod:`~pipesim.sim.limits`).
+
+* :mod:`.machines`: :class:`Hardware` (devices, interconnects, links and ring orders),
+  the hardware file format and :func:`load_hardware`;
+* ``presets/``: the JSON presets (``pcie-4gpu``, ``dgx1-v100``, ``dgx-h100``, the
+  papers' clusters), each with its sources.
+"""
+
+from pipesim.sim.hardware.machines import (  # the package's public names, where users import them
+    RING_SEARCH_MAX,
+    CpuCost,
+    DeviceSpec,
+    Hardware,
+    HardwareError,
+    HostCpu,
+    Interconnect,
+    Link,
+    NicSpec,
+    load_hardware,
+    preset_names,
+)
+
+__all__ = [
+    "CpuCost",
+    "DeviceSpec",
+    "Hardware",
+    "HardwareError",
+    "HostCpu",
+    "Interconnect",
+    "Link",
+    "load_hardware",
+    "NicSpec",
+    "preset_names",
+    "RING_SEARCH_MAX",
+]
