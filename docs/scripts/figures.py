@@ -1,0 +1,69 @@
+"""Write every image the documentation shows, from pipesim's own commands.
+
+    python3 docs/scripts/figures.py [--out docs/images]
+
+Each image is the PNG a pipesim command writes beside its HTML (PNG export
+needs a Chrome or Chromium on the machine: ``apt-get install chromium``);
+this script runs the commands in a temporary folder and copies the PNGs,
+so a reader sees them without running anything. ``docs/images/README.md``
+records the date, machine and commands of the last run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: image name -> (pipesim arguments, the PNG the command writes, relative to its --out)
+FIGURES = {
+    "timeline.png": (["simulate", "--strategy", "1f1b", "--model", "gpt-1.3b", "--hardware", "dgx1-v100",
+                      "--stages", "4", "--microbatches", "8", "--iterations", "2"], "timeline.png"),
+    "comparison.png": (["compare"], "comparison.png"),
+    "2bw-figure6.png": (["reproduce", "2bw"], "2bw/figure6.png"),
+    "spectrain-speedup.png": (["reproduce", "spectrain"], "spectrain/speedup.png"),
+}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "images")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Images of the documentation", "",
+             f"Written by `python3 docs/scripts/figures.py` on {datetime.date.today().isoformat()}, "
+             f"on {cpu_name()} ({platform.system()} {platform.machine()}, Python {platform.python_version()}).", "",
+             "| image | command |", "|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="pipesim-docs-") as tmp:
+        for name, (command, png) in FIGURES.items():
+            out = Path(tmp) / name.removesuffix(".png")
+            print(f"pipesim {' '.join(command)}", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-c", "from pipesim.experiments.cli import console_main; console_main()",
+                            *command, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+            written = out / png
+            if not written.is_file():
+                print(f"error: {written} was not written (is Chromium installed?)", file=sys.stderr)
+                return 1
+            shutil.copyfile(written, args.out / name)
+            lines.append(f"| `{name}` | `pipesim {' '.join(command)}` |")
+    (args.out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
