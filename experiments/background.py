@@ -250,8 +250,14 @@ class TraceWriter:
 
         if self.announce is not None:
             self.announce(len(result.spans))
-        self.job = Background(write_trace_once_tracked, result, self.path, fork=worth_forking(len(result.spans)),
-                              what=str(self.path), deferred=True)
+        self.job = Background(
+            write_trace_once_tracked,
+            result,
+            self.path,
+            fork=worth_forking(len(result.spans)),
+            what=str(self.path),
+            deferred=True,
+        )
         self.job.start()
 
     def hand_over(self, result) -> None:

@@ -38,8 +38,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if choices is not None and not isinstance(action, argparse._SubParsersAction):
             text += f" (choices: {', '.join(map(str, choices))})"
         default = action.default
-        if default is None or default is False or default is argparse.SUPPRESS or "%(default)" in text \
-                or "default:" in text:
+        if (
+            default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "%(default)" in text
+            or "default:" in text
+        ):
             return text
         return text + " (default: %(default)s)"
 
@@ -113,10 +118,15 @@ def seconds(text: str) -> float:
     return value
 
 
-def bench_main(argv: list[str] | None, *, prog: str, description: str,
-               add_arguments: Callable[[argparse.ArgumentParser], None],
-               run: Callable[[argparse.Namespace], object],
-               render: Callable[[object], str]) -> int:
+def bench_main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], object],
+    render: Callable[[object], str],
+) -> int:
     """The body of every benchmark's command line: parse, run, print.
 
     ``run(args)`` measures and returns a JSON-able report; ``--json`` prints

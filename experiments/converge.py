@@ -46,8 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipesim.sim.errors import InputError
 from pipesim.sim.engine.metrics import round_sig
+from pipesim.sim.errors import InputError
 
 #: Accuracies (%) the papers publish, by their setting and strategy name as
 #: ``pipesim converge`` spells it ("pipedream-nostash" is vanilla
@@ -55,17 +55,23 @@ from pipesim.sim.engine.metrics import round_sig
 PUBLISHED: dict[str, dict] = {
     "spectrain-lstm-imdb": {
         "source": "SpecTrain (Chen, Yang, Cheng, arXiv 1809.02839), its authors' PyTorch port, 4 GPUs",
-        "model": "residual LSTM", "data": "IMDb", "stages": 4,
+        "model": "residual LSTM",
+        "data": "IMDb",
+        "stages": 4,
         "accuracy": {"data-parallel": 81.74, "pipedream-nostash": 78.11, "pipedream": 78.24, "spectrain": 81.24},
     },
     "spectrain-vgg16-cifar10": {
         "source": "SpecTrain (Chen, Yang, Cheng, arXiv 1809.02839), its authors' PyTorch port, 4 GPUs",
-        "model": "VGG-16", "data": "CIFAR-10", "stages": 4,
+        "model": "VGG-16",
+        "data": "CIFAR-10",
+        "stages": 4,
         "accuracy": {"data-parallel": 91.10, "pipedream-nostash": 88.31, "pipedream": 88.91, "spectrain": 88.11},
     },
     "pipedream-2bw-bert-mnli": {
         "source": "PipeDream-2BW (Narayanan et al., ICML'21, arXiv 2006.09503)",
-        "model": "BERT", "data": "MNLI", "stages": None,
+        "model": "BERT",
+        "data": "MNLI",
+        "stages": None,
         "accuracy": {"1f1b": 87.77, "pipedream-2bw": 87.82},
     },
 }
@@ -107,8 +113,7 @@ def runs_of(cfg: ConvergeConfig) -> list:
 
     if cfg.backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
-    for name, values in (("stages", cfg.stages), ("seeds", cfg.seeds), ("strategies", cfg.strategies),
-                         ("lr", cfg.lrs)):
+    for name, values in (("stages", cfg.stages), ("seeds", cfg.seeds), ("strategies", cfg.strategies), ("lr", cfg.lrs)):
         if not values:
             raise InputError(f"give at least one value for {name}")
         if len(set(values)) != len(values):
@@ -120,8 +125,15 @@ def runs_of(cfg: ConvergeConfig) -> list:
         resolve(name)
     for lr in cfg.lrs:  # the optimizer's own checks (momentum in [0, 1)) before anything trains
         OptimizerConfig(lr=float(lr), momentum=cfg.momentum)
-    setup = Setup(model=cfg.model, updates=cfg.updates, update_batch=cfg.update_batch, eval_every=cfg.eval_every,
-                  momentum=cfg.momentum, model_width=cfg.model_width, model_depth=cfg.model_depth)
+    setup = Setup(
+        model=cfg.model,
+        updates=cfg.updates,
+        update_batch=cfg.update_batch,
+        eval_every=cfg.eval_every,
+        momentum=cfg.momentum,
+        model_width=cfg.model_width,
+        model_depth=cfg.model_depth,
+    )
     width, depth = setup.size()
     layers = build_model(cfg.model, width=width, depth=depth).num_layers  # ModelError for a bad model
     runs = []
@@ -209,14 +221,19 @@ def summarize(records: list[dict]) -> dict:
         for (stages, lr, name), rs in sorted(cells.items()):
             if stages == p:
                 accs = [r["final_heldout_accuracy"] for r in rs]
-                table.setdefault(name, {})[str(lr)] = {**_spread(accs), "seeds": len(rs),
-                                                       "diverged": sum(r["diverged"] for r in rs)}
-        reference = BASELINE if BASELINE in table else next(iter(dict.fromkeys(
-            r["strategy"] for r in records)))
+                table.setdefault(name, {})[str(lr)] = {
+                    **_spread(accs),
+                    "seeds": len(rs),
+                    "diverged": sum(r["diverged"] for r in rs),
+                }
+        reference = BASELINE if BASELINE in table else next(iter(dict.fromkeys(r["strategy"] for r in records)))
         base = table.get(reference, {})
         stable = [lr for lr in lrs if str(lr) in base and not base[str(lr)]["diverged"]]
-        out[str(p)] = {"reference_lr": max(stable) if stable else None, "reference_strategy": reference,
-                       "accuracy": table}
+        out[str(p)] = {
+            "reference_lr": max(stable) if stable else None,
+            "reference_strategy": reference,
+            "accuracy": table,
+        }
     return out
 
 
@@ -241,7 +258,8 @@ def quadratic_stability(strategies: Sequence[str], stages: Sequence[int], moment
         for name in strategies:
             rule = update_rule(name, p)
             out.setdefault(str(p), {})[name] = [
-                {"delay": d, "distance": s, "max_lr_h": stability_threshold(d, s, momentum)} for d, s in rule]
+                {"delay": d, "distance": s, "max_lr_h": stability_threshold(d, s, momentum)} for d, s in rule
+            ]
     return out
 
 
@@ -249,31 +267,65 @@ def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
     """The content of ``curves.json``."""
     from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, Setup, describe
 
-    setup = Setup(model=cfg.model, updates=cfg.updates, update_batch=cfg.update_batch, eval_every=cfg.eval_every,
-                  momentum=cfg.momentum, model_width=cfg.model_width, model_depth=cfg.model_depth)
+    setup = Setup(
+        model=cfg.model,
+        updates=cfg.updates,
+        update_batch=cfg.update_batch,
+        eval_every=cfg.eval_every,
+        momentum=cfg.momentum,
+        model_width=cfg.model_width,
+        model_depth=cfg.model_depth,
+    )
     width, depth = setup.size()
     layouts = [describe(Run(setup, name, p, cfg.lrs[0], cfg.seeds[0])) for p in cfg.stages for name in cfg.strategies]
-    return _rounded({
-        "runs": records,
-        "summary": summarize(records),
-        "settings": {"model": cfg.model, "model_width": width, "model_depth": depth, "optimizer": "sgd",
-                     "momentum": cfg.momentum, "update_batch": cfg.update_batch, "updates": cfg.updates,
-                     "eval_every": cfg.eval_every, "backend": cfg.backend,
-                     "divergence": f"a non-finite loss, a held-out loss above {DIVERGENCE_FACTOR} x the untrained "
-                                   "model's (the run stops there), or a final held-out loss no lower than it",
-                     "layouts": [{k: v for k, v in lay.items() if k in ("strategy", "stages", "microbatches",
-                                                                        "microbatch_size", "iterations_per_step",
-                                                                        "updates")} for lay in layouts]},
-        "published": PUBLISHED,
-        "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum),
-    })
+    return _rounded(
+        {
+            "runs": records,
+            "summary": summarize(records),
+            "settings": {
+                "model": cfg.model,
+                "model_width": width,
+                "model_depth": depth,
+                "optimizer": "sgd",
+                "momentum": cfg.momentum,
+                "update_batch": cfg.update_batch,
+                "updates": cfg.updates,
+                "eval_every": cfg.eval_every,
+                "backend": cfg.backend,
+                "divergence": f"a non-finite loss, a held-out loss above {DIVERGENCE_FACTOR} x the untrained "
+                "model's (the run stops there), or a final held-out loss no lower than it",
+                "layouts": [
+                    {
+                        k: v
+                        for k, v in lay.items()
+                        if k
+                        in ("strategy", "stages", "microbatches", "microbatch_size", "iterations_per_step", "updates")
+                    }
+                    for lay in layouts
+                ],
+            },
+            "published": PUBLISHED,
+            "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum),
+        }
+    )
 
 
 # ---------------------------------------------------------------- figures
 
 
-COLORS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22",
-          "#17BECF", "#393B79")
+COLORS = (
+    "#1F77B4",
+    "#FF7F0E",
+    "#2CA02C",
+    "#D62728",
+    "#9467BD",
+    "#8C564B",
+    "#E377C2",
+    "#7F7F7F",
+    "#BCBD22",
+    "#17BECF",
+    "#393B79",
+)
 
 
 def _color(names: list[str], name: str) -> str:
@@ -281,7 +333,7 @@ def _color(names: list[str], name: str) -> str:
 
 
 def _band_color(hex_color: str, alpha: float = 0.15) -> str:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"
 
 
@@ -294,9 +346,13 @@ def learning_curves_figure(doc: dict):
     runs = doc["runs"]
     names = list(dict.fromkeys(r["strategy"] for r in runs))
     rows = sorted({(r["stages"], r["lr"]) for r in runs})
-    fig = make_subplots(rows=len(rows), cols=2, shared_xaxes=True, vertical_spacing=0.25 / max(len(rows), 1),
-                        subplot_titles=[f"{p} stages, lr {lr}: held-out {what}" for p, lr in rows
-                                        for what in ("accuracy", "loss")])
+    fig = make_subplots(
+        rows=len(rows),
+        cols=2,
+        shared_xaxes=True,
+        vertical_spacing=0.25 / max(len(rows), 1),
+        subplot_titles=[f"{p} stages, lr {lr}: held-out {what}" for p, lr in rows for what in ("accuracy", "loss")],
+    )
     for row, (p, lr) in enumerate(rows, start=1):
         for name in names:
             rs = [r for r in runs if r["stages"] == p and r["lr"] == lr and r["strategy"] == name]
@@ -313,20 +369,44 @@ def learning_curves_figure(doc: dict):
                 color = _color(names, name)
                 diverged = sum(r["diverged"] for r in rs)
                 label = name + (f" ({diverged}/{len(rs)} diverged)" if diverged else "")
-                fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(by_samples[x]) for x in xs] +
-                                         [min(by_samples[x]) for x in xs][::-1], fill="toself",
-                                         fillcolor=_band_color(color), line={"width": 0}, hoverinfo="skip",
-                                         showlegend=False, legendgroup=name), row=row, col=col)
-                fig.add_trace(go.Scatter(x=xs, y=mean, mode="lines", name=name, legendgroup=name,
-                                         showlegend=row == 1 and col == 1, line={"color": color, "width": 2},
-                                         hovertemplate=f"{label}<br>%{{x}} samples<br>{key} %{{y:.4g}}<extra></extra>"),
-                              row=row, col=col)
+                fig.add_trace(
+                    go.Scatter(
+                        x=xs + xs[::-1],
+                        y=[max(by_samples[x]) for x in xs] + [min(by_samples[x]) for x in xs][::-1],
+                        fill="toself",
+                        fillcolor=_band_color(color),
+                        line={"width": 0},
+                        hoverinfo="skip",
+                        showlegend=False,
+                        legendgroup=name,
+                    ),
+                    row=row,
+                    col=col,
+                )
+                fig.add_trace(
+                    go.Scatter(
+                        x=xs,
+                        y=mean,
+                        mode="lines",
+                        name=name,
+                        legendgroup=name,
+                        showlegend=row == 1 and col == 1,
+                        line={"color": color, "width": 2},
+                        hovertemplate=f"{label}<br>%{{x}} samples<br>{key} %{{y:.4g}}<extra></extra>",
+                    ),
+                    row=row,
+                    col=col,
+                )
         fig.update_yaxes(range=[0, 1], row=row, col=1)
         fig.update_yaxes(type="log", row=row, col=2)
     fig.update_xaxes(title_text="training samples", row=len(rows))
     model = runs[0]["model"] if runs else ""
-    fig.update_layout(title={"text": f"{model}: held-out accuracy and loss (mean over seeds, band: worst to best)"},
-                      template="plotly_white", height=300 * len(rows) + 120, width=1300)
+    fig.update_layout(
+        title={"text": f"{model}: held-out accuracy and loss (mean over seeds, band: worst to best)"},
+        template="plotly_white",
+        height=300 * len(rows) + 120,
+        width=1300,
+    )
     return fig
 
 
@@ -349,13 +429,26 @@ def final_accuracy_figure(doc: dict):
                 ys.append(cell["mean"])
                 lo.append(cell["mean"] - cell["min"])
                 hi.append(cell["max"] - cell["mean"])
-        fig.add_trace(go.Bar(x=xs, y=ys, name=f"{p} stages (lr {lr})",
-                             error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
-                             hovertemplate="%{x}<br>accuracy %{y:.4f}<extra></extra>"))
-    fig.update_layout(barmode="group", template="plotly_white", width=1100, height=520,
-                      yaxis={"title": "final held-out accuracy", "range": [0, 1]},
-                      title={"text": "Final held-out accuracy at the largest learning rate where data parallelism "
-                                     "converges in every seed (whiskers: worst and best seed)"})
+        fig.add_trace(
+            go.Bar(
+                x=xs,
+                y=ys,
+                name=f"{p} stages (lr {lr})",
+                error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
+                hovertemplate="%{x}<br>accuracy %{y:.4f}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        template="plotly_white",
+        width=1100,
+        height=520,
+        yaxis={"title": "final held-out accuracy", "range": [0, 1]},
+        title={
+            "text": "Final held-out accuracy at the largest learning rate where data parallelism "
+            "converges in every seed (whiskers: worst and best seed)"
+        },
+    )
     return fig
 
 
@@ -370,29 +463,58 @@ def stability_figure(doc: dict):
     lrs = sorted({r["lr"] for r in doc["runs"]})
     cols = min(3, len(names))
     nrows = math.ceil(len(names) / cols)
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=names, horizontal_spacing=0.08,
-                        vertical_spacing=0.3 / nrows)
+    fig = make_subplots(
+        rows=nrows, cols=cols, subplot_titles=names, horizontal_spacing=0.08, vertical_spacing=0.3 / nrows
+    )
     for i, name in enumerate(names):
         z, text = [], []
         for p in depths:
             cells = summary[str(p)]["accuracy"].get(name, {})
             z.append([cells[str(lr)]["mean"] if str(lr) in cells else None for lr in lrs])
-            text.append([(f"× {cells[str(lr)]['diverged']}/{cells[str(lr)]['seeds']}"
-                          if cells.get(str(lr), {}).get("diverged") else
-                          f"{cells[str(lr)]['mean']:.3f}" if str(lr) in cells else "") for lr in lrs])
-        fig.add_trace(go.Heatmap(z=z, x=[str(lr) for lr in lrs], y=[f"{p} stages" for p in depths], text=text,
-                                 texttemplate="%{text}", zmin=0, zmax=1, colorscale="Viridis",
-                                 showscale=i == 0, colorbar={"title": "accuracy"},
-                                 hovertemplate=f"{name}<br>%{{y}}, lr %{{x}}<br>%{{text}}<extra></extra>"),
-                      row=i // cols + 1, col=i % cols + 1)
+            text.append(
+                [
+                    (
+                        f"× {cells[str(lr)]['diverged']}/{cells[str(lr)]['seeds']}"
+                        if cells.get(str(lr), {}).get("diverged")
+                        else f"{cells[str(lr)]['mean']:.3f}"
+                        if str(lr) in cells
+                        else ""
+                    )
+                    for lr in lrs
+                ]
+            )
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=[str(lr) for lr in lrs],
+                y=[f"{p} stages" for p in depths],
+                text=text,
+                texttemplate="%{text}",
+                zmin=0,
+                zmax=1,
+                colorscale="Viridis",
+                showscale=i == 0,
+                colorbar={"title": "accuracy"},
+                hovertemplate=f"{name}<br>%{{y}}, lr %{{x}}<br>%{{text}}<extra></extra>",
+            ),
+            row=i // cols + 1,
+            col=i % cols + 1,
+        )
     fig.update_xaxes(title_text="learning rate", type="category")
-    fig.update_layout(template="plotly_white", width=1300, height=280 * nrows + 120,
-                      title={"text": "Stability: mean final held-out accuracy; × k/n: k of n seeds diverged"})
+    fig.update_layout(
+        template="plotly_white",
+        width=1300,
+        height=280 * nrows + 120,
+        title={"text": "Stability: mean final held-out accuracy; × k/n: k of n seeds diverged"},
+    )
     return fig
 
 
-FIGURES = {"learning_curves": learning_curves_figure, "final_accuracy": final_accuracy_figure,
-           "stability": stability_figure}
+FIGURES = {
+    "learning_curves": learning_curves_figure,
+    "final_accuracy": final_accuracy_figure,
+    "stability": stability_figure,
+}
 
 
 def write(doc: dict, out: Path, *, png: bool = True) -> list[Path]:
@@ -404,16 +526,22 @@ def write(doc: dict, out: Path, *, png: bool = True) -> list[Path]:
     for name, make in FIGURES.items():
         fig = make(doc)
         path = out / f"{name}.html"
-        fig.write_html(path, include_plotlyjs=True, full_html=True, div_id=f"pipesim-{name.replace('_', '-')}",
-                       config={"displaylogo": False})
+        fig.write_html(
+            path,
+            include_plotlyjs=True,
+            full_html=True,
+            div_id=f"pipesim-{name.replace('_', '-')}",
+            config={"displaylogo": False},
+        )
         written.append(path)
         if png and write_png(fig, out / f"{name}.png"):
             written.append(out / f"{name}.png")
     return written
 
 
-def converge(cfg: ConvergeConfig, out: Path, *, progress: Callable[[int, int, dict], None] | None = None
-             ) -> tuple[dict, list[Path]]:
+def converge(
+    cfg: ConvergeConfig, out: Path, *, progress: Callable[[int, int, dict], None] | None = None
+) -> tuple[dict, list[Path]]:
     """Train every run of ``cfg``, write ``curves.json`` and the figures into ``out``."""
     records = train_all(cfg, progress)
     doc = document(cfg, records)
@@ -438,7 +566,14 @@ def table(doc: dict) -> list[list[str]]:
         for name in sorted(info["accuracy"], key=lambda n: (order.index(n) if n in order else len(order), n)):
             cell = info["accuracy"][name].get(lr)
             if cell:
-                rows.append([p, lr, name, f"{100 * cell['mean']:.1f}",
-                             f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"
-                             + (f" ({cell['diverged']}/{cell['seeds']} diverged)" if cell["diverged"] else "")])
+                rows.append(
+                    [
+                        p,
+                        lr,
+                        name,
+                        f"{100 * cell['mean']:.1f}",
+                        f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"
+                        + (f" ({cell['diverged']}/{cell['seeds']} diverged)" if cell["diverged"] else ""),
+                    ]
+                )
     return rows

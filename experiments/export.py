@@ -112,8 +112,9 @@ def png_skipped_reason() -> str:
     return "needs Chrome/Chromium for kaleido" if find_browser() is None else "the export failed or timed out"
 
 
-def write_png(fig, path: str | Path, *, width: int = 1400, height: int | None = None,
-              scale: float = 2.0, timeout: float = 180.0) -> bool:
+def write_png(
+    fig, path: str | Path, *, width: int = 1400, height: int | None = None, scale: float = 2.0, timeout: float = 180.0
+) -> bool:
     """Write ``fig`` as a PNG at ``path``; ``True`` on success.
 
     Returns ``False`` (and writes nothing) when kaleido or a browser is
@@ -133,8 +134,7 @@ def write_png(fig, path: str | Path, *, width: int = 1400, height: int | None = 
         cmd = [sys.executable, "-c", _CHILD, str(spec), str(out), str(int(width)), str(int(height)), str(scale)]
         try:
             # Own session, so a hung browser it started can be ended with it.
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError:
             return False
         try:

@@ -10,7 +10,7 @@ can.
 Analytic curves
 ---------------
 Bubble fraction here is always a fraction of the makespan, as the simulator
-counts it: 1 − busy / makespan for a device (``docs/semantics.md``). With
+counts it: 1 − busy / makespan for a device (``docs/concepts/accounting.md``). With
 every device doing the same work the makespan is ideal time + bubble time, so a
 formula stated as "bubble = r × ideal time" becomes ``r / (1 + r)`` of the
 makespan.
@@ -49,16 +49,26 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pipesim.experiments.export import png_skipped_reason, write_png
-from pipesim.sim.errors import InputError
 from pipesim.sim.engine.metrics import round_sig
+from pipesim.sim.errors import InputError
 
 DEFAULT_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_STAGES: tuple[int, ...] = (4, 8)
 
 #: Colours of the simulated strategies, by position in the strategy list.
 STRATEGY_COLORS: tuple[str, ...] = (
-    "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B",
-    "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF", "#393B79", "#AD494A",
+    "#1F77B4",
+    "#FF7F0E",
+    "#2CA02C",
+    "#D62728",
+    "#9467BD",
+    "#8C564B",
+    "#E377C2",
+    "#7F7F7F",
+    "#BCBD22",
+    "#17BECF",
+    "#393B79",
+    "#AD494A",
 )
 ANALYTIC_STYLE = {
     "gpipe_1f1b": ("analytic GPipe / 1F1B: (p−1)/(m+p−1)", "#000000"),
@@ -156,8 +166,14 @@ def bubble_data(
         for name in strategies:
             for m in microbatches:
                 if needs_m_ge_p(name) and m < p:
-                    skipped.append({"strategy": name, "stages": p, "microbatches": m,
-                                    "reason": "drawn for m >= p only, where the strategy is defined"})
+                    skipped.append(
+                        {
+                            "strategy": name,
+                            "stages": p,
+                            "microbatches": m,
+                            "reason": "drawn for m >= p only, where the strategy is defined",
+                        }
+                    )
                 else:
                     plan.append((p, name, m))
     simulated: dict[str, dict[str, dict[str, list]]] = {str(p): {} for p in stages}
@@ -212,8 +228,13 @@ def figure_from_data(data: dict) -> go.Figure:
     stages = data["stages"]
     microbatches = data["microbatches"]
     strategies = data["strategies"]
-    fig = make_subplots(rows=1, cols=len(stages), shared_yaxes=True,
-                        subplot_titles=[f"p = {p}" for p in stages], horizontal_spacing=0.06)
+    fig = make_subplots(
+        rows=1,
+        cols=len(stages),
+        shared_yaxes=True,
+        subplot_titles=[f"p = {p}" for p in stages],
+        horizontal_spacing=0.06,
+    )
     for col, p in enumerate(stages, start=1):
         for idx, name in enumerate(strategies):
             series = data["simulated"][str(p)].get(name)
@@ -221,18 +242,26 @@ def figure_from_data(data: dict) -> go.Figure:
                 continue
             fig.add_trace(
                 go.Scatter(
-                    x=series["m"], y=series["bubble"], mode="lines+markers", name=name,
-                    legendgroup=name, showlegend=col == 1,
+                    x=series["m"],
+                    y=series["bubble"],
+                    mode="lines+markers",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
                     line={"color": STRATEGY_COLORS[idx % len(STRATEGY_COLORS)], "width": 2},
                     # Several strategies share a curve exactly (1F1B, PipeDream,
                     # 2BW and SpecTrain have GPipe's bubble on uniform stages):
                     # later ones get smaller markers of another shape so the
                     # earlier ones still show underneath.
-                    marker={"size": max(14 - 1.2 * idx, 5), "symbol": MARKERS[idx % len(MARKERS)],
-                            "line": {"width": 1, "color": "white"}},
+                    marker={
+                        "size": max(14 - 1.2 * idx, 5),
+                        "symbol": MARKERS[idx % len(MARKERS)],
+                        "line": {"width": 1, "color": "white"},
+                    },
                     hovertemplate=f"{name}<br>p = {p}, m = %{{x}}<br>bubble %{{y:.4f}}<extra></extra>",
                 ),
-                row=1, col=col,
+                row=1,
+                col=col,
             )
         for key, (template, color) in ANALYTIC_STYLE.items():
             label = template.format(v=data["interleaved_chunks"])
@@ -241,22 +270,34 @@ def figure_from_data(data: dict) -> go.Figure:
                 continue
             fig.add_trace(
                 go.Scatter(
-                    x=series["m"], y=series["bubble"], mode="lines", name=label,
-                    legendgroup=key, showlegend=col == 1,
+                    x=series["m"],
+                    y=series["bubble"],
+                    mode="lines",
+                    name=label,
+                    legendgroup=key,
+                    showlegend=col == 1,
                     line={"color": color, "width": 1.5, "dash": "dash"},
                     hovertemplate=f"{label}<br>p = {p}, m = %{{x}}<br>bubble %{{y:.4f}}<extra></extra>",
                 ),
-                row=1, col=col,
+                row=1,
+                col=col,
             )
-        fig.update_xaxes(type="log", tickmode="array", tickvals=list(microbatches),
-                         ticktext=[str(m) for m in microbatches],
-                         title_text="micro-batches m (log₂ scale)", row=1, col=col)
+        fig.update_xaxes(
+            type="log",
+            tickmode="array",
+            tickvals=list(microbatches),
+            ticktext=[str(m) for m in microbatches],
+            title_text="micro-batches m (log₂ scale)",
+            row=1,
+            col=col,
+        )
     fig.update_yaxes(title_text="bubble fraction", range=[0, 1.02], row=1, col=1)
     fig.update_yaxes(range=[0, 1.02])
     fig.update_layout(
         title={"text": f"Bubble fraction vs micro-batches ({data['model']} model, {data['hardware']} hardware)"},
         template="plotly_white",
-        width=1300, height=560,
+        width=1300,
+        height=560,
         legend={"orientation": "v", "x": 1.01, "y": 1.0},
     )
     return fig
@@ -285,13 +326,15 @@ def bubble_figure(
     (out / "bubbles.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     fig = figure_from_data(data)
     html = out / "bubbles.html"
-    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-bubbles",
-                   config={"displaylogo": False})
+    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-bubbles", config={"displaylogo": False})
     if png:
         ok = write_png(fig, out / "bubbles.png", width=1300, height=560)
         if progress:
-            print("wrote bubbles.png" if ok else f"bubbles.png skipped ({png_skipped_reason()})",
-                  file=sys.stderr, flush=True)
+            print(
+                "wrote bubbles.png" if ok else f"bubbles.png skipped ({png_skipped_reason()})",
+                file=sys.stderr,
+                flush=True,
+            )
     return html
 
 
@@ -308,23 +351,42 @@ def comparison_figure(order: Sequence[str], summaries: dict[str, dict]) -> go.Fi
         ("peak memory (GiB, worst device)", lambda s: s["peak_memory_bytes_max"] / 2**30),
         ("max staleness (updates)", lambda s: max(i["staleness_max"] for i in s["stages_info"])),
     ]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for t, _ in panels],
-                        horizontal_spacing=0.07)
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for t, _ in panels], horizontal_spacing=0.07)
     colors = [STRATEGY_COLORS[i % len(STRATEGY_COLORS)] for i in range(len(order))]
     for col, (title, value) in enumerate(panels, start=1):
         ys = [value(summaries[name]) for name in order]
-        fig.add_trace(go.Bar(x=list(order), y=ys, marker_color=colors, showlegend=False,
-                             hovertemplate=f"%{{x}}<br>{title}: %{{y:.4g}}<extra></extra>"), row=1, col=col)
+        fig.add_trace(
+            go.Bar(
+                x=list(order),
+                y=ys,
+                marker_color=colors,
+                showlegend=False,
+                hovertemplate=f"%{{x}}<br>{title}: %{{y:.4g}}<extra></extra>",
+            ),
+            row=1,
+            col=col,
+        )
         fig.update_xaxes(tickangle=-45, row=1, col=col)
     capacity = first["devices"][0].get("memory_capacity_bytes") if first["devices"] else None
     if capacity:
-        fig.add_hline(y=capacity / 2**30, line_dash="dash", line_color="#c0392b", row=1, col=3,
-                      annotation_text="device memory", annotation_position="top left")
+        fig.add_hline(
+            y=capacity / 2**30,
+            line_dash="dash",
+            line_color="#c0392b",
+            row=1,
+            col=3,
+            annotation_text="device memory",
+            annotation_position="top left",
+        )
     meta = first.get("meta", {})
     fig.update_layout(
-        title={"text": f"{meta.get('model')} on {meta.get('hardware')}: {first['stages']} stages, "
-                       f"{first['microbatches']} micro-batches, {first['iterations']} iteration(s)"},
-        template="plotly_white", height=480, margin={"t": 90, "b": 120},
+        title={
+            "text": f"{meta.get('model')} on {meta.get('hardware')}: {first['stages']} stages, "
+            f"{first['microbatches']} micro-batches, {first['iterations']} iteration(s)"
+        },
+        template="plotly_white",
+        height=480,
+        margin={"t": 90, "b": 120},
     )
     return fig
 

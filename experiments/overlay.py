@@ -31,8 +31,8 @@ import plotly.graph_objects as go
 
 from pipesim.experiments.export import png_supported, write_png
 from pipesim.experiments.timeline import OP_ORDER, PALETTE, apply_timeline_layout
-from pipesim.sim.engine.results import SimResult, Span
 from pipesim.experiments.trace import chrome_trace, dumps
+from pipesim.sim.engine.results import SimResult, Span
 
 DIV_ID = "pipesim-overlay"
 
@@ -140,29 +140,51 @@ def overlay_figure(
                 if not items:
                     continue
                 items.sort(key=lambda s: (s.device, s.start, s.end, str(s.action)))
-                fig.add_trace(_bars(items, kind, is_comm, op, t0s[kind], pred_dur, flags,
-                                    show_comm, showlegend=op not in legend_done))
+                fig.add_trace(
+                    _bars(
+                        items,
+                        kind,
+                        is_comm,
+                        op,
+                        t0s[kind],
+                        pred_dur,
+                        flags,
+                        show_comm,
+                        showlegend=op not in legend_done,
+                    )
+                )
                 legend_done.add(op)
 
     ms_m, ms_p = measured.makespan * 1e3, predicted.makespan * 1e3
     if not title:
         sched = predicted.schedule
         err = _fmt_error(_relative_error(ms_m, ms_p))
-        title = (f"{sched.strategy}: measured vs simulated · makespan measured {ms_m:.4g} ms, "
-                 f"simulated {ms_p:.4g} ms ({err})"
-                 + (f" · {len(flags)} flagged" if flags else ""))
+        title = (
+            f"{sched.strategy}: measured vs simulated · makespan measured {ms_m:.4g} ms, "
+            f"simulated {ms_p:.4g} ms ({err})" + (f" · {len(flags)} flagged" if flags else "")
+        )
     labels = row_labels(n_dev)
-    apply_timeline_layout(fig, title=title, tickvals=list(range(len(labels))), ticktext=labels,
-                          x_max_ms=max(ms_m, ms_p))
+    apply_timeline_layout(
+        fig, title=title, tickvals=list(range(len(labels))), ticktext=labels, x_max_ms=max(ms_m, ms_p)
+    )
     # a faint line between devices, so each measured/simulated pair reads as one
     for d in range(1, n_dev):
         fig.add_hline(y=2 * d - 0.5, line={"color": "#BBBBBB", "width": 1})
     return fig
 
 
-def _bars(items: list[Span], kind: str, is_comm: bool, op, t0: float,
-          pred_dur: dict[tuple[int, str], float], flags: set[tuple[int, str]],
-          show_comm: bool, *, showlegend: bool) -> go.Bar:
+def _bars(
+    items: list[Span],
+    kind: str,
+    is_comm: bool,
+    op,
+    t0: float,
+    pred_dur: dict[tuple[int, str], float],
+    flags: set[tuple[int, str]],
+    show_comm: bool,
+    *,
+    showlegend: bool,
+) -> go.Bar:
     n = len(items)
     y = np.empty(n, dtype=np.int32)
     base = np.empty(n, dtype=np.float64)
@@ -179,8 +201,7 @@ def _bars(items: list[Span], kind: str, is_comm: bool, op, t0: float,
         base[k] = start_ms
         dur[k] = dur_ms
         text.append(name)
-        lines = [f"<b>{name}</b> · d{s.device} {kind}",
-                 f"start {start_ms:.4f} ms · duration {dur_ms:.4f} ms"]
+        lines = [f"<b>{name}</b> · d{s.device} {kind}", f"start {start_ms:.4f} ms · duration {dur_ms:.4f} ms"]
         if is_comm:
             peer = "" if s.peer is None else f"peer device {s.peer} · "
             lines.append(f"{peer}{int(s.nbytes):,d} bytes")
@@ -237,8 +258,9 @@ def write_overlay_html(measured: SimResult, predicted: SimResult, path: str | Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = overlay_figure(measured, predicted, **kw)
-    fig.write_html(path, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
-                   config={"displaylogo": False, "scrollZoom": True})
+    fig.write_html(
+        path, include_plotlyjs=True, full_html=True, div_id=DIV_ID, config={"displaylogo": False, "scrollZoom": True}
+    )
     if png_supported():
         write_png(fig, path.with_suffix(".png"))
     return path
@@ -303,8 +325,9 @@ def merged_trace(measured: SimResult, predicted: SimResult) -> dict:
     m, p = chrome_trace(measured), chrome_trace(predicted)
     m_events, p_events = m["traceEvents"], p["traceEvents"]
     offset = _flow_offset(_flow_ids(m_events), _flow_ids(p_events))
-    events = (_rename_processes(m_events, "measured", 0, 0)
-              + _rename_processes(p_events, "simulated", SIMULATED_PID_OFFSET, offset))
+    events = _rename_processes(m_events, "measured", 0, 0) + _rename_processes(
+        p_events, "simulated", SIMULATED_PID_OFFSET, offset
+    )
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

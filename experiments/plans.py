@@ -51,10 +51,12 @@ def _cuts(c: dict) -> str:
 def _hover(c: dict) -> str:
     stages = " | ".join(f"{s['layers'][0]}-{s['layers'][1]} x{s['replicas']}" for s in c["stages"])
     sim = c.get("simulated_samples_per_s")
-    return (f"<b>{c['config']}</b> ({c['source']})<br>layers x replicas: {stages}<br>"
-            f"analytic {c['analytic_samples_per_s']:.1f} samples/s<br>"
-            + (f"simulated {sim:.1f} samples/s<br>" if sim is not None else "not simulated<br>")
-            + f"peak memory {c['peak_memory_bytes'] / GIB:.2f} GiB<br>bottleneck: {c.get('bottleneck', '')}")
+    return (
+        f"<b>{c['config']}</b> ({c['source']})<br>layers x replicas: {stages}<br>"
+        f"analytic {c['analytic_samples_per_s']:.1f} samples/s<br>"
+        + (f"simulated {sim:.1f} samples/s<br>" if sim is not None else "not simulated<br>")
+        + f"peak memory {c['peak_memory_bytes'] / GIB:.2f} GiB<br>bottleneck: {c.get('bottleneck', '')}"
+    )
 
 
 def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -73,44 +75,88 @@ def pareto_figure(plan: dict) -> go.Figure:
     chosen = plan["chosen"]
     fig = go.Figure()
     groups = (
-        ("confirmed by the engine", lambda c: not c["out_of_memory"] and c.get("simulated_samples_per_s") is not None,
-         {"symbol": "circle", "size": 11, "color": "#1F77B4"}),
-        ("cost model only", lambda c: not c["out_of_memory"] and c.get("simulated_samples_per_s") is None,
-         {"symbol": "circle-open", "size": 11, "color": "#1F77B4", "line": {"width": 2}}),
+        (
+            "confirmed by the engine",
+            lambda c: not c["out_of_memory"] and c.get("simulated_samples_per_s") is not None,
+            {"symbol": "circle", "size": 11, "color": "#1F77B4"},
+        ),
+        (
+            "cost model only",
+            lambda c: not c["out_of_memory"] and c.get("simulated_samples_per_s") is None,
+            {"symbol": "circle-open", "size": 11, "color": "#1F77B4", "line": {"width": 2}},
+        ),
         ("out of memory", lambda c: c["out_of_memory"], {"symbol": "x", "size": 11, "color": "#C0392B"}),
     )
     for name, keep, marker in groups:
         picked = [c for c in cands if keep(c)]
         if picked:
-            fig.add_trace(go.Scatter(
-                x=[c["peak_memory_bytes"] / GIB for c in picked], y=[_throughput(c) for c in picked],
-                mode="markers", name=name, marker=marker, text=[_hover(c) for c in picked],
-                hovertemplate="%{text}<extra></extra>"))
+            fig.add_trace(
+                go.Scatter(
+                    x=[c["peak_memory_bytes"] / GIB for c in picked],
+                    y=[_throughput(c) for c in picked],
+                    mode="markers",
+                    name=name,
+                    marker=marker,
+                    text=[_hover(c) for c in picked],
+                    hovertemplate="%{text}<extra></extra>",
+                )
+            )
     front = frontier([(c["peak_memory_bytes"] / GIB, _throughput(c)) for c in cands if not c["out_of_memory"]])
     if len(front) > 1:
-        fig.add_trace(go.Scatter(x=[x for x, _ in front], y=[y for _, y in front], mode="lines",
-                                 name="Pareto frontier", line={"color": "#7F7F7F", "dash": "dot", "shape": "hv"},
-                                 hoverinfo="skip"))
+        fig.add_trace(
+            go.Scatter(
+                x=[x for x, _ in front],
+                y=[y for _, y in front],
+                mode="lines",
+                name="Pareto frontier",
+                line={"color": "#7F7F7F", "dash": "dot", "shape": "hv"},
+                hoverinfo="skip",
+            )
+        )
     best = cands[chosen]
-    fig.add_trace(go.Scatter(x=[best["peak_memory_bytes"] / GIB], y=[_throughput(best)], mode="markers+text",
-                             name=f"chosen: {best['config']}", text=[best["config"]], textposition="top center",
-                             marker={"symbol": "star", "size": 20, "color": "#FFB000",
-                                     "line": {"width": 1, "color": "#000000"}},
-                             hovertext=[_hover(best)], hovertemplate="%{hovertext}<extra></extra>"))
+    fig.add_trace(
+        go.Scatter(
+            x=[best["peak_memory_bytes"] / GIB],
+            y=[_throughput(best)],
+            mode="markers+text",
+            name=f"chosen: {best['config']}",
+            text=[best["config"]],
+            textposition="top center",
+            marker={"symbol": "star", "size": 20, "color": "#FFB000", "line": {"width": 1, "color": "#000000"}},
+            hovertext=[_hover(best)],
+            hovertemplate="%{hovertext}<extra></extra>",
+        )
+    )
     limit = plan.get("memory_limit_bytes")
     if limit:
-        fig.add_vline(x=limit / GIB, line_dash="dash", line_color="#C0392B",
-                      annotation_text="device memory", annotation_position="top left")
+        fig.add_vline(
+            x=limit / GIB,
+            line_dash="dash",
+            line_color="#C0392B",
+            annotation_text="device memory",
+            annotation_position="top left",
+        )
     dp = plan.get("data_parallel_samples_per_s")
     if dp:
-        fig.add_hline(y=dp, line_dash="dash", line_color="#2CA02C",
-                      annotation_text=f"data parallelism, {dp:.0f} samples/s", annotation_position="bottom right")
+        fig.add_hline(
+            y=dp,
+            line_dash="dash",
+            line_color="#2CA02C",
+            annotation_text=f"data parallelism, {dp:.0f} samples/s",
+            annotation_position="bottom right",
+        )
     speedup = plan.get("speedup_vs_dp")
     fig.update_layout(
-        title={"text": f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']}: "
-                       f"chose {plan['config']}" + (f", {speedup:.2f}x data parallelism" if speedup else "")},
-        xaxis_title="peak memory per device (GiB)", yaxis_title="throughput (samples/s)",
-        template="plotly_white", width=1100, height=600, legend={"x": 1.01, "y": 1.0},
+        title={
+            "text": f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']}: "
+            f"chose {plan['config']}" + (f", {speedup:.2f}x data parallelism" if speedup else "")
+        },
+        xaxis_title="peak memory per device (GiB)",
+        yaxis_title="throughput (samples/s)",
+        template="plotly_white",
+        width=1100,
+        height=600,
+        legend={"x": 1.01, "y": 1.0},
     )
     return fig
 
@@ -123,8 +169,7 @@ def write_plan(plan: dict, out_dir: str | Path) -> list[Path]:
     path.write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     fig = pareto_figure(plan)
     html = out / "pareto.html"
-    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-pareto",
-                   config={"displaylogo": False})
+    fig.write_html(html, include_plotlyjs=True, full_html=True, div_id="pipesim-pareto", config={"displaylogo": False})
     written = [path, html]
     if write_png(fig, out / "pareto.png", width=1100, height=600):
         written.append(out / "pareto.png")
@@ -135,10 +180,15 @@ def render_plan(plan: dict) -> str:
     """The plan as text for a terminal."""
     best = plan["candidates"][plan["chosen"]]
     width = plan.get("width")
-    per = (f"{plan['microbatches']} micro-batches per iteration" if width is None else
-           f"{plan['microbatches']} micro-batches per pipeline per iteration, {plan['microbatches'] * width} in all")
-    lines = [f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']} "
-             f"(micro-batch {plan['microbatch_size']}, {per})"]
+    per = (
+        f"{plan['microbatches']} micro-batches per iteration"
+        if width is None
+        else f"{plan['microbatches']} micro-batches per pipeline per iteration, {plan['microbatches'] * width} in all"
+    )
+    lines = [
+        f"{plan['strategy']} on {plan['gpus']} devices of {plan['hardware']}, {plan['model']} "
+        f"(micro-batch {plan['microbatch_size']}, {per})"
+    ]
     if not plan["predicted_is_simulated"]:
         how = "cost model only: no candidate simulated"
     elif plan.get("predicted_is_steady", True):
@@ -149,27 +199,37 @@ def render_plan(plan: dict) -> str:
     lines.append(f"chosen{held}: {plan['config']}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")
     dp, speedup = plan.get("data_parallel_samples_per_s"), plan.get("speedup_vs_dp")
     if dp:
-        lines.append(f"data parallelism on the same {plan['gpus']} devices: {dp:.1f} samples/s; "
-                     f"speedup {speedup:.2f}x")
-    lines.append(f"peak memory {best['peak_memory_bytes'] / GIB:.2f} GiB per device"
-                 + (f" of {plan['memory_limit_bytes'] / GIB:.2f} GiB" if plan.get("memory_limit_bytes") else "")
-                 + f"; bottleneck: {best.get('bottleneck', '')}")
+        lines.append(f"data parallelism on the same {plan['gpus']} devices: {dp:.1f} samples/s; speedup {speedup:.2f}x")
+    lines.append(
+        f"peak memory {best['peak_memory_bytes'] / GIB:.2f} GiB per device"
+        + (f" of {plan['memory_limit_bytes'] / GIB:.2f} GiB" if plan.get("memory_limit_bytes") else "")
+        + f"; bottleneck: {best.get('bottleneck', '')}"
+    )
     lines.append("stages:")
     for k, s in enumerate(best["stages"]):
         # a width plan's stage has one replica in each pipeline; pipelines may share devices (AvgPipe)
-        where = ((f"in each of {width} pipelines" if width > 1 else "in its one pipeline") if width is not None else
-                 f"on {s['replicas']} device{'s' if s['replicas'] > 1 else ''}")
+        where = (
+            (f"in each of {width} pipelines" if width > 1 else "in its one pipeline")
+            if width is not None
+            else f"on {s['replicas']} device{'s' if s['replicas'] > 1 else ''}"
+        )
         lines.append(f"  stage {k}: layers {s['layers'][0]}-{s['layers'][1]} {where}")
     lines.append(f"candidates ({len(plan['candidates'])}, best first; planner {plan['planner_seconds']:.2f} s):")
-    ranked = sorted(range(len(plan["candidates"])),
-                    key=lambda i: (plan["candidates"][i]["out_of_memory"],
-                                   plan["candidates"][i].get("simulated_samples_per_s") is None,
-                                   -_throughput(plan["candidates"][i])))
+    ranked = sorted(
+        range(len(plan["candidates"])),
+        key=lambda i: (
+            plan["candidates"][i]["out_of_memory"],
+            plan["candidates"][i].get("simulated_samples_per_s") is None,
+            -_throughput(plan["candidates"][i]),
+        ),
+    )
     for i in ranked[:SHOWN_CANDIDATES]:
         c = plan["candidates"][i]
         sim = c.get("simulated_samples_per_s")
-        lines.append(f"  {'*' if i == plan['chosen'] else ' '} {_label(c):48s} "
-                     f"{'sim ' + format(sim, '9.1f') if sim is not None else 'model ' + format(c['analytic_samples_per_s'], '7.1f')}"
-                     f"  {c['peak_memory_bytes'] / GIB:6.2f} GiB{'  OOM' if c['out_of_memory'] else ''}"
-                     f"{'  ' + c['note'] if c.get('note') else ''}")
+        lines.append(
+            f"  {'*' if i == plan['chosen'] else ' '} {_label(c):48s} "
+            f"{'sim ' + format(sim, '9.1f') if sim is not None else 'model ' + format(c['analytic_samples_per_s'], '7.1f')}"
+            f"  {c['peak_memory_bytes'] / GIB:6.2f} GiB{'  OOM' if c['out_of_memory'] else ''}"
+            f"{'  ' + c['note'] if c.get('note') else ''}"
+        )
     return "\n".join(lines)

@@ -20,8 +20,13 @@ PROGRESS_PASSES = 100_000
 #: m = 1024: building 0.15 s; simulating 1.5 s, of which validation 0.1,
 #: lowering 0.3, engine 0.7, memory and version tracking 0.3; summary 0.1 s;
 #: trace.json 1.2 s; timeline.html 1.3 s).
-PHASE_WEIGHTS = {"building the schedule": 1, "simulating": 10, "summarizing": 1,
-                 "writing trace.json": 8, "writing timeline.html": 8}
+PHASE_WEIGHTS = {
+    "building the schedule": 1,
+    "simulating": 10,
+    "summarizing": 1,
+    "writing trace.json": 8,
+    "writing timeline.html": 8,
+}
 
 
 def no_progress(phase: str) -> None:
@@ -45,9 +50,16 @@ def phase_bar(phases: list[str], passes: int):
 
     # a terminal's bar is redrawn in place and cleared at the end; a log gets
     # one line per phase and keeps the last
-    bar = tqdm(total=sum(PHASE_WEIGHTS[p] for p in phases), desc=phases[0], file=sys.stderr,
-               delay=1.0 if tty else 0.0, mininterval=0.1 if tty else 0.0, miniters=0, leave=not tty,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+    bar = tqdm(
+        total=sum(PHASE_WEIGHTS[p] for p in phases),
+        desc=phases[0],
+        file=sys.stderr,
+        delay=1.0 if tty else 0.0,
+        mininterval=0.1 if tty else 0.0,
+        miniters=0,
+        leave=not tty,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}",
+    )
     underway: list[int] = []  # the weight of the phase in progress
     stop = threading.Event()
 

@@ -67,13 +67,22 @@ RUN_AXES: dict[str, object] = {"model": str, "hardware": str, "microbatch_size":
 #: Axes a sweep has when neither a grid file nor a flag gives them. Asynchronous
 #: schedules are compared over 4 iterations, in steady state (as ``pipesim compare``).
 DEFAULT_GRID: dict[str, tuple] = {
-    "stages": (2, 4, 8), "microbatches": (4, 8, 16, 32), "iterations": (4,),
-    "model": ("uniform",), "hardware": ("ideal",),
+    "stages": (2, 4, 8),
+    "microbatches": (4, 8, 16, 32),
+    "iterations": (4,),
+    "model": ("uniform",),
+    "hardware": ("ideal",),
 }
 
 #: The figures kept from each simulation's summary.json (its names).
-KEY_FIGURES = ("throughput_samples_per_s", "iteration_time_s", "bubble_fraction", "peak_memory_bytes_max",
-               "out_of_memory", "devices_count")
+KEY_FIGURES = (
+    "throughput_samples_per_s",
+    "iteration_time_s",
+    "bubble_fraction",
+    "peak_memory_bytes_max",
+    "out_of_memory",
+    "devices_count",
+)
 #: Besides the key figures: the largest staleness over the stages.
 RESULT_COLUMNS = ("status", *KEY_FIGURES, "staleness_max", "reason")
 
@@ -355,13 +364,23 @@ def evaluate_point(config: dict, hardware: dict) -> dict:
     spec_fields = {k: v for k, v in config.items() if k not in RUN_AXES}
     try:
         with gc_paused():  # as every simulation: see pipesim.sim._gc
-            summary = summarize(simulate(ScheduleSpec(**spec_fields), config["model"], hardware[config["hardware"]],
-                                         microbatch_size=config.get("microbatch_size"),
-                                         recompute=config.get("recompute", False)))
+            summary = summarize(
+                simulate(
+                    ScheduleSpec(**spec_fields),
+                    config["model"],
+                    hardware[config["hardware"]],
+                    microbatch_size=config.get("microbatch_size"),
+                    recompute=config.get("recompute", False),
+                )
+            )
     except InputError as e:
         return {**config, "status": "skipped", "reason": first_line(e)}
-    return {**config, "status": "ok", **{k: summary[k] for k in KEY_FIGURES},
-            "staleness_max": max((s["staleness_max"] for s in summary["stages_info"]), default=0)}
+    return {
+        **config,
+        "status": "ok",
+        **{k: summary[k] for k in KEY_FIGURES},
+        "staleness_max": max((s["staleness_max"] for s in summary["stages_info"]), default=0),
+    }
 
 
 def evaluate_chunk(chunk: list[tuple[int, dict]], hardware: dict) -> list[tuple[int, dict]]:
@@ -391,7 +410,7 @@ def chunked(points: Sequence[dict], workers: int) -> list[list[tuple[int, dict]]
     no worker waits long for another."""
     order = sorted(range(len(points)), key=lambda i: (-estimated_work(points[i]), i))
     size = _chunk_size(len(points), workers)
-    return [[(i, points[i]) for i in order[k:k + size]] for k in range(0, len(order), size)]
+    return [[(i, points[i]) for i in order[k : k + size]] for k in range(0, len(order), size)]
 
 
 def local_workers(points: int, workers: int | None) -> int:
@@ -508,7 +527,7 @@ def check_ray_address(address: str) -> tuple[str, int] | None:
     ``ray://HOST:PORT``; a one-line :class:`GridError` for anything else."""
     if address in ("auto", "local"):  # local: always a new instance on this machine (Ray's own spelling)
         return None
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    rest = address[len("ray://") :] if address.startswith("ray://") else address
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise GridError(f"--ray takes auto, local, HOST:PORT or ray://HOST:PORT, got {address!r}")
@@ -553,8 +572,12 @@ def ray_session(address: str):
 
         _reachable(address)
         try:
-            ray.init(address=None if address == "auto" else address, include_dashboard=False,
-                     logging_level=logging.ERROR, log_to_driver=False)
+            ray.init(
+                address=None if address == "auto" else address,
+                include_dashboard=False,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
         except (ConnectionError, ValueError) as e:
             raise GridError(f"cannot connect to Ray at {address}: {first_line(e)}") from None
     try:
@@ -603,8 +626,15 @@ def points_bar(total: int, enabled: bool = True):
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc="sweep", unit="point", file=sys.stderr, delay=1.0 if tty else 0.0,
-              mininterval=0.1 if tty else 10.0, leave=not tty) as bar:
+    with tqdm(
+        total=total,
+        desc="sweep",
+        unit="point",
+        file=sys.stderr,
+        delay=1.0 if tty else 0.0,
+        mininterval=0.1 if tty else 10.0,
+        leave=not tty,
+    ) as bar:
         yield bar.update
 
 
@@ -613,8 +643,9 @@ def points_bar(total: int, enabled: bool = True):
 # ---------------------------------------------------------------------------
 
 
-def run_sweep(grid: dict[str, tuple], *, workers: int | None = None, ray: str | None = None,
-              progress: bool = True) -> dict:
+def run_sweep(
+    grid: dict[str, tuple], *, workers: int | None = None, ray: str | None = None, progress: bool = True
+) -> dict:
     """Simulate every point of ``grid`` (from :func:`make_grid`) and return the
     ``sweep.json`` document: the grid and one row per point, in grid order.
 
@@ -633,12 +664,21 @@ def run_sweep(grid: dict[str, tuple], *, workers: int | None = None, ray: str | 
         else:
             chunks = chunked(points, workers or usable_cores())
             workers = local_workers(len(points), workers)  # as many as there are chunks, at most
-            run = run_in_process(chunks, hardware, advance) if workers == 1 else \
-                run_local(chunks, hardware, advance, workers)
+            run = (
+                run_in_process(chunks, hardware, advance)
+                if workers == 1
+                else run_local(chunks, hardware, advance, workers)
+            )
             for i, row in run:
                 rows[i] = row
-    return {"sweep_version": SWEEP_VERSION, "axes": grid, "columns": columns(grid), "points": rows,
-            "simulated": sum(r["status"] == "ok" for r in rows), "skipped": sum(r["status"] != "ok" for r in rows)}
+    return {
+        "sweep_version": SWEEP_VERSION,
+        "axes": grid,
+        "columns": columns(grid),
+        "points": rows,
+        "simulated": sum(r["status"] == "ok" for r in rows),
+        "skipped": sum(r["status"] != "ok" for r in rows),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -682,8 +722,11 @@ def label(row: dict, axes: Iterable[str]) -> str:
     """A point's configuration for a hover text or the console: every axis
     but the panel's, a value swept as ``none`` spelled so (not left empty
     as in the CSV)."""
-    return ", ".join(f"{a}={'none' if row[a] is None else _cell(row[a])}" for a in axes
-                     if a in row and a not in ("model", "hardware"))
+    return ", ".join(
+        f"{a}={'none' if row[a] is None else _cell(row[a])}"
+        for a in axes
+        if a in row and a not in ("model", "hardware")
+    )
 
 
 def pareto_front(rows: Sequence[dict]) -> list[dict]:
@@ -716,47 +759,93 @@ def sweep_figure(doc: dict):
     panels = list(itertools.product(doc["axes"]["model"], doc["axes"]["hardware"]))
     cols = min(3, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[f"{m} on {h}" for m, h in panels],
-                        horizontal_spacing=0.08, vertical_spacing=0.12 if nrows > 1 else 0.1)
+    fig = make_subplots(
+        rows=nrows,
+        cols=cols,
+        subplot_titles=[f"{m} on {h}" for m, h in panels],
+        horizontal_spacing=0.08,
+        vertical_spacing=0.12 if nrows > 1 else 0.1,
+    )
     names = strategy_names()
     shown: set[str] = set()
     for k, (model, hw) in enumerate(panels):
         r, c = divmod(k, cols)
-        ok = [p for p in doc["points"] if p["status"] == "ok" and p["model"] == model and p["hardware"] == hw
-              and p["throughput_samples_per_s"] is not None]
+        ok = [
+            p
+            for p in doc["points"]
+            if p["status"] == "ok"
+            and p["model"] == model
+            and p["hardware"] == hw
+            and p["throughput_samples_per_s"] is not None
+        ]
         for name in doc["axes"]["strategy"]:
             color = STRATEGY_COLORS[names.index(name) % len(STRATEGY_COLORS)]
             for oom in (False, True):
                 pts = [p for p in ok if p["strategy"] == name and p["out_of_memory"] == oom]
                 if not pts:
                     continue
-                fig.add_trace(go.Scattergl(
-                    x=[p["peak_memory_bytes_max"] / 2**30 for p in pts], y=[p["throughput_samples_per_s"] for p in pts],
-                    mode="markers", name=name, legendgroup=name, showlegend=name not in shown,
-                    marker={"color": color, "size": 10 if oom else 8, "symbol": "x" if oom else "circle",
-                            "opacity": 0.8, "line": {"width": 0 if oom else 0.5, "color": "white"}},
-                    text=[label(p, doc["axes"]) for p in pts],
-                    hovertemplate="%{text}<br>peak memory %{x:.3g} GiB<br>%{y:.4g} samples/s"
-                                  + ("<br><b>out of memory</b>" if oom else "") + "<extra></extra>",
-                ), row=r + 1, col=c + 1)
+                fig.add_trace(
+                    go.Scattergl(
+                        x=[p["peak_memory_bytes_max"] / 2**30 for p in pts],
+                        y=[p["throughput_samples_per_s"] for p in pts],
+                        mode="markers",
+                        name=name,
+                        legendgroup=name,
+                        showlegend=name not in shown,
+                        marker={
+                            "color": color,
+                            "size": 10 if oom else 8,
+                            "symbol": "x" if oom else "circle",
+                            "opacity": 0.8,
+                            "line": {"width": 0 if oom else 0.5, "color": "white"},
+                        },
+                        text=[label(p, doc["axes"]) for p in pts],
+                        hovertemplate="%{text}<br>peak memory %{x:.3g} GiB<br>%{y:.4g} samples/s"
+                        + ("<br><b>out of memory</b>" if oom else "")
+                        + "<extra></extra>",
+                    ),
+                    row=r + 1,
+                    col=c + 1,
+                )
                 shown.add(name)
         front = pareto_front([p for p in ok if not p["out_of_memory"]])
         if front:
-            fig.add_trace(go.Scatter(
-                x=[p["peak_memory_bytes_max"] / 2**30 for p in front], y=[p["throughput_samples_per_s"] for p in front],
-                mode="lines", line={"color": "#444", "width": 1, "dash": "dot", "shape": "hv"},
-                name="fastest that fits (frontier)", legendgroup="front", showlegend="front" not in shown,
-                hoverinfo="skip"), row=r + 1, col=c + 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=[p["peak_memory_bytes_max"] / 2**30 for p in front],
+                    y=[p["throughput_samples_per_s"] for p in front],
+                    mode="lines",
+                    line={"color": "#444", "width": 1, "dash": "dot", "shape": "hv"},
+                    name="fastest that fits (frontier)",
+                    legendgroup="front",
+                    showlegend="front" not in shown,
+                    hoverinfo="skip",
+                ),
+                row=r + 1,
+                col=c + 1,
+            )
             shown.add("front")
         fig.update_xaxes(type="log", title_text="peak memory, worst device (GiB)", row=r + 1, col=c + 1)
         fig.update_yaxes(type="log", title_text="throughput (samples/s)", row=r + 1, col=c + 1)
     if any(p.get("out_of_memory") for p in doc["points"]):  # one legend entry says what a cross means
-        fig.add_trace(go.Scattergl(x=[None], y=[None], mode="markers", name="× out of memory",
-                                   marker={"symbol": "x", "color": "#888", "size": 10}, hoverinfo="skip"))
+        fig.add_trace(
+            go.Scattergl(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name="× out of memory",
+                marker={"symbol": "x", "color": "#888", "size": 10},
+                hoverinfo="skip",
+            )
+        )
     fig.update_layout(
-        title={"text": f"Sweep: {doc['simulated']} configurations simulated, {doc['skipped']} skipped "
-                       "(rejected by their strategy; listed in sweep.json)"},
-        template="plotly_white", width=520 * cols + 260, height=460 * nrows + 80,
+        title={
+            "text": f"Sweep: {doc['simulated']} configurations simulated, {doc['skipped']} skipped "
+            "(rejected by their strategy; listed in sweep.json)"
+        },
+        template="plotly_white",
+        width=520 * cols + 260,
+        height=460 * nrows + 80,
     )
     return fig
 
@@ -769,8 +858,9 @@ def write_outputs(doc: dict, out: Path, *, png: bool = True) -> list[str]:
     (out / "sweep.json").write_text(to_json(doc), encoding="utf-8")
     (out / "sweep.csv").write_text(to_csv(doc), encoding="utf-8")
     fig = sweep_figure(doc)
-    fig.write_html(out / "sweep.html", include_plotlyjs=True, full_html=True, div_id="pipesim-sweep",
-                   config={"displaylogo": False})
+    fig.write_html(
+        out / "sweep.html", include_plotlyjs=True, full_html=True, div_id="pipesim-sweep", config={"displaylogo": False}
+    )
     written = ["sweep.json", "sweep.csv", "sweep.html"]
     if png and write_png(fig, out / "sweep.png", width=fig.layout.width, height=fig.layout.height):
         written.append("sweep.png")
@@ -798,7 +888,7 @@ def skip_reasons(doc: dict) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
-# Command line (the sub-parser and cmd_sweep live in pipesim.experiments.cli)
+# Command line (the sub-parser and its run() live in pipesim.experiments.cli.sweep)
 # ---------------------------------------------------------------------------
 
 #: Axes with a flag of their own: flag -> (axis, argparse type, metavar, help).
@@ -829,20 +919,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``pipesim sweep`` (catalogs looked up only for --help)."""
     listed = {"--strategy": strategy_names, "--model": _model_names, "--hardware": _preset_names}
     for flag, (axis, kind, metavar, text) in AXIS_FLAGS.items():
-        action = p.add_argument(flag, dest=f"axis_{axis}", nargs="+", type=kind, default=None, metavar=metavar,
-                                help=text)
+        action = p.add_argument(
+            flag, dest=f"axis_{axis}", nargs="+", type=kind, default=None, metavar=metavar, help=text
+        )
         if flag in listed:
             list_choices(action, listed[flag])
-    p.add_argument("--set", dest="set_axes", nargs="+", action="append", default=None, metavar=("NAME=V", "V"),
-                   help="sweep any ScheduleSpec field, microbatch_size or recompute: --set NAME=V [V ...], repeatable; "
-                        "commas make a tuple (--set replicas=15,1 3,1)")
-    p.add_argument("--grid", default=None, metavar="FILE.json", help="JSON grid file {\"axis\": [values], ...}; flags override its axes")
+    p.add_argument(
+        "--set",
+        dest="set_axes",
+        nargs="+",
+        action="append",
+        default=None,
+        metavar=("NAME=V", "V"),
+        help="sweep any ScheduleSpec field, microbatch_size or recompute: --set NAME=V [V ...], repeatable; "
+        "commas make a tuple (--set replicas=15,1 3,1)",
+    )
+    p.add_argument(
+        "--grid",
+        default=None,
+        metavar="FILE.json",
+        help='JSON grid file {"axis": [values], ...}; flags override its axes',
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--workers", type=positive, default=None, metavar="N",
-                   help=f"processes that simulate, this one included (default: the usable cores, here {usable_cores()})")
-    g.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run as Ray tasks: auto (RAY_ADDRESS, a cluster on this machine, else a new local one) "
-                        "or a cluster address (needs pip install 'pipesim[ray]')")
+    g.add_argument(
+        "--workers",
+        type=positive,
+        default=None,
+        metavar="N",
+        help=f"processes that simulate, this one included (default: the usable cores, here {usable_cores()})",
+    )
+    g.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run as Ray tasks: auto (RAY_ADDRESS, a cluster on this machine, else a new local one) "
+        "or a cluster address (needs pip install 'pipesim[ray]')",
+    )
     p.add_argument("--out", default="out/sweep", help="output folder")
 
 
@@ -868,16 +980,24 @@ def grid_from_args(args: argparse.Namespace) -> dict[str, tuple]:
 
 #: 5 strategies x 8 depths x 25 micro-batch counts = 1,000 small simulations
 #: (uniform model, ideal hardware, one iteration), 1-70 ms each.
-BENCH_GRID = {"strategy": ("gpipe", "1f1b", "pipedream", "spectrain", "data-parallel"),
-              "stages": (2, 4, 6, 8, 10, 12, 14, 16), "microbatches": tuple(range(2, 51, 2)), "iterations": (1,)}
+BENCH_GRID = {
+    "strategy": ("gpipe", "1f1b", "pipedream", "spectrain", "data-parallel"),
+    "stages": (2, 4, 6, 8, 10, 12, 14, 16),
+    "microbatches": tuple(range(2, 51, 2)),
+    "iterations": (1,),
+}
 QUICK_GRID = {**BENCH_GRID, "stages": (2, 4, 8, 16), "microbatches": (2, 4, 8, 16, 32)}
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a 100-point sweep instead of 1,000")
     parser.add_argument("--no-ray", action="store_true", help="time local workers only")
-    parser.add_argument("--repeats", type=positive, default=1,
-                        help="runs of each setting (local ones interleaved); the best is reported")
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=1,
+        help="runs of each setting (local ones interleaved); the best is reported",
+    )
 
 
 def _timed(grid: dict, **how) -> tuple[float, str]:
@@ -924,7 +1044,9 @@ def bench_run(args: argparse.Namespace) -> dict:
             runs.setdefault(("local", n), {"executor": "local", "workers": n, "times": []})["times"].append(seconds)
             outputs.add(text)
     for n in () if args.no_ray else (1, 2):
-        print(f"[ray, {n} CPU(s)] starting Ray, then {args.repeats} x {points:,} points ...", file=sys.stderr, flush=True)
+        print(
+            f"[ray, {n} CPU(s)] starting Ray, then {args.repeats} x {points:,} points ...", file=sys.stderr, flush=True
+        )
         times, started = _ray_times(grid, n, args.repeats)
         runs[("ray", n)] = {"executor": "ray", "workers": n, "times": [t for t, _ in times], "start_s": started}
         outputs.update(text for _, text in times)
@@ -934,8 +1056,15 @@ def bench_run(args: argparse.Namespace) -> dict:
         row["seconds"] = min(row["times"])
         row["speedup_vs_1"] = round(runs[(row["executor"], 1)]["seconds"] / row["seconds"], 3)
         row["speedup_vs_local_1"] = round(runs[("local", 1)]["seconds"] / row["seconds"], 3)
-    return {"points": points, "grid": {k: list(v) for k, v in grid.items()}, "runs": rows, "cores": usable_cores(),
-            "parallel_ceiling": ceilings, "identical_outputs": len(outputs) == 1, "target_speedup_2_workers": 1.7}
+    return {
+        "points": points,
+        "grid": {k: list(v) for k, v in grid.items()},
+        "runs": rows,
+        "cores": usable_cores(),
+        "parallel_ceiling": ceilings,
+        "identical_outputs": len(outputs) == 1,
+        "target_speedup_2_workers": 1.7,
+    }
 
 
 def _ray_times(grid: dict, cpus: int, repeats: int) -> tuple[list, float]:
@@ -948,8 +1077,18 @@ def _ray_times(grid: dict, cpus: int, repeats: int) -> tuple[list, float]:
     start = time.perf_counter()
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     try:
-        run_sweep(make_grid({"strategy": ("1f1b",), "stages": (2,), "microbatches": tuple(range(1, 2 * cpus + 1)),
-                             "iterations": (1,)}), ray="auto", progress=False)
+        run_sweep(
+            make_grid(
+                {
+                    "strategy": ("1f1b",),
+                    "stages": (2,),
+                    "microbatches": tuple(range(1, 2 * cpus + 1)),
+                    "iterations": (1,),
+                }
+            ),
+            ray="auto",
+            progress=False,
+        )
         started = time.perf_counter() - start
         return [_timed(grid, ray="auto") for _ in range(repeats)], round(started, 3)
     finally:
@@ -957,22 +1096,36 @@ def _ray_times(grid: dict, cpus: int, repeats: int) -> tuple[list, float]:
 
 
 def bench_render(report: dict) -> str:
-    lines = [(f"sweep of {report['points']:,} simulations on {report['cores']} usable cores "
-              f"(target: >= {report['target_speedup_2_workers']}x with 2 workers)"),
-             f"{'executor':<8} {'workers':>7} {'best s':>7} {'points/s':>9} {'speedup':>8} {'vs local 1':>10}  all runs (s)"]
+    lines = [
+        (
+            f"sweep of {report['points']:,} simulations on {report['cores']} usable cores "
+            f"(target: >= {report['target_speedup_2_workers']}x with 2 workers)"
+        ),
+        f"{'executor':<8} {'workers':>7} {'best s':>7} {'points/s':>9} {'speedup':>8} {'vs local 1':>10}  all runs (s)",
+    ]
     for r in report["runs"]:
-        lines.append(f"{r['executor']:<8} {r['workers']:>7} {r['seconds']:>7.2f} {report['points'] / r['seconds']:>9.0f} "
-                     f"{r['speedup_vs_1']:>7.2f}x {r['speedup_vs_local_1']:>9.2f}x  "
-                     + " ".join(f"{t:.2f}" for t in r["times"]))
+        lines.append(
+            f"{r['executor']:<8} {r['workers']:>7} {r['seconds']:>7.2f} {report['points'] / r['seconds']:>9.0f} "
+            f"{r['speedup_vs_1']:>7.2f}x {r['speedup_vs_local_1']:>9.2f}x  " + " ".join(f"{t:.2f}" for t in r["times"])
+        )
     for r in report["runs"]:
         if "start_s" in r:
             lines.append(f"ray with {r['workers']} CPU(s): start and warm-up {r['start_s']:.2f} s (not in the times)")
-    lines.append("this machine's own 2-process speedup on pure Python, measured beside the local runs: "
-                 + ", ".join(f"{c:.2f}x" for c in report["parallel_ceiling"]) + " (2.00x on two idle cores)")
+    lines.append(
+        "this machine's own 2-process speedup on pure Python, measured beside the local runs: "
+        + ", ".join(f"{c:.2f}x" for c in report["parallel_ceiling"])
+        + " (2.00x on two idle cores)"
+    )
     lines.append("outputs identical across all runs: " + ("yes" if report["identical_outputs"] else "NO"))
     return "\n".join(lines)
 
 
 def bench(argv: list[str] | None = None, prog: str = "pipesim bench sweep") -> int:
-    return bench_main(argv, prog=prog, description="Time a 1,000-point sweep on 1 and 2 local workers and on Ray.",
-                      add_arguments=bench_arguments, run=bench_run, render=bench_render)
+    return bench_main(
+        argv,
+        prog=prog,
+        description="Time a 1,000-point sweep on 1 and 2 local workers and on Ray.",
+        add_arguments=bench_arguments,
+        run=bench_run,
+        render=bench_render,
+    )

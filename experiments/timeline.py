@@ -6,7 +6,7 @@ as horizontal bars coloured by action type and, on a thinner sub-row
 ``device N comm`` under each device, sends, receives and collectives. Idle
 time is left empty on a light-grey background, so bubbles are the grey gaps;
 each row label carries the device's bubble fraction (1 − busy compute time /
-makespan, as in ``docs/semantics.md``).
+makespan, as in ``docs/concepts/accounting.md``).
 
 Bars are grouped into **one trace per action type** (F, B, I, W, UPDATE,
 PREDICT, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, AVERAGE), never one
@@ -31,9 +31,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from _plotly_utils.utils import to_typed_array_spec
 
-from pipesim.sim.ir.core import MICROBATCH_OPS, P2P_OPS, Op, format_action
 from pipesim.sim.engine.metrics import bubble_fractions
 from pipesim.sim.engine.results import SimResult
+from pipesim.sim.ir.core import MICROBATCH_OPS, P2P_OPS, Op, format_action
 
 #: Fixed colour of every action type, shared by all pipesim figures.
 PALETTE: dict[Op, str] = {
@@ -103,13 +103,30 @@ def timeline_layout(*, title: str, tickvals: list, ticktext: list, x_max_ms: flo
         "paper_bgcolor": "white",
         "height": int(170 + 34 * max(n_rows, 1)),
         "margin": {"l": 10, "r": 10, "t": 80, "b": 50},
-        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0.0,
-                   "title": {"text": "action"}},
+        "legend": {
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.0,
+            "xanchor": "left",
+            "x": 0.0,
+            "title": {"text": "action"},
+        },
         "hoverlabel": {"align": "left"},
-        "xaxis": {"title": {"text": "time (ms)"}, "range": [0, x_max_ms if x_max_ms > 0 else 1],
-                  "showgrid": False, "zeroline": False},
-        "yaxis": {"tickmode": "array", "tickvals": tickvals, "ticktext": ticktext,
-                  "range": [n_rows - 0.5, -0.5], "showgrid": False, "zeroline": False, "automargin": True},
+        "xaxis": {
+            "title": {"text": "time (ms)"},
+            "range": [0, x_max_ms if x_max_ms > 0 else 1],
+            "showgrid": False,
+            "zeroline": False,
+        },
+        "yaxis": {
+            "tickmode": "array",
+            "tickvals": tickvals,
+            "ticktext": ticktext,
+            "range": [n_rows - 0.5, -0.5],
+            "showgrid": False,
+            "zeroline": False,
+            "automargin": True,
+        },
     }
 
 
@@ -164,8 +181,9 @@ def _plain_bar(props: dict) -> dict:
     return out
 
 
-def _timeline_parts(result: SimResult, title: str | None, show_comm: bool | None,
-                    max_spans: int) -> tuple[list[dict], go.Figure]:
+def _timeline_parts(
+    result: SimResult, title: str | None, show_comm: bool | None, max_spans: int
+) -> tuple[list[dict], go.Figure]:
     """The bar properties of every trace (in trace order) and a figure with
     no traces that holds the layout."""
     spans = result.spans
@@ -183,14 +201,27 @@ def _timeline_parts(result: SimResult, title: str | None, show_comm: bool | None
     fig = go.Figure()
     tickvals, ticktext = _rows(bubbles, has_comm)
     makespan_ms = result.makespan * 1e3
-    apply_timeline_layout(fig, title=title if title is not None else _title(result, bubbles),
-                          tickvals=tickvals, ticktext=ticktext, x_max_ms=makespan_ms)
+    apply_timeline_layout(
+        fig,
+        title=title if title is not None else _title(result, bubbles),
+        tickvals=tickvals,
+        ticktext=ticktext,
+        x_max_ms=makespan_ms,
+    )
     if comm_dropped:
         fig.add_annotation(
-            text=(f"communication rows omitted: {comm_dropped} transfer/collective spans "
-                  f"(more than {max_spans} spans in all; the Chrome trace has them)"),
-            xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top", xanchor="left",
-            showarrow=False, font={"size": 11, "color": "#555555"},
+            text=(
+                f"communication rows omitted: {comm_dropped} transfer/collective spans "
+                f"(more than {max_spans} spans in all; the Chrome trace has them)"
+            ),
+            xref="paper",
+            yref="paper",
+            x=0.0,
+            y=-0.02,
+            yanchor="top",
+            xanchor="left",
+            showarrow=False,
+            font={"size": 11, "color": "#555555"},
         )
     return bars, fig
 
@@ -268,9 +299,11 @@ def _names(op: Op, actions: list) -> list[str]:
     0, no prediction distance, a micro-batch and a version) spelt inline:
     this runs once per bar."""
     v = op.value
-    return [f"{stage}{v}{mb}@v{ver}" if rep == 0 == dist and mb is not None and ver is not None
-            else format_action(a)
-            for a in actions for (_, stage, mb, ver, dist, rep) in (a,)]
+    return [
+        f"{stage}{v}{mb}@v{ver}" if rep == 0 == dist and mb is not None and ver is not None else format_action(a)
+        for a in actions
+        for (_, stage, mb, ver, dist, rep) in (a,)
+    ]
 
 
 def _op_bar(op: Op, bars: _Bars, rows_per_dev: int, t0: float) -> dict:
@@ -284,9 +317,11 @@ def _op_bar(op: Op, bars: _Bars, rows_per_dev: int, t0: float) -> dict:
         y += np.fromiter((s.stream != "compute" for s in items), dtype=np.int32, count=len(items))
     base = (starts - t0) * 1e3
     dur = (ends - starts) * 1e3
-    columns = [[a.stage for a in actions],
-               [-1 if a.microbatch is None else a.microbatch for a in actions],
-               [-1 if a.version is None else a.version for a in actions]]
+    columns = [
+        [a.stage for a in actions],
+        [-1 if a.microbatch is None else a.microbatch for a in actions],
+        [-1 if a.version is None else a.version for a in actions],
+    ]
     all_versions = all(a.version is not None for a in actions)
     if comm:
         columns += [[-1 if s.peer is None else s.peer for s in items], [s.nbytes for s in items]]
@@ -334,7 +369,13 @@ def write_timeline_html(result: SimResult, path: str | Path, title: str | None =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = timeline_dict(result, title=title, **kwargs)
-    html = pio.to_html(fig, validate=False, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
-                       config={"displaylogo": False, "scrollZoom": True})
+    html = pio.to_html(
+        fig,
+        validate=False,
+        include_plotlyjs=True,
+        full_html=True,
+        div_id=DIV_ID,
+        config={"displaylogo": False, "scrollZoom": True},
+    )
     path.write_text(html, "utf-8")
     return path

@@ -49,8 +49,9 @@ def torch_schedule(name: str, p: int, v: int, m: int):
     stage layout while planning)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p, submod=None)
-              for c in range(v)]
+    stages = [
+        SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p, submod=None) for c in range(v)
+    ]
     return get_schedule_class(name)(stages, m)
 
 
@@ -60,8 +61,10 @@ def torch_dry_run_seconds(schedule, repeat: int = 1) -> float:
     from torch.distributed.pipelining import schedules as S
 
     simulated = {S.F, S.B, S.I, S.W, S.SEND_F, S.RECV_F, S.SEND_B, S.RECV_B}
-    order = {rank: [a for a in acts if a.computation_type in simulated]
-             for rank, acts in schedule.pipeline_order_with_comms.items()}
+    order = {
+        rank: [a for a in acts if a.computation_type in simulated]
+        for rank, acts in schedule.pipeline_order_with_comms.items()
+    }
     home = schedule.stage_index_to_group_rank
     best = float("inf")
     for _ in range(repeat):
@@ -75,8 +78,10 @@ def torch_dry_run_seconds(schedule, repeat: int = 1) -> float:
 def torch_end_to_end_seconds(name: str, p: int, v: int, m: int, repeat: int = 3) -> float:
     """Best wall time of what a user pays for torch's dry run from a fresh
     interpreter: start-up, ``import torch``, building the order, the dry run."""
-    script = ("import sys; from pipesim.experiments.torchdry import torch_schedule, torch_dry_run_seconds; "
-              f"torch_dry_run_seconds(torch_schedule({name!r}, {p}, {v}, {m}))")
+    script = (
+        "import sys; from pipesim.experiments.torchdry import torch_schedule, torch_dry_run_seconds; "
+        f"torch_dry_run_seconds(torch_schedule({name!r}, {p}, {v}, {m}))"
+    )
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
@@ -90,8 +95,17 @@ def pipesim_cli_seconds(csv_path: Path, repeat: int = 3) -> float:
     in a fresh interpreter (start-up and imports included)."""
     best = float("inf")
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "pipesim.experiments.cli", "simulate", "--schedule", str(csv_path),
-               "--summary-only", "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pipesim.experiments.cli",
+            "simulate",
+            "--schedule",
+            str(csv_path),
+            "--summary-only",
+            "--out",
+            out,
+        ]
         for _ in range(repeat):
             start = time.perf_counter()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
@@ -132,13 +146,22 @@ def compare(sizes=DEFAULT_SIZES, schedule: str = "Interleaved1F1B", repeat: int 
             torch_e2e_s = torch_end_to_end_seconds(schedule, p, v, m, repeat)
             cli_s = pipesim_cli_seconds(path, repeat)
             inproc_s = pipesim_inprocess_seconds(path, repeat)
-            rows.append({
-                "schedule": schedule, "ranks": p, "stages_per_rank": v, "microbatches": m, "actions": actions,
-                "torch_dry_run_s": _sig(torch_s), "torch_end_to_end_s": _sig(torch_e2e_s),
-                "pipesim_cli_s": _sig(cli_s), "pipesim_inprocess_s": _sig(inproc_s),
-                "ratio_cli": _sig(torch_s / cli_s), "ratio_inprocess": _sig(torch_s / inproc_s),
-                "ratio_end_to_end": _sig(torch_e2e_s / cli_s),
-            })
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "ranks": p,
+                    "stages_per_rank": v,
+                    "microbatches": m,
+                    "actions": actions,
+                    "torch_dry_run_s": _sig(torch_s),
+                    "torch_end_to_end_s": _sig(torch_e2e_s),
+                    "pipesim_cli_s": _sig(cli_s),
+                    "pipesim_inprocess_s": _sig(inproc_s),
+                    "ratio_cli": _sig(torch_s / cli_s),
+                    "ratio_inprocess": _sig(torch_s / inproc_s),
+                    "ratio_end_to_end": _sig(torch_e2e_s / cli_s),
+                }
+            )
     return rows
 
 
@@ -159,37 +182,45 @@ def _sizes(text: str) -> tuple[tuple[int, int, int], ...]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="Interleaved1F1B", help="torch schedule class")
-    parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                        help="space-separated p,v,m triples (ranks, stages per rank, micro-batches)")
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=DEFAULT_SIZES,
+        help="space-separated p,v,m triples (ranks, stages per rank, micro-batches)",
+    )
     parser.add_argument("--repeat", type=positive, default=3, help="best of this many runs of each side")
 
 
 def run_bench(args) -> dict:
-    rows = compare(args.sizes, args.schedule, args.repeat,
-                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    rows = compare(args.sizes, args.schedule, args.repeat, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     return {"schedule": args.schedule, "repeat": args.repeat, "rows": rows}
 
 
 def render(report: dict) -> str:
-    lines = [f"torch {report['schedule']}: torch's _simulate_comms_compute against `pipesim simulate --schedule "
-             f"X.csv --summary-only` (best of {report['repeat']}; ratios = torch s / pipesim s, above 1 pipesim "
-             "answers sooner)",
-             "  torch fn: the dry-run function alone (torch imported, order built); torch e2e: a fresh interpreter "
-             "that imports torch, builds the order and runs it",
-             "  pipesim e2e: the console command in a fresh interpreter; in-proc: the same through the CLI's main",
-             f"{'p':>3} {'v':>2} {'m':>5} {'actions':>8} {'torch fn':>9} {'torch e2e':>10} {'pipesim e2e':>12} "
-             f"{'e2e ratio':>10} {'fn/e2e':>7} {'in-proc':>8} {'fn/in-proc':>10}"]
+    lines = [
+        f"torch {report['schedule']}: torch's _simulate_comms_compute against `pipesim simulate --schedule "
+        f"X.csv --summary-only` (best of {report['repeat']}; ratios = torch s / pipesim s, above 1 pipesim "
+        "answers sooner)",
+        "  torch fn: the dry-run function alone (torch imported, order built); torch e2e: a fresh interpreter "
+        "that imports torch, builds the order and runs it",
+        "  pipesim e2e: the console command in a fresh interpreter; in-proc: the same through the CLI's main",
+        f"{'p':>3} {'v':>2} {'m':>5} {'actions':>8} {'torch fn':>9} {'torch e2e':>10} {'pipesim e2e':>12} "
+        f"{'e2e ratio':>10} {'fn/e2e':>7} {'in-proc':>8} {'fn/in-proc':>10}",
+    ]
     for r in report["rows"]:
-        lines.append(f"{r['ranks']:>3} {r['stages_per_rank']:>2} {r['microbatches']:>5} {r['actions']:>8} "
-                     f"{r['torch_dry_run_s']:>9.3f} {r['torch_end_to_end_s']:>10.3f} {r['pipesim_cli_s']:>12.3f} "
-                     f"{r['ratio_end_to_end']:>10.2f} {r['ratio_cli']:>7.2f} {r['pipesim_inprocess_s']:>8.3f} "
-                     f"{r['ratio_inprocess']:>10.2f}")
+        lines.append(
+            f"{r['ranks']:>3} {r['stages_per_rank']:>2} {r['microbatches']:>5} {r['actions']:>8} "
+            f"{r['torch_dry_run_s']:>9.3f} {r['torch_end_to_end_s']:>10.3f} {r['pipesim_cli_s']:>12.3f} "
+            f"{r['ratio_end_to_end']:>10.2f} {r['ratio_cli']:>7.2f} {r['pipesim_inprocess_s']:>8.3f} "
+            f"{r['ratio_inprocess']:>10.2f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipesim.experiments.torchdry") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run_bench, render=render)
+    return bench_main(
+        argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments, run=run_bench, render=render
+    )
 
 
 if __name__ == "__main__":

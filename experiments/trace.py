@@ -1,8 +1,8 @@
 """Chrome trace event JSON for a :class:`~pipesim.sim.engine.results.SimResult`.
 
 The output opens in Perfetto (https://ui.perfetto.dev) and chrome://tracing,
-in the same format torch.profiler writes (see ``docs/semantics.md``, "Trace
-format"):
+in the same format torch.profiler writes (see ``docs/how-to/simulate-and-compare.md``,
+"trace.json"):
 
 * one **process** per device (``pid`` = device, named ``"device N"`` and
   sorted by N through ``ph: "M"`` metadata events);
@@ -49,8 +49,8 @@ from operator import itemgetter
 from pathlib import Path
 
 from pipesim.sim._gc import gc_paused
-from pipesim.sim.ir.core import Action, Op
 from pipesim.sim.engine.results import STREAMS, SimResult, Span
+from pipesim.sim.ir.core import Action, Op
 
 #: Flow arrows are v1 flow events; Perfetto matches them by (cat, name, id).
 FLOW_CAT = "transfer"
@@ -253,9 +253,11 @@ class _Layout:
         #: (device, tid, stream, span indices in event order) per thread with
         #: spans, by (device, tid)
         self.slices: list[tuple[int, int, str, list[int]]] = sorted(
-            ((dev, tid_of[(dev, stream, lane)], stream, items)
-             for (dev, stream), per_lane in lanes_of.items()
-             for lane, items in enumerate(per_lane)),
+            (
+                (dev, tid_of[(dev, stream, lane)], stream, items)
+                for (dev, stream), per_lane in lanes_of.items()
+                for lane, items in enumerate(per_lane)
+            ),
             key=lambda t: (t[0], t[1]),
         )
         self.flows = _pair_flows(ends, tracks, tid_of, lane_of_span)
@@ -305,8 +307,14 @@ class _Layout:
                     op, stage, mb, ver, dist, rep = a
                     nb = s.nbytes
                     peer = s.peer
-                    if (rep == 0 == dist and type(mb) is int and type(stage) is int and type(nb) is int
-                            and type(rep) is int and type(dist) is int):
+                    if (
+                        rep == 0 == dist
+                        and type(mb) is int
+                        and type(stage) is int
+                        and type(nb) is int
+                        and type(rep) is int
+                        and type(dist) is int
+                    ):
                         dur = end - start
                         us = dur // 1000 if dur % 1000 == 0 else dur / 1000
                         ts = start // 1000 if start % 1000 == 0 else start / 1000
@@ -448,9 +456,13 @@ def _counters(memory) -> list[tuple[int, list[int], list[int]]]:
     out = []
     for track in sorted(memory, key=lambda m: m.device):
         times, totals = track.times, track.totals
-        out.append((track.device,
-                    [round(t * 1e9) for t, _ in zip(times, totals, strict=False)],  # _ns
-                    [int(b) for _, b in zip(times, totals, strict=False)]))
+        out.append(
+            (
+                track.device,
+                [round(t * 1e9) for t, _ in zip(times, totals, strict=False)],  # _ns
+                [int(b) for _, b in zip(times, totals, strict=False)],
+            )
+        )
     return out
 
 
@@ -494,15 +506,11 @@ def _other_data(result: SimResult) -> dict:
 def _metadata(threads: list[tuple[int, list[tuple[int, str]]]]) -> list[dict]:
     meta: list[dict] = []
     for dev, named in threads:
-        meta.append({"ph": "M", "pid": dev, "tid": 0, "name": "process_name",
-                     "args": {"name": f"device {dev}"}})
-        meta.append({"ph": "M", "pid": dev, "tid": 0, "name": "process_sort_index",
-                     "args": {"sort_index": dev}})
+        meta.append({"ph": "M", "pid": dev, "tid": 0, "name": "process_name", "args": {"name": f"device {dev}"}})
+        meta.append({"ph": "M", "pid": dev, "tid": 0, "name": "process_sort_index", "args": {"sort_index": dev}})
         for tid, name in named:
-            meta.append({"ph": "M", "pid": dev, "tid": tid, "name": "thread_name",
-                         "args": {"name": name}})
-            meta.append({"ph": "M", "pid": dev, "tid": tid, "name": "thread_sort_index",
-                         "args": {"sort_index": tid}})
+            meta.append({"ph": "M", "pid": dev, "tid": tid, "name": "thread_name", "args": {"name": name}})
+            meta.append({"ph": "M", "pid": dev, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
     return meta
 
 
@@ -534,14 +542,24 @@ def _chrome_trace(result: SimResult) -> dict:
                 event["args"] = args
             events.append(event)
     for flow_id, name, spid, stid, sts, fpid, ftid, fts in lay.flows:
-        events.append({"ph": "s", "id": flow_id, "pid": spid, "tid": stid, "ts": _us(sts),
-                       "cat": FLOW_CAT, "name": name})
-        events.append({"ph": "f", "id": flow_id, "pid": fpid, "tid": ftid, "ts": _us(fts),
-                       "cat": FLOW_CAT, "name": name, "bp": "e"})
+        events.append(
+            {"ph": "s", "id": flow_id, "pid": spid, "tid": stid, "ts": _us(sts), "cat": FLOW_CAT, "name": name}
+        )
+        events.append(
+            {
+                "ph": "f",
+                "id": flow_id,
+                "pid": fpid,
+                "tid": ftid,
+                "ts": _us(fts),
+                "cat": FLOW_CAT,
+                "name": name,
+                "bp": "e",
+            }
+        )
     for dev, times, totals in lay.counters:
         for ts, total in zip(times, totals, strict=True):
-            events.append({"ph": "C", "pid": dev, "tid": 0, "ts": _us(ts),
-                           "name": "memory", "args": {"bytes": total}})
+            events.append({"ph": "C", "pid": dev, "tid": 0, "ts": _us(ts), "name": "memory", "args": {"bytes": total}})
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

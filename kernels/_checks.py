@@ -52,12 +52,10 @@ def check_reference(name: str, tensors: Sequence[Tensor]) -> None:
     """The reference list (weights, centre) must hold floating tensors."""
     for i, t in enumerate(tensors):
         if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name}[{i}] has dtype {t.dtype}; kernels support "
-                             "float32, float64, bfloat16 and float16")
+            raise ValueError(f"{name}[{i}] has dtype {t.dtype}; kernels support float32, float64, bfloat16 and float16")
 
 
-def check_aligned(ref_name: str, ref: Sequence[Tensor], name: str, other: Sequence[Tensor],
-                  *, state: bool) -> None:
+def check_aligned(ref_name: str, ref: Sequence[Tensor], name: str, other: Sequence[Tensor], *, state: bool) -> None:
     """Check ``other`` against ``ref`` index by index.
 
     ``state=True`` allows the float32-state-next-to-16-bit-weights case;
@@ -74,16 +72,16 @@ def check_aligned(ref_name: str, ref: Sequence[Tensor], name: str, other: Sequen
             mixed_ok = state and o.dtype == torch.float32 and r.dtype in LOW_PRECISION
             if not mixed_ok:
                 allowed = f"{r.dtype}" + (" or torch.float32" if state and r.dtype in LOW_PRECISION else "")
-                raise ValueError(f"{name}[{i}] has dtype {o.dtype}, {ref_name}[{i}] has {r.dtype} "
-                                 f"(expected {allowed})")
+                raise ValueError(f"{name}[{i}] has dtype {o.dtype}, {ref_name}[{i}] has {r.dtype} (expected {allowed})")
 
 
 def check_no_alias(ref_name: str, ref: Sequence[Tensor], name: str, other: Sequence[Tensor]) -> None:
     """Out-of-place kernels promise not to write their inputs; refuse an output that is one."""
     for i, (r, o) in enumerate(zip(ref, other)):
         if r.numel() and o.data_ptr() == r.data_ptr():
-            raise ValueError(f"{name}[{i}] is the same memory as {ref_name}[{i}]; "
-                             "use the in-place form to overwrite the weights")
+            raise ValueError(
+                f"{name}[{i}] is the same memory as {ref_name}[{i}]; use the in-place form to overwrite the weights"
+            )
 
 
 def check_distance(distance) -> float:

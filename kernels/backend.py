@@ -40,6 +40,7 @@ def triton_available() -> bool:
         try:
             import triton
             import triton.language  # noqa: F401
+
             _triton_ok = True
         except Exception:  # ImportError, or a broken install raising anything else
             _triton_ok = False
@@ -88,12 +89,12 @@ def resolve(backend: str | None, device: torch.device) -> str:
         if device.type != "cpu":
             raise RuntimeError(f"backend='native' needs CPU tensors (got {device})")
         if not native_available():
-            raise RuntimeError("backend='native' requested but the C kernels are unavailable: "
-                               f"{native_unavailable_reason()}")
+            raise RuntimeError(
+                f"backend='native' requested but the C kernels are unavailable: {native_unavailable_reason()}"
+            )
     if name == "triton":
         if not triton_available():
             raise RuntimeError("backend='triton' requested but triton is not importable")
         if not triton_device:
-            raise RuntimeError(f"backend='triton' needs CUDA tensors (got {device}) "
-                               "or TRITON_INTERPRET=1")
+            raise RuntimeError(f"backend='triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1")
     return name

@@ -143,7 +143,8 @@ class WeightStash(_VersionHolder):
             if len(self._r.readers) >= self.capacity:
                 raise StashFullError(
                     f"cannot advance to version {cur + 1}: capacity {self.capacity} reached "
-                    f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)")
+                    f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)"
+                )
             slot = self._free.pop() if self._free else self._new_slot()
             with torch.no_grad():
                 _copy(slot, self._live)
@@ -213,8 +214,9 @@ class DoubleBuffer(_VersionHolder):
         """``write(dst, src)`` fills ``dst`` (the shadow) from ``src`` (current); then swap."""
         prev = self._r.version - 1
         if self._r.readers.get(prev):
-            raise RuntimeError(f"cannot update: version {prev} in the shadow buffer still has "
-                               f"{self._r.readers[prev]} readers")
+            raise RuntimeError(
+                f"cannot update: version {prev} in the shadow buffer still has {self._r.readers[prev]} readers"
+            )
         self._r.readers.pop(prev, None)
         with torch.no_grad():
             write(self.shadow, self.current)
@@ -234,6 +236,7 @@ class DoubleBuffer(_VersionHolder):
                 lists = [take(dst, idx), take(src, idx), take(grads, idx)]
                 impl_for(lists, backend).axpy(lists[0], lists[1], lists[2], -float(lr))
             _bump(dst)
+
         return self.update(write)
 
 
@@ -303,7 +306,8 @@ class VersionPool(_VersionHolder):
                 if self.capacity is not None and self._allocated >= self.capacity:
                     raise StashFullError(
                         f"cannot produce version {cur + 1}: capacity {self.capacity} reached "
-                        f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)")
+                        f"(held {self.held}, version {cur} still has {self._r.readers[cur]} readers)"
+                    )
                 dst = empty_like_all(src)
                 self._allocated += 1
         else:

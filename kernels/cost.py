@@ -15,14 +15,14 @@ from pipesim.kernels._checks import FLOAT_DTYPES
 
 # kernel -> (weight-sized reads+writes, state-sized reads+writes, per-replica weight traffic)
 _TRAFFIC = {
-    "copy": (2, 0, 0),               # read src, write dst
-    "predict_sgd": (2, 1, 0),        # read W, read v, write Ŵ
-    "predict_adam": (2, 2, 0),       # read W, m, v, write Ŵ
-    "predict_sgd_": (3, 1, 0),       # read W, write backup, read v, write W (restore: "copy")
+    "copy": (2, 0, 0),  # read src, write dst
+    "predict_sgd": (2, 1, 0),  # read W, read v, write Ŵ
+    "predict_adam": (2, 2, 0),  # read W, m, v, write Ŵ
+    "predict_sgd_": (3, 1, 0),  # read W, write backup, read v, write W (restore: "copy")
     "predict_adam_": (3, 2, 0),
-    "elastic_average": (0, 2, 2),    # read+write the centre; read+write every replica
-    "weight_stash": (2, 0, 0),       # snapshot of one version
-    "double_buffer": (2, 1, 0),      # read current and gradient, write the shadow
+    "elastic_average": (0, 2, 2),  # read+write the centre; read+write every replica
+    "weight_stash": (2, 0, 0),  # snapshot of one version
+    "double_buffer": (2, 1, 0),  # read current and gradient, write the shadow
 }
 
 KERNELS = tuple(_TRAFFIC)
@@ -36,8 +36,7 @@ def _size(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def bytes_moved(kernel: str, numel: int, dtype=torch.float32, *, state_dtype=None,
-                replicas: int = 2) -> int:
+def bytes_moved(kernel: str, numel: int, dtype=torch.float32, *, state_dtype=None, replicas: int = 2) -> int:
     """Minimum bytes read plus written by ``kernel`` over ``numel`` parameters.
 
     ``dtype`` is the weights' dtype, ``state_dtype`` (default: the same) that

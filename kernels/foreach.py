@@ -159,8 +159,14 @@ def _plan(numels: tuple[int, ...], tile: int, split: bool) -> tuple[tuple[tuple[
     return tuple(tiles)
 
 
-def run(body, operands: list[list[Tensor]], scratch: tuple[torch.dtype, ...] = (), *,
-        split: bool = True, tile: int | None = None) -> None:
+def run(
+    body,
+    operands: list[list[Tensor]],
+    scratch: tuple[torch.dtype, ...] = (),
+    *,
+    split: bool = True,
+    tile: int | None = None,
+) -> None:
     """Apply ``body(ops, scratch_lists)`` over aligned operand lists.
 
     ``body`` receives lists of equal-shaped tensors (whole tensors, or 1-D
@@ -179,8 +185,9 @@ def run(body, operands: list[list[Tensor]], scratch: tuple[torch.dtype, ...] = (
     if device.type != "cpu" or total <= tile:
         scr = []
         for k, dt in enumerate(scratch):
-            buf = (_scratch(device, dt, total, k) if device.type == "cpu"
-                   else torch.empty(total, dtype=dt, device=device))
+            buf = (
+                _scratch(device, dt, total, k) if device.type == "cpu" else torch.empty(total, dtype=dt, device=device)
+            )
             scr.append([p.view(t.shape) for p, t in zip(buf.split(numels), first)])
         body(operands, scr)
         return
@@ -198,8 +205,7 @@ def run(body, operands: list[list[Tensor]], scratch: tuple[torch.dtype, ...] = (
             if good:
                 run(body, [[lst[i] for i in good] for lst in operands], scratch, split=split, tile=tile)
             sub = [[lst[i] for i in odd] for lst in operands]
-            body(sub, [[torch.empty(t.shape, dtype=dt, device=device) for t in sub[0]]
-                       for dt in scratch])
+            body(sub, [[torch.empty(t.shape, dtype=dt, device=device) for t in sub[0]] for dt in scratch])
             return
         # 1-D views are made per piece below, only where a tensor is cut or
         # packed: a view per tensor per call costs ~1 µs each, 5-10% of a kernel.
@@ -230,6 +236,7 @@ def run(body, operands: list[list[Tensor]], scratch: tuple[torch.dtype, ...] = (
 
 # ---------------------------------------------------------------- tile bodies
 
+
 def _aliased(a: list[Tensor], b: list[Tensor]) -> bool:
     """``a`` is ``b`` (in-place call). Empty tensors may share address 0, so they do not count."""
     return all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b) if x.numel())
@@ -249,6 +256,7 @@ def axpy(out: list[Tensor], x: list[Tensor], y: list[Tensor], alpha: float) -> N
     single-rounding result in ~1% of elements.
     """
     if _same(x, y) and opmath_dtype(x[0].dtype) == x[0].dtype:
+
         def body(ops, _):
             x_, y_, o_ = ops
             if len(o_) == 1:
@@ -257,6 +265,7 @@ def axpy(out: list[Tensor], x: list[Tensor], y: list[Tensor], alpha: float) -> N
                 if not _aliased(o_, x_):
                     torch._foreach_copy_(o_, x_)
                 torch._foreach_add_(o_, y_, alpha=alpha)
+
         run(body, [x, y, out], split=False)
         return
 
@@ -271,15 +280,16 @@ def axpy(out: list[Tensor], x: list[Tensor], y: list[Tensor], alpha: float) -> N
             y_ = scr[1]
         torch._foreach_copy_(s_, x_)
         torch._foreach_add_(s_, y_, alpha=alpha)
-        torch._foreach_copy_(o_, s_)           # the one rounding to the weights' dtype
+        torch._foreach_copy_(o_, s_)  # the one rounding to the weights' dtype
+
     run(body_low, [x, y, out], (f32, f32) if y_up else (f32,))
 
 
-def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor],
-               c: float, eps: float) -> None:
+def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor], c: float, eps: float) -> None:
     """out = w - c * m / (sqrt(v) + eps). ``out`` may be ``w``."""
     f32 = opmath_dtype(w[0].dtype)
     if _same(w, m, v) and f32 == w[0].dtype:
+
         def body(ops, scr):
             w_, m_, v_, o_ = ops
             s_ = scr[0]
@@ -294,6 +304,7 @@ def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tens
                 if not _aliased(o_, w_):
                     torch._foreach_copy_(o_, w_)
                 torch._foreach_addcdiv_(o_, m_, s_, value=-c)
+
         run(body, [w, m, v, out], (f32,))
         return
 
@@ -313,6 +324,7 @@ def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tens
         torch._foreach_copy_(t_, w_)
         torch._foreach_addcdiv_(t_, m_, s_, value=-c)
         torch._foreach_copy_(o_, t_)
+
     run(body_low, [w, m, v, out], (f32, f32, f32) if m_up else (f32, f32))
 
 
@@ -339,6 +351,7 @@ def elastic(replicas: list[list[Tensor]], center: list[Tensor], alpha: float) ->
     n = len(replicas)
     f32 = opmath_dtype(center[0].dtype)
     if _same(*replicas, center) and f32 == center[0].dtype:
+
         def body(ops, scr):
             *xs, c = ops
             a = scr[0]
@@ -346,6 +359,7 @@ def elastic(replicas: list[list[Tensor]], center: list[Tensor], alpha: float) ->
             for x in xs:
                 torch._foreach_lerp_(x, c, alpha)
             torch._foreach_lerp_(c, a, n * alpha)
+
         run(body, [*replicas, center], (f32,))
         return
 
@@ -367,6 +381,7 @@ def elastic(replicas: list[list[Tensor]], center: list[Tensor], alpha: float) ->
         torch._foreach_lerp_(c32, a, n * alpha)
         if c_up:
             torch._foreach_copy_(c, c32)
+
     k = n + 2 if c_up else n + 1
     tile = max(min(TILE_NUMEL, 1024), 2 * TILE_NUMEL // k // 1024 * 1024)  # k scratch tiles in cache
     run(body_low, [*replicas, center], (f32,) * k, tile=tile)
@@ -421,9 +436,9 @@ def residual_predict(w: list[Tensor], k: list[Tensor], state: list[list[Tensor]]
         d_, p_, r_ = scr
         delta(d_, *st)
         torch._foreach_copy_(p_, w_)
-        torch._foreach_sub_(p_, d_)           # p = w - d, rounded once to the weight dtype
+        torch._foreach_sub_(p_, d_)  # p = w - d, rounded once to the weight dtype
         torch._foreach_copy_(r_, p_)
-        torch._foreach_add_(r_, d_)           # r = p + d, what restore will recompute
+        torch._foreach_add_(r_, d_)  # r = p + d, what restore will recompute
         for wi, ki, ri in zip(w_, k_, r_):
             diff = wi.view(bits) - ri.view(bits)
             d8 = diff.to(torch.int8)  # (Tensor.copy_ into int8 takes a ~100x slower path)
@@ -446,15 +461,14 @@ def residual_predict(w: list[Tensor], k: list[Tensor], state: list[list[Tensor]]
     return exceptions
 
 
-def residual_restore(w: list[Tensor], k: list[Tensor], state: list[list[Tensor]], delta,
-                     exceptions: list) -> None:
+def residual_restore(w: list[Tensor], k: list[Tensor], state: list[list[Tensor]], delta, exceptions: list) -> None:
     bits = _BITS[w[0].element_size()]
 
     def body(ops, scr):
         w_, k_, *st = ops
         d_ = scr[0]
         delta(d_, *st)
-        torch._foreach_add_(w_, d_)            # w = p + d = r, bit for bit as at predict time
+        torch._foreach_add_(w_, d_)  # w = p + d = r, bit for bit as at predict time
         for wi, ki in zip(w_, k_):
             wi.view(bits).add_(ki)
 

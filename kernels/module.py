@@ -43,8 +43,7 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
         return "adam"
     if "momentum" in defaults:
         return "sgd"
-    raise ValueError(f"no prediction rule for {type(optimizer).__name__}; "
-                     "supported: SGD with momentum, Adam, AdamW")
+    raise ValueError(f"no prediction rule for {type(optimizer).__name__}; supported: SGD with momentum, Adam, AdamW")
 
 
 def _params_of(params_or_module) -> tuple[list[str] | None, list[Tensor]]:
@@ -67,8 +66,7 @@ class Predictor:
     manage buffers yourself).
     """
 
-    def __init__(self, params_or_module, optimizer: torch.optim.Optimizer, *,
-                 backend: str | None = None):
+    def __init__(self, params_or_module, optimizer: torch.optim.Optimizer, *, backend: str | None = None):
         self.names, self.params = _params_of(params_or_module)
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
@@ -140,12 +138,12 @@ class Predictor:
             for args, idx in self._batches():
                 w = [self.params[i] for i in idx]
                 if args[0] == "sgd":
-                    handles.append(predict_sgd_(w, args[1], args[2], distance, save=save,
-                                                backend=self.backend))
+                    handles.append(predict_sgd_(w, args[1], args[2], distance, save=save, backend=self.backend))
                 else:
                     _, m, v, step, lr, betas, eps = args
-                    handles.append(predict_adam_(w, m, v, step, lr, betas, eps, distance,
-                                                 save=save, backend=self.backend))
+                    handles.append(
+                        predict_adam_(w, m, v, step, lr, betas, eps, distance, save=save, backend=self.backend)
+                    )
         except BaseException:
             PredictionGroup(handles).restore()
             raise
@@ -177,14 +175,14 @@ class PredictionGroup:
             self.restore()
 
 
-def predict_module(module: nn.Module, optimizer: torch.optim.Optimizer, distance: float, *,
-                   backend: str | None = None) -> dict[str, Tensor]:
+def predict_module(
+    module: nn.Module, optimizer: torch.optim.Optimizer, distance: float, *, backend: str | None = None
+) -> dict[str, Tensor]:
     """One-shot :meth:`Predictor.predict` (fresh buffers; build a Predictor to reuse them)."""
     return Predictor(module, optimizer, backend=backend).predict(distance)
 
 
-def elastic_average_modules(replicas: Sequence[nn.Module], center, alpha: float, *,
-                            backend: str | None = None) -> None:
+def elastic_average_modules(replicas: Sequence[nn.Module], center, alpha: float, *, backend: str | None = None) -> None:
     """:func:`elastic_average` over modules' parameters (``center``: a module or tensor list)."""
     reps = [list(r.parameters()) for r in replicas]
     c = list(center.parameters()) if isinstance(center, nn.Module) else list(center)

@@ -44,19 +44,25 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread",
-         # no implicit FMA (native.c uses fmaf where it wants one); sqrtf
-         # without errno handling so it vectorises (results are the same)
-         "-ffp-contract=off", "-fno-math-errno",
-         # block copies stay vector loops, not memcpy calls: with memcpy per
-         # 2 KiB block (and float32 copied in too) the kernel ran 2.6x slower
-         # here (AMD EPYC)
-         "-fno-tree-loop-distribute-patterns")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    # no implicit FMA (native.c uses fmaf where it wants one); sqrtf
+    # without errno handling so it vectorises (results are the same)
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    # block copies stay vector loops, not memcpy calls: with memcpy per
+    # 2 KiB block (and float32 copied in too) the kernel ran 2.6x slower
+    # here (AMD EPYC)
+    "-fno-tree-loop-distribute-patterns",
+)
 
 #: Totals (elements) below this run on the calling thread: starting threads
 #: costs more than it saves.
 PARALLEL_MIN_NUMEL = 1 << 18
-
 
 
 def _last_level_cache_bytes() -> int:
@@ -83,10 +89,18 @@ _AXPY, _ADAM, _ELASTIC = 0, 1, 2
 
 
 class _Job(ctypes.Structure):
-    _fields_ = [("ntensors", ctypes.c_int64), ("numel", ctypes.c_void_p), ("start", ctypes.c_void_p),
-                ("ptr", ctypes.c_void_p), ("dtype", ctypes.c_void_p), ("nlists", ctypes.c_int32),
-                ("kernel", ctypes.c_int32), ("s0", ctypes.c_float), ("s1", ctypes.c_float),
-                ("stream", ctypes.c_int32)]
+    _fields_ = [
+        ("ntensors", ctypes.c_int64),
+        ("numel", ctypes.c_void_p),
+        ("start", ctypes.c_void_p),
+        ("ptr", ctypes.c_void_p),
+        ("dtype", ctypes.c_void_p),
+        ("nlists", ctypes.c_int32),
+        ("kernel", ctypes.c_int32),
+        ("s0", ctypes.c_float),
+        ("s1", ctypes.c_float),
+        ("stream", ctypes.c_int32),
+    ]
 
 
 class NativeUnavailable(RuntimeError):
@@ -94,6 +108,7 @@ class NativeUnavailable(RuntimeError):
 
 
 # ------------------------------------------------------------------ build and load
+
 
 def cache_dir() -> Path:
     env = os.environ.get("PIPESIM_KERNELS_CACHE")
@@ -133,8 +148,13 @@ def _compiler_version(cc: list[str]) -> str:
 def build_key(source: bytes, compiler_version: str, cpu_flags: str) -> str:
     """Cache key of one build: anything that changes the machine code changes it."""
     h = hashlib.sha256()
-    for part in (source, compiler_version.encode(), cpu_flags.encode(), " ".join(FLAGS).encode(),
-                 platform.machine().encode()):
+    for part in (
+        source,
+        compiler_version.encode(),
+        cpu_flags.encode(),
+        " ".join(FLAGS).encode(),
+        platform.machine().encode(),
+    ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()[:24]
@@ -146,8 +166,7 @@ def _compile(cc: list[str], dest: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        out = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
         if out.returncode:
             last = (out.stderr.strip().splitlines() or ["no message"])[-1]
             raise NativeUnavailable(f"compiling {SOURCE.name} failed: {last}")
@@ -214,18 +233,17 @@ def native_unavailable_reason() -> str | None:
 
 # ------------------------------------------------------------------ kernels
 
+
 def supports(lists: list[list[Tensor]]) -> bool:
     """CPU, contiguous, float32/bfloat16/float16 operands (state may be float32 beside 16-bit)."""
-    return all(t.device.type == "cpu" and t.dtype in _DTYPE_CODE and t.is_contiguous()
-               for lst in lists for t in lst)
+    return all(t.device.type == "cpu" and t.dtype in _DTYPE_CODE and t.is_contiguous() for lst in lists for t in lst)
 
 
 def _threads(total: int) -> int:
     return 1 if total < PARALLEL_MIN_NUMEL else max(1, torch.get_num_threads())
 
 
-def launch(kernel: int, lists: list[list[Tensor]], s0: float, s1: float = 0.0,
-           threads: int | None = None) -> None:
+def launch(kernel: int, lists: list[list[Tensor]], s0: float, s1: float = 0.0, threads: int | None = None) -> None:
     """Run one kernel over aligned lists (``threads`` overrides the thread count)."""
     first = lists[0]
     numels = [t.numel() for t in first]
@@ -242,8 +260,18 @@ def launch(kernel: int, lists: list[list[Tensor]], s0: float, s1: float = 0.0,
     ptr_arr = (ctypes.c_void_p * (n * len(lists)))(*[t.data_ptr() for lst in lists for t in lst])
     dtype_arr = (ctypes.c_int32 * len(lists))(*[_DTYPE_CODE[lst[0].dtype] for lst in lists])
     nbytes = total * sum(lst[0].element_size() for lst in lists)
-    job = _Job(n, ctypes.addressof(numel_arr), ctypes.addressof(start_arr), ctypes.addressof(ptr_arr),
-               ctypes.addressof(dtype_arr), len(lists), kernel, s0, s1, nbytes >= STREAM_MIN_BYTES)
+    job = _Job(
+        n,
+        ctypes.addressof(numel_arr),
+        ctypes.addressof(start_arr),
+        ctypes.addressof(ptr_arr),
+        ctypes.addressof(dtype_arr),
+        len(lists),
+        kernel,
+        s0,
+        s1,
+        nbytes >= STREAM_MIN_BYTES,
+    )
     nthreads = _threads(total) if threads is None else threads
     if _library().pipesim_run(ctypes.byref(job), total, nthreads) != 0:
         raise RuntimeError(f"native kernel {kernel} refused its arguments")
@@ -254,8 +282,7 @@ def axpy(out: list[Tensor], x: list[Tensor], y: list[Tensor], alpha: float) -> N
     launch(_AXPY, [out, x, y], alpha)
 
 
-def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor],
-               c: float, eps: float) -> None:
+def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor], c: float, eps: float) -> None:
     """out = w - c * m / (sqrt(v) + eps), in float, rounded once. ``out`` may be ``w``."""
     launch(_ADAM, [out, w, m, v], c, eps)
 

@@ -50,6 +50,7 @@ def impl_for(lists: list[list[Tensor]], backend: str | None):
     name = resolve(backend, lists[0][0].device)
     if name == "triton":
         from pipesim.kernels import triton_kernels
+
         if triton_kernels.supports(lists):
             return triton_kernels
     elif name == "native" and native.supports(lists):
@@ -95,6 +96,7 @@ def _bump(tensors: list[Tensor]) -> None:
 
 # ----------------------------------------------------------------- SGD (SpecTrain)
 
+
 def _sgd_inputs(params, momentum_buffers, distance):
     params = as_tensor_list("params", params)
     bufs = as_tensor_list("momentum_buffers", momentum_buffers)
@@ -103,8 +105,9 @@ def _sgd_inputs(params, momentum_buffers, distance):
     return params, bufs, check_distance(distance)
 
 
-def predict_sgd(params, momentum_buffers, lr: float, distance: float, out=None, *,
-                backend: str | None = None) -> list[Tensor]:
+def predict_sgd(
+    params, momentum_buffers, lr: float, distance: float, out=None, *, backend: str | None = None
+) -> list[Tensor]:
     """SpecTrain's Ŵ = W - distance·lr·v, v the ``momentum_buffer`` torch.optim.SGD keeps.
 
     Returns Ŵ (``out`` when given, else freshly allocated) and never writes
@@ -125,8 +128,16 @@ def predict_sgd(params, momentum_buffers, lr: float, distance: float, out=None, 
     return out
 
 
-def predict_sgd_(params, momentum_buffers, lr: float, distance: float, *, save: str = "copy",
-                 backup: Tensor | None = None, backend: str | None = None) -> InplacePrediction:
+def predict_sgd_(
+    params,
+    momentum_buffers,
+    lr: float,
+    distance: float,
+    *,
+    save: str = "copy",
+    backup: Tensor | None = None,
+    backend: str | None = None,
+) -> InplacePrediction:
     """In-place SpecTrain prediction; ``.restore()`` (or leaving the ``with``) undoes it exactly.
 
     ``save="copy"`` keeps a copy of W (in ``backup``, a flat tensor of at least
@@ -147,6 +158,7 @@ def predict_sgd_(params, momentum_buffers, lr: float, distance: float, *, save: 
 
 
 # --------------------------------------------------------------- Adam (XPipe, PipeOptim)
+
 
 def _adam_inputs(params, exp_avgs, exp_avg_sqs, step, betas, distance):
     params = as_tensor_list("params", params)
@@ -175,8 +187,19 @@ def adam_coefficients(step: int, lr: float, betas, eps: float, distance: float) 
     return distance * float(lr) * root / bc1, float(eps) * root
 
 
-def predict_adam(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: float,
-                 distance: float, out=None, *, backend: str | None = None) -> list[Tensor]:
+def predict_adam(
+    params,
+    exp_avgs,
+    exp_avg_sqs,
+    step,
+    lr: float,
+    betas,
+    eps: float,
+    distance: float,
+    out=None,
+    *,
+    backend: str | None = None,
+) -> list[Tensor]:
     """XPipe/PipeOptim's Ŵ = W - distance·lr·m̂/(√v̂ + ε), bias-corrected at ``step``.
 
     Reads ``exp_avg``/``exp_avg_sq`` as torch.optim.Adam and AdamW keep them
@@ -199,9 +222,20 @@ def predict_adam(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: flo
     return out
 
 
-def predict_adam_(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: float,
-                  distance: float, *, save: str = "copy", backup: Tensor | None = None,
-                  backend: str | None = None) -> InplacePrediction:
+def predict_adam_(
+    params,
+    exp_avgs,
+    exp_avg_sqs,
+    step,
+    lr: float,
+    betas,
+    eps: float,
+    distance: float,
+    *,
+    save: str = "copy",
+    backup: Tensor | None = None,
+    backend: str | None = None,
+) -> InplacePrediction:
     """In-place form of :func:`predict_adam`; see :func:`predict_sgd_` for ``save``."""
     params, m, v, d, step, b1, b2 = _adam_inputs(params, exp_avgs, exp_avg_sqs, step, betas, distance)
     identity = d == 0.0 or step == 0 or lr == 0.0
@@ -217,6 +251,7 @@ def predict_adam_(params, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: fl
 
 
 # ------------------------------------------------------------------------ the handle
+
 
 class InplacePrediction:
     """Undo record of an in-place prediction. Use ``restore()`` or ``with``.
@@ -248,8 +283,9 @@ class InplacePrediction:
             if save != "copy":
                 raise ValueError("backup= is only used with save='copy'")
             if backup.dim() != 1 or backup.numel() < total:
-                raise ValueError(f"backup must be a 1-D tensor of at least {total} elements, "
-                                 f"got shape {tuple(backup.shape)}")
+                raise ValueError(
+                    f"backup must be a 1-D tensor of at least {total} elements, got shape {tuple(backup.shape)}"
+                )
             for i, p in enumerate(params):  # checked before anything is overwritten
                 if p.dtype != backup.dtype:
                     raise ValueError(f"backup has dtype {backup.dtype}, params[{i}] has {p.dtype}")
@@ -263,7 +299,7 @@ class InplacePrediction:
                     n = sum(numels)
                     if save == "copy":
                         if backup is not None:
-                            flat = backup[offset:offset + n]
+                            flat = backup[offset : offset + n]
                         else:
                             flat = torch.empty(n, dtype=w[0].dtype, device=w[0].device)
                         offset += n
@@ -299,12 +335,14 @@ class InplacePrediction:
             raise RuntimeError("this prediction was already restored")
         for i, (p, ver) in enumerate(zip(self.params, self._versions)):
             if p._version != ver:
-                raise RuntimeError(f"params[{i}] was modified after the in-place prediction; "
-                                   "restoring would erase that change")
+                raise RuntimeError(
+                    f"params[{i}] was modified after the in-place prediction; restoring would erase that change"
+                )
         for i, (t, ver) in enumerate(zip(self._state, self._state_versions)):
             if t._version != ver:
-                raise RuntimeError("optimizer state changed since the in-place prediction; "
-                                   "the residual restore needs it unchanged")
+                raise RuntimeError(
+                    "optimizer state changed since the in-place prediction; the residual restore needs it unchanged"
+                )
         with torch.no_grad():
             for part in self._parts:
                 if part[0] == "copy":

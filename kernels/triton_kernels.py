@@ -64,11 +64,11 @@ def launch_shape(block: int, warps: int):
 
 def supports(lists: list[list[Tensor]]) -> bool:
     """Dtypes Triton handles here, and layouts a flat offset can address."""
-    return all(lst[0].dtype in _TL for lst in lists) and all(
-        t.is_contiguous() for lst in lists for t in lst)
+    return all(lst[0].dtype in _TL for lst in lists) and all(t.is_contiguous() for lst in lists for t in lst)
 
 
 # --------------------------------------------------------------------- device code
+
 
 @triton.jit
 def _typed(table, t, TY: tl.constexpr, ALIGNED: tl.constexpr):
@@ -86,9 +86,20 @@ def _axpy_body(x_ptr, y_ptr, o_ptr, offs, mask, alpha, O_TY: tl.constexpr):
 
 
 @triton.jit
-def _axpy_kernel(X, Y, O, NUMELS, BLK_T, BLK_OFF, alpha,
-                 X_TY: tl.constexpr, Y_TY: tl.constexpr, O_TY: tl.constexpr,
-                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _axpy_kernel(
+    X,
+    Y,
+    O,
+    NUMELS,
+    BLK_T,
+    BLK_OFF,
+    alpha,
+    X_TY: tl.constexpr,
+    Y_TY: tl.constexpr,
+    O_TY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """o = x + alpha * y  (SGD prediction with alpha = -s*lr; 2BW update)."""
     pid = tl.program_id(0)
     t = tl.load(BLK_T + pid)
@@ -114,9 +125,23 @@ def _adam_body(w_ptr, m_ptr, v_ptr, o_ptr, offs, mask, neg_c, eps, O_TY: tl.cons
 
 
 @triton.jit
-def _adam_kernel(W, M, V, O, NUMELS, BLK_T, BLK_OFF, neg_c, eps,
-                 W_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
-                 O_TY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_kernel(
+    W,
+    M,
+    V,
+    O,
+    NUMELS,
+    BLK_T,
+    BLK_OFF,
+    neg_c,
+    eps,
+    W_TY: tl.constexpr,
+    M_TY: tl.constexpr,
+    V_TY: tl.constexpr,
+    O_TY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """o = w - c * m / (sqrt(v) + eps'), bias corrections folded into c and eps'."""
     pid = tl.program_id(0)
     t = tl.load(BLK_T + pid)
@@ -134,9 +159,19 @@ def _adam_kernel(W, M, V, O, NUMELS, BLK_T, BLK_OFF, neg_c, eps,
 
 
 @triton.jit
-def _elastic_body(X, n_tensors, t, c_ptr, offs, mask, alpha,
-                  N_REP: tl.constexpr, X_TY: tl.constexpr, C_TY: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+def _elastic_body(
+    X,
+    n_tensors,
+    t,
+    c_ptr,
+    offs,
+    mask,
+    alpha,
+    N_REP: tl.constexpr,
+    X_TY: tl.constexpr,
+    C_TY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     c = tl.load(c_ptr + offs, mask=mask).to(tl.float32)
     acc = c * 0.0
     for r in tl.static_range(N_REP):
@@ -148,9 +183,20 @@ def _elastic_body(X, n_tensors, t, c_ptr, offs, mask, alpha,
 
 
 @triton.jit
-def _elastic_kernel(X, C, n_tensors, NUMELS, BLK_T, BLK_OFF, alpha,
-                    N_REP: tl.constexpr, X_TY: tl.constexpr, C_TY: tl.constexpr,
-                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _elastic_kernel(
+    X,
+    C,
+    n_tensors,
+    NUMELS,
+    BLK_T,
+    BLK_OFF,
+    alpha,
+    N_REP: tl.constexpr,
+    X_TY: tl.constexpr,
+    C_TY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """EASGD: every replica and the centre read once and written once.
 
     Replica r's pointers are row r of the (N_REP, n_tensors) table ``X``. The
@@ -170,6 +216,7 @@ def _elastic_kernel(X, C, n_tensors, NUMELS, BLK_T, BLK_OFF, alpha,
 
 # ----------------------------------------------------------------------- host code
 
+
 @lru_cache(maxsize=32)
 def _block_table(numels: tuple[int, ...], device: torch.device, block: int):
     counts = torch.tensor([(n + block - 1) // block for n in numels], dtype=torch.int64)
@@ -177,8 +224,12 @@ def _block_table(numels: tuple[int, ...], device: torch.device, block: int):
     blk_t = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first = torch.cumsum(counts, 0) - counts
     blk_off = (torch.arange(nblocks) - first[blk_t]) * block
-    return (torch.tensor(numels, dtype=torch.int64, device=device),
-            blk_t.to(torch.int32).to(device), blk_off.to(device), nblocks)
+    return (
+        torch.tensor(numels, dtype=torch.int64, device=device),
+        blk_t.to(torch.int32).to(device),
+        blk_off.to(device),
+        nblocks,
+    )
 
 
 _ptr_cache: OrderedDict = OrderedDict()
@@ -212,20 +263,44 @@ def _prepare(lists: list[list[Tensor]]):
 def axpy(out: list[Tensor], x: list[Tensor], y: list[Tensor], alpha: float) -> None:
     table, numels, blk_t, blk_off, nblocks, aligned, _ = _prepare([x, y, out])
     if nblocks:
-        _axpy_kernel[(nblocks,)](table[0], table[1], table[2], numels, blk_t, blk_off, float(alpha),
-                                 X_TY=_TL[x[0].dtype], Y_TY=_TL[y[0].dtype], O_TY=_TL[out[0].dtype],
-                                 ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _axpy_kernel[(nblocks,)](
+            table[0],
+            table[1],
+            table[2],
+            numels,
+            blk_t,
+            blk_off,
+            float(alpha),
+            X_TY=_TL[x[0].dtype],
+            Y_TY=_TL[y[0].dtype],
+            O_TY=_TL[out[0].dtype],
+            ALIGNED=aligned,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
 
 
-def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor],
-               c: float, eps: float) -> None:
+def adam_apply(out: list[Tensor], w: list[Tensor], m: list[Tensor], v: list[Tensor], c: float, eps: float) -> None:
     table, numels, blk_t, blk_off, nblocks, aligned, _ = _prepare([w, m, v, out])
     if nblocks:
-        _adam_kernel[(nblocks,)](table[0], table[1], table[2], table[3], numels, blk_t, blk_off,
-                                 -float(c), float(eps),
-                                 W_TY=_TL[w[0].dtype], M_TY=_TL[m[0].dtype], V_TY=_TL[v[0].dtype],
-                                 O_TY=_TL[out[0].dtype], ALIGNED=aligned, BLOCK=BLOCK,
-                                 num_warps=NUM_WARPS)
+        _adam_kernel[(nblocks,)](
+            table[0],
+            table[1],
+            table[2],
+            table[3],
+            numels,
+            blk_t,
+            blk_off,
+            -float(c),
+            float(eps),
+            W_TY=_TL[w[0].dtype],
+            M_TY=_TL[m[0].dtype],
+            V_TY=_TL[v[0].dtype],
+            O_TY=_TL[out[0].dtype],
+            ALIGNED=aligned,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
 
 
 def elastic(replicas: list[list[Tensor]], center: list[Tensor], alpha: float) -> None:
@@ -233,7 +308,18 @@ def elastic(replicas: list[list[Tensor]], center: list[Tensor], alpha: float) ->
     table, numels, blk_t, blk_off, nblocks, aligned, n_tensors = _prepare(lists)
     if nblocks:
         # Rows 0..N-1 of the table are the replicas, contiguous as the kernel expects.
-        _elastic_kernel[(nblocks,)](table, table[len(replicas)], n_tensors, numels, blk_t, blk_off,
-                                    float(alpha), N_REP=len(replicas),
-                                    X_TY=_TL[replicas[0][0].dtype], C_TY=_TL[center[0].dtype],
-                                    ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _elastic_kernel[(nblocks,)](
+            table,
+            table[len(replicas)],
+            n_tensors,
+            numels,
+            blk_t,
+            blk_off,
+            float(alpha),
+            N_REP=len(replicas),
+            X_TY=_TL[replicas[0][0].dtype],
+            C_TY=_TL[center[0].dtype],
+            ALIGNED=aligned,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )

@@ -31,8 +31,14 @@ def resolve_hardware(hardware: str | Hardware) -> Hardware:
     return hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
 
 
-def model_for(schedule: Schedule, model: str, hardware: Hardware, microbatch_size: int | None,
-              pipeline_depth: int = 1, uniform_layers: int | None = None) -> Profile:
+def model_for(
+    schedule: Schedule,
+    model: str,
+    hardware: Hardware,
+    microbatch_size: int | None,
+    pipeline_depth: int = 1,
+    uniform_layers: int | None = None,
+) -> Profile:
     """The catalog model costed on ``hardware``'s device.
 
     ``uniform`` gets one layer per model stage, so each stage costs exactly
@@ -123,9 +129,16 @@ def simulate_schedule(
     def run(stage_costs: list[StageCost], on_spans=None) -> SimResult:
         if shard is not None:  # devices split each stage's layers (tensor parallelism)
             stage_costs = shard(profile, stage_costs, schedule.options)
-        return run_engine(schedule, recomputed(stage_costs) if recompute else stage_costs, hw,
-                          microbatch_size=profile.microbatch_size, optimizer=profile.optimizer,
-                          recv_lookahead=recv_lookahead, meta=info, on_spans=on_spans)
+        return run_engine(
+            schedule,
+            recomputed(stage_costs) if recompute else stage_costs,
+            hw,
+            microbatch_size=profile.microbatch_size,
+            optimizer=profile.optimizer,
+            recv_lookahead=recv_lookahead,
+            meta=info,
+            on_spans=on_spans,
+        )
 
     if starts is not None:
         return run(_given_split(profile, starts, schedule), on_spans)
@@ -170,14 +183,21 @@ def check_recompute(recompute) -> None:
         raise WorkloadError(f"recompute must be True or False, got {recompute!r}")
 
 
-def split_for(schedule: Schedule, profile: Profile, hardware: Hardware, recv_lookahead: int = 1,
-              recompute: bool = False) -> list[StageCost]:
+def split_for(
+    schedule: Schedule, profile: Profile, hardware: Hardware, recv_lookahead: int = 1, recompute: bool = False
+) -> list[StageCost]:
     """The split a simulation runs by default (the first of :func:`split_candidates`)."""
     return split_candidates(schedule, profile, hardware, 1, recv_lookahead, recompute)[0]
 
 
-def split_candidates(schedule: Schedule, profile: Profile, hardware: Hardware, limit: int = 1,
-                     recv_lookahead: int = 1, recompute: bool = False) -> list[list[StageCost]]:
+def split_candidates(
+    schedule: Schedule,
+    profile: Profile,
+    hardware: Hardware,
+    limit: int = 1,
+    recv_lookahead: int = 1,
+    recompute: bool = False,
+) -> list[list[StageCost]]:
     """Up to ``limit`` splits of ``profile`` for ``schedule``, the choice first.
 
     Communication-aware (transfers across each boundary over the links it
@@ -247,8 +267,9 @@ def simulate(
         profile = model_for(schedule, model, hw, microbatch_size, pipeline_depth=spec.stages)
     elif microbatch_size is not None:
         profile = replace(profile, microbatch_size=microbatch_size)
-    return simulate_schedule(schedule, profile, hw, recv_lookahead=recv_lookahead, recompute=recompute,
-                             on_spans=on_spans)
+    return simulate_schedule(
+        schedule, profile, hw, recv_lookahead=recv_lookahead, recompute=recompute, on_spans=on_spans
+    )
 
 
 def _check_simulate_arguments(spec, model, profile) -> None:
@@ -262,4 +283,6 @@ def _check_simulate_arguments(spec, model, profile) -> None:
     if not isinstance(model, str):
         raise WorkloadError(f"model must be a catalog model name, got {type(model).__name__}")
     if profile is not None and not isinstance(profile, Profile):
-        raise WorkloadError(f"profile must be a pipesim.sim.workloads.profile.Profile or None, got {type(profile).__name__}")
+        raise WorkloadError(
+            f"profile must be a pipesim.sim.workloads.profile.Profile or None, got {type(profile).__name__}"
+        )

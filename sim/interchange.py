@@ -72,8 +72,9 @@ def schedule_from_csv(
     iterations = header.get("iterations", 1) if iterations is None else iterations
     strategy = header.get("strategy", "imported") if strategy is None else strategy
     if not isinstance(iterations, int) or (microbatches is not None and not isinstance(microbatches, int)):
-        raise ScheduleError(f"microbatches and iterations must be whole numbers, got {microbatches!r} "
-                            f"and {iterations!r}")
+        raise ScheduleError(
+            f"microbatches and iterations must be whole numbers, got {microbatches!r} and {iterations!r}"
+        )
     programs = parse_csv(text)
     actions = [a for prog in programs for a in prog]
     num_stages = max(a.stage for a in actions) + 1
@@ -94,9 +95,11 @@ def schedule_from_csv(
         raise ScheduleError(
             f"the CSV's passes run micro-batches 0..{max(mbs)}, more than m={microbatches} x {iterations} "
             f"iteration(s) hold: an imported schedule's m counts every micro-batch of an iteration, over all "
-            f"its replicas{said}")
-    replicas = header.get("replicas") or [1 + max((a.replica for a in actions if a.stage == k), default=0)
-                                         for k in range(num_stages)]
+            f"its replicas{said}"
+        )
+    replicas = header.get("replicas") or [
+        1 + max((a.replica for a in actions if a.stage == k), default=0) for k in range(num_stages)
+    ]
     if not has_versions:
         if max(replicas) > 1:
             raise ScheduleError("a CSV with replicas must carry weight versions (pipesim spelling)")
@@ -127,8 +130,10 @@ def _check_header(header: dict) -> None:
         raise ScheduleError(f"row 1: the pipesim header's strategy must be a name, got {name!r}")
     optimizer = header.get("options", {}).get("optimizer")
     if optimizer is not None and (not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE_MULTIPLIER):
-        raise ScheduleError(f"row 1: the pipesim header's optimizer must be one of "
-                            f"{', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
+        raise ScheduleError(
+            f"row 1: the pipesim header's optimizer must be one of "
+            f"{', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}"
+        )
 
 
 def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) -> list[Action]:
@@ -158,7 +163,8 @@ def _flush_program(prog: list[Action], m: int, dev: int, one_iteration: bool) ->
             raise ScheduleError(
                 f"{a} (iteration {it}) runs after {first} (iteration {t}) on device {dev}: a torch schedule "
                 f"imports as a flush schedule, whose iterations do not overlap; give the right --microbatches "
-                f"(micro-batch i belongs to iteration i // m, here m = {m})")
+                f"(micro-batch i belongs to iteration i // m, here m = {m})"
+            )
         elif it > t:
             cut = pos - 1 if pos and prog[pos - 1].op is OVERLAP_F_B else pos
             out += flush_iteration(prog[start:cut], t, reduce=False, receives_ahead=ahead)
@@ -224,7 +230,8 @@ def _check_torch_1f1b_numbering(actions: list[Action], num_stages: int) -> None:
         f"from 1 (an off-by-one in the order it exports; its runtime runs 0..{n - 1}), so its CSV "
         f"is not a valid schedule: subtract 1 from every forward id in the last rank's row, or write the same "
         f"order with `pipesim schedule --strategy 1f1b --stages {num_stages} --microbatches {n} --format "
-        f"torch-csv`, and import that")
+        f"torch-csv`, and import that"
+    )
 
 
 def load_schedule_csv(path, **kwargs) -> Schedule:

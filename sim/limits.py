@@ -23,6 +23,7 @@ MAX_BYTES = 2**53
 #: finite and far from float64's range.
 MAX_SECONDS = 1e9
 
+
 def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 

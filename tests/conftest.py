@@ -15,7 +15,10 @@ FUZZ_EXAMPLES = 300
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--fuzz-examples", type=int, default=FUZZ_EXAMPLES, metavar="N",
+        "--fuzz-examples",
+        type=int,
+        default=FUZZ_EXAMPLES,
+        metavar="N",
         help=f"examples the fuzz tests (tests/test_fuzz.py) draw in all (default {FUZZ_EXAMPLES})",
     )
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pipesim.sim.api import simulate_schedule
-from pipesim.sim.ir.checks import validate
 from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, Action, B, F, Schedule, ScheduleError
 from pipesim.sim.planning.grid import GridRequest, Shape, _Grid
 from pipesim.sim.planning.plan import steady_throughput
@@ -65,7 +65,7 @@ def test_updates_come_just_before_the_first_forward_of_their_version():
     for prog in s.programs:
         for pos, a in enumerate(prog):
             if a.op is UPDATE and a.version < 4:  # the last two windows' updates go to the end
-                nxt = next(x for x in prog[pos + 1:] if x.op is not REDUCE_GRAD)
+                nxt = next(x for x in prog[pos + 1 :] if x.op is not REDUCE_GRAD)
                 assert nxt.op is F and nxt.version == a.version
                 assert all(x.version < a.version for x in prog[:pos] if x.op in (F, B))
     one = build_schedule(ScheduleSpec("pipedream-2bw", P, M, iterations=5))
@@ -87,8 +87,9 @@ def test_memory_is_unchanged():
     last = two.memory[P - 1].peak_breakdown
     assert (last["weights"], last["gradients"]) == (w, 2 * w)
     assert two.max_versions_held[(0, P - 1)] == 1 and two.max_versions_held[(0, 0)] == 2
-    req = GridRequest("pipedream-2bw", lambda b: uniform(w), DGX, 2 * P, 2 * M, microbatch_sizes=(1,),
-                      recompute=(False,), confirm=0)
+    req = GridRequest(
+        "pipedream-2bw", lambda b: uniform(w), DGX, 2 * P, 2 * M, microbatch_sizes=(1,), recompute=(False,), confirm=0
+    )
     cand = _Grid(req, float("inf")).candidate(Shape(2, P, 1, M, False))
     assert cand.peak_memory_bytes == max(t.peak_bytes for t in two.memory)
 
@@ -101,9 +102,16 @@ def test_staleness_is_still_one():
 
 
 def test_a_second_reduce_before_the_update_is_refused():
-    prog = (Action(F, 0, 0, version=0), Action(B, 0, 0, version=0), Action(REDUCE_GRAD, 0),
-            Action(F, 0, 1, version=0), Action(B, 0, 1, version=0), Action(REDUCE_GRAD, 0),
-            Action(UPDATE, 0, version=1), Action(UPDATE, 0, version=2))
+    prog = (
+        Action(F, 0, 0, version=0),
+        Action(B, 0, 0, version=0),
+        Action(REDUCE_GRAD, 0),
+        Action(F, 0, 1, version=0),
+        Action(B, 0, 1, version=0),
+        Action(REDUCE_GRAD, 0),
+        Action(UPDATE, 0, version=1),
+        Action(UPDATE, 0, version=2),
+    )
     s = Schedule(strategy="custom", num_stages=1, num_microbatches=1, programs=(prog,), num_iterations=2)
     with pytest.raises(ScheduleError, match="previous REDUCE_GRAD"):
         validate(s)

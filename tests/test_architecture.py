@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = {"sim": "pipesim.sim", "kernels": "pipesim.kernels", "validate": "pipesim.validate",
-       "experiments": "pipesim.experiments"}
+TOP = {
+    "sim": "pipesim.sim",
+    "kernels": "pipesim.kernels",
+    "validate": "pipesim.validate",
+    "experiments": "pipesim.experiments",
+}
 
 #: The order of the four top-level packages: each may import those before it.
 TOP_ORDER = ["pipesim.sim", "pipesim.kernels", "pipesim.validate", "pipesim.experiments"]
@@ -97,7 +101,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -159,8 +163,13 @@ def test_sim_never_imports_torch() -> None:
     for name, path in module_files().items():
         if name.startswith("pipesim.sim"):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 assert not any(n.split(".")[0] in ("torch", "triton") for n in names), f"{name} imports torch"
 
 
@@ -168,12 +177,15 @@ def test_every_package_folder_is_installed() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     listed = set(config["tool"]["setuptools"]["packages"])
     folders = {name for name, path in module_files().items() if path.name == "__init__.py"}
-    assert folders == listed, f"pyproject's packages differ from the tree: missing {folders - listed}, " \
-                              f"stale {listed - folders}"
+    assert folders == listed, (
+        f"pyproject's packages differ from the tree: missing {folders - listed}, stale {listed - folders}"
+    )
 
 
-@pytest.mark.parametrize("package", ["pipesim.sim.ir", "pipesim.sim.engine", "pipesim.sim.hardware",
-                                     "pipesim.sim.partition", "pipesim.sim.strategies"])
+@pytest.mark.parametrize(
+    "package",
+    ["pipesim.sim.ir", "pipesim.sim.engine", "pipesim.sim.hardware", "pipesim.sim.partition", "pipesim.sim.strategies"],
+)
 def test_packages_keep_their_public_names(package) -> None:
     # the names users imported from the modules these packages replaced
     import importlib
@@ -181,5 +193,10 @@ def test_packages_keep_their_public_names(package) -> None:
     module = importlib.import_module(package)
     for name in getattr(module, "__all__", []):
         assert hasattr(module, name), f"{package}.{name}"
-    assert {"pipesim.sim.ir": "Schedule", "pipesim.sim.engine": "simulate", "pipesim.sim.hardware": "load_hardware",
-            "pipesim.sim.partition": "partition", "pipesim.sim.strategies": "build_schedule"}[package] in dir(module)
+    assert {
+        "pipesim.sim.ir": "Schedule",
+        "pipesim.sim.engine": "simulate",
+        "pipesim.sim.hardware": "load_hardware",
+        "pipesim.sim.partition": "partition",
+        "pipesim.sim.strategies": "build_schedule",
+    }[package] in dir(module)

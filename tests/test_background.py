@@ -104,17 +104,30 @@ def test_parent_failure_before_the_handover_kills_the_waiting_child(tmp_path) ->
     assert time.monotonic() - start < 10 and _reaped(pid)
 
 
-@pytest.mark.parametrize(("model", "hardware", "tracked_first"), [("uniform", "ideal", False),
-                                                                  ("vgg16", "pcie-4gpu", True)])
-def test_cli_outputs_identical_with_the_trace_forked(tmp_path, monkeypatch, capsys, model, hardware,
-                                                     tracked_first) -> None:
+@pytest.mark.parametrize(
+    ("model", "hardware", "tracked_first"), [("uniform", "ideal", False), ("vgg16", "pcie-4gpu", True)]
+)
+def test_cli_outputs_identical_with_the_trace_forked(
+    tmp_path, monkeypatch, capsys, model, hardware, tracked_first
+) -> None:
     """`pipesim simulate` with the trace written by a forked child (the
     threshold lowered so that a small run forks) writes byte for byte what it
     writes with everything in one process. With one run (``ideal``: one
     split) the child is forked before the memory is tracked and receives it
     later; where several splits are run and one chosen, after."""
-    argv = ["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8", "--model", model,
-            "--hardware", hardware]
+    argv = [
+        "simulate",
+        "--strategy",
+        "1f1b",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--model",
+        model,
+        "--hardware",
+        hardware,
+    ]
     monkeypatch.setattr(background, "worth_forking", lambda spans: False)
     assert main([*argv, "--out", str(tmp_path / "inline")]) == 0
     forked, tracked = [], []
@@ -145,8 +158,10 @@ def test_bench_outputs_write_what_the_command_writes(tmp_path, monkeypatch, caps
     from pipesim.sim.strategies import ScheduleSpec
 
     monkeypatch.setattr(background, "worth_forking", lambda spans: True)
-    assert main(["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8",
-                 "--out", str(tmp_path / "cli")]) == 0
+    assert (
+        main(["simulate", "--strategy", "1f1b", "--stages", "4", "--microbatches", "8", "--out", str(tmp_path / "cli")])
+        == 0
+    )
     capsys.readouterr()
     with _Outputs(tmp_path / "bench") as writer:
         result = simulate(ScheduleSpec("1f1b", 4, 8), on_spans=writer.start)
@@ -175,8 +190,21 @@ def test_a_run_failing_after_its_spans_leaves_no_child(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(background, "worth_forking", lambda spans: True)
     monkeypatch.setattr(Background, "start", spy)
-    code = main(["simulate", "--strategy", "gpipe", "--stages", "2", "--microbatches", "2048",
-                 "--profile", str(tmp_path / "huge.json"), "--out", str(tmp_path / "out")])
+    code = main(
+        [
+            "simulate",
+            "--strategy",
+            "gpipe",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2048",
+            "--profile",
+            str(tmp_path / "huge.json"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "memory accounting overflows" in err
     assert len(children) == 1 and children[0] is not None and _reaped(children[0])

@@ -27,8 +27,17 @@ from pipesim.validate.convergence import (
 )
 
 SETUP = Setup(model="mlp", updates=8, update_batch=8, eval_every=4, model_width=16, model_depth=3)
-ALL = ["data-parallel", "gpipe", "1f1b", "zb-h1", "pipedream-2bw", "pipedream", "pipedream-nostash", "spectrain",
-       "avgpipe"]
+ALL = [
+    "data-parallel",
+    "gpipe",
+    "1f1b",
+    "zb-h1",
+    "pipedream-2bw",
+    "pipedream",
+    "pipedream-nostash",
+    "spectrain",
+    "avgpipe",
+]
 
 
 @pytest.fixture
@@ -92,8 +101,17 @@ def test_synchronous_pipelines_and_data_parallelism_are_the_same_sgd():
 
 def test_micro_batch_sizes_follow_the_update_batch():
     sizes = {s: plan(Run(Setup(update_batch=32), s, 4, 0.05, 0)).microbatch_size for s in ALL}
-    assert sizes == {"data-parallel": 8, "gpipe": 8, "1f1b": 8, "zb-h1": 8, "pipedream-2bw": 8, "pipedream": 32,
-                     "pipedream-nostash": 32, "spectrain": 32, "avgpipe": 4}
+    assert sizes == {
+        "data-parallel": 8,
+        "gpipe": 8,
+        "1f1b": 8,
+        "zb-h1": 8,
+        "pipedream-2bw": 8,
+        "pipedream": 32,
+        "pipedream-nostash": 32,
+        "spectrain": 32,
+        "avgpipe": 4,
+    }
     with pytest.raises(ConvergeError, match="does not split"):
         plan(Run(Setup(update_batch=30), "1f1b", 4, 0.05, 0))
 
@@ -122,8 +140,15 @@ def test_stage_starts_deal_layers_evenly():
 
 
 def test_a_run_that_blows_up_is_marked_and_stops():
-    record = train(Run(Setup(model="mlp", updates=40, update_batch=8, eval_every=4, model_width=16, model_depth=3),
-                       "pipedream", 2, 50.0, 0))
+    record = train(
+        Run(
+            Setup(model="mlp", updates=40, update_batch=8, eval_every=4, model_width=16, model_depth=3),
+            "pipedream",
+            2,
+            50.0,
+            0,
+        )
+    )
     assert record["diverged"]
     assert len(record["curve"]) < 11
     json.dumps(record, allow_nan=False)  # non-finite losses are null
@@ -143,9 +168,31 @@ def test_update_rules_read_off_the_ir_and_their_stability():
     assert stability_threshold(3, 0) < stability_threshold(3, 3) < stability_threshold(0, 0)
 
 
-ARGS = ["converge", "--stages", "2", "--strategies", "1f1b", "pipedream-nostash", "--lr", "0.05", "0.1",
-        "--seeds", "0", "--updates", "8", "--update-batch", "8", "--eval-every", "4", "--model-width", "16",
-        "--model-depth", "3", "--jobs", "1"]
+ARGS = [
+    "converge",
+    "--stages",
+    "2",
+    "--strategies",
+    "1f1b",
+    "pipedream-nostash",
+    "--lr",
+    "0.05",
+    "0.1",
+    "--seeds",
+    "0",
+    "--updates",
+    "8",
+    "--update-batch",
+    "8",
+    "--eval-every",
+    "4",
+    "--model-width",
+    "16",
+    "--model-depth",
+    "3",
+    "--jobs",
+    "1",
+]
 
 
 def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
@@ -159,8 +206,18 @@ def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
     doc = json.loads((outs[0] / "curves.json").read_text())
     assert len(doc["runs"]) == 4
     run = doc["runs"][0]
-    assert {"model", "strategy", "stages", "lr", "seed", "updates", "final_heldout_accuracy",
-            "final_heldout_loss", "diverged", "curve"} <= set(run)
+    assert {
+        "model",
+        "strategy",
+        "stages",
+        "lr",
+        "seed",
+        "updates",
+        "final_heldout_accuracy",
+        "final_heldout_loss",
+        "diverged",
+        "curve",
+    } <= set(run)
     assert set(run["curve"][0]) == {"samples", "heldout_accuracy", "heldout_loss", "train_loss"}
     assert {r["strategy"] for r in doc["runs"]} == {"1f1b", "pipedream-nostash"}
     assert doc["summary"]["2"]["accuracy"]["1f1b"]["0.05"]["seeds"] == 1
@@ -169,18 +226,21 @@ def test_converge_writes_curves_and_figures_deterministically(tmp_path, capsys):
     assert "pipedream-nostash" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--stages", "8"], "model-depth"),
-    (["--strategies", "nope"], "unknown strategy"),
-    (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
-    (["--update-batch", "7"], "does not split"),
-    (["--lr", "0"], "lr"),
-    (["--model", "resnet"], "unknown model"),
-    (["--seeds", "0", "0"], "repeats"),
-    (["--momentum", "1.5"], "momentum"),
-    (["--eval-every", "3"], "not a multiple"),
-    (["--updates", "6"], "not a multiple"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--stages", "8"], "model-depth"),
+        (["--strategies", "nope"], "unknown strategy"),
+        (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
+        (["--update-batch", "7"], "does not split"),
+        (["--lr", "0"], "lr"),
+        (["--model", "resnet"], "unknown model"),
+        (["--seeds", "0", "0"], "repeats"),
+        (["--momentum", "1.5"], "momentum"),
+        (["--eval-every", "3"], "not a multiple"),
+        (["--updates", "6"], "not a multiple"),
+    ],
+)
 def test_bad_converge_arguments_are_one_line_errors(tmp_path, capsys, extra, fragment):
     assert main(ARGS + extra + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -223,7 +283,7 @@ def test_layer_curvature_is_each_blocks_top_hessian_eigenvalue():
         def loss(w, layer=layer, params=params):
             chunks, i = {}, 0
             for name, p in layer.named_parameters():
-                chunks[name] = w[i:i + p.numel()].reshape(p.shape)
+                chunks[name] = w[i : i + p.numel()].reshape(p.shape)
                 i += p.numel()
             h = x
             for other in model.layers:
@@ -244,8 +304,18 @@ def test_runs_in_a_pool_give_the_serial_records_and_leave_no_process():
 
     from pipesim.experiments.converge import ConvergeConfig, train_all
 
-    cfg = ConvergeConfig(model="mlp", stages=(2,), strategies=("data-parallel", "1f1b", "pipedream"), lrs=(0.01,),
-                         seeds=(0,), updates=4, eval_every=2, model_width=16, model_depth=3, jobs=2)
+    cfg = ConvergeConfig(
+        model="mlp",
+        stages=(2,),
+        strategies=("data-parallel", "1f1b", "pipedream"),
+        lrs=(0.01,),
+        seeds=(0,),
+        updates=4,
+        eval_every=2,
+        model_width=16,
+        model_depth=3,
+        jobs=2,
+    )
     pooled = train_all(cfg)
     assert [r["strategy"] for r in pooled] == ["data-parallel", "1f1b", "pipedream"]
     assert pooled == train_all(ConvergeConfig(**{**cfg.__dict__, "jobs": 1}))
@@ -256,9 +326,16 @@ def test_the_console_table_lists_strategies_in_the_order_given():
     from pipesim.experiments.converge import table
 
     cell = {"0.1": {"mean": 0.9, "min": 0.9, "max": 0.9, "diverged": 0, "seeds": 1}}
-    doc = {"settings": {"layouts": [{"strategy": "spectrain"}, {"strategy": "1f1b"}, {"strategy": "avgpipe"}]},
-           "summary": {"2": {"reference_lr": 0.1, "reference_strategy": "1f1b",
-                             "accuracy": {"1f1b": cell, "avgpipe": cell, "spectrain": cell}}}}
+    doc = {
+        "settings": {"layouts": [{"strategy": "spectrain"}, {"strategy": "1f1b"}, {"strategy": "avgpipe"}]},
+        "summary": {
+            "2": {
+                "reference_lr": 0.1,
+                "reference_strategy": "1f1b",
+                "accuracy": {"1f1b": cell, "avgpipe": cell, "spectrain": cell},
+            }
+        },
+    }
     assert [row[2] for row in table(doc)] == ["spectrain", "1f1b", "avgpipe"]
 
 
@@ -269,12 +346,20 @@ def test_the_console_table_shows_the_others_when_the_reference_always_diverged()
 
     gone = {"mean": 0.1, "min": 0.1, "max": 0.1, "diverged": 1, "seeds": 1}
     fine = {"mean": 0.8, "min": 0.8, "max": 0.8, "diverged": 0, "seeds": 1}
-    doc = {"settings": {"layouts": [{"strategy": "data-parallel"}, {"strategy": "1f1b"}]},
-           "summary": {"2": {"reference_lr": None, "reference_strategy": "data-parallel",
-                             "accuracy": {"data-parallel": {"0.1": gone, "0.05": gone},
-                                          "1f1b": {"0.1": gone, "0.05": fine}}}}}
+    doc = {
+        "settings": {"layouts": [{"strategy": "data-parallel"}, {"strategy": "1f1b"}]},
+        "summary": {
+            "2": {
+                "reference_lr": None,
+                "reference_strategy": "data-parallel",
+                "accuracy": {"data-parallel": {"0.1": gone, "0.05": gone}, "1f1b": {"0.1": gone, "0.05": fine}},
+            }
+        },
+    }
     rows = table(doc)
     assert rows[0][2] == "data-parallel diverged at every learning rate"
-    assert [(row[1], row[2], row[3]) for row in rows[1:]] == [("0.05", "data-parallel", "10.0"),
-                                                             ("0.05", "1f1b", "80.0")]
+    assert [(row[1], row[2], row[3]) for row in rows[1:]] == [
+        ("0.05", "data-parallel", "10.0"),
+        ("0.05", "1f1b", "80.0"),
+    ]
     assert "(1/1 diverged)" in rows[1][4]

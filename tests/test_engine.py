@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.api import simulate
-from pipesim.sim.ir.checks import validate
 from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.engine.metrics import dumps, summarize
 from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import PASS_OPS, B, F, I, Schedule, ScheduleError, W, parse_action, to_csv
-from pipesim.sim.engine.metrics import dumps, summarize
 from pipesim.sim.partition.split import stage_costs_uniform
-from pipesim.sim.workloads.stages import StageCost
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workloads.stages import StageCost
 
 FAST = settings(max_examples=25, deadline=None)
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 10))
@@ -105,8 +105,17 @@ def test_spectrain_distances_reach_summary() -> None:
         assert [eff[mb][k] - mb for k in range(4)] == [0, 0, 1, 1]
 
 
-ALL = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw", "spectrain", "avgpipe",
-       "data-parallel"]
+ALL = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zb-h1",
+    "pipedream",
+    "pipedream-2bw",
+    "spectrain",
+    "avgpipe",
+    "data-parallel",
+]
 
 
 def _spec_for(strategy: str, p: int, m: int) -> ScheduleSpec:
@@ -131,8 +140,11 @@ def test_execution_respects_streams_and_dependencies(strategy, p, m, hardware) -
         items.sort(key=lambda s: (s.start, s.end))
         for a, b in zip(items, items[1:]):
             assert a.end <= b.start + 1e-12, f"device {dev} overlaps {a.action} and {b.action}"
-    ends = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s for s in spans
-            if s.stream == "compute" and s.action.op in PASS_OPS}
+    ends = {
+        (s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s
+        for s in spans
+        if s.stream == "compute" and s.action.op in PASS_OPS
+    }
     split = {(k[1], k[2]) for k in ends if k[0] is I}
     last = result.schedule.num_stages - 1
     for (op, rep, stage, mb), s in ends.items():
@@ -162,8 +174,12 @@ def test_summary_is_byte_identical(strategy, p, m) -> None:
 @given(st.sampled_from(ALL), st.integers(1, 4), st.integers(1, 5))
 def test_strategies_round_trip_through_csv(strategy, p, m) -> None:
     schedule = build_schedule(_spec_for(strategy, p, m))
-    back = schedule_from_csv(to_csv(schedule), strategy=schedule.strategy,
-                             microbatches=schedule.num_microbatches, iterations=schedule.num_iterations)
+    back = schedule_from_csv(
+        to_csv(schedule),
+        strategy=schedule.strategy,
+        microbatches=schedule.num_microbatches,
+        iterations=schedule.num_iterations,
+    )
     assert back == schedule
 
 
@@ -244,8 +260,12 @@ def test_engine_costs_kernels_by_the_bytes_they_move() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe", "data-parallel"]),
-       st.integers(2, 4), st.integers(1, 4), st.data())
+@given(
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe", "data-parallel"]),
+    st.integers(2, 4),
+    st.integers(1, 4),
+    st.data(),
+)
 def test_dry_run_and_engine_agree_on_deadlock(strategy, p, m, data) -> None:
     """Swap two compute actions on one device (keeping each device's own
     F-before-B order legal or not): the validator's zero-time dry run and the
@@ -262,8 +282,10 @@ def test_dry_run_and_engine_agree_on_deadlock(strategy, p, m, data) -> None:
     except ScheduleError:
         return  # structurally broken: both executors refuse before running
     verdicts = []
-    for check in (lambda: validate(mutated), lambda: run_engine(mutated, stage_costs_uniform(mutated.num_stages),
-                                                              load_hardware("ideal"), check=False)):
+    for check in (
+        lambda: validate(mutated),
+        lambda: run_engine(mutated, stage_costs_uniform(mutated.num_stages), load_hardware("ideal"), check=False),
+    ):
         try:
             check()
             verdicts.append("ok")
@@ -274,14 +296,21 @@ def test_dry_run_and_engine_agree_on_deadlock(strategy, p, m, data) -> None:
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe"]), st.integers(2, 4), st.integers(1, 4),
-       st.sampled_from(["pcie-4gpu", "dgx1-v100"]))
+@given(
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream", "avgpipe"]),
+    st.integers(2, 4),
+    st.integers(1, 4),
+    st.sampled_from(["pcie-4gpu", "dgx1-v100"]),
+)
 def test_consumers_wait_for_their_data_to_arrive(strategy, p, m, hardware) -> None:
     # On real links a pass may only start once the transfer carrying its
     # input has ended (a pass token must never stand in for its transfer).
     result = simulate(_spec_for(strategy, p, m), "vgg16-cifar", hardware)
-    start = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
-             for s in result.spans if s.stream == "compute"}
+    start = {
+        (s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
+        for s in result.spans
+        if s.stream == "compute"
+    }
     split = {(k[1], k[2]) for k in start if k[0] is I}
     recvs = [s for s in result.spans if s.stream == "recv"]
     assert recvs and any(s.duration > 0 for s in recvs)
@@ -299,8 +328,15 @@ def test_critical_path_with_transfers_is_exact() -> None:
     c0, c1 = result.stage_costs
     act = c0.activation_bytes
     update0 = 5 * c0.param_bytes / hw.device.mem_bandwidth  # SGD: read W, g, v; write W, v
-    expected = (c0.forward_s + hw.transfer_time(0, 1, act) + c1.forward_s + c1.backward_s
-                + hw.transfer_time(1, 0, act) + c0.backward_s + update0)
+    expected = (
+        c0.forward_s
+        + hw.transfer_time(0, 1, act)
+        + c1.forward_s
+        + c1.backward_s
+        + hw.transfer_time(1, 0, act)
+        + c0.backward_s
+        + update0
+    )
     assert result.makespan == pytest.approx(expected, rel=1e-12)
     assert hw.transfer_time(0, 1, act) > 0
 
@@ -332,8 +368,10 @@ def test_replicated_stage_against_the_analytic_case(r, rounds, strategy):
     every device idle r/(M + r) of it. Without the replicas stage 0 alone
     needs 3r per micro-batch: replication is what balances the split."""
     m = r * rounds
-    costs = [StageCost(0, r - 1, 1.0 * r, 2.0 * r, 1.0 * r, 1.0 * r, 0, 0, 0),
-             StageCost(r, r, 1.0, 2.0, 1.0, 1.0, 0, 0, 0)]
+    costs = [
+        StageCost(0, r - 1, 1.0 * r, 2.0 * r, 1.0 * r, 1.0 * r, 0, 0, 0),
+        StageCost(r, r, 1.0, 2.0, 1.0, 1.0, 0, 0, 0),
+    ]
     s = build_schedule(ScheduleSpec(strategy, 2, m, replicas=(r, 1)))
     assert s.num_devices == r + 1 and s.replicas == (r, 1)
     result = run_engine(s, costs, load_hardware("ideal"))
@@ -352,7 +390,10 @@ def test_replicas_fan_in_over_a_shared_bus_queues():
     activation crossing waits for the ones before it (contention the
     ideal machine does not have)."""
     s = build_schedule(ScheduleSpec("gpipe", 2, 6, replicas=(3, 1)))
-    costs = [StageCost(0, 0, 0.001, 0.002, 0.001, 0.001, 0, 2**24, 0), StageCost(1, 1, 0.001, 0.002, 0.001, 0.001, 0, 0, 0)]
+    costs = [
+        StageCost(0, 0, 0.001, 0.002, 0.001, 0.001, 0, 2**24, 0),
+        StageCost(1, 1, 0.001, 0.002, 0.001, 0.001, 0, 0, 0),
+    ]
     result = run_engine(s, costs, load_hardware("pcie-4gpu"))
     sends = sorted((sp.start, sp.end) for sp in result.spans if sp.stream == "send" and sp.action.op.value == "SEND_F")
     assert len(sends) == 6

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pipesim.sim.engine.core import simulate as run_engine
 from pipesim.sim.hardware.machines import CpuCost, Hardware, HardwareError, HostCpu, load_hardware
 from pipesim.sim.ir.core import F
-from pipesim.sim.workloads.stages import StageCost
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workloads.stages import StageCost
 
 F_S, B_S = 0.010, 0.020  # every stage's forward and backward
 
@@ -23,10 +23,17 @@ def _costs(stages: int, nbytes: int = 1_000_000) -> list[StageCost]:
 
 
 def _host(n: int, cores, *, send=CpuCost(), recv=CpuCost(), latency=0.0, bandwidth=float("inf")) -> Hardware:
-    base = {"name": "host", "device": {"name": "core", "flops": 1e12, "mem_bandwidth": "inf", "memory_bytes": 1e12},
-            "num_devices": n, "devices_per_node": n,
-            "intra_node": {"kind": "switch" if latency or bandwidth != float("inf") else "ideal",
-                           "bandwidth": "inf" if bandwidth == float("inf") else bandwidth, "latency": latency}}
+    base = {
+        "name": "host",
+        "device": {"name": "core", "flops": 1e12, "mem_bandwidth": "inf", "memory_bytes": 1e12},
+        "num_devices": n,
+        "devices_per_node": n,
+        "intra_node": {
+            "kind": "switch" if latency or bandwidth != float("inf") else "ideal",
+            "bandwidth": "inf" if bandwidth == float("inf") else bandwidth,
+            "latency": latency,
+        },
+    }
     return replace(Hardware.from_json(base), cpu=HostCpu(tuple(cores), send, recv))
 
 
@@ -134,7 +141,8 @@ def test_passes_on_one_core_share_it_at_equal_rates():
     at 5 ms by another of 10 ms: the first has 5 ms left at half speed (ends
     at 15), the second then runs alone for its last 5 ms (ends at 20)."""
     assert _flat(_core_ends([(0, 0.010), (0.005, 0.010)])) == pytest.approx(
-        _flat([(0, 0.015), (0.005, 0.020)]), abs=1e-15)
+        _flat([(0, 0.015), (0.005, 0.020)]), abs=1e-15
+    )
     # started together, both end at twice their work; three share by thirds
     assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)])] == pytest.approx([0.020, 0.020])
     assert [e for _, e in _core_ends([(0, 0.003), (0, 0.010), (0, 0.010)])] == pytest.approx([0.009, 0.023, 0.023])
@@ -146,27 +154,30 @@ def test_a_pass_that_starts_beside_another_runs_alone_for_its_wake_slice():
     3 ms instead: alone 5 to 6.5, then both share; the newcomer's last 1.5 ms
     take 3 (ends at 9.5), the first has 3.5 ms left then (ends at 13)."""
     assert _flat(_core_ends([(0, 0.010), (0.005, 0.001)], wake_slice=0.0015)) == pytest.approx(
-        _flat([(0, 0.011), (0.005, 0.006)]), abs=1e-15)
+        _flat([(0, 0.011), (0.005, 0.006)]), abs=1e-15
+    )
     assert _flat(_core_ends([(0, 0.010), (0.005, 0.003)], wake_slice=0.0015)) == pytest.approx(
-        _flat([(0, 0.013), (0.005, 0.0095)]), abs=1e-15)
+        _flat([(0, 0.013), (0.005, 0.0095)]), abs=1e-15
+    )
     # a transfer's work during the slice pushes the slice back by its length
     assert _flat(_core_ends([(0, 0.010), (0.005, 0.001)], [(0.0055, 0.002)], wake_slice=0.0015)) == pytest.approx(
-        _flat([(0, 0.013), (0.005, 0.008)]), abs=1e-15)
+        _flat([(0, 0.013), (0.005, 0.008)]), abs=1e-15
+    )
 
 
 def test_transfer_work_stalls_every_pass_on_the_core():
     """2 ms of transfer work at 4 ms stretches both shared passes by 2 ms;
     on an idle core it delays the next pass's start until it is done."""
     assert [e for _, e in _core_ends([(0, 0.010), (0, 0.010)], [(0.004, 0.002)])] == pytest.approx([0.022, 0.022])
-    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002)])) == pytest.approx(
-        _flat([(0.002, 0.012)]))
+    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002)])) == pytest.approx(_flat([(0.002, 0.012)]))
     # a block arriving in a block queues behind it
-    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002), (0.001, 0.002)])) == pytest.approx(
-        _flat([(0.004, 0.014)]))
+    assert _flat(_core_ends([(0.001, 0.010)], [(0, 0.002), (0.001, 0.002)])) == pytest.approx(_flat([(0.004, 0.014)]))
 
 
-@given(works=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=6),
-       wake_slice=st.sampled_from([0.0, 0.0015, 0.004]))
+@given(
+    works=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=6),
+    wake_slice=st.sampled_from([0.0, 0.0015, 0.004]),
+)
 @settings(max_examples=60, deadline=None)
 def test_a_shared_core_is_never_idle_while_work_is_left(works, wake_slice):
     """Work is conserved: the last pass ends when the core has done all the
@@ -186,10 +197,16 @@ def test_cpu_section_round_trips_and_is_checked():
     again = Hardware.from_json(hw.to_json())
     assert again.cpu == hw.cpu and again.cpu.shared
     with pytest.raises(HardwareError, match="cores for 2 devices"):
-        replace(again, num_devices=None, devices_per_node=None,
-                intra_node=load_hardware("ideal").intra_node).check_devices(3)
-    for bad in ({"cores": []}, {"cores": [0, -1]}, {"cores": [0, 1], "send": {"fixed_s": -1}},
-                {"cores": [0, 1], "recv": {"bytes_per_s": 0}}, {"cores": [0, 1], "speed": 1}):
+        replace(
+            again, num_devices=None, devices_per_node=None, intra_node=load_hardware("ideal").intra_node
+        ).check_devices(3)
+    for bad in (
+        {"cores": []},
+        {"cores": [0, -1]},
+        {"cores": [0, 1], "send": {"fixed_s": -1}},
+        {"cores": [0, 1], "recv": {"bytes_per_s": 0}},
+        {"cores": [0, 1], "speed": 1},
+    ):
         with pytest.raises(HardwareError):
             Hardware.from_json({**hw.to_json(), "cpu": bad})
     with pytest.raises(HardwareError, match="each of the 4 devices"):
@@ -212,8 +229,12 @@ def test_each_memory_bound_kernel_runs_at_its_own_bandwidth():
     assert own.averaging(0, 2) == pytest.approx(6 * 6e6 / 4e9)
     shared = CostModel.for_device([cost], plain)
     assert shared.compute(Action(UPDATE, 0, version=1)) == pytest.approx(5 * 6e6 / plain.mem_bandwidth)
-    again = Hardware.from_json({**load_hardware("pcie-4gpu").to_json(),
-                                "device": {**load_hardware("pcie-4gpu").to_json()["device"], "predict_bandwidth": 3e9}})
+    again = Hardware.from_json(
+        {
+            **load_hardware("pcie-4gpu").to_json(),
+            "device": {**load_hardware("pcie-4gpu").to_json()["device"], "predict_bandwidth": 3e9},
+        }
+    )
     assert again.device.predict_bandwidth == 3e9 and again.device.kernel_bandwidth("update") == plain.mem_bandwidth
     assert Hardware.from_json(again.to_json()) == again
     with pytest.raises(HardwareError, match="average_bandwidth"):

@@ -31,8 +31,10 @@ CASES = [
     ("--strategy 1f1b --stages 4 --microbatches 8 --hardware pipedream-cluster-a-x4 --model gnmt", "904fde4b024bd757"),
     ("--strategy 1f1b --replicas 3,1 --microbatches 8 --hardware pcie-4gpu", "1ad46c47ad7136cc"),
     ("--strategy pipedream-2bw --replicas 2,2 --microbatches 8 --hardware pcie-4gpu", "bd849f7ecec72d53"),
-    ("--strategy avgpipe --stages 4 --width 2 --microbatches 8 --hardware dgx1-v100 --iterations 2",
-     "56667e952b0e62ff"),
+    (
+        "--strategy avgpipe --stages 4 --width 2 --microbatches 8 --hardware dgx1-v100 --iterations 2",
+        "56667e952b0e62ff",
+    ),
     ("--strategy 1f1b --stages 4 --microbatches 8 --recompute --hardware pcie-4gpu", "536fb931b4e8a728"),
 ]
 

@@ -42,21 +42,49 @@ def profile(tmp_path_factory) -> Path:
     model = build_model("mlp")  # a hand-written profile of this model: its layers' weights are the model's
     weights = [layer_param_bytes(layer) for layer in model.layers]
     path = tmp_path_factory.mktemp("profile") / "profile.json"
-    save_profile(Profile("mlp", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, w, 4096, 4096) for i, w in enumerate(weights)),
-                         microbatch_size=8), path)
+    save_profile(
+        Profile(
+            "mlp",
+            tuple(LayerCost(f"l{i}", 1e-3, 2e-3, w, 4096, 4096) for i, w in enumerate(weights)),
+            microbatch_size=8,
+        ),
+        path,
+    )
     return path
 
 
 def validate_args(profile: Path, out: Path, *extra: str) -> list[str]:
-    return ["validate", "--strategy", "1f1b", "--stages", "2", "--microbatches", "4", "--model", "mlp",
-            "--microbatch-size", "8", "--profile", str(profile), "--hardware", "ideal", "--out", str(out), *extra]
+    return [
+        "validate",
+        "--strategy",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--model",
+        "mlp",
+        "--microbatch-size",
+        "8",
+        "--profile",
+        str(profile),
+        "--hardware",
+        "ideal",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_version_and_bad_input_through_the_console_script(tmp_path):
     got = pipesim("--version")
     assert got.returncode == 0 and got.stdout.startswith("pipesim ")
-    for argv in (["simulate", "--strategy", "nope"], ["simulate", "--strategy", "1f1b", "--profile", "/no/such.json"],
-                 ["validate", "--strategy", "1f1b", "--model", "no-such-model"], ["bench", "nope"]):
+    for argv in (
+        ["simulate", "--strategy", "nope"],
+        ["simulate", "--strategy", "1f1b", "--profile", "/no/such.json"],
+        ["validate", "--strategy", "1f1b", "--model", "no-such-model"],
+        ["bench", "nope"],
+    ):
         got = pipesim(*argv, "--out", str(tmp_path)) if argv[0] != "bench" else pipesim(*argv)
         assert got.returncode == 2, (argv, got.stderr)
         assert len(got.stderr.strip().splitlines()) == 1 and got.stderr.startswith("error:"), got.stderr
@@ -132,8 +160,9 @@ def _assert_gone(pids: list[int], seconds: float = 10.0) -> None:
 
 def _start(argv: list[str]) -> subprocess.Popen:
     """The console script in a session of its own (a process group to signal)."""
-    return subprocess.Popen([*PIPESIM, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [*PIPESIM, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from pipesim.sim.engine.trackers import _plain_versions, _program_versions
 from pipesim.sim.ir.checks import _ProgramWalk, split_stages
-from pipesim.sim.ir.dataflow import compile_lowered, compile_plan
 from pipesim.sim.ir.core import Schedule, parse_cell
+from pipesim.sim.ir.dataflow import compile_lowered, compile_plan
 from pipesim.sim.ir.lowering import lower, plan
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names
 from pipesim.sim.strategies._common import StrategyError
-from pipesim.sim.engine.trackers import _plain_versions, _program_versions
 
 #: Strategies whose programs read only the current version (PREDICT and a
 #: split backward included; AVERAGE moves no version) and have no REDUCE_GRAD.
@@ -76,8 +76,13 @@ def _entries_both_ways(s, recv_lookahead):
     return compile_lowered(s, recv_lookahead), compile_plan(s, plan(s, recv_lookahead=recv_lookahead))
 
 
-@given(name=st.sampled_from(strategy_names()), p=st.integers(1, 4), m=st.integers(1, 8),
-       iterations=st.integers(1, 3), recv_lookahead=st.integers(0, 3))
+@given(
+    name=st.sampled_from(strategy_names()),
+    p=st.integers(1, 4),
+    m=st.integers(1, 8),
+    iterations=st.integers(1, 3),
+    recv_lookahead=st.integers(0, 3),
+)
 @settings(max_examples=60, deadline=None)
 def test_one_pass_compilation_equals_lowering_then_compiling(name, p, m, iterations, recv_lookahead):
     """Every built-in strategy (collectives and split backwards included)."""
@@ -86,8 +91,9 @@ def test_one_pass_compilation_equals_lowering_then_compiling(name, p, m, iterati
     assert fast is not None, f"{name}: a compute-only schedule should take the one pass"
     assert fast == general
     # equal tuples are not enough: a token's kind is its type
-    assert [[type(t) for e in dev for t in e.waits] for dev in fast] == \
-        [[type(t) for e in dev for t in e.waits] for dev in general]
+    assert [[type(t) for e in dev for t in e.waits] for dev in fast] == [
+        [type(t) for e in dev for t in e.waits] for dev in general
+    ]
 
 
 @pytest.mark.parametrize("replicas,width", [((3, 1), 1), ((2, 2), 1), (None, 2)])
@@ -99,8 +105,10 @@ def test_one_pass_compilation_routes_replicas_as_the_lowering_does(replicas, wid
 
 
 def test_one_pass_compilation_numbers_fsdp_actions_as_the_general_path_does():
-    rows = ["0UNSHARD 0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1 0RESHARD 0UNSHARD 0F2@v1 0B2@v1 0UPDATE@v2 0RESHARD",
-            "1UNSHARD 1F0@v0 1B0@v0 1F1@v0 1B1@v0 1F2@v0 1B2@v0 1UPDATE@v1 1RESHARD"]
+    rows = [
+        "0UNSHARD 0F0@v0 0F1@v0 0B0@v0 0B1@v0 0UPDATE@v1 0RESHARD 0UNSHARD 0F2@v1 0B2@v1 0UPDATE@v2 0RESHARD",
+        "1UNSHARD 1F0@v0 1B0@v0 1F1@v0 1B1@v0 1F2@v0 1B2@v0 1UPDATE@v1 1RESHARD",
+    ]
     s = Schedule("t", 2, 3, [[a for c in r.split() for a in parse_cell(c)] for r in rows])
     fast, general = _entries_both_ways(s, 1)
     assert fast == general
@@ -109,23 +117,27 @@ def test_one_pass_compilation_numbers_fsdp_actions_as_the_general_path_does():
 def test_schedules_with_communication_or_overlapped_pairs_leave_the_one_pass():
     s = build_schedule(ScheduleSpec("1f1b", 2, 4))
     assert compile_lowered(lower(s)) is None
-    pair = Schedule("t", 1, 2, [[a for c in "0F0@v0 (0F1@v0;0B0@v0)OVERLAP_F_B 0B1@v0 0UPDATE@v1".split()
-                                 for a in parse_cell(c)]])
+    pair = Schedule(
+        "t", 1, 2, [[a for c in "0F0@v0 (0F1@v0;0B0@v0)OVERLAP_F_B 0B1@v0 0UPDATE@v1".split() for a in parse_cell(c)]]
+    )
     assert compile_lowered(pair) is None
 
 
-@pytest.mark.parametrize("strategy,p,m,model,hardware,kw", [
-    ("1f1b", 4, 8, "bert-large", "pcie-4gpu", {}),  # links shared in the host bridge: transfers queue
-    ("gpipe", 2, 8, "bert-large", "pcie-4gpu", {"width": 2}),  # events with several callbacks
-    ("data-parallel", 4, 8, "vgg16", "pcie-4gpu", {}),  # gradient all-reduces over rings
-    ("pipedream-2bw", 4, 8, "gpt-1.3b", "dgx1-v100", {}),
-    ("avgpipe", 4, 8, "vgg16", "dgx1-v100", {}),  # elastic averaging
-    ("interleaved-1f1b", 4, 8, "uniform", "ideal", {}),
-])
+@pytest.mark.parametrize(
+    "strategy,p,m,model,hardware,kw",
+    [
+        ("1f1b", 4, 8, "bert-large", "pcie-4gpu", {}),  # links shared in the host bridge: transfers queue
+        ("gpipe", 2, 8, "bert-large", "pcie-4gpu", {"width": 2}),  # events with several callbacks
+        ("data-parallel", 4, 8, "vgg16", "pcie-4gpu", {}),  # gradient all-reduces over rings
+        ("pipedream-2bw", 4, 8, "gpt-1.3b", "dgx1-v100", {}),
+        ("avgpipe", 4, 8, "vgg16", "dgx1-v100", {}),  # elastic averaging
+        ("interleaved-1f1b", 4, 8, "uniform", "ideal", {}),
+    ],
+)
 def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, model, hardware, kw):
     """The engine's event loop against ``env.run()``: the same spans and summary."""
-    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
+    from pipesim.sim.engine import core as engine
     from pipesim.sim.engine.metrics import summarize
 
     spec = ScheduleSpec(strategy, p, m, iterations=2, **kw)
@@ -138,8 +150,8 @@ def test_inlined_event_loop_runs_as_simpy_does(monkeypatch, strategy, p, m, mode
 def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatch):
     """A transfer process that raises crashes the run with a copy of its
     error, caused by it, through either loop."""
-    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
+    from pipesim.sim.engine import core as engine
 
     def broken_move(self, *args):
         yield self.env.timeout(0)
@@ -159,8 +171,10 @@ def test_inlined_event_loop_crashes_on_a_failed_process_as_simpy_does(monkeypatc
 
 
 def _spans_and_memory(result):
-    return ([(s.device, s.stream, tuple(s.action), s.start, s.end, s.peer, s.flow, s.nbytes) for s in result.spans],
-            [(m.device, list(m.times), list(m.totals)) for m in result.memory])
+    return (
+        [(s.device, s.stream, tuple(s.action), s.start, s.end, s.peer, s.flow, s.nbytes) for s in result.spans],
+        [(m.device, list(m.times), list(m.totals)) for m in result.memory],
+    )
 
 
 def _step_by_step(monkeypatch):
@@ -174,14 +188,17 @@ def _counting_rings(monkeypatch) -> list:
     from pipesim.sim.engine import core as engine
 
     seen, real = [], engine._Run.ring_alone
-    monkeypatch.setattr(engine._Run, "ring_alone",
-                        lambda self, *args: seen.append(real(self, *args)) or seen[-1])
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, *args: seen.append(real(self, *args)) or seen[-1])
     return seen
 
 
-@given(hardware=st.sampled_from(["dgx-h100-x2", "dgx1-v100-x4", "p3.16xlarge-x8", "pipedream-cluster-b-x2"]),
-       devices=st.integers(2, 16), m_per=st.integers(1, 2), iterations=st.integers(1, 2),
-       model=st.sampled_from(["uniform", "vgg16", "gpt-1.3b"]))
+@given(
+    hardware=st.sampled_from(["dgx-h100-x2", "dgx1-v100-x4", "p3.16xlarge-x8", "pipedream-cluster-b-x2"]),
+    devices=st.integers(2, 16),
+    m_per=st.integers(1, 2),
+    iterations=st.integers(1, 2),
+    model=st.sampled_from(["uniform", "vgg16", "gpt-1.3b"]),
+)
 @settings(max_examples=25, deadline=None)
 def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devices, m_per, iterations, model):
     """Data parallelism has no other traffic: its gradient ring skips all
@@ -201,13 +218,16 @@ def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devic
     assert fast.link_bytes == slow.link_bytes
 
 
-@pytest.mark.parametrize(("spec", "hardware"), [
-    (ScheduleSpec("1f1b", 2, 4, width=2, iterations=2), "dgx1-v100-x4"),
-    (ScheduleSpec("pipedream", 2, 8, replicas=(4, 1), iterations=2), "dgx1-v100-x4"),
-    (ScheduleSpec("pipedream", 2, 8, replicas=(2, 2), iterations=2), "p3.16xlarge-x8"),
-    (ScheduleSpec("gpipe", 4, 8, width=2, iterations=2), "pipedream-cluster-b-x2"),
-    (ScheduleSpec("pipedream-2bw", 4, 8, width=2, iterations=2), "dgx1-v100"),
-])
+@pytest.mark.parametrize(
+    ("spec", "hardware"),
+    [
+        (ScheduleSpec("1f1b", 2, 4, width=2, iterations=2), "dgx1-v100-x4"),
+        (ScheduleSpec("pipedream", 2, 8, replicas=(4, 1), iterations=2), "dgx1-v100-x4"),
+        (ScheduleSpec("pipedream", 2, 8, replicas=(2, 2), iterations=2), "p3.16xlarge-x8"),
+        (ScheduleSpec("gpipe", 4, 8, width=2, iterations=2), "pipedream-cluster-b-x2"),
+        (ScheduleSpec("pipedream-2bw", 4, 8, width=2, iterations=2), "dgx1-v100"),
+    ],
+)
 def test_pipelines_rings_beside_their_transfers_skip_to_the_same_result(spec, hardware):
     """On an NVLink mesh a replicated stage's ring runs over links no
     transfer of the pipelines uses, so its steps are skipped while the
@@ -226,10 +246,13 @@ def test_pipelines_rings_beside_their_transfers_skip_to_the_same_result(spec, ha
     assert fast.link_bytes == slow.link_bytes
 
 
-@pytest.mark.parametrize(("spec", "hardware", "why"), [
-    (ScheduleSpec("1f1b", 2, 4, width=4), "dgx-h100-x2", "its transfers use the rings' ports"),
-    (ScheduleSpec("data-parallel", 4, 8), "pcie-4gpu", "every edge of the ring crosses the one bus"),
-])
+@pytest.mark.parametrize(
+    ("spec", "hardware", "why"),
+    [
+        (ScheduleSpec("1f1b", 2, 4, width=4), "dgx-h100-x2", "its transfers use the rings' ports"),
+        (ScheduleSpec("data-parallel", 4, 8), "pcie-4gpu", "every edge of the ring crosses the one bus"),
+    ],
+)
 def test_a_ring_that_shares_its_links_is_simulated_step_by_step(spec, hardware, why, monkeypatch):
     from pipesim.sim.api import simulate
 
@@ -242,8 +265,8 @@ def test_skipping_a_ring_that_shares_its_links_would_be_wrong(monkeypatch):
     """The conditions matter: on a bus, where a ring's edges queue for the
     bus within each step, skipping steps as if they did not gives another
     (shorter) run."""
-    from pipesim.sim.engine import core as engine
     from pipesim.sim.api import simulate
+    from pipesim.sim.engine import core as engine
 
     spec = ScheduleSpec("data-parallel", 4, 8)
     right = simulate(spec, "vgg16", "pcie-4gpu").makespan
@@ -261,6 +284,11 @@ def test_collectives_posted_before_the_last_was_awaited_are_not_serial():
     run = prepared_run(result.schedule, result.stage_costs, load_hardware("dgx-h100"))
     assert all(run.collectives_serial(0, dev) for dev in range(4))
     # the same programs with each device's UPDATE no longer waiting for its all-reduce
-    run.programs = [[entry._replace(waits=()) if entry.action is not None and entry.action.op is UPDATE
-                     else entry for entry in program] for program in run.programs]
+    run.programs = [
+        [
+            entry._replace(waits=()) if entry.action is not None and entry.action.op is UPDATE else entry
+            for entry in program
+        ]
+        for program in run.programs
+    ]
     assert not any(run.collectives_serial(0, dev) for dev in range(4))

@@ -27,19 +27,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesim.experiments import cli
+from pipesim.experiments.cliargs import EXIT_USAGE
 from pipesim.sim import api
 from pipesim.sim.engine import size
-from pipesim.sim.ir.checks import validate
-from pipesim.experiments.cliargs import EXIT_USAGE
 from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.engine.metrics import dumps, summarize
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import to_csv
 from pipesim.sim.ir.lowering import lower
-from pipesim.sim.engine.metrics import dumps, summarize
-from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_names, strategy_options
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.workloads.readers import load_profile
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,8 +50,7 @@ def _settings(max_examples: int):
         max_examples=max_examples,
         deadline=10_000,  # ms; generous on a shared 2-core machine, but a hang is caught
         database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                               HealthCheck.data_too_large],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
     )
 
 
@@ -128,14 +127,22 @@ def _configuration(draw):
     """Arguments of ``api.simulate``: a plausible spec and machine, then up to
     two arguments (spec field, option or keyword) replaced by hostile values."""
     name = draw(st.sampled_from(strategy_names()))
-    fields = {"strategy": name, "stages": draw(st.integers(1, 4)), "microbatches": draw(st.integers(1, 6)),
-              "iterations": draw(st.integers(1, 2)), "optimizer": draw(st.sampled_from(["sgd", "adam"]))}
+    fields = {
+        "strategy": name,
+        "stages": draw(st.integers(1, 4)),
+        "microbatches": draw(st.integers(1, 6)),
+        "iterations": draw(st.integers(1, 2)),
+        "optimizer": draw(st.sampled_from(["sgd", "adam"])),
+    }
     for option in strategy_options(name):
         if draw(st.booleans()):
             fields[option] = draw(OPTION_VALUES[option])
-    kwargs = {"model": draw(st.sampled_from(MODELS)), "hardware": draw(st.sampled_from(HARDWARE)),
-              "microbatch_size": draw(st.one_of(st.none(), st.integers(1, 64))),
-              "recv_lookahead": draw(st.integers(0, 3))}
+    kwargs = {
+        "model": draw(st.sampled_from(MODELS)),
+        "hardware": draw(st.sampled_from(HARDWARE)),
+        "microbatch_size": draw(st.one_of(st.none(), st.integers(1, 64))),
+        "recv_lookahead": draw(st.integers(0, 3)),
+    }
     targets = ["strategy", "stages", "microbatches", "iterations", "optimizer", *OPTION_VALUES, *kwargs]
     for target in draw(st.lists(st.sampled_from(targets), max_size=2, unique=True)):
         # small, or absurd enough for the size limit on any machine: nothing in between runs for minutes
@@ -178,23 +185,32 @@ _FLAGS = {
     "--devices": ["1", "2", "4", "0"],
 }
 _SWITCHES = ["--no-stashing", "--json", "--summary-only", "--lowered", "--list", "--bogus"]
-_OPTION_FLAGS = {"width": ["1", "2"], "chunks": ["1", "2"], "alpha": ["0.5", "1"], "tau": ["1", "2"],
-                 "advance": ["0", "2"], "placement": ["shared", "disjoint"]}
+_OPTION_FLAGS = {
+    "width": ["1", "2"],
+    "chunks": ["1", "2"],
+    "alpha": ["0.5", "1"],
+    "tau": ["1", "2"],
+    "advance": ["0", "2"],
+    "placement": ["shared", "disjoint"],
+}
 
 
 @pytest.fixture(scope="module")
 def input_files(tmp_path_factory):
     """Files for --profile and --schedule: valid ones, corrupt ones, missing ones."""
     d = tmp_path_factory.mktemp("fuzz-inputs")
-    (d / "good.json").write_text(json.dumps(model_profile("uniform", load_hardware("ideal").device,
-                                                          layers=3).to_json()))
+    (d / "good.json").write_text(
+        json.dumps(model_profile("uniform", load_hardware("ideal").device, layers=3).to_json())
+    )
     (d / "bad.json").write_text('{"name": "p", "layers": [{"name": "l", "forward_s": 1e300}]}')
     sched = build_schedule(ScheduleSpec("1f1b", 2, 2, iterations=2))
     (d / "good.csv").write_text(to_csv(sched))
     (d / "torch.csv").write_text(to_csv(sched, torch_only=True))
     (d / "bad.csv").write_text("0F0,0F0,0B0\n1F0,1X9\n")
-    return {"--profile": [str(d / n) for n in ("good.json", "bad.json", "missing.json")],
-            "--schedule": [str(d / n) for n in ("good.csv", "torch.csv", "bad.csv", "missing.csv")]}
+    return {
+        "--profile": [str(d / n) for n in ("good.json", "bad.json", "missing.json")],
+        "--schedule": [str(d / n) for n in ("good.csv", "torch.csv", "bad.csv", "missing.csv")],
+    }
 
 
 @st.composite
@@ -203,8 +219,15 @@ def _command_line(draw, input_files):
     flags with hostile or plausible values and up to two switches added."""
     command = draw(st.sampled_from(["simulate", "schedule"]))
     name = draw(st.sampled_from(strategy_names()))
-    argv = [command, "--strategy", name, "--stages", str(draw(st.integers(1, 3))),
-            "--microbatches", str(draw(st.integers(1, 6)))]
+    argv = [
+        command,
+        "--strategy",
+        name,
+        "--stages",
+        str(draw(st.integers(1, 3))),
+        "--microbatches",
+        str(draw(st.integers(1, 6))),
+    ]
     for option in strategy_options(name):
         if option in _OPTION_FLAGS and draw(st.booleans()):
             argv += [f"--{option}", draw(st.sampled_from(_OPTION_FLAGS[option]))]
@@ -255,17 +278,52 @@ def test_random_command_lines(fuzz_examples, input_files, tmp_path, capsys):
 # --- profile and hardware files ------------------------------------------------------------
 
 #: What a mutation writes in place of a value.
-HOSTILE = st.sampled_from([
-    -1, 0, 1, 0.5, 1e-300, 1e300, -1e300, 2**53, 2**53 + 1, 2**63, 2**70, 10**400,
-    math.inf, -math.inf, math.nan, True, False, None, "", "x", "inf", "1e3", [], {}, [0, 1, 1],
-])
+HOSTILE = st.sampled_from(
+    [
+        -1,
+        0,
+        1,
+        0.5,
+        1e-300,
+        1e300,
+        -1e300,
+        2**53,
+        2**53 + 1,
+        2**63,
+        2**70,
+        10**400,
+        math.inf,
+        -math.inf,
+        math.nan,
+        True,
+        False,
+        None,
+        "",
+        "x",
+        "inf",
+        "1e3",
+        [],
+        {},
+        [0, 1, 1],
+    ]
+)
 
 _PROFILE = {
-    "name": "p", "microbatch_size": 4, "optimizer": "adam", "notes": "n",
+    "name": "p",
+    "microbatch_size": 4,
+    "optimizer": "adam",
+    "notes": "n",
     "overhead": {"forward_s": 1e-5, "backward_s": 2e-5},
     "layers": [
-        {"name": f"l{i}", "forward_s": 1e-3 * (i + 1), "backward_s": 2e-3 * (i + 1), "backward_input_s": 1e-3,
-         "param_bytes": 2**20 * (i + 1), "activation_bytes": 2**16, "stash_bytes": 2**18}
+        {
+            "name": f"l{i}",
+            "forward_s": 1e-3 * (i + 1),
+            "backward_s": 2e-3 * (i + 1),
+            "backward_input_s": 1e-3,
+            "param_bytes": 2**20 * (i + 1),
+            "activation_bytes": 2**16,
+            "stash_bytes": 2**18,
+        }
         for i in range(3)
     ],
 }
@@ -308,15 +366,31 @@ def test_mutated_profile_and_hardware_files(fuzz_examples, tmp_path):
     hardware_docs = [load_hardware(n).to_json() for n in ("pcie-4gpu", "dgx1-v100", "dgx-h100-x2", "ideal")]
     # a measured CPU host: shared cores and their wake slice, transfer CPU costs, per-kernel bandwidths
     host = load_hardware("pcie-4gpu").to_json()
-    hardware_docs.append({**host, "device": {**host["device"], "update_bandwidth": 2e10, "predict_bandwidth": 3e10,
-                                             "average_bandwidth": 1e10},
-                          "cpu": {"cores": [0, 1, 0, 1], "send": {"fixed_s": 3e-5, "bytes_per_s": 3.5e9},
-                                  "recv": {"fixed_s": 3e-5, "bytes_per_s": 6.7e9}, "wake_slice_s": 0.002}})
+    hardware_docs.append(
+        {
+            **host,
+            "device": {
+                **host["device"],
+                "update_bandwidth": 2e10,
+                "predict_bandwidth": 3e10,
+                "average_bandwidth": 1e10,
+            },
+            "cpu": {
+                "cores": [0, 1, 0, 1],
+                "send": {"fixed_s": 3e-5, "bytes_per_s": 3.5e9},
+                "recv": {"fixed_s": 3e-5, "bytes_per_s": 6.7e9},
+                "wake_slice_s": 0.002,
+            },
+        }
+    )
     path = tmp_path / "input.json"
 
     @_settings(fuzz_examples(0.2))
-    @given(which=st.sampled_from(["profile", "hardware"]), data=st.data(),
-           strategy=st.sampled_from(["1f1b", "zb-h1", "spectrain", "avgpipe"]))
+    @given(
+        which=st.sampled_from(["profile", "hardware"]),
+        data=st.data(),
+        strategy=st.sampled_from(["1f1b", "zb-h1", "spectrain", "avgpipe"]),
+    )
     def run(which, data, strategy):
         doc = data.draw(_mutated(_PROFILE if which == "profile" else data.draw(st.sampled_from(hardware_docs))))
         path.write_text(json.dumps(doc))
@@ -451,8 +525,11 @@ def test_on_spans_is_checked_at_every_entry_point(value):
     ],
 )
 def test_engine_arguments_are_checked_up_front(kwargs, fragment):
-    args = {"schedule": build_schedule(ScheduleSpec("1f1b", 2, 4)), "stage_costs": stage_costs_uniform(2),
-            "hardware": load_hardware("ideal")}
+    args = {
+        "schedule": build_schedule(ScheduleSpec("1f1b", 2, 4)),
+        "stage_costs": stage_costs_uniform(2),
+        "hardware": load_hardware("ideal"),
+    }
     for key in ("schedule", "stage_costs", "hardware"):
         if key in kwargs:
             args[key] = kwargs.pop(key)
@@ -467,8 +544,10 @@ def test_engine_arguments_are_checked_up_front(kwargs, fragment):
         (lambda: api.simulate("1f1b"), "spec must be a ScheduleSpec"),
         (lambda: api.simulate(ScheduleSpec("1f1b", 2, 4), model=3), "model must be a catalog model name"),
         (lambda: api.simulate(ScheduleSpec("1f1b", 2, 4), profile={}), "profile must be a"),
-        (lambda: api.simulate(ScheduleSpec("1f1b", 2, 4), "gpt-1.3b", microbatch_size=2**31 + 1),
-         "microbatch_size must be an integer >= 1 and <= 2**31"),
+        (
+            lambda: api.simulate(ScheduleSpec("1f1b", 2, 4), "gpt-1.3b", microbatch_size=2**31 + 1),
+            "microbatch_size must be an integer >= 1 and <= 2**31",
+        ),
     ],
 )
 def test_library_arguments_are_checked_up_front(call, fragment):

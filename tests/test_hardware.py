@@ -21,8 +21,17 @@ from pipesim.sim.hardware.machines import (
     preset_names,
 )
 
-REQUIRED = {"ideal", "pcie-4gpu", "dgx1-v100", "dgx-h100", "dgx1-v100-x4", "dgx-h100-x2", "dgx-h100-x4",
-            "pipedream-cluster-a", "pipedream-cluster-b"}
+REQUIRED = {
+    "ideal",
+    "pcie-4gpu",
+    "dgx1-v100",
+    "dgx-h100",
+    "dgx1-v100-x4",
+    "dgx-h100-x2",
+    "dgx-h100-x4",
+    "pipedream-cluster-a",
+    "pipedream-cluster-b",
+}
 
 
 def test_required_presets_exist_and_load():
@@ -262,32 +271,45 @@ def test_direct_construction_defaults_to_ideal_interconnect():
         ('{"name": "x"}', "missing field 'device'"),
         ('{"name": "x", "device": {"mem_bandwidth": 1, "memory_bytes": 1}}', "missing field 'flops'"),
         ('{"name": "x", "device": {"flops": -1, "mem_bandwidth": 1, "memory_bytes": 1}}', "flops must be a positive"),
-        ('{"name": "x", "device": {"flops": "fast", "mem_bandwidth": 1, "memory_bytes": 1}}', "device.flops must be a number"),
+        (
+            '{"name": "x", "device": {"flops": "fast", "mem_bandwidth": 1, "memory_bytes": 1}}',
+            "device.flops must be a number",
+        ),
         ('{"name": "x", "bogus": 1, "device": {}}', "unknown field 'bogus'"),
         (
-            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
-            ' "intra_node": {"kind": "bus", "bandwidth": -5}}'),
+            (
+                '{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+                ' "intra_node": {"kind": "bus", "bandwidth": -5}}'
+            ),
             "bandwidth must be a positive",
         ),
         (
-            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
-            ' "intra_node": {"kind": "torus", "bandwidth": 5}}'),
+            (
+                '{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+                ' "intra_node": {"kind": "torus", "bandwidth": 5}}'
+            ),
             "kind must be one of",
         ),
         (
-            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
-            ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 9, 1]]}}'),
+            (
+                '{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+                ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 9, 1]]}}'
+            ),
             "mesh entry",
         ),
         (
-            ('{"name": "x", "num_devices": 6, "devices_per_node": 4,'
-            ' "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}'),
+            (
+                '{"name": "x", "num_devices": 6, "devices_per_node": 4,'
+                ' "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}'
+            ),
             "do not fill nodes",
         ),
         ('{"name": 5, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1}}', "name must be a string, got 5"),
         (
-            ('{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
-            ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 1, 2], [1, 0, 1]]}}'),
+            (
+                '{"name": "x", "num_devices": 4, "device": {"flops": 1, "mem_bandwidth": 1, "memory_bytes": 1},'
+                ' "intra_node": {"kind": "mesh", "bandwidth": 5, "host_bandwidth": 1, "mesh": [[0, 1, 2], [1, 0, 1]]}}'
+            ),
             "lists the pair 0, 1 twice",
         ),
     ],
@@ -344,8 +366,10 @@ def _with(section: str, key: str, value) -> dict:
     [
         # infinitely fast devices made every layer free: a makespan of 0
         (json.dumps(_with("device", "flops", "inf")), "flops must be a positive finite number >= 1"),
-        ('{"name": "x", "device": {"flops": Infinity, "mem_bandwidth": 1, "memory_bytes": 1}}',
-         "flops must be a positive finite number >= 1"),
+        (
+            '{"name": "x", "device": {"flops": Infinity, "mem_bandwidth": 1, "memory_bytes": 1}}',
+            "flops must be a positive finite number >= 1",
+        ),
         (json.dumps(_with("device", "flops", 1e-300)), "flops must be a positive finite number >= 1"),
         (json.dumps(_with("device", "mem_bandwidth", 0.5)), "mem_bandwidth must be a positive number >= 1"),
         (json.dumps(_with("device", "memory_bytes", -1)), "memory_bytes must be a positive number"),
@@ -355,8 +379,10 @@ def _with(section: str, key: str, value) -> dict:
         (json.dumps(_with("intra_node", "latency", 1e300)), "latency must be a finite number >= 0 and <= 1e+09"),
         (json.dumps(_with("intra_node", "latency", "inf")), "latency must be a finite number"),
         (json.dumps(_with("device", "flops", 10**400)), "got an integer of 1329 bits"),
-        ('{"name": "x", "device": {"flops": ' + "9" * 5000 + ', "mem_bandwidth": 1, "memory_bytes": 1}}',
-         "unreadable JSON"),
+        (
+            '{"name": "x", "device": {"flops": ' + "9" * 5000 + ', "mem_bandwidth": 1, "memory_bytes": 1}}',
+            "unreadable JSON",
+        ),
     ],
 )
 def test_numbers_out_of_range_are_refused_at_load(tmp_path, text, fragment):
@@ -410,8 +436,9 @@ def test_mesh_subgroup_ring_avoids_the_host():
     assert hw.ring_order((0, 1, 2, 3)) == (0, 1, 2, 3)  # every ring has a single link: device order
 
 
-@pytest.mark.parametrize("name", ["ideal", "pcie-4gpu", "dgx-h100", "dgx-h100-x2", "pipedream-cluster-a-x4",
-                                  "spectrain-4gpu"])
+@pytest.mark.parametrize(
+    "name", ["ideal", "pcie-4gpu", "dgx-h100", "dgx-h100-x2", "pipedream-cluster-a-x4", "spectrain-4gpu"]
+)
 def test_uniform_links_keep_device_order(name):
     """Where every order costs the same, the ring is the device order, so
     results on these machines do not move."""

@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 from pipesim.experiments.cli import main
 from pipesim.sim.api import model_for, simulate_schedule
-from pipesim.sim.ir.checks import validate
-from pipesim.sim.ir.dataflow import Gathered, compile_plan, split_stages
 from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.interchange import schedule_from_csv
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import (
     OVERLAP_F_B,
     PASS_OPS,
@@ -43,6 +42,7 @@ from pipesim.sim.ir.core import (
     program_cells,
     to_csv,
 )
+from pipesim.sim.ir.dataflow import Gathered, compile_plan, split_stages
 from pipesim.sim.ir.lowering import group, lower
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
@@ -60,8 +60,9 @@ MS = 1e-3
 def torch_multi(name: str, p: int, m: int, v: int = 2):
     """torch's multi-stage schedule ``name`` on p ranks (rank 0's view)."""
     ids = (0, 2 * p - 1) if name == "DualPipeV" else tuple(c * p for c in range(v))
-    stages = [SimpleNamespace(num_stages=len(ids) * p, group_size=p, group_rank=0, stage_index=i, submod=None)
-              for i in ids]
+    stages = [
+        SimpleNamespace(num_stages=len(ids) * p, group_size=p, group_rank=0, stage_index=i, submod=None) for i in ids
+    ]
     return S.get_schedule_class(name)(stages, m)
 
 
@@ -85,14 +86,14 @@ def torch_single_csv(cls_name: str, p: int, m: int) -> str:
 
 def simulate_uniform(schedule: Schedule, recv_lookahead: int = 1):
     """Every stage F = 1 ms, B = 2 ms (I = W = 1 ms), nothing sent, ideal machine."""
-    return simulate_schedule(schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL,
-                             recv_lookahead=recv_lookahead)
+    return simulate_schedule(
+        schedule, model_for(schedule, "uniform", IDEAL, None), IDEAL, recv_lookahead=recv_lookahead
+    )
 
 
 def torch_accepts(text: str, stage_to_rank, num_stages: int) -> bool:
     """Whether torch's own dry run (``_simulate_comms_compute``) gets through a comm CSV."""
-    order = {rank: [S._Action.from_str(c) for c in row.split(",") if c]
-             for rank, row in enumerate(text.splitlines())}
+    order = {rank: [S._Action.from_str(c) for c in row.split(",") if c] for rank, row in enumerate(text.splitlines())}
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints the schedule when stuck
             S._simulate_comms_compute(order, stage_to_rank, num_stages)
@@ -119,9 +120,12 @@ def test_torch_comm_csv_with_fsdp_actions_simulates_like_pipesim(tmp_path, p, v,
     imported = schedule_from_csv(text, strategy="interleaved-1f1b")
     ours = build_schedule(ScheduleSpec("interleaved-1f1b", p, m, chunks=v))
     # same per-rank compute order and flush semantics, torch's communication and FSDP actions kept
-    assert imported.compute_only().with_programs(
-        [a for a in prog if a.op not in (UNSHARD, RESHARD)] for prog in imported.compute_only().programs
-    ) == ours
+    assert (
+        imported.compute_only().with_programs(
+            [a for a in prog if a.op not in (UNSHARD, RESHARD)] for prog in imported.compute_only().programs
+        )
+        == ours
+    )
     assert sum(a.op is UNSHARD for prog in imported.programs for a in prog) == p * v
     got, want = simulate_uniform(imported), simulate_uniform(ours)
     assert got.makespan == pytest.approx(want.makespan, abs=1e-12)
@@ -167,8 +171,13 @@ def test_fsdp_action_errors_are_named(rows, message):
 # --------------------------------------------------------------------------
 
 FLUSH_CASES = [
-    ("gpipe", 3, 4, {}), ("1f1b", 4, 6, {}), ("1f1b", 3, 2, {}), ("interleaved-1f1b", 2, 4, {"chunks": 2}),
-    ("interleaved-1f1b", 3, 6, {"chunks": 3}), ("zb-h1", 4, 5, {}), ("data-parallel", 1, 5, {}),
+    ("gpipe", 3, 4, {}),
+    ("1f1b", 4, 6, {}),
+    ("1f1b", 3, 2, {}),
+    ("interleaved-1f1b", 2, 4, {"chunks": 2}),
+    ("interleaved-1f1b", 3, 6, {"chunks": 3}),
+    ("zb-h1", 4, 5, {}),
+    ("data-parallel", 1, 5, {}),
 ]
 
 
@@ -185,13 +194,16 @@ def test_flush_strategy_round_trips_through_torch_csv(strategy, p, m, kw, iterat
     assert {a.version for prog in back.programs for a in prog if a.op in PASS_OPS} == set(range(iterations))
     # with communication (receives posted right before use, as torch wants) the compute order is kept too
     low = lower(s, recv_lookahead=0)
-    back_low = schedule_from_csv(to_csv(low, torch_only=True), microbatches=s.num_microbatches,
-                                 iterations=iterations, strategy=strategy)
+    back_low = schedule_from_csv(
+        to_csv(low, torch_only=True), microbatches=s.num_microbatches, iterations=iterations, strategy=strategy
+    )
     assert back_low.compute_only() == s
 
 
-@pytest.mark.parametrize("strategy,kw", [("1f1b", {"width": 2}), ("data-parallel", {"width": 2}),
-                                         ("interleaved-1f1b", {"width": 2, "chunks": 2})])
+@pytest.mark.parametrize(
+    "strategy,kw",
+    [("1f1b", {"width": 2}), ("data-parallel", {"width": 2}), ("interleaved-1f1b", {"width": 2, "chunks": 2})],
+)
 def test_replicas_round_trip_through_pipesim_csv_only(strategy, kw):
     # torch's CSV has one row per rank of one pipeline: no replicas, so no REDUCE_GRAD between them
     s = build_schedule(ScheduleSpec(strategy, 2, 4, iterations=2, **kw))
@@ -251,13 +263,16 @@ def test_dualpipev_timeline_by_hand(tmp_path):
     both its halves have their inputs, runs F then B, and its results leave
     when it ends."""
     s = schedule_from_csv(torch_csv(torch_multi("DualPipeV", 2, 4), tmp_path, "compute_only"))
-    starts = {(sp.device, str(sp.action).split("@")[0]): round(sp.start / MS, 9)
-              for sp in simulate_uniform(s, recv_lookahead=0).spans if sp.stream == "compute"}
+    starts = {
+        (sp.device, str(sp.action).split("@")[0]): round(sp.start / MS, 9)
+        for sp in simulate_uniform(s, recv_lookahead=0).spans
+        if sp.stream == "compute"
+    }
     want = {
         0: "0F0 0 0F1 1 0F2 2 3F0 3 3I0 4 3W0 5 3F1 6 0F3 7 3B1 8 3F2 11 0B0 12 3B2 14 3F3 17 0B1 18 3B3 20 "
-           "0I2 22 0W2 23 0I3 24 0W3 25",
+        "0I2 22 0W2 23 0I3 24 0W3 25",
         1: "1F0 1 2F0 2 1F1 3 2F1 4 1F2 5 2B0 6 2F2 8 1B0 9 1F3 11 2B1 12 2F3 14 1B1 15 2B2 17 1B2 19 "
-           "2I3 22 1I3 23 2W3 24 1W3 25",
+        "2I3 22 1I3 23 2W3 24 1W3 25",
     }
     for dev, row in want.items():
         items = row.split()
@@ -280,7 +295,7 @@ def test_lowering_posts_nothing_inside_a_pair_and_sends_follow_each_microbatch(t
         # each SEND_B follows the pass that made that micro-batch's input gradient
         assert rank0[rank0.index("3I0") + 1] == "3SEND_B0"
         pair = rank0.index("3B1")
-        assert rank0[pair - 2] == "0OVERLAP_F_B" and "3SEND_B1" in rank0[pair + 1:pair + 3]
+        assert rank0[pair - 2] == "0OVERLAP_F_B" and "3SEND_B1" in rank0[pair + 1 : pair + 3]
 
 
 @settings(max_examples=30, deadline=None)
@@ -358,14 +373,18 @@ def test_torch_1f1b_last_rank_numbering_gets_its_own_message(capsys, p, m):
         assert "Schedule1F1B" in msg and f"--stages {p} --microbatches {m} --format torch-csv" in msg
         assert "\n" not in msg
     # what it says to do works: pipesim writes the same order with the true ids
-    assert main(["schedule", "--strategy", "1f1b", "--stages", str(p), "--microbatches", str(m),
-                 "--format", "torch-csv"]) == 0
+    assert (
+        main(["schedule", "--strategy", "1f1b", "--stages", str(p), "--microbatches", str(m), "--format", "torch-csv"])
+        == 0
+    )
     fixed = capsys.readouterr().out
     renumbered = [row.split(",") for row in text.splitlines()]
-    renumbered[-1] = [f"{p - 1}F{int(c[len(str(p - 1)) + 1:]) - 1}" if c.startswith(f"{p - 1}F") else c
-                      for c in renumbered[-1]]
-    assert [[c for c in row if c and "REDUCE" not in c] for row in renumbered] == \
-        [row.split(",") for row in fixed.splitlines()]
+    renumbered[-1] = [
+        f"{p - 1}F{int(c[len(str(p - 1)) + 1 :]) - 1}" if c.startswith(f"{p - 1}F") else c for c in renumbered[-1]
+    ]
+    assert [[c for c in row if c and "REDUCE" not in c] for row in renumbered] == [
+        row.split(",") for row in fixed.splitlines()
+    ]
     assert schedule_from_csv(fixed, strategy="1f1b") == build_schedule(ScheduleSpec("1f1b", p, m))
 
 
@@ -398,14 +417,32 @@ def test_cli_says_what_is_wrong_with_torch_1f1b(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "strategy,p,m,kw",
-    [("gpipe", 2, 2, {}), ("gpipe", 4, 8, {}), ("1f1b", 3, 5, {}), ("1f1b", 4, 8, {}), ("1f1b", 8, 16, {}),
-     ("interleaved-1f1b", 2, 4, {"chunks": 2}), ("interleaved-1f1b", 4, 8, {"chunks": 2}),
-     ("interleaved-1f1b", 4, 12, {"chunks": 3}), ("gpipe", 3, 4, {"iterations": 2})],
+    [
+        ("gpipe", 2, 2, {}),
+        ("gpipe", 4, 8, {}),
+        ("1f1b", 3, 5, {}),
+        ("1f1b", 4, 8, {}),
+        ("1f1b", 8, 16, {}),
+        ("interleaved-1f1b", 2, 4, {"chunks": 2}),
+        ("interleaved-1f1b", 4, 8, {"chunks": 2}),
+        ("interleaved-1f1b", 4, 12, {"chunks": 3}),
+        ("gpipe", 3, 4, {"iterations": 2}),
+    ],
 )
 def test_torch_dry_run_accepts_lowered_torch_csv(capsys, strategy, p, m, kw):
     s = build_schedule(ScheduleSpec(strategy, p, m, **kw))
-    argv = ["schedule", "--strategy", strategy, "--stages", str(p), "--microbatches", str(m), "--lowered",
-            "--format", "torch-csv"] + [x for k, v in kw.items() for x in (f"--{k}", str(v))]
+    argv = [
+        "schedule",
+        "--strategy",
+        strategy,
+        "--stages",
+        str(p),
+        "--microbatches",
+        str(m),
+        "--lowered",
+        "--format",
+        "torch-csv",
+    ] + [x for k, v in kw.items() for x in (f"--{k}", str(v))]
     assert main(argv) == 0
     text = capsys.readouterr().out
     home = s.placement()
@@ -432,11 +469,14 @@ def test_schedule_recv_lookahead_option(capsys):
 
 def test_simulating_a_schedule_csv_imports_neither_torch_nor_plotly(tmp_path):
     path = tmp_path / "s.csv"
-    path.write_text(to_csv(lower(build_schedule(ScheduleSpec("interleaved-1f1b", 2, 4)), recv_lookahead=0),
-                           torch_only=True))
-    code = ("import sys; from pipesim.experiments.cli import main; "
-            f"assert main(['simulate', '--schedule', {str(path)!r}, '--summary-only', '--out', {str(tmp_path)!r}]) == 0; "
-            "print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))")
+    path.write_text(
+        to_csv(lower(build_schedule(ScheduleSpec("interleaved-1f1b", 2, 4)), recv_lookahead=0), torch_only=True)
+    )
+    code = (
+        "import sys; from pipesim.experiments.cli import main; "
+        f"assert main(['simulate', '--schedule', {str(path)!r}, '--summary-only', '--out', {str(tmp_path)!r}]) == 0; "
+        "print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"
     assert json.loads((tmp_path / "summary.json").read_text())["compute_actions"] > 0
@@ -495,12 +535,17 @@ def test_torch_csv_of_an_asynchronous_strategy_says_what_it_loses(capsys) -> Non
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize(("spec", "hardware"), [
-    (dict(strategy="avgpipe", stages=4, microbatches=8, iterations=3, advance=2), "pcie-4gpu"),
-    (dict(strategy="avgpipe", stages=4, microbatches=8, iterations=4, width=2, placement="disjoint", tau=2),
-     "dgx-h100"),
-    (dict(strategy="1f1b", stages=4, microbatches=8), "dgx1-v100"),
-])
+@pytest.mark.parametrize(
+    ("spec", "hardware"),
+    [
+        (dict(strategy="avgpipe", stages=4, microbatches=8, iterations=3, advance=2), "pcie-4gpu"),
+        (
+            dict(strategy="avgpipe", stages=4, microbatches=8, iterations=4, width=2, placement="disjoint", tau=2),
+            "dgx-h100",
+        ),
+        (dict(strategy="1f1b", stages=4, microbatches=8), "dgx1-v100"),
+    ],
+)
 def test_a_lowered_csv_read_back_runs_as_its_compute_order_does(spec, hardware):
     """The sends and receives a lowered CSV carries are the ones the run
     adds to the compute order itself: they must not shrink the budget of
@@ -529,16 +574,19 @@ def test_a_csv_read_with_too_few_micro_batches_says_what_m_counts():
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
     text = to_csv(build_schedule(ScheduleSpec("1f1b", 2, 4, width=2)))
-    with pytest.raises(ScheduleError, match=r"micro-batches 0\.\.7, more than m=4 x 1 iteration\(s\) hold: an "
-                                            r"imported schedule's m counts every micro-batch of an iteration, over "
-                                            r"all its replicas \(its header says 8\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"micro-batches 0\.\.7, more than m=4 x 1 iteration\(s\) hold: an "
+        r"imported schedule's m counts every micro-batch of an iteration, over "
+        r"all its replicas \(its header says 8\)",
+    ):
         schedule_from_csv(text, microbatches=4)
     assert schedule_from_csv(text).num_microbatches == 8
 
 
-
-@pytest.mark.parametrize(("name", "lookahead"), [("gpipe", 0), ("1f1b", 0), ("interleaved-1f1b", 0), ("zb-h1", 0),
-                                                 ("1f1b", 1), ("zb-h1", 1)])
+@pytest.mark.parametrize(
+    ("name", "lookahead"), [("gpipe", 0), ("1f1b", 0), ("interleaved-1f1b", 0), ("zb-h1", 0), ("1f1b", 1), ("zb-h1", 1)]
+)
 def test_a_lowered_torch_csv_of_several_iterations_reads_back_as_lowered(name, lookahead):
     """torch's CSV has no updates: read back, each goes right after its
     stage's last backward and the sends that follow, before any receive
@@ -568,4 +616,3 @@ def test_receives_ahead_is_read_off_the_order():
     assert receives_ahead(prog("1RECV_F0 1F0 1RECV_F1 1RECV_B0 1F1 1B0"))  # RECV_B0 waits across 1F1
     # a DualPipeV unit consumes both its receives: not ahead
     assert not receives_ahead(prog("1RECV_F2 1RECV_B0 (1F2;1B0)OVERLAP_F_B 1RECV_F3 1F3"))
-

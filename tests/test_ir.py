@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.ir.checks import validate
 from pipesim.sim.interchange import schedule_from_csv
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import (
     P2P_OPS,
     Action,
@@ -193,9 +193,11 @@ def test_collective_deadlock_is_named() -> None:
 def test_lowering_pairs_every_cross_device_dependency(p: int, m: int, lookahead: int) -> None:
     progs = []
     for k in range(p):  # GPipe order, one stage per device
-        progs.append([Action(F, k, i, 0) for i in range(m)]
-                     + [parse_action(f"{k}B{i}@v0") for i in reversed(range(m))]
-                     + [parse_action(f"{k}UPDATE@v1")])
+        progs.append(
+            [Action(F, k, i, 0) for i in range(m)]
+            + [parse_action(f"{k}B{i}@v0") for i in reversed(range(m))]
+            + [parse_action(f"{k}UPDATE@v1")]
+        )
     s = Schedule("gpipe", p, m, progs)
     low = lower(s, recv_lookahead=lookahead)
     validate(low)

@@ -33,26 +33,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipesim.kernels as K
-from pipesim.kernels import foreach
-from pipesim.kernels._checks import DEFAULT_LAUNCH
 from pipesim.experiments.bench.kernels import _variants as bench_variants
 from pipesim.experiments.bench.kernels import check_targets, launch_shapes, model_shapes, with_default_shape
 from pipesim.experiments.bench.kernels import main as bench_main
 from pipesim.experiments.bench.kernels import run as bench_run
-from pipesim.kernels.native import native_available, native_unavailable_reason
 from pipesim.experiments.cliargs import run_command
+from pipesim.kernels import foreach
+from pipesim.kernels._checks import DEFAULT_LAUNCH
+from pipesim.kernels.native import native_available, native_unavailable_reason
 
 #: numerics tests: CI runs them again with lesser ATen and MKL kernels (.ci/run)
 pytestmark = pytest.mark.numerics
 
 # The backend fixture is set once per test, the same for every example.
-SETTINGS = settings(max_examples=80, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 # (weight dtype, state dtype)
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
-          (torch.float64, torch.float64)]
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.float64, torch.float64),
+]
 
 shape_st = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 big_shape_st = st.sampled_from([(300,), (17, 40), (1025,)])
@@ -84,6 +89,7 @@ class tile_size:
 
 def make(shapes, dtype, layout, gen, *, positive=False, scale=1.0):
     """Random tensors of ``shapes``: separate, back to back in one buffer, or non-contiguous."""
+
     def values(shape):
         t = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
         return (t.abs() if positive else t).to(dtype)
@@ -114,11 +120,14 @@ def check(got, ref, scale, dtype, k, what=""):
         tol = fi.eps * ref.abs() + k * torch.finfo(torch.float32).eps * scale
     tol = tol + fi.smallest_normal * fi.eps
     bad = err > tol
-    assert not bad.any(), (f"{what}: max error {err.max().item():.3g} over tolerance "
-                           f"(got {got[bad][:3].tolist()}, ref {ref[bad][:3].tolist()})")
+    assert not bad.any(), (
+        f"{what}: max error {err.max().item():.3g} over tolerance "
+        f"(got {got[bad][:3].tolist()}, ref {ref[bad][:3].tolist()})"
+    )
 
 
 # ------------------------------------------------------------------ references
+
 
 def ref_sgd(ws, vs, lr, s):
     return [w.double() - s * lr * v.double() for w, v in zip(ws, vs)]
@@ -141,9 +150,16 @@ def ref_elastic(reps, center, alpha):
 # ------------------------------------------------------------------ predict_sgd
 
 @SETTINGS
-@given(shapes=shapes_st, dts=st.sampled_from(DTYPES), layout=layout_st, tile=tile_st,
-       seed=st.integers(0, 2**31), lr=st.sampled_from([1e-3, 0.1, 1.0]),
-       distance=st.integers(0, 8), use_out=st.booleans())
+@given(
+    shapes=shapes_st,
+    dts=st.sampled_from(DTYPES),
+    layout=layout_st,
+    tile=tile_st,
+    seed=st.integers(0, 2**31),
+    lr=st.sampled_from([1e-3, 0.1, 1.0]),
+    distance=st.integers(0, 8),
+    use_out=st.booleans(),
+)
 def test_predict_sgd_matches_reference(shapes, dts, layout, tile, seed, lr, distance, use_out):
     wdt, sdt = dts
     g = torch.Generator().manual_seed(seed)
@@ -172,8 +188,11 @@ def test_distance_zero_is_identity(shapes, dts, layout, seed):
     v = make(shapes, sdt, "separate", g, scale=1e30 if sdt != torch.float16 else 1e4)
     m = make(shapes, sdt, "separate", g)
     sq = make(shapes, sdt, "separate", g, positive=True)
-    for got in (K.predict_sgd(w, v, 0.1, 0), K.predict_adam(w, m, sq, 5, 0.1, (0.9, 0.999), 1e-8, 0),
-                K.predict_adam(w, m, sq, 0, 0.1, (0.9, 0.999), 1e-8, 3)):  # step 0: no moments yet
+    for got in (
+        K.predict_sgd(w, v, 0.1, 0),
+        K.predict_adam(w, m, sq, 5, 0.1, (0.9, 0.999), 1e-8, 0),
+        K.predict_adam(w, m, sq, 0, 0.1, (0.9, 0.999), 1e-8, 3),
+    ):  # step 0: no moments yet
         assert all(torch.equal(a, b) for a, b in zip(got, w))
 
 
@@ -221,9 +240,17 @@ def test_predict_sgd_equals_torch_sgd_step():
 # ------------------------------------------------------------------ predict_adam
 
 @SETTINGS
-@given(shapes=shapes_st, dts=st.sampled_from(DTYPES), layout=layout_st, tile=tile_st,
-       seed=st.integers(0, 2**31), step=st.integers(1, 10_000), distance=st.integers(0, 8),
-       lr=st.sampled_from([1e-4, 1e-2, 1.0]), eps=st.sampled_from([1e-8, 1e-3]))
+@given(
+    shapes=shapes_st,
+    dts=st.sampled_from(DTYPES),
+    layout=layout_st,
+    tile=tile_st,
+    seed=st.integers(0, 2**31),
+    step=st.integers(1, 10_000),
+    distance=st.integers(0, 8),
+    lr=st.sampled_from([1e-4, 1e-2, 1.0]),
+    eps=st.sampled_from([1e-8, 1e-3]),
+)
 def test_predict_adam_matches_reference(shapes, dts, layout, tile, seed, step, distance, lr, eps):
     wdt, sdt = dts
     g = torch.Generator().manual_seed(seed)
@@ -254,8 +281,9 @@ def test_predict_adam_reads_torch_adam_state():
         st_ = [opt.state[p] for p in params]
         step = int(st_[0]["step"])
         got = K.Predictor(model, opt).predict(2)
-        ref, _ = ref_adam(params, [s["exp_avg"] for s in st_], [s["exp_avg_sq"] for s in st_],
-                          step, 1e-2, (0.8, 0.99), 1e-6, 2)
+        ref, _ = ref_adam(
+            params, [s["exp_avg"] for s in st_], [s["exp_avg_sq"] for s in st_], step, 1e-2, (0.8, 0.99), 1e-6, 2
+        )
         for (name, a), r, p in zip(got.items(), ref, params):
             check(a, r, p.double().abs() + (r - p.double()).abs(), torch.float32, 4, name)
 
@@ -264,8 +292,15 @@ def test_predict_adam_reads_torch_adam_state():
 # ------------------------------------------------------------------ elastic averaging
 
 @SETTINGS
-@given(shapes=shapes_st, dts=st.sampled_from(DTYPES), layout=layout_st, tile=tile_st,
-       seed=st.integers(0, 2**31), n=st.integers(1, 4), alpha=st.sampled_from([0.0, 0.05, 0.2, 0.5]))
+@given(
+    shapes=shapes_st,
+    dts=st.sampled_from(DTYPES),
+    layout=layout_st,
+    tile=tile_st,
+    seed=st.integers(0, 2**31),
+    n=st.integers(1, 4),
+    alpha=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+)
 def test_elastic_average_matches_reference(shapes, dts, layout, tile, seed, n, alpha):
     wdt, cdt = dts
     g = torch.Generator().manual_seed(seed)
@@ -297,9 +332,16 @@ def test_elastic_average_conserves_total_and_contracts():
 # ------------------------------------------------------------------ in place with exact restore
 
 @SETTINGS
-@given(shapes=shapes_st, dts=st.sampled_from(DTYPES), layout=layout_st, tile=tile_st,
-       seed=st.integers(0, 2**31), save=st.sampled_from(["copy", "residual"]),
-       kind=st.sampled_from(["sgd", "adam"]), distance=st.integers(0, 6))
+@given(
+    shapes=shapes_st,
+    dts=st.sampled_from(DTYPES),
+    layout=layout_st,
+    tile=tile_st,
+    seed=st.integers(0, 2**31),
+    save=st.sampled_from(["copy", "residual"]),
+    kind=st.sampled_from(["sgd", "adam"]),
+    distance=st.integers(0, 6),
+)
 def test_inplace_prediction_restores_bit_exactly(shapes, dts, layout, tile, seed, save, kind, distance):
     wdt, sdt = dts
     g = torch.Generator().manual_seed(seed)
@@ -406,6 +448,7 @@ def test_writes_through_flat_views_reach_autograd():
 
 # ------------------------------------------------------------------ validation
 
+
 def test_validation_names_the_offending_index():
     w = [torch.zeros(2), torch.zeros(4, 6), torch.zeros(3)]
     ok = [torch.zeros(2), torch.zeros(4, 6), torch.zeros(3)]
@@ -456,6 +499,7 @@ def test_elastic_validation():
 
 # ------------------------------------------------------------------ backend switch
 
+
 def test_backend_switch():
     assert K.get_backend() in K.BACKENDS
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -463,12 +507,14 @@ def test_backend_switch():
     with pytest.raises(ValueError, match="backend must be one of"):
         K.predict_sgd([torch.zeros(2)], [torch.zeros(2)], 0.1, 1, backend="fast")
     from pipesim.kernels.backend import resolve
+
     assert resolve("auto", torch.device("cpu")) == ("native" if native_available() else "foreach")
     with pytest.raises(RuntimeError, match="native.*CPU"):
         resolve("native", torch.device("cuda"))
     with K.use_backend("foreach"):
         assert K.get_backend() == "foreach"
     import os
+
     if not os.environ.get("TRITON_INTERPRET"):
         with pytest.raises(RuntimeError, match="triton"):
             K.predict_sgd([torch.zeros(2)], [torch.zeros(2)], 0.1, 1, backend="triton")
@@ -477,20 +523,27 @@ def test_backend_switch():
 def test_cpu_import_does_not_import_triton():
     import subprocess
     import sys
-    code = ("import sys, torch, pipesim.kernels as K\n"
-            "K.predict_sgd([torch.ones(3)], [torch.ones(3)], .1, 1)\n"
-            "print('triton' in sys.modules)")
+
+    code = (
+        "import sys, torch, pipesim.kernels as K\n"
+        "K.predict_sgd([torch.ones(3)], [torch.ones(3)], .1, 1)\n"
+        "print('triton' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 # ------------------------------------------------------------------ module helpers
 
+
 def test_predictor_groups_steps_and_missing_state():
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
-                           {"params": model[1].parameters(), "lr": 0.01}], lr=0.5, momentum=0.9)
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "lr": 0.01}],
+        lr=0.5,
+        momentum=0.9,
+    )
     model(torch.randn(2, 4)).sum().backward()
     model[1].bias.grad = None  # no momentum buffer for this one: predicted as itself
     opt.step()
@@ -525,6 +578,7 @@ def test_elastic_average_modules():
 
 # ------------------------------------------------------------------ costing and benchmark
 
+
 def test_bytes_moved():
     n = 1000
     assert K.bytes_moved("predict_sgd", n) == 3 * 4 * n
@@ -543,12 +597,16 @@ def test_model_shapes_are_model_sized():
 
 def test_bench_smoke():
     rows = bench_run("cpu", numel=20_000, n_tensors=30, dtypes=("float32",), repeat=1, warmup_s=0)
-    assert {r["kernel"] for r in rows} >= {"predict_sgd", "predict_adam", "elastic_average",
-                                           "weight_stash", "double_buffer"}
+    assert {r["kernel"] for r in rows} >= {
+        "predict_sgd",
+        "predict_adam",
+        "elastic_average",
+        "weight_stash",
+        "double_buffer",
+    }
     if native_available():  # the fused CPU path gets rows of its own, against foreach
         native = {r["kernel"]: r for r in rows if r["backend"] == "native"}
-        assert set(native) == {"predict_sgd", "predict_adam", "elastic_average", "double_buffer",
-                               "predict_sgd_"}
+        assert set(native) == {"predict_sgd", "predict_adam", "elastic_average", "double_buffer", "predict_sgd_"}
         assert all(r["foreach_speedup"] > 0 for r in native.values())
     for r in rows:
         assert {"kernel", "device", "dtype", "numel", "gbps", "copy_gbps", "loop_speedup"} <= set(r)
@@ -558,9 +616,15 @@ def test_bench_smoke():
 
 def test_bench_times_triton_once_per_launch_shape_asked_for():
     assert bench_variants(["foreach", "triton"], ((1024, 4), (8192, 16))) == [
-        ("foreach", None), ("triton", (1024, 4)), ("triton", (8192, 16)), ("triton", DEFAULT_LAUNCH)]
+        ("foreach", None),
+        ("triton", (1024, 4)),
+        ("triton", (8192, 16)),
+        ("triton", DEFAULT_LAUNCH),
+    ]
     assert bench_variants(["triton"], (DEFAULT_LAUNCH, (1024, 4))) == [
-        ("triton", DEFAULT_LAUNCH), ("triton", (1024, 4))]
+        ("triton", DEFAULT_LAUNCH),
+        ("triton", (1024, 4)),
+    ]
     assert bench_variants(["foreach", "triton"], None) == [("foreach", None), ("triton", None)]
     assert bench_variants(["foreach", "native"], ((1024, 4),)) == [("foreach", None), ("native", None)]
 
@@ -570,16 +634,29 @@ def test_bench_launch_sweep_always_times_the_default_shape():
     out would report every target met without judging one."""
     assert with_default_shape(((1024, 4),)) == ((1024, 4), DEFAULT_LAUNCH)
     assert with_default_shape((DEFAULT_LAUNCH, (1024, 4))) == (DEFAULT_LAUNCH, (1024, 4))
-    slow = {"kernel": "predict_sgd", "dtype": "bfloat16", "backend": "triton", "device": "cuda",
-            "pct_copy": 40.0, "loop_speedup": 9.0, "foreach_speedup": 1.0}
+    slow = {
+        "kernel": "predict_sgd",
+        "dtype": "bfloat16",
+        "backend": "triton",
+        "device": "cuda",
+        "pct_copy": 40.0,
+        "loop_speedup": 9.0,
+        "foreach_speedup": 1.0,
+    }
     rows = [{**slow, "launch": "1024x4"}, {**slow, "launch": "%dx%d" % DEFAULT_LAUNCH}]
     assert check_targets(rows[:1]) == [] and len(check_targets(rows)) == 2
 
 
-@pytest.mark.parametrize("text,message", [
-    ("1024", "expected BLOCKxWARPS"), ("1000x4", "block must be a power of two"),
-    ("4096x64", "warps must be a power of two"), ("64x4", "block must be"), ("axb", "expected BLOCKxWARPS"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("1024", "expected BLOCKxWARPS"),
+        ("1000x4", "block must be a power of two"),
+        ("4096x64", "warps must be a power of two"),
+        ("64x4", "block must be"),
+        ("axb", "expected BLOCKxWARPS"),
+    ],
+)
 def test_bench_launch_shapes_refuse_what_triton_cannot_launch(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         launch_shapes(text)

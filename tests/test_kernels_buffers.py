@@ -140,9 +140,11 @@ class DoubleBufferMachine(RuleBasedStateMachine):
             grads = [torch.full(s, -1.0) for s in SHAPES]
             assert self.db.update_sgd(grads, 1.0) == self.version + 1
         else:
+
             def write(dst, src):
                 for d, s in zip(dst, src):
                     d.copy_(s).add_(1)
+
             assert self.db.update(write) == self.version + 1
         assert [t.data_ptr() for t in self.db.shadow] == before  # swapped, not copied
         self.readers.pop(prev, None)
@@ -222,6 +224,7 @@ class VersionPoolMachine(RuleBasedStateMachine):
         def write(dst, src):
             for d, s in zip(dst, src):
                 d.copy_(s + 1)
+
         new = self.pool.update(write)
         assert new == cur + 1
         ptrs = [t.data_ptr() for t in self.pool.get(new)]
@@ -248,7 +251,7 @@ def test_version_pool_double_buffers_2bw():
     """2BW's pattern (forwards keep reading the previous version) needs two buffers, never three."""
     pool = VersionPool(weights(0), capacity=2)
     for _ in range(6):
-        pool.expect(count=2)          # next iteration's passes read the current version
+        pool.expect(count=2)  # next iteration's passes read the current version
         pool.update(lambda d, s: [x.copy_(y + 1) for x, y in zip(d, s)])
         for v in pool.held[:-1]:
             if pool.readers(v):

@@ -46,20 +46,27 @@ def _compare_all(device, backend):
 
             got = K.predict_sgd(w, v, 0.1, 3, backend=backend)
             for i, (a, r, wi, vi) in enumerate(zip(got, ref_sgd(w, v, 0.1, 3), w, v)):
-                check(a.cpu(), r.cpu(), (wi.double().abs() + 0.3 * vi.double().abs()).cpu(), wdt, 2,
-                      f"sgd {wdt} {layout} [{i}]")
+                check(
+                    a.cpu(),
+                    r.cpu(),
+                    (wi.double().abs() + 0.3 * vi.double().abs()).cpu(),
+                    wdt,
+                    2,
+                    f"sgd {wdt} {layout} [{i}]",
+                )
 
             got = K.predict_adam(w, m, sq, 9, 0.01, (0.9, 0.999), 1e-8, 2, backend=backend)
             ref, upd = ref_adam(w, m, sq, 9, 0.01, (0.9, 0.999), 1e-8, 2)
             for i, (a, r, wi, u) in enumerate(zip(got, ref, w, upd)):
-                check(a.cpu(), r.cpu(), (wi.double().abs() + u.abs()).cpu(), wdt, 4,
-                      f"adam {wdt} {layout} [{i}]")
+                check(a.cpu(), r.cpu(), (wi.double().abs() + u.abs()).cpu(), wdt, 4, f"adam {wdt} {layout} [{i}]")
 
             reps = [[t.clone() for t in w], [t.to(device) for t in make(SHAPES, wdt, "separate", g)]]
             center = [t.to(device) for t in make(SHAPES, sdt, "separate", g)]
             want_r, want_c = ref_elastic(reps, center, 0.2)
-            scale = [(reps[0][i].double().abs() + reps[1][i].double().abs()
-                      + center[i].double().abs()).cpu() for i in range(len(SHAPES))]
+            scale = [
+                (reps[0][i].double().abs() + reps[1][i].double().abs() + center[i].double().abs()).cpu()
+                for i in range(len(SHAPES))
+            ]
             K.elastic_average(reps, center, 0.2, backend=backend)
             for rep, want in zip(reps, want_r):
                 for i, (a, b) in enumerate(zip(rep, want)):
@@ -77,8 +84,9 @@ def _run_under_interpreter(code: str) -> None:
     when the kernels are decorated, so it must be set before the import);
     the code prints ``ok`` last."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=240, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 
@@ -113,13 +121,16 @@ def test_triton_writes_bump_version_counters():
 @needs_triton
 def test_triton_kernels_under_interpreter():
     """Runs the Triton kernels on CPU tensors through Triton's interpreter."""
-    code = textwrap.dedent("""
+    code = textwrap.dedent(
+        """
         import sys
         sys.path.insert(0, %r)
         from test_kernels_cuda import _compare_all
         _compare_all("cpu", "triton")
         print("ok")
-    """ % os.path.dirname(__file__))
+    """
+        % os.path.dirname(__file__)
+    )
     _run_under_interpreter(code)
 
 
@@ -172,17 +183,40 @@ def test_triton_kernels_compile_for_hopper_with_vector_loads():
 
     from pipesim.kernels import triton_kernels as tk
 
-    sig = {"W": "*i64", "M": "*i64", "V": "*i64", "O": "*i64", "NUMELS": "*i64", "BLK_T": "*i32",
-           "BLK_OFF": "*i64", "neg_c": "fp32", "eps": "fp32", "W_TY": "constexpr", "M_TY": "constexpr",
-           "V_TY": "constexpr", "O_TY": "constexpr", "ALIGNED": "constexpr", "BLOCK": "constexpr"}
+    sig = {
+        "W": "*i64",
+        "M": "*i64",
+        "V": "*i64",
+        "O": "*i64",
+        "NUMELS": "*i64",
+        "BLK_T": "*i32",
+        "BLK_OFF": "*i64",
+        "neg_c": "fp32",
+        "eps": "fp32",
+        "W_TY": "constexpr",
+        "M_TY": "constexpr",
+        "V_TY": "constexpr",
+        "O_TY": "constexpr",
+        "ALIGNED": "constexpr",
+        "BLOCK": "constexpr",
+    }
     # fp32 throughout, and bf16 weights with fp32 state (whose 2-byte elements
     # must still move 16 bytes per access: 8 to a vector)
     for weights in (tl.float32, tl.bfloat16):
-        consts = {"W_TY": weights, "M_TY": tl.float32, "V_TY": tl.float32, "O_TY": weights,
-                  "ALIGNED": True, "BLOCK": tk.BLOCK}
+        consts = {
+            "W_TY": weights,
+            "M_TY": tl.float32,
+            "V_TY": tl.float32,
+            "O_TY": weights,
+            "ALIGNED": True,
+            "BLOCK": tk.BLOCK,
+        }
         try:
-            kernel = triton.compile(ASTSource(fn=tk._adam_kernel, signature=sig, constexprs=consts),
-                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": tk.NUM_WARPS})
+            kernel = triton.compile(
+                ASTSource(fn=tk._adam_kernel, signature=sig, constexprs=consts),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": tk.NUM_WARPS},
+            )
         except Exception as exc:  # e.g. no ptxas in this install
             if "ptxas" in str(exc).lower():
                 pytest.skip(f"cannot compile for CUDA here: {exc}")

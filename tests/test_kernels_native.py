@@ -26,13 +26,19 @@ from pipesim.kernels.prediction import impl_for
 
 pytestmark = [
     pytest.mark.numerics,
-    pytest.mark.skipif(not native.native_available(),
-                       reason=f"native kernels unavailable: {native.native_unavailable_reason()}"),
+    pytest.mark.skipif(
+        not native.native_available(), reason=f"native kernels unavailable: {native.native_unavailable_reason()}"
+    ),
 ]
 
 # (weight dtype, state dtype)
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-          (torch.float16, torch.float32), (torch.float16, torch.float16)]
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.float16, torch.float16),
+]
 # Block edges (512), tiny, scalar and empty tensors.
 SHAPES = [(3, 5), (511,), (512,), (513,), (), (0,), (1,), (1000, 7), (5, 0), (2,)]
 
@@ -81,8 +87,11 @@ def want_elastic(xs, c, alpha):
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("wdt,sdt", DTYPES)
@@ -164,9 +173,9 @@ def test_threads_and_streaming_do_not_change_bits(monkeypatch, stream):
 def test_unsupported_groups_fall_back_to_foreach():
     a = torch.randn(4, 6)
     assert impl_for([[a], [a], [a]], "native") is native
-    assert impl_for([[a.t()], [a], [a]], "native") is foreach        # non-contiguous
+    assert impl_for([[a.t()], [a], [a]], "native") is foreach  # non-contiguous
     d = a.double()
-    assert impl_for([[d], [d], [d]], "native") is foreach            # float64
+    assert impl_for([[d], [d], [d]], "native") is foreach  # float64
     w = [torch.randn(6, 4).t(), torch.randn(5)]
     v = [torch.randn(4, 6), torch.randn(5)]
     got = K.predict_sgd(w, v, 0.1, 2, backend="native")  # the whole group goes to foreach
@@ -196,8 +205,14 @@ def test_build_key_follows_source_compiler_and_cpu():
 
 
 def _python(code: str, env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def test_concurrent_builds_all_load(tmp_path):

@@ -19,11 +19,11 @@ from pipesim.experiments.overlay import (
     write_overlay_html,
 )
 from pipesim.experiments.timeline import PALETTE
-from pipesim.sim.api import simulate
-from pipesim.sim.ir.core import Op
-from pipesim.sim.engine.results import SimResult, Span
-from pipesim.sim.strategies import ScheduleSpec
 from pipesim.experiments.trace import chrome_trace, dumps
+from pipesim.sim.api import simulate
+from pipesim.sim.engine.results import SimResult, Span
+from pipesim.sim.ir.core import Op
+from pipesim.sim.strategies import ScheduleSpec
 
 SLOW = 1.1  # the fake measurement runs everything 10% slower than predicted
 
@@ -37,10 +37,13 @@ def predicted() -> SimResult:
 def measured(predicted) -> SimResult:
     # same spans (flow ids included, so the merged trace has ids to collide),
     # times stretched, and nothing but spans, like validate's measured result
-    spans = [Span(s.device, s.stream, s.action, s.start * SLOW, s.end * SLOW, s.peer, s.flow, s.nbytes)
-             for s in predicted.spans]
-    return SimResult(schedule=predicted.schedule, spans=spans, memory=[], versions=[],
-                     max_versions_held={}, link_bytes={})
+    spans = [
+        Span(s.device, s.stream, s.action, s.start * SLOW, s.end * SLOW, s.peer, s.flow, s.nbytes)
+        for s in predicted.spans
+    ]
+    return SimResult(
+        schedule=predicted.schedule, spans=spans, memory=[], versions=[], max_versions_held={}, link_bytes={}
+    )
 
 
 def _rows(fig) -> dict[int, str]:
@@ -85,8 +88,10 @@ def test_rows_measured_directly_above_simulated(measured, predicted):
 def test_every_compute_span_once_per_row_in_ms(measured, predicted):
     fig = overlay_figure(measured, predicted)
     got = Counter((row, txt) for row, txt, *_ in _bars(fig))
-    want = Counter([(f"d{s.device} measured", str(s.action)) for s in _compute(measured)]
-                   + [(f"d{s.device} simulated", str(s.action)) for s in _compute(predicted)])
+    want = Counter(
+        [(f"d{s.device} measured", str(s.action)) for s in _compute(measured)]
+        + [(f"d{s.device} simulated", str(s.action)) for s in _compute(predicted)]
+    )
     assert got == want
     assert max(got.values()) == 1
     # positions in milliseconds from t = 0, on the right row
@@ -130,15 +135,23 @@ def test_hover_of_measured_span_names_predicted_duration_and_error(measured, pre
 
 def test_measured_action_missing_from_prediction(measured, predicted):
     extra = Span(0, "compute", measured.spans[0].action._replace(microbatch=99), 0.0, 0.001)
-    meas = SimResult(schedule=measured.schedule, spans=[*measured.spans, extra], memory=[], versions=[],
-                     max_versions_held={}, link_bytes={})
+    meas = SimResult(
+        schedule=measured.schedule,
+        spans=[*measured.spans, extra],
+        memory=[],
+        versions=[],
+        max_versions_held={},
+        link_bytes={},
+    )
     hover = {(row, txt): hv for row, txt, _, _, hv, _ in _bars(overlay_figure(meas, predicted))}
     assert "not simulated" in hover[("d0 measured", "0F99@v0")]
 
 
 def test_flagged_actions_outlined_on_measured_row_only(measured, predicted):
-    flagged = [{"device": 1, "action": "1B2@v0", "duration_error": -0.09},
-               {"device": "0", "action": "0F3@v0"}]  # as read back from report.json
+    flagged = [
+        {"device": 1, "action": "1B2@v0", "duration_error": -0.09},
+        {"device": "0", "action": "0F3@v0"},
+    ]  # as read back from report.json
     fig = overlay_figure(measured, predicted, flagged=flagged)
     outlined = {(row, txt) for row, txt, *_, w in _bars(fig) if w > 0}
     assert outlined == {("d1 measured", "1B2@v0"), ("d0 measured", "0F3@v0")}
@@ -155,8 +168,10 @@ def test_flagged_actions_outlined_on_measured_row_only(measured, predicted):
 def test_show_comm_draws_thin_bars_on_the_same_rows(measured, predicted):
     fig = overlay_figure(measured, predicted, show_comm=True)
     comm = _bars(fig, stream="comm")
-    want = Counter([(f"d{s.device} measured", str(s.action)) for s in measured.spans if s.stream != "compute"]
-                   + [(f"d{s.device} simulated", str(s.action)) for s in predicted.spans if s.stream != "compute"])
+    want = Counter(
+        [(f"d{s.device} measured", str(s.action)) for s in measured.spans if s.stream != "compute"]
+        + [(f"d{s.device} simulated", str(s.action)) for s in predicted.spans if s.stream != "compute"]
+    )
     assert Counter((row, txt) for row, txt, *_ in comm) == want
     widths = {t.meta["stream"]: t.width for t in fig.data}
     assert widths["comm"] < widths["compute"]
@@ -208,13 +223,18 @@ def _meta(trace, name):
 def test_merged_trace_processes_named_and_interleaved(measured, predicted):
     tr = merged_trace(measured, predicted)
     names = {pid: a["name"] for pid, a in _meta(tr, "process_name").items()}
-    assert names == {0: "measured device 0", 1: "measured device 1",
-                     SIMULATED_PID_OFFSET: "simulated device 0", SIMULATED_PID_OFFSET + 1: "simulated device 1"}
+    assert names == {
+        0: "measured device 0",
+        1: "measured device 1",
+        SIMULATED_PID_OFFSET: "simulated device 0",
+        SIMULATED_PID_OFFSET + 1: "simulated device 1",
+    }
     sort = {pid: a["sort_index"] for pid, a in _meta(tr, "process_sort_index").items()}
     assert sorted(sort, key=sort.get) == [0, SIMULATED_PID_OFFSET, 1, SIMULATED_PID_OFFSET + 1]
     # thread names survive on both halves
-    threads = {(e["pid"], e["args"]["name"]) for e in tr["traceEvents"]
-               if e["ph"] == "M" and e["name"] == "thread_name"}
+    threads = {
+        (e["pid"], e["args"]["name"]) for e in tr["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     assert (0, "compute") in threads and (SIMULATED_PID_OFFSET + 1, "compute") in threads
 
 
@@ -228,12 +248,10 @@ def test_merged_trace_holds_every_complete_event_of_both(measured, predicted):
     m_x = [e for e in chrome_trace(measured)["traceEvents"] if e["ph"] == "X"]
     p_x = [e for e in chrome_trace(predicted)["traceEvents"] if e["ph"] == "X"]
     assert len(m_x) == len(measured.spans) and len(p_x) == len(predicted.spans)
-    assert Counter(map(key, xs)) == Counter([key(e) for e in m_x]
-                                            + [key(e, SIMULATED_PID_OFFSET) for e in p_x])
+    assert Counter(map(key, xs)) == Counter([key(e) for e in m_x] + [key(e, SIMULATED_PID_OFFSET) for e in p_x])
     assert {e["pid"] for e in xs} == {0, 1, SIMULATED_PID_OFFSET, SIMULATED_PID_OFFSET + 1}
     # the simulated half keeps its memory counters, moved with its processes
-    assert {e["pid"] for e in tr["traceEvents"] if e["ph"] == "C"} == {SIMULATED_PID_OFFSET,
-                                                                       SIMULATED_PID_OFFSET + 1}
+    assert {e["pid"] for e in tr["traceEvents"] if e["ph"] == "C"} == {SIMULATED_PID_OFFSET, SIMULATED_PID_OFFSET + 1}
     assert set(tr["otherData"]["measured"]) >= {"strategy", "makespan_s"}
     assert tr["otherData"]["simulated"]["strategy"] == "1f1b"
 
@@ -267,7 +285,13 @@ def test_merged_trace_is_valid_byte_stable_json(tmp_path, measured, predicted):
 
 def test_merged_trace_rejects_devices_that_would_clash(measured, predicted):
     far = Span(SIMULATED_PID_OFFSET, "compute", measured.spans[0].action, 0.0, 0.001)
-    meas = SimResult(schedule=measured.schedule, spans=[*measured.spans, far], memory=[], versions=[],
-                     max_versions_held={}, link_bytes={})
+    meas = SimResult(
+        schedule=measured.schedule,
+        spans=[*measured.spans, far],
+        memory=[],
+        versions=[],
+        max_versions_held={},
+        link_bytes={},
+    )
     with pytest.raises(ValueError, match="device ids"):
         merged_trace(meas, predicted)

@@ -26,8 +26,16 @@ def test_every_section_names_its_source(name):
     assert name in preset_names() and d["notes"] and d["device"]["notes"] and d["intra_node"]["notes"]
 
 
-@pytest.mark.parametrize("model,billions", [("2bw-gpt-355m", 0.355), ("2bw-gpt-1.3b", 1.3), ("2bw-gpt-2.2b", 2.2),
-                                            ("2bw-gpt-3.8b", 3.8), ("2bw-bert-3.8b", 3.8)])
+@pytest.mark.parametrize(
+    "model,billions",
+    [
+        ("2bw-gpt-355m", 0.355),
+        ("2bw-gpt-1.3b", 1.3),
+        ("2bw-gpt-2.2b", 2.2),
+        ("2bw-gpt-3.8b", 3.8),
+        ("2bw-bert-3.8b", 3.8),
+    ],
+)
 def test_2bw_models_have_their_sizes(model, billions):
     assert model_parameters(model) / 1e9 == pytest.approx(billions, rel=0.07)
 

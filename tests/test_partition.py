@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.hardware.machines import load_hardware
-from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.partition.split import partition, stage_costs_uniform
-from pipesim.sim.workloads.stages import StageCost, split_at, stage_cost
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.workloads.profile import LayerCost, Profile, WorkloadError
+from pipesim.sim.workloads.stages import StageCost, split_at, stage_cost
 
 REL = 1e-9
 
@@ -25,10 +25,7 @@ def make_profile(times, params=None, stash=None, optimizer="sgd"):
     stash = stash or [0] * n
     return Profile(
         "hand",
-        tuple(
-            LayerCost(f"l{i}", t / 3, 2 * t / 3, params[i], 100 + i, stash[i])
-            for i, t in enumerate(times)
-        ),
+        tuple(LayerCost(f"l{i}", t / 3, 2 * t / 3, params[i], 100 + i, stash[i]) for i, t in enumerate(times)),
         optimizer=optimizer,
     )
 
@@ -287,10 +284,16 @@ def test_default_split_is_never_slower_in_the_simulator_than_any_other(data):
     n = data.draw(st.integers(2, 6), label="layers")
     p = data.draw(st.integers(2, min(4, n)), label="stages")
     layers = tuple(
-        LayerCost(f"l{i}", data.draw(st.floats(1e-3, 1e-2)), data.draw(st.floats(2e-3, 2e-2)),
-                  data.draw(st.integers(0, 50)) * MiB, data.draw(st.sampled_from([0, 8, 64, 200])) * MiB,
-                  data.draw(st.integers(0, 100)) * MiB)
-        for i in range(n))
+        LayerCost(
+            f"l{i}",
+            data.draw(st.floats(1e-3, 1e-2)),
+            data.draw(st.floats(2e-3, 2e-2)),
+            data.draw(st.integers(0, 50)) * MiB,
+            data.draw(st.sampled_from([0, 8, 64, 200])) * MiB,
+            data.draw(st.integers(0, 100)) * MiB,
+        )
+        for i in range(n)
+    )
     prof = Profile("random", layers)
     hw = load_hardware(data.draw(st.sampled_from(MACHINES), label="hardware"))
     need = 3 * sum(la.param_bytes for la in layers) + 2 * sum(la.stash_bytes for la in layers)
@@ -299,8 +302,7 @@ def test_default_split_is_never_slower_in_the_simulator_than_any_other(data):
     strategy = data.draw(st.sampled_from(["1f1b", "pipedream", "gpipe", "pipedream-2bw"]), label="strategy")
     schedule = build_schedule(ScheduleSpec(strategy, p, 8, iterations=2))
     chosen = simulate_schedule(schedule, prof, hw)
-    fitting = [r for r in (simulate_schedule(schedule, prof, hw, starts=sp) for sp in all_splits(n, p))
-               if not _oom(r)]
+    fitting = [r for r in (simulate_schedule(schedule, prof, hw, starts=sp) for sp in all_splits(n, p)) if not _oom(r)]
     if fitting:
         assert not _oom(chosen)
         assert chosen.makespan <= min(r.makespan for r in fitting) * (1 + REL)
@@ -360,8 +362,9 @@ def test_ring_model_is_the_hardwares(name, devices):
 
     hw = load_hardware(name)
     nbytes = 60 * len(devices) * MiB  # a multiple of n: no rounding of the chunk
-    assert LinkModel(hw).ring(devices).seconds(nbytes) == pytest.approx(hw.ring_allreduce_time(devices, nbytes),
-                                                                          rel=1e-12)
+    assert LinkModel(hw).ring(devices).seconds(nbytes) == pytest.approx(
+        hw.ring_allreduce_time(devices, nbytes), rel=1e-12
+    )
 
 
 def test_communication_aware_needs_hardware_and_layout():

@@ -18,28 +18,34 @@ SLOW = DeviceSpec("slow", flops=1e12, mem_bandwidth=1e11, memory_bytes=1e9)
 
 
 def node(number, desc, f, b, act, params=0.0):
-    return (f"node{number} -- {desc} -- forward_compute_time={f:.3f}, backward_compute_time={b:.3f}, "
-            f"activation_size={act}, parameter_size={params:.3f}")
+    return (
+        f"node{number} -- {desc} -- forward_compute_time={f:.3f}, backward_compute_time={b:.3f}, "
+        f"activation_size={act}, parameter_size={params:.3f}"
+    )
 
 
 #: A small branching graph, nodes out of order as PipeDream writes them: a
 #: conv (node2) feeding a main path (3 -> 5), a shortcut (4) joined by an
 #: add (6), a tuple output (7) read by getitems (8 used, 9 unused), and a
 #: long skip from node2 to the last node.
-BRANCHING = "\n".join([
-    node(6, "Add", 0.0, 0.0, "20.000"),
-    node(1, "Input", 5.0, 0.0, "1000.000"),
-    node(3, "Conv2d(8, 8)", 2.0, 4.0, "30.000", 8),
-    node(2, "Conv2d(3, 8)", 1.0, 2.0, "100.000", 40),
-    node(5, "ReLU(inplace)", 0.5, 0.25, "30.000"),
-    node(4, "Conv2d(3, 8, stride=2)", 1.0, 1.0, "20.000", 4),
-    node(7, "LSTM(8, 8)", 3.0, 6.0, "[7.0; 3.0]", 400),
-    node(8, "__getitem__(0)", 0.0, 0.0, "7.0"),
-    node(9, "__getitem__(1)", 0.0, 0.0, "3.0"),
-    node(10, "Loss", 0.125, 0.125, "1.000"),
-    *(f"\tnode{a} -- node{b}" for a, b in [
-        (1, 2), (2, 3), (2, 4), (3, 5), (5, 6), (4, 6), (6, 7), (7, 8), (7, 9), (8, 10), (2, 10)]),
-])
+BRANCHING = "\n".join(
+    [
+        node(6, "Add", 0.0, 0.0, "20.000"),
+        node(1, "Input", 5.0, 0.0, "1000.000"),
+        node(3, "Conv2d(8, 8)", 2.0, 4.0, "30.000", 8),
+        node(2, "Conv2d(3, 8)", 1.0, 2.0, "100.000", 40),
+        node(5, "ReLU(inplace)", 0.5, 0.25, "30.000"),
+        node(4, "Conv2d(3, 8, stride=2)", 1.0, 1.0, "20.000", 4),
+        node(7, "LSTM(8, 8)", 3.0, 6.0, "[7.0; 3.0]", 400),
+        node(8, "__getitem__(0)", 0.0, 0.0, "7.0"),
+        node(9, "__getitem__(1)", 0.0, 0.0, "3.0"),
+        node(10, "Loss", 0.125, 0.125, "1.000"),
+        *(
+            f"\tnode{a} -- node{b}"
+            for a, b in [(1, 2), (2, 3), (2, 4), (3, 5), (5, 6), (4, 6), (6, 7), (7, 8), (7, 9), (8, 10), (2, 10)]
+        ),
+    ]
+)
 
 
 def write(tmp_path, text, name="graph.txt"):
@@ -52,8 +58,16 @@ def test_branching_graph_by_hand(tmp_path):
     prof = load_profile(write(tmp_path, BRANCHING))
     # topological, ties to the smaller number: node4 (ready after node2) comes before node5 (after node3)
     assert [la.name for la in prof.layers] == [
-        "node2 Conv2d", "node3 Conv2d", "node4 Conv2d", "node5 ReLU", "node6 Add", "node7 LSTM",
-        "node8 __getitem__", "node9 __getitem__", "node10 Loss"]
+        "node2 Conv2d",
+        "node3 Conv2d",
+        "node4 Conv2d",
+        "node5 ReLU",
+        "node6 Add",
+        "node7 LSTM",
+        "node8 __getitem__",
+        "node9 __getitem__",
+        "node10 Loss",
+    ]
     # each cut carries every earlier output still to be read, once: node2's 100 bytes cross every cut
     # up to node10; after node3 its 30 wait for node5; node4's 20 wait for node6; node7's 10 for node9;
     # node8's 7 for node10. Only the last node's output would give 100, 30, 20, 30, 20, 10, 7, 3, 0.
@@ -112,8 +126,11 @@ def test_gnmt_batches_and_the_shared_tables_gnmt_rows():
     for name, batch in (("pipedream-gnmt8", 32), ("pipedream-gnmt16", 128)):
         graph = parse_graph(catalog_file(name).read_text(encoding="utf-8"))
         producers = {dst: graph.nodes[src] for src, dst in graph.edges}
-        hidden = {n.output_bytes for n in graph.nodes.values()
-                  if n.description == "__getitem__(1)" and producers[n.id].description.startswith("LSTM")}
+        hidden = {
+            n.output_bytes
+            for n in graph.nodes.values()
+            if n.description == "__getitem__(1)" and producers[n.id].description.startswith("LSTM")
+        }
         assert hidden == {batch * 1024 * 4}  # h of shape (1, batch, 1024), fp32
     # the shared table's GNMT rows (11.4 ms, 9.5 ms, 464.5 MB; 41.0, 34.4, 464.5) are the sums
     # without the nodes whose activation_size is a list: a parser that skipped those lines
@@ -121,8 +138,11 @@ def test_gnmt_batches_and_the_shared_tables_gnmt_rows():
         text = catalog_file(name).read_text(encoding="utf-8")
         plain = [ln for ln in text.splitlines() if "[" not in ln and not ln.startswith("\t")]
         nodes = parse_graph("\n".join(plain)).nodes.values()
-        got = (sum(n.forward_ms for n in nodes), sum(n.backward_ms for n in nodes),
-               sum(n.param_bytes for n in nodes) / 1e6)
+        got = (
+            sum(n.forward_ms for n in nodes),
+            sum(n.backward_ms for n in nodes),
+            sum(n.param_bytes for n in nodes) / 1e6,
+        )
         assert tuple(round(x, 1) for x in got) == want
 
 
@@ -163,8 +183,20 @@ def test_cli_simulates_catalog_names_and_graph_files(tmp_path, capsys):
     from pipesim.experiments.cli import main
 
     out = tmp_path / "vgg"
-    argv = ["simulate", "--strategy", "1f1b", "--model", "pipedream-vgg16", "--hardware", "pcie-4gpu",
-            "--stages", "4", "--out", str(out), "--summary-only"]
+    argv = [
+        "simulate",
+        "--strategy",
+        "1f1b",
+        "--model",
+        "pipedream-vgg16",
+        "--hardware",
+        "pcie-4gpu",
+        "--stages",
+        "4",
+        "--out",
+        str(out),
+        "--summary-only",
+    ]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["microbatch_size"] == 128 and summary["meta"]["model"] == "pipedream-vgg16"
@@ -172,9 +204,27 @@ def test_cli_simulates_catalog_names_and_graph_files(tmp_path, capsys):
     stages = summary["stages_info"]
     assert sum(s["forward_s"] for s in stages) == pytest.approx(prof.forward_s)
     assert sum(s["param_bytes"] for s in stages) == prof.param_bytes
-    assert main(["simulate", "--strategy", "gpipe", "--profile", str(catalog_file("pipedream-gnmt8")),
-                 "--hardware", "pipedream-cluster-b", "--stages", "2", "--microbatch-size", "32",
-                 "--out", str(tmp_path / "gnmt"), "--summary-only"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--strategy",
+                "gpipe",
+                "--profile",
+                str(catalog_file("pipedream-gnmt8")),
+                "--hardware",
+                "pipedream-cluster-b",
+                "--stages",
+                "2",
+                "--microbatch-size",
+                "32",
+                "--out",
+                str(tmp_path / "gnmt"),
+                "--summary-only",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "gnmt" / "summary.json").read_text())["meta"]["model"] == "gnmt"
     capsys.readouterr()
 
@@ -189,9 +239,30 @@ def test_a_graph_file_at_another_batch_runs_as_the_catalog_model_does(tmp_path, 
     rates = []
     for source in (["--profile", str(catalog_file("pipedream-alexnet"))], ["--model", "pipedream-alexnet"]):
         out = tmp_path / source[0].strip("-")
-        assert main(["simulate", "--strategy", "pipedream", *source, "--hardware", "pipedream-cluster-a-x4",
-                     "--replicas", "14,1,1", "--microbatches", "28", "--iterations", "3", "--microbatch-size", "64",
-                     "--out", str(out), "--summary-only"]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    "--strategy",
+                    "pipedream",
+                    *source,
+                    "--hardware",
+                    "pipedream-cluster-a-x4",
+                    "--replicas",
+                    "14,1,1",
+                    "--microbatches",
+                    "28",
+                    "--iterations",
+                    "3",
+                    "--microbatch-size",
+                    "64",
+                    "--out",
+                    str(out),
+                    "--summary-only",
+                ]
+            )
+            == 0
+        )
         summary = json.loads((out / "summary.json").read_text())
         assert summary["microbatch_size"] == 64
         rates.append(summary["throughput_samples_per_s"])
@@ -204,8 +275,9 @@ def test_a_profile_of_unknown_batch_takes_the_size_it_is_given():
     samples counted change, the times do not."""
     from pipesim.sim.workloads.profile import LayerCost, Profile, at_microbatch_size
 
-    prof = Profile("x", (LayerCost("a", forward_s=1e-3, backward_s=2e-3, param_bytes=8, activation_bytes=4,
-                                   stash_bytes=4),))
+    prof = Profile(
+        "x", (LayerCost("a", forward_s=1e-3, backward_s=2e-3, param_bytes=8, activation_bytes=4, stash_bytes=4),)
+    )
     declared = at_microbatch_size(prof, 16)
     assert declared.microbatch_size == 16 and declared.layers == prof.layers
     known = at_microbatch_size(declared, 32)  # now it knows its batch: rescaled
@@ -218,8 +290,20 @@ def test_plan_of_a_graph_file_names_its_model(tmp_path, capsys):
     catalog model it replaces."""
     from pipesim.experiments.cli import main
 
-    assert main(["plan", "--profile", str(catalog_file("pipedream-alexnet")), "--hardware", "pipedream-cluster-a",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(catalog_file("pipedream-alexnet")),
+                "--hardware",
+                "pipedream-cluster-a",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["model"] == "alexnet" and record["profile"].endswith("graph.txt")
     capsys.readouterr()
@@ -231,22 +315,29 @@ MALFORMED = [
     (node(1, "Conv", 1.0, 1.0, "4.0") + "\nnode2 Conv2d", "line 2: expected a node"),
     (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=fast,", 1), "line 1: forward_compute_time must be"),
     (node(1, "Conv", 1.0, 1.0, "4.0").replace("=1.000,", "=nan,", 1), "line 1: forward_compute_time must be"),
-    (node(1, "Conv", 1.0, -1.0, "4.0"),
-     "line 1: backward_compute_time must be a number of milliseconds >= 0 and <= 1e+12"),
+    (
+        node(1, "Conv", 1.0, -1.0, "4.0"),
+        "line 1: backward_compute_time must be a number of milliseconds >= 0 and <= 1e+12",
+    ),
     (node(1, "Conv", 1.0, 1.0, "[4.0; x]"), "line 1: activation_size must be a whole number of bytes"),
     (node(1, "Conv", 1.0, 1.0, "4.0", 1180672.5), "line 1: parameter_size must be a whole number of bytes"),
     (node(1, "Conv", 1.0, 1.0, "4.0", 1e300), "line 1: parameter_size must be"),
     (node(1, "Conv", 1.0, 1.0, "1e17"), "line 1: activation_size must be an integer >= 0 and <= 2**53"),
     (node(1, "Conv", 1.0, 1.0, "4.0").replace("node1", "layer1"), "line 1: node ids are node<number>"),
-    (node(1, "A", 1, 1, "4.0") + "\n" + node(1, "B", 1, 1, "4.0"),
-     "line 2: node1 is defined twice (first on line 1)"),
+    (node(1, "A", 1, 1, "4.0") + "\n" + node(1, "B", 1, 1, "4.0"), "line 2: node1 is defined twice (first on line 1)"),
     (node(1, "A", 1, 1, "4.0") + "\n\tnode1 -> node2", "line 2: expected an edge '<tab>nodeA -- nodeB'"),
     (node(1, "A", 1, 1, "4.0") + "\n\n\tnode1 -- node7", "line 3: the edge names node7, which no node line"),
-    (node(1, "A", 1, 1, "4.0") + "\n" + node(2, "B", 1, 1, "4.0") + "\n\tnode1 -- node2\n\tnode2 -- node1",
-     "the edges form a cycle: node1 -> node2 -> node1 (node lines 1, 2)"),
-    ("\n".join([node(i, "L", 1, 1, "4.0") for i in (1, 2, 7, 8, 9)] + [
-        f"\tnode{a} -- node{b}" for a, b in [(1, 2), (9, 2), (7, 8), (8, 9), (9, 7)]]),
-     "the edges form a cycle: node7 -> node8 -> node9 -> node7 (node lines 3, 4, 5)"),  # node2 only waits on it
+    (
+        node(1, "A", 1, 1, "4.0") + "\n" + node(2, "B", 1, 1, "4.0") + "\n\tnode1 -- node2\n\tnode2 -- node1",
+        "the edges form a cycle: node1 -> node2 -> node1 (node lines 1, 2)",
+    ),
+    (
+        "\n".join(
+            [node(i, "L", 1, 1, "4.0") for i in (1, 2, 7, 8, 9)]
+            + [f"\tnode{a} -- node{b}" for a, b in [(1, 2), (9, 2), (7, 8), (8, 9), (9, 7)]]
+        ),
+        "the edges form a cycle: node7 -> node8 -> node9 -> node7 (node lines 3, 4, 5)",
+    ),  # node2 only waits on it
     (node(1, "Input", 1, 0, "4.0"), "only input nodes, no layers"),
 ]
 

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from pipesim.experiments.cli import main
 from pipesim.experiments.plans import frontier, pareto_figure
 from pipesim.sim.api import simulate, simulate_schedule
-from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.engine.metrics import summarize
-from pipesim.sim.workloads.catalog import model_profile
+from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.partition.cost import envelope
 from pipesim.sim.partition.layout import layout_for, layout_of, traits_of
+from pipesim.sim.partition.search import CostSetting, Planner, Tables, line_of
 from pipesim.sim.planning.plan import (
     PlanError,
     PlanRequest,
@@ -28,8 +28,8 @@ from pipesim.sim.planning.plan import (
     plan_file,
     steady_throughput,
 )
-from pipesim.sim.partition.search import CostSetting, Planner, Tables, line_of
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.workloads.profile import LayerCost, Profile
 
 CLUSTER_A = load_hardware("pipedream-cluster-a-x4")
@@ -44,8 +44,11 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def vgg_plan() -> dict:
     """PipeDream's VGG-16 on 16 GPUs of Cluster-A (its paper ran 15-1)."""
-    return plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
-                            model="pipedream-vgg16")).to_json()
+    return plan(
+        PlanRequest(
+            "pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16, model="pipedream-vgg16"
+        )
+    ).to_json()
 
 
 def test_notation() -> None:
@@ -57,8 +60,20 @@ def test_notation() -> None:
 
 
 def test_plan_record_has_the_fields_and_covers_every_layer(vgg_plan) -> None:
-    for key in ("config", "stages", "predicted_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
-                "planner_seconds", "candidates", "chosen", "microbatches", "iterations", "strategy", "hardware"):
+    for key in (
+        "config",
+        "stages",
+        "predicted_samples_per_s",
+        "data_parallel_samples_per_s",
+        "speedup_vs_dp",
+        "planner_seconds",
+        "candidates",
+        "chosen",
+        "microbatches",
+        "iterations",
+        "strategy",
+        "hardware",
+    ):
         assert key in vgg_plan, key
     stages = vgg_plan["stages"]
     assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 39  # VGG-16's 40 layers
@@ -66,12 +81,16 @@ def test_plan_record_has_the_fields_and_covers_every_layer(vgg_plan) -> None:
     assert sum(s["replicas"] for s in stages) == 16
     assert vgg_plan["config"] == notation([s["replicas"] for s in stages])
     assert vgg_plan["speedup_vs_dp"] == pytest.approx(
-        vgg_plan["predicted_samples_per_s"] / vgg_plan["data_parallel_samples_per_s"], rel=1e-9)
+        vgg_plan["predicted_samples_per_s"] / vgg_plan["data_parallel_samples_per_s"], rel=1e-9
+    )
     assert vgg_plan["predicted_is_simulated"]
     chosen = vgg_plan["candidates"][vgg_plan["chosen"]]
     # the winner is the fastest candidate the engine confirmed, and it fits
-    confirmed = [c["simulated_samples_per_s"] for c in vgg_plan["candidates"]
-                 if c["simulated_samples_per_s"] is not None and not c["out_of_memory"]]
+    confirmed = [
+        c["simulated_samples_per_s"]
+        for c in vgg_plan["candidates"]
+        if c["simulated_samples_per_s"] is not None and not c["out_of_memory"]
+    ]
     assert chosen["simulated_samples_per_s"] == max(confirmed) == vgg_plan["predicted_samples_per_s"]
     assert not chosen["out_of_memory"] and chosen["peak_memory_bytes"] <= vgg_plan["memory_limit_bytes"]
     # data parallelism ("16") and the straight pipeline are always among the candidates
@@ -122,8 +141,9 @@ def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower(vgg_p
     """VGG-16 on Cluster-A held to PipeDream's 15-1: every candidate is 15-1,
     and the free plan, which confirms 15-1's neighbours among others, is at
     least as fast in the engine."""
-    held = plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
-                            replicas=(15, 1))).to_json()
+    held = plan(
+        PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16, replicas=(15, 1))
+    ).to_json()
     assert held["config"] == "15-1" and held["held_to"] == "15-1"
     assert all([s["replicas"] for s in c["stages"]] == [15, 1] for c in held["candidates"])
     assert held["stages"][0]["layers"][0] == 0 and held["stages"][1]["layers"][1] == 39
@@ -154,22 +174,31 @@ def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
     assert refined.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
     assert "refinement" not in {c.source for c in held.candidates}  # a held search confirms its own splits
     chosen = refined.candidates[refined.chosen]
-    assert all(c.analytic_samples_per_s >= 0.75 * plain.candidates[plain.chosen].analytic_samples_per_s
-               for c in added)
+    assert all(c.analytic_samples_per_s >= 0.75 * plain.candidates[plain.chosen].analytic_samples_per_s for c in added)
     one = plan(PlanRequest("pipedream", prof, hw, 16, refine=1))
     assert [c.source for c in one.candidates].count("refinement") == 1
     assert chosen.simulated_samples_per_s >= one.predicted_samples_per_s
 
 
 def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:
-    return Planner(tables=Tables(profile), traits=traits_of(strategy, 1), microbatches=microbatches, iterations=3,
-                   devices=devices, setting=CostSetting.of(profile, hw, hw.device.memory_bytes), options={})
+    return Planner(
+        tables=Tables(profile),
+        traits=traits_of(strategy, 1),
+        microbatches=microbatches,
+        iterations=3,
+        devices=devices,
+        setting=CostSetting.of(profile, hw, hw.device.memory_bytes),
+        options={},
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.floats(1e-4, 0.05), st.integers(1, 1 << 28), st.integers(0, 1 << 30)),
-                min_size=3, max_size=7),
-       st.sampled_from([(1, 1, 1), (2, 1), (1, 2), (1, 1, 2), (3, 1), (2, 2)]))
+@given(
+    st.lists(
+        st.tuples(st.floats(1e-4, 0.05), st.integers(1, 1 << 28), st.integers(0, 1 << 30)), min_size=3, max_size=7
+    ),
+    st.sampled_from([(1, 1, 1), (2, 1), (1, 2), (1, 1, 2), (3, 1), (2, 2)]),
+)
 def test_best_split_is_the_best_of_every_split_of_its_replicas(layers, replicas) -> None:
     """Held to ``replicas``, the dynamic program's split has the smallest
     slowest-stage term of all splits (enumerated) that fit."""
@@ -209,16 +238,19 @@ def test_straight_best_split_is_the_programs_straight_pipeline() -> None:
     assert planner.best_split((1,) * 16) == planner.dynamic_program(allowed=(1,))[1]
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"gpus": 7, "straight": True}, "needs 2 to 6 devices"),
-    ({"gpus": 1, "straight": True}, "needs 2 to 6 devices"),
-    ({"gpus": 4, "straight": 1}, "straight must be True or False"),
-    ({"gpus": 4, "replicas": (3, 2)}, "use 5 devices, not the 4"),
-    ({"gpus": 8, "replicas": (1,) * 8}, "make 8 stages, but toy has 6 layers"),
-    ({"gpus": 4, "replicas": [3, 1]}, "must be a non-empty tuple of positive ints"),
-    ({"gpus": 4, "replicas": (4, 0)}, "must be a non-empty tuple of positive ints"),
-    ({"gpus": 4, "replicas": (3, 1), "straight": True}, "not both"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"gpus": 7, "straight": True}, "needs 2 to 6 devices"),
+        ({"gpus": 1, "straight": True}, "needs 2 to 6 devices"),
+        ({"gpus": 4, "straight": 1}, "straight must be True or False"),
+        ({"gpus": 4, "replicas": (3, 2)}, "use 5 devices, not the 4"),
+        ({"gpus": 8, "replicas": (1,) * 8}, "make 8 stages, but toy has 6 layers"),
+        ({"gpus": 4, "replicas": [3, 1]}, "must be a non-empty tuple of positive ints"),
+        ({"gpus": 4, "replicas": (4, 0)}, "must be a non-empty tuple of positive ints"),
+        ({"gpus": 4, "replicas": (3, 1), "straight": True}, "not both"),
+    ],
+)
 def test_held_requests_that_cannot_be_planned(kwargs, message) -> None:
     layers = [(0.01, 1 << 20, 1 << 20)] * 6
     gpus = kwargs.pop("gpus")
@@ -229,35 +261,60 @@ def test_held_requests_that_cannot_be_planned(kwargs, message) -> None:
 def test_cli_straight_gnmt16_is_what_pipedream_ran(capsys, tmp_path) -> None:
     """GNMT-16 on Cluster-A as PipeDream's paper ran it: a straight pipeline
     of 14 stages on 14 of the 16 GPUs (the stage map its driver launched)."""
-    code, out, err = run(capsys, "plan", "--straight", "--gpus", "14", "--model", "pipedream-gnmt16", "--hardware",
-                         "pipedream-cluster-a-x4", "--json", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--straight",
+        "--gpus",
+        "14",
+        "--model",
+        "pipedream-gnmt16",
+        "--hardware",
+        "pipedream-cluster-a-x4",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     rec = json.loads(out)
     assert rec["config"] == "straight" and len(rec["stages"]) == 14 and rec["held_to"] == "straight"
     assert all(s["replicas"] == 1 for s in rec["stages"]) and rec["speedup_vs_dp"] > 1
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--straight", "--strategy", "pipedream-2bw"],
-     "--straight is not an option of the width-depth planner (its stages are never replicated one by one)"),
-    (["--no-stashing", "--strategy", "pipedream-2bw"], "--no-stashing is not an option of the width-depth planner (weight"),
-    (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
-    (["--replicas", "2,2", "--straight"], "not allowed with argument"),
-    (["--no-stashing", "--strategy", "1f1b"], "1f1b has no option 'stashing' to plan with (it takes: none)"),
-    (["--refine", "2", "--replicas", "3,1"], "--refine does nothing with --replicas"),
-    (["--refine", "2", "--confirm", "0"], "--refine does nothing with --confirm 0"),
-    (["--refine", "2", "--strategy", "pipedream-2bw"],
-     "--refine is not an option of the width-depth planner (its splits are balanced, not searched)"),
-    (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--straight", "--strategy", "pipedream-2bw"],
+            "--straight is not an option of the width-depth planner (its stages are never replicated one by one)",
+        ),
+        (
+            ["--no-stashing", "--strategy", "pipedream-2bw"],
+            "--no-stashing is not an option of the width-depth planner (weight",
+        ),
+        (["--replicas", "2,2", "--strategy", "avgpipe"], "--replicas is not an option of the tuner planner"),
+        (["--replicas", "2,2", "--straight"], "not allowed with argument"),
+        (["--no-stashing", "--strategy", "1f1b"], "1f1b has no option 'stashing' to plan with (it takes: none)"),
+        (["--refine", "2", "--replicas", "3,1"], "--refine does nothing with --replicas"),
+        (["--refine", "2", "--confirm", "0"], "--refine does nothing with --confirm 0"),
+        (
+            ["--refine", "2", "--strategy", "pipedream-2bw"],
+            "--refine is not an option of the width-depth planner (its splits are balanced, not searched)",
+        ),
+        (["--replicas", "3,1", "--model", "uniform", "--hardware", "pcie-4gpu"], None),
+    ],
+)
 def test_cli_held_plans_and_refusals(capsys, tmp_path, argv, message) -> None:
     code, out, err = run(capsys, "plan", *argv, "--out", str(tmp_path))
     if message is None:  # --gpus defaults to the replicas' sum
         assert code == 0, err
         assert "chosen among splits of 3-1 only: 3-1" in out
         # each candidate names its cuts, so the splits of one configuration are told apart
-        rows = [line.split("(")[0].strip(" *") for line in out.split("candidates (")[1].splitlines()[1:]
-                if line.startswith("  ")]
+        rows = [
+            line.split("(")[0].strip(" *")
+            for line in out.split("candidates (")[1].splitlines()[1:]
+            if line.startswith("  ")
+        ]
         assert len(rows) > 1 and all(re.fullmatch(r"3-1 \|\d+", r) for r in rows) and len(set(rows)) == len(rows)
         return
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
@@ -296,13 +353,31 @@ def test_plan_json_is_byte_identical_but_for_the_planner_time(tmp_path, capsys) 
 
 
 def test_simulate_plan_reproduces_the_planned_throughput(tmp_path, capsys) -> None:
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-alexnet",
-                         "--hardware", "pipedream-cluster-a-x2", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream",
+        "--model",
+        "pipedream-alexnet",
+        "--hardware",
+        "pipedream-cluster-a-x2",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "chosen:" in out and "speedup" in out
     planned = json.loads((tmp_path / "plan.json").read_text())
-    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "plan.json"), "--summary-only", "--json",
-                         "--out", str(tmp_path / "sim"))
+    code, out, err = run(
+        capsys,
+        "simulate",
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--summary-only",
+        "--json",
+        "--out",
+        str(tmp_path / "sim"),
+    )
     assert code == 0, err
     summary = json.loads(out)
     assert summary["stage_replicas"] == [s["replicas"] for s in planned["stages"]]
@@ -323,8 +398,10 @@ def test_steady_throughput_leaves_out_fill_and_drain() -> None:
     assert summarize(result)["throughput_samples_per_s"] < steady_throughput(result)
 
 
-@pytest.mark.parametrize(("replicas", "starts", "m"), [((3, 1), (0, 17), 3), ((3, 1), (0, 17), 6),
-                                                     ((2, 1, 1), (0, 10, 25), 2), ((2, 1, 1), (0, 10, 25), 4)])
+@pytest.mark.parametrize(
+    ("replicas", "starts", "m"),
+    [((3, 1), (0, 17), 3), ((3, 1), (0, 17), 6), ((2, 1, 1), (0, 10, 25), 2), ((2, 1, 1), (0, 10, 25), 4)],
+)
 def test_a_streams_steady_state_does_not_depend_on_the_run_length(replicas, starts, m) -> None:
     """On one split, every run long enough for a window measures the same
     rate, to the last digits; one too short says so rather than measure the
@@ -337,8 +414,9 @@ def test_a_streams_steady_state_does_not_depend_on_the_run_length(replicas, star
     rates = {}
     for k in (3, 4, 6, 12):
         s = build_schedule(ScheduleSpec("pipedream", len(replicas), m, iterations=k, replicas=replicas))
-        rate, windowed = steady_state(simulate_schedule(s, model_for(s, "pipedream-vgg16", hw, None), hw,
-                                                        starts=starts))
+        rate, windowed = steady_state(
+            simulate_schedule(s, model_for(s, "pipedream-vgg16", hw, None), hw, starts=starts)
+        )
         if windowed:
             rates[k] = rate
     assert len(rates) >= 2 and 12 in rates
@@ -347,15 +425,19 @@ def test_a_streams_steady_state_does_not_depend_on_the_run_length(replicas, star
         assert 3 not in rates  # no burst between its fill and its drain
 
 
-@pytest.mark.parametrize(("strategy", "replicas", "m", "model", "hardware", "starts"), [
-    # blocks of one burst alternate (1284 / 1242): the period is two bursts
-    ("pipedream", (2, 6), 8, "pipedream-resnet50", "pipedream-cluster-b", (0, 23)),
-    # 2BW's start-up takes four windows to settle (1991, 1286, 1152, 1314, then 1134.8 for good)
-    ("pipedream-2bw", (8, 8), 16, "pipedream-vgg16", "pipedream-cluster-a-x4", (0, 17)),
-    ("pipedream", (13, 1, 2), 26, "pipedream-vgg16", "pipedream-cluster-a-x4", (0, 23, 28)),
-])
-def test_a_settled_window_measures_the_same_rate_however_long_the_run(strategy, replicas, m, model, hardware,
-                                                                     starts) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "replicas", "m", "model", "hardware", "starts"),
+    [
+        # blocks of one burst alternate (1284 / 1242): the period is two bursts
+        ("pipedream", (2, 6), 8, "pipedream-resnet50", "pipedream-cluster-b", (0, 23)),
+        # 2BW's start-up takes four windows to settle (1991, 1286, 1152, 1314, then 1134.8 for good)
+        ("pipedream-2bw", (8, 8), 16, "pipedream-vgg16", "pipedream-cluster-a-x4", (0, 17)),
+        ("pipedream", (13, 1, 2), 26, "pipedream-vgg16", "pipedream-cluster-a-x4", (0, 23, 28)),
+    ],
+)
+def test_a_settled_window_measures_the_same_rate_however_long_the_run(
+    strategy, replicas, m, model, hardware, starts
+) -> None:
     """Where the window is seen to have settled (its last two blocks, of one
     period or a few, took as long), every run measures one rate; a run too
     short to show it says so (not settled) rather than pass its start-up
@@ -367,8 +449,7 @@ def test_a_settled_window_measures_the_same_rate_however_long_the_run(strategy, 
     rates, unsettled = {}, []
     for k in (3, 12, 24):
         s = build_schedule(ScheduleSpec(strategy, len(replicas), m, iterations=k, replicas=replicas))
-        rate, windowed, settled = steady_measure(simulate_schedule(s, model_for(s, model, hw, None), hw,
-                                                                   starts=starts))
+        rate, windowed, settled = steady_measure(simulate_schedule(s, model_for(s, model, hw, None), hw, starts=starts))
         (rates.__setitem__(k, rate) if settled else unsettled.append(k))
     assert 3 in unsettled and 24 in rates
     assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-9), rates
@@ -378,9 +459,27 @@ def test_a_plan_settles_its_choice(tmp_path, capsys) -> None:
     """A choice whose window has not settled is run longer before its figure
     is reported: 2BW's 8-8 at m = 16 read 1286.4 samples/s from three
     iterations, 13% above its settled 1134.8."""
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream-2bw", "--planner", "replicas", "--model",
-                         "pipedream-vgg16", "--hardware", "pipedream-cluster-a-x4", "--gpus", "16", "--microbatches",
-                         "16", "--replicas", "8,8", "--json", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream-2bw",
+        "--planner",
+        "replicas",
+        "--model",
+        "pipedream-vgg16",
+        "--hardware",
+        "pipedream-cluster-a-x4",
+        "--gpus",
+        "16",
+        "--microbatches",
+        "16",
+        "--replicas",
+        "8,8",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     record = json.loads(out)
     chosen = record["candidates"][record["chosen"]]
@@ -393,9 +492,23 @@ def test_a_plan_at_one_burst_per_iteration_measures_the_steady_state(tmp_path, c
     steady state, and so rates 15-1 as the default m = 30 does."""
     rates = {}
     for m in ("15", "30"):
-        code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
-                             "pipedream-cluster-a-x4", "--gpus", "16", "--microbatches", m, "--json",
-                             "--out", str(tmp_path / m))
+        code, out, err = run(
+            capsys,
+            "plan",
+            "--strategy",
+            "pipedream",
+            "--model",
+            "pipedream-vgg16",
+            "--hardware",
+            "pipedream-cluster-a-x4",
+            "--gpus",
+            "16",
+            "--microbatches",
+            m,
+            "--json",
+            "--out",
+            str(tmp_path / m),
+        )
         assert code == 0, err
         record = json.loads(out)
         assert record["config"] == "15-1" and record["predicted_is_steady"]
@@ -407,9 +520,23 @@ def test_a_plan_of_one_micro_batch_still_simulates_data_parallelism(tmp_path, ca
     """The landmarks are simulated whatever run their replicas need, so a
     plan never chooses a pipeline at half data parallelism's rate because
     data parallelism was left to the cost model."""
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
-                         "pipedream-cluster-a-x4", "--gpus", "16", "--microbatches", "1", "--json",
-                         "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream",
+        "--model",
+        "pipedream-vgg16",
+        "--hardware",
+        "pipedream-cluster-a-x4",
+        "--gpus",
+        "16",
+        "--microbatches",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     record = json.loads(out)
     landmarks = [c for c in record["candidates"] if c["source"] in ("data parallelism", "straight")]
@@ -429,10 +556,16 @@ def test_a_held_configuration_keeps_the_run_limit(monkeypatch):
     profile = model_profile("vgg16", hw.device)
     runs, simulated = [], []
     real_build, real_simulate = planning.build_schedule, api.simulate_schedule
-    monkeypatch.setattr(planning, "build_schedule", lambda spec: runs.append(spec.microbatches * spec.iterations)
-                        or real_build(spec))
-    monkeypatch.setattr(api, "simulate_schedule", lambda schedule, *a, **k: simulated.append(
-        schedule.num_microbatches * schedule.num_iterations) or real_simulate(schedule, *a, **k))
+    monkeypatch.setattr(
+        planning, "build_schedule", lambda spec: runs.append(spec.microbatches * spec.iterations) or real_build(spec)
+    )
+    monkeypatch.setattr(
+        api,
+        "simulate_schedule",
+        lambda schedule, *a, **k: (
+            simulated.append(schedule.num_microbatches * schedule.num_iterations) or real_simulate(schedule, *a, **k)
+        ),
+    )
     rec = plan(PlanRequest("pipedream", profile, hw, 55, replicas=(11, 13, 15, 16))).to_json()
     held = rec["candidates"][rec["chosen"]]
     assert held["source"] == "held" and held["simulated_samples_per_s"] is None
@@ -448,8 +581,7 @@ def test_a_held_configuration_too_big_even_to_probe_is_a_note(monkeypatch):
 
     monkeypatch.setattr(size, "available_memory_bytes", lambda: 20_000 * size.BYTES_PER_PASS)
     hw = load_hardware("dgx-h100-x8")
-    rec = plan(PlanRequest("pipedream", model_profile("vgg16", hw.device), hw, 55,
-                           replicas=(11, 13, 15, 16))).to_json()
+    rec = plan(PlanRequest("pipedream", model_profile("vgg16", hw.device), hw, 55, replicas=(11, 13, 15, 16))).to_json()
     held = rec["candidates"][rec["chosen"]]
     assert "more than this machine's memory holds" in held["note"] and held["simulated_samples_per_s"] is None
 
@@ -459,17 +591,39 @@ def test_a_choice_left_unsimulated_is_costed_at_the_run_it_records(tmp_path, cap
     replicas need, and its memory is the model's at that run, not at one."""
     from pipesim.sim.partition.search import Config
 
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
-                         "pipedream-cluster-a-x4", "--replicas", "15,1", "--microbatches", "1", "--confirm", "0",
-                         "--json", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream",
+        "--model",
+        "pipedream-vgg16",
+        "--hardware",
+        "pipedream-cluster-a-x4",
+        "--replicas",
+        "15,1",
+        "--microbatches",
+        "1",
+        "--confirm",
+        "0",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     record = json.loads(out)
     assert not record["predicted_is_simulated"] and record["microbatches"] == 15
     profile = model_profile("pipedream-vgg16", load_hardware("pipedream-cluster-a-x4").device)
     hw = load_hardware("pipedream-cluster-a-x4")
-    at_run = Planner(tables=Tables(profile, False), traits=traits_of("pipedream"), microbatches=15,
-                     iterations=record["iterations"], devices=16,
-                     setting=CostSetting.of(profile, hw, record["memory_limit_bytes"]), options={})
+    at_run = Planner(
+        tables=Tables(profile, False),
+        traits=traits_of("pipedream"),
+        microbatches=15,
+        iterations=record["iterations"],
+        devices=16,
+        setting=CostSetting.of(profile, hw, record["memory_limit_bytes"]),
+        options={},
+    )
     starts = tuple(st["layers"][0] for st in record["stages"])
     assert record["peak_memory_bytes"] == at_run.estimate(Config(starts, (15, 1))).peak_memory_bytes
 
@@ -500,12 +654,14 @@ def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
     from pipesim.sim.engine.core import CostModel
     from pipesim.sim.engine.core import simulate as run_engine
     from pipesim.sim.ir.core import UPDATE, Action
-    from pipesim.sim.workloads.stages import StageCost
     from pipesim.sim.partition.cost import LinkModel, estimate
     from pipesim.sim.planning.plan import steady_throughput
+    from pipesim.sim.workloads.stages import StageCost
 
-    costs = [StageCost(0, 0, 0.01, 0.02, 0.01, 0.01, 50_000_000, 0, 0),
-             StageCost(1, 1, 0.005, 0.01, 0.005, 0.005, 50_000_000, 0, 0)]
+    costs = [
+        StageCost(0, 0, 0.01, 0.02, 0.01, 0.01, 50_000_000, 0, 0),
+        StageCost(1, 1, 0.005, 0.01, 0.005, 0.005, 50_000_000, 0, 0),
+    ]
     hw = load_hardware("pcie-4gpu")  # 50 MB over the shared bridge: a few ms, a window is 8 x 30 ms
     m, reps = 16, (2, 1)
     update = CostModel.for_device(costs, hw.device).compute(Action(UPDATE, 0))
@@ -520,8 +676,9 @@ def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
 
 
 def test_compare_planned_puts_pipedream_at_or_above_data_parallelism(tmp_path, capsys) -> None:
-    code, _, err = run(capsys, "compare", "--planned", "--strategies", "pipedream,data-parallel",
-                         "--out", str(tmp_path))
+    code, _, err = run(
+        capsys, "compare", "--planned", "--strategies", "pipedream,data-parallel", "--out", str(tmp_path)
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "comparison.json").read_text())
     pd, dp = (doc["strategies"][s]["throughput_samples_per_s"] for s in ("pipedream", "data-parallel"))
@@ -587,9 +744,16 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
     ],
 )
 def test_malformed_plan_files_are_one_line_errors(edit, message, tmp_path, capsys) -> None:
-    doc = {"strategy": "pipedream", "stages": [{"layers": [0, 24], "replicas": 15}, {"layers": [25, 39],
-           "replicas": 1}], "microbatches": 15, "iterations": 4, "microbatch_size": 128,
-           "model": "pipedream-vgg16", "hardware": "pipedream-cluster-a-x4", "predicted_samples_per_s": 1.0}
+    doc = {
+        "strategy": "pipedream",
+        "stages": [{"layers": [0, 24], "replicas": 15}, {"layers": [25, 39], "replicas": 1}],
+        "microbatches": 15,
+        "iterations": 4,
+        "microbatch_size": 128,
+        "model": "pipedream-vgg16",
+        "hardware": "pipedream-cluster-a-x4",
+        "predicted_samples_per_s": 1.0,
+    }
     plan_file(doc)  # the unedited document is a plan
     edit(doc)
     path = tmp_path / "plan.json"
@@ -607,9 +771,16 @@ def test_every_field_a_plan_writes_is_one_a_plan_file_reads(vgg_plan) -> None:
 
 
 def test_plan_for_another_model_is_refused(tmp_path, capsys) -> None:
-    doc = {"strategy": "1f1b", "stages": [{"layers": [0, 2], "replicas": 2}, {"layers": [3, 5], "replicas": 2}],
-           "microbatches": 8, "iterations": 2, "microbatch_size": 32, "model": "vgg16", "hardware": "pcie-4gpu",
-           "predicted_samples_per_s": 1.0}
+    doc = {
+        "strategy": "1f1b",
+        "stages": [{"layers": [0, 2], "replicas": 2}, {"layers": [3, 5], "replicas": 2}],
+        "microbatches": 8,
+        "iterations": 2,
+        "microbatch_size": 32,
+        "model": "vgg16",
+        "hardware": "pcie-4gpu",
+        "predicted_samples_per_s": 1.0,
+    }
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     code, _, err = run(capsys, "simulate", "--plan", str(path), "--out", str(tmp_path / "o"))
@@ -641,8 +812,9 @@ def test_memory_of_the_plan_is_the_engines(vgg_plan) -> None:
     """The chosen configuration, simulated as simulate --plan runs it, fits and holds what the plan says."""
     pf = plan_file(vgg_plan)
     hw = CLUSTER_A
-    result = simulate_schedule(build_schedule(pf.spec()), model_profile("pipedream-vgg16", hw.device), hw,
-                               starts=pf.starts)
+    result = simulate_schedule(
+        build_schedule(pf.spec()), model_profile("pipedream-vgg16", hw.device), hw, starts=pf.starts
+    )
     chosen = vgg_plan["candidates"][vgg_plan["chosen"]]
     assert max(t.peak_bytes for t in result.memory) == chosen["peak_memory_bytes"] <= hw.device.memory_bytes
 
@@ -653,8 +825,9 @@ def test_tight_memory_moves_the_choice() -> None:
     prof = model_profile("vgg16", hw.device)
     roomy = plan(PlanRequest("gpipe", prof, hw, 4, microbatches=8)).to_json()
     limit = roomy["peak_memory_bytes"] - 1
-    tight = plan(PlanRequest("gpipe", prof, replace(hw, device=replace(hw.device, memory_bytes=limit)), 4,
-                             microbatches=8)).to_json()
+    tight = plan(
+        PlanRequest("gpipe", prof, replace(hw, device=replace(hw.device, memory_bytes=limit)), 4, microbatches=8)
+    ).to_json()
     assert tight["peak_memory_bytes"] <= limit < roomy["peak_memory_bytes"]
     assert not tight["out_of_memory"]
 
@@ -675,8 +848,10 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
 
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "vgg.json")
     monkeypatch.chdir(tmp_path)
-    for name, flags in (("m", ["--model", "vgg16", "--hardware", "slow.json"]),
-                        ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu", "--recv-lookahead", "0"])):
+    for name, flags in (
+        ("m", ["--model", "vgg16", "--hardware", "slow.json"]),
+        ("p", ["--profile", "vgg.json", "--hardware", "pcie-4gpu", "--recv-lookahead", "0"]),
+    ):
         code, _, err = run(capsys, "plan", "--strategy", "1f1b", *flags, "--out", name)
         assert code == 0, err
     by_model = json.loads((tmp_path / "m" / "plan.json").read_text())
@@ -688,17 +863,28 @@ def test_a_plan_runs_on_the_machine_it_was_planned_for(tmp_path, capsys, monkeyp
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     for name, planned in (("m", by_model), ("p", by_profile)):
-        code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / name / "plan.json"), "--summary-only",
-                             "--json", "--out", "s")
+        code, out, err = run(
+            capsys, "simulate", "--plan", str(tmp_path / name / "plan.json"), "--summary-only", "--json", "--out", "s"
+        )
         assert code == 0, err
         assert json.loads(out)["plan"]["steady_samples_per_s"] == planned["predicted_samples_per_s"]
     # on the preset of that name (4x the FLOP/s) it runs faster, and with receives
     # posted a pass ahead it runs otherwise: the machine and the lookahead mattered
     for name, flags, differs in (
-            ("m", ["--hardware", "pcie-4gpu"], lambda x: x > 1.5 * by_model["predicted_samples_per_s"]),
-            ("p", ["--recv-lookahead", "1"], lambda x: x != by_profile["predicted_samples_per_s"])):
-        code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / name / "plan.json"), *flags,
-                             "--summary-only", "--json", "--out", "s2")
+        ("m", ["--hardware", "pcie-4gpu"], lambda x: x > 1.5 * by_model["predicted_samples_per_s"]),
+        ("p", ["--recv-lookahead", "1"], lambda x: x != by_profile["predicted_samples_per_s"]),
+    ):
+        code, out, err = run(
+            capsys,
+            "simulate",
+            "--plan",
+            str(tmp_path / name / "plan.json"),
+            *flags,
+            "--summary-only",
+            "--json",
+            "--out",
+            "s2",
+        )
         assert code == 0, err
         assert differs(json.loads(out)["plan"]["steady_samples_per_s"]), flags
 
@@ -709,9 +895,17 @@ def test_a_relative_profile_path_in_a_plan_is_read_beside_it(tmp_path) -> None:
 
     (tmp_path / "prof").mkdir()
     save_profile(model_profile("vgg16", load_hardware("pcie-4gpu").device), tmp_path / "prof" / "vgg.json")
-    doc = {"strategy": "1f1b", "stages": [{"layers": [0, 15], "replicas": 4}], "microbatches": 8, "iterations": 2,
-           "microbatch_size": 32, "model": None, "profile": "prof/vgg.json", "hardware": "pcie-4gpu",
-           "predicted_samples_per_s": 1.0}
+    doc = {
+        "strategy": "1f1b",
+        "stages": [{"layers": [0, 15], "replicas": 4}],
+        "microbatches": 8,
+        "iterations": 2,
+        "microbatch_size": 32,
+        "model": None,
+        "profile": "prof/vgg.json",
+        "hardware": "pcie-4gpu",
+        "predicted_samples_per_s": 1.0,
+    }
     (tmp_path / "plan.json").write_text(json.dumps(doc))
     assert load_plan(tmp_path / "plan.json").profile == str(tmp_path / "prof" / "vgg.json")
     doc["profile"] = "missing.json"  # not beside it: left as written, for the working folder
@@ -723,8 +917,11 @@ def test_an_unconfirmed_choice_records_a_run_its_replicas_can_take() -> None:
     """With confirm=0 the choice is the cost model's; PipeDream's 15-1 needs
     a run that gives its 15 replicas equal shares, and the plan must say so,
     or simulate --plan refuses it."""
-    rec = plan(PlanRequest("pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16,
-                           microbatches=16, confirm=0)).to_json()
+    rec = plan(
+        PlanRequest(
+            "pipedream", model_profile("pipedream-vgg16", CLUSTER_A.device), CLUSTER_A, 16, microbatches=16, confirm=0
+        )
+    ).to_json()
     pf = plan_file(rec)
     assert not rec["predicted_is_simulated"] and 15 in pf.replicas
     assert pf.microbatches * pf.iterations % math.lcm(*pf.replicas) == 0
@@ -743,29 +940,66 @@ def test_a_strategy_that_runs_no_configuration_found_is_refused(tmp_path, capsys
     rec = plan(PlanRequest("pipedream-2bw", profile, CLUSTER_A, 16, microbatches=32)).to_json()
     build_schedule(plan_file(rec).spec())
     assert not rec["candidates"][rec["chosen"]].get("refused")
-    code, out, err = run(capsys, "compare", "--planned", "--model", "vgg16", "--hardware", "pcie-4gpu",
-                         "--strategies", "1f1b,pipedream-2bw", "--stages", "4", "--microbatches", "2",
-                         "--iterations", "2", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "compare",
+        "--planned",
+        "--model",
+        "vgg16",
+        "--hardware",
+        "pcie-4gpu",
+        "--strategies",
+        "1f1b,pipedream-2bw",
+        "--stages",
+        "4",
+        "--microbatches",
+        "2",
+        "--iterations",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "left out pipedream-2bw: pipedream-2bw runs none" in err
     doc = json.loads((tmp_path / "comparison.json").read_text())
     assert doc["order"] == ["1f1b"] and "pipedream-2bw" in doc["left_out"]
     # with nothing left, the reason is said once, as the error
-    code, out, err = run(capsys, "compare", "--planned", "--model", "vgg16", "--hardware", "pcie-4gpu",
-                         "--strategies", "pipedream-2bw", "--stages", "4", "--microbatches", "2",
-                         "--iterations", "2", "--out", str(tmp_path / "none"))
+    code, out, err = run(
+        capsys,
+        "compare",
+        "--planned",
+        "--model",
+        "vgg16",
+        "--hardware",
+        "pcie-4gpu",
+        "--strategies",
+        "pipedream-2bw",
+        "--stages",
+        "4",
+        "--microbatches",
+        "2",
+        "--iterations",
+        "2",
+        "--out",
+        str(tmp_path / "none"),
+    )
     assert code == 2 and err.count("pipedream-2bw runs none") == 1 and "left out" not in err, err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["simulate", "--no-stashing"], "the plan fixes the strategy's options"),
-    (["compare", "--strategy", "gpipe"], "name the strategies to compare with --strategies"),
-    (["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"],
-     "needs microbatches >= stages (m=8 < p=16)"),
-    (["compare", "--planned", "--stages", "8", "--hardware", "pcie-4gpu"], "pcie-4gpu has 4 devices"),
-    # sized before it is built: a run too large for memory is one line, not a machine filling up
-    (["compare", "--strategies", "gpipe,1f1b", "--microbatches", "20000000"], "computes 320,000,000 stage passes"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["simulate", "--no-stashing"], "the plan fixes the strategy's options"),
+        (["compare", "--strategy", "gpipe"], "name the strategies to compare with --strategies"),
+        (
+            ["compare", "--stages", "16", "--hardware", "pipedream-cluster-a-x4"],
+            "needs microbatches >= stages (m=8 < p=16)",
+        ),
+        (["compare", "--planned", "--stages", "8", "--hardware", "pcie-4gpu"], "pcie-4gpu has 4 devices"),
+        # sized before it is built: a run too large for memory is one line, not a machine filling up
+        (["compare", "--strategies", "gpipe,1f1b", "--microbatches", "20000000"], "computes 320,000,000 stage passes"),
+    ],
+)
 def test_flags_a_run_would_ignore_or_fail_on_are_refused_first(argv, message, tmp_path, capsys) -> None:
     if argv[0] == "simulate":
         argv = [*argv, "--plan", str(_written_plan(tmp_path))]
@@ -778,36 +1012,67 @@ def test_a_plan_whose_devices_contradict_its_stages_is_refused(tmp_path, capsys)
     """A width plan's gpus are checked against the devices its schedule runs
     on (pipelines of some strategies share devices, so the sum of replicas
     cannot tell)."""
-    code, _, err = run(capsys, "plan", "--strategy", "pipedream-2bw", "--model", "bert-large", "--hardware",
-                       "pcie-4gpu", "--out", str(tmp_path / "p"))
+    code, _, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream-2bw",
+        "--model",
+        "bert-large",
+        "--hardware",
+        "pcie-4gpu",
+        "--out",
+        str(tmp_path / "p"),
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert "width" in doc
     doc["gpus"] = 99
     (tmp_path / "bad.json").write_text(json.dumps(doc))
-    code, _, err = run(capsys, "simulate", "--plan", str(tmp_path / "bad.json"), "--summary-only",
-                       "--out", str(tmp_path / "o"))
+    code, _, err = run(
+        capsys, "simulate", "--plan", str(tmp_path / "bad.json"), "--summary-only", "--out", str(tmp_path / "o")
+    )
     assert code == 2 and "the plan says 99 devices, but its stages run on 4" in err, err
 
 
 def _written_plan(tmp_path) -> str:
-    doc = {"strategy": "pipedream", "stages": [{"layers": [0, 12], "replicas": 3}, {"layers": [13, 15], "replicas": 1}],
-           "microbatches": 9, "iterations": 2, "microbatch_size": 32, "model": "vgg16", "hardware": "pcie-4gpu",
-           "predicted_samples_per_s": 1.0}
+    doc = {
+        "strategy": "pipedream",
+        "stages": [{"layers": [0, 12], "replicas": 3}, {"layers": [13, 15], "replicas": 1}],
+        "microbatches": 9,
+        "iterations": 2,
+        "microbatch_size": 32,
+        "model": "vgg16",
+        "hardware": "pcie-4gpu",
+        "predicted_samples_per_s": 1.0,
+    }
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     return path
 
 
 def test_a_plan_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "pipedream-vgg16", "--hardware",
-                         "pipedream-cluster-a-x4", "--iterations", "1", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "pipedream",
+        "--model",
+        "pipedream-vgg16",
+        "--hardware",
+        "pipedream-cluster-a-x4",
+        "--iterations",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "too short for a steady state" in out.splitlines()[1] and "simulated, steady state" not in out
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["predicted_is_simulated"] and not record["predicted_is_steady"]
-    code, out, err = run(capsys, "simulate", "--plan", str(tmp_path / "plan.json"), "--summary-only",
-                         "--out", str(tmp_path / "run"))
+    code, out, err = run(
+        capsys, "simulate", "--plan", str(tmp_path / "plan.json"), "--summary-only", "--out", str(tmp_path / "run")
+    )
     assert code == 0, err
     assert "samples/s over its whole run; this run" in next(x for x in out.splitlines() if x.startswith("plan "))
 
@@ -815,8 +1080,17 @@ def test_a_plan_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
 def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
     path = _written_plan(tmp_path)
     for iterations, steady in (("1", False), ("3", True)):
-        code, out, err = run(capsys, "simulate", "--plan", str(path), "--iterations", iterations, "--summary-only",
-                             "--out", str(tmp_path / iterations))
+        code, out, err = run(
+            capsys,
+            "simulate",
+            "--plan",
+            str(path),
+            "--iterations",
+            iterations,
+            "--summary-only",
+            "--out",
+            str(tmp_path / iterations),
+        )
         assert code == 0, err
         line = next(x for x in out.splitlines() if x.startswith("plan "))
         assert ("in steady state, " in line) is steady and ("too short for a steady state" in line) is not steady
@@ -824,15 +1098,20 @@ def test_a_run_too_short_for_a_steady_state_says_so(tmp_path, capsys) -> None:
         assert summary["plan"]["steady_window"] is steady
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    # the machine's device count is the limit to name, not the model's layers
-    (["--straight", "--gpus", "100"], "pcie-4gpu has 4 devices, not 100"),
-    # replicas as --replicas spells them, not as "straight"
-    (["--hardware", "ideal", "--gpus", "20", "--replicas", ",".join(["1"] * 20)],
-     "replicas 1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1 make 20 stages, but vgg16 has 16 layers"),
-    # confirmation runs too large for memory are refused before any search
-    (["--gpus", "4", "--microbatches", "100000000"], "computes 1,200,000,000 stage passes"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # the machine's device count is the limit to name, not the model's layers
+        (["--straight", "--gpus", "100"], "pcie-4gpu has 4 devices, not 100"),
+        # replicas as --replicas spells them, not as "straight"
+        (
+            ["--hardware", "ideal", "--gpus", "20", "--replicas", ",".join(["1"] * 20)],
+            "replicas 1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1 make 20 stages, but vgg16 has 16 layers",
+        ),
+        # confirmation runs too large for memory are refused before any search
+        (["--gpus", "4", "--microbatches", "100000000"], "computes 1,200,000,000 stage passes"),
+    ],
+)
 def test_plan_requests_are_refused_naming_the_right_limit(argv, message, tmp_path, capsys) -> None:
     code, _, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", *argv, "--out", str(tmp_path))
     assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -843,28 +1122,43 @@ def test_a_long_plan_reports_its_steps_in_a_log(tmp_path, capsys, monkeypatch) -
     long; then it says what it is doing, a line per step, on stderr."""
     from pipesim.experiments import progress
 
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
-                         "--out", str(tmp_path / "short"))
+    code, out, err = run(
+        capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4", "--out", str(tmp_path / "short")
+    )
     assert code == 0 and "planning:" not in err
     monkeypatch.setattr(progress, "PROGRESS_PASSES", 10)
-    code, out, err = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
-                         "--out", str(tmp_path / "long"))
+    code, out, err = run(
+        capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4", "--out", str(tmp_path / "long")
+    )
     assert code == 0 and "planning: searching splits and replicas" in err and "planning: confirming" in err
     assert "planning:" not in out
 
 
 def test_the_plans_hint_quotes_a_folder_with_a_space(tmp_path, capsys) -> None:
     folder = tmp_path / "my plans"
-    code, out, _ = run(capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4",
-                       "--out", str(folder))
+    code, out, _ = run(
+        capsys, "plan", "--strategy", "pipedream", "--model", "vgg16", "--gpus", "4", "--out", str(folder)
+    )
     assert code == 0 and f"(pipesim simulate --plan '{folder}/plan.json')" in out
 
 
 def test_a_plan_where_nothing_fits_is_an_error_that_keeps_its_files(tmp_path, capsys) -> None:
     """The planner lists every candidate even when none fits, but the answer
     to "what should I run" is then that nothing will: one line, exit 2."""
-    code, out, err = run(capsys, "plan", "--strategy", "1f1b", "--model", "vgg16", "--hardware", "pcie-4gpu",
-                         "--microbatch-size", "4096", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--strategy",
+        "1f1b",
+        "--model",
+        "vgg16",
+        "--hardware",
+        "pcie-4gpu",
+        "--microbatch-size",
+        "4096",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 2 and err.count("\n") == 1, err
     assert "no configuration of 1f1b the planner found fits in memory" in err and "of 11.0 GiB" in err
     record = json.loads((tmp_path / "plan.json").read_text())

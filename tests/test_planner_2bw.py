@@ -28,8 +28,11 @@ def model(layers: int = 4, f: float = 1e-3, weights: int = 8 * MIB, sent: int = 
     """Identical layers costed per sample; ``profile_for(b)`` scales time and activations with b."""
 
     def profile_for(b: int) -> Profile:
-        return Profile("toy", tuple(LayerCost(f"l{i}", f * b, 2 * f * b, weights, sent * b, stash * b)
-                                    for i in range(layers)), microbatch_size=b)
+        return Profile(
+            "toy",
+            tuple(LayerCost(f"l{i}", f * b, 2 * f * b, weights, sent * b, stash * b) for i in range(layers)),
+            microbatch_size=b,
+        )
 
     return profile_for
 
@@ -62,11 +65,24 @@ def test_closed_form_is_the_papers_on_a_uniform_model(strategy) -> None:
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(strategy=st.sampled_from(["gpipe", "1f1b", "pipedream-2bw"]), limit_mib=st.integers(60, 400),
-       batch=st.sampled_from([8, 16]))
+@given(
+    strategy=st.sampled_from(["gpipe", "1f1b", "pipedream-2bw"]),
+    limit_mib=st.integers(60, 400),
+    batch=st.sampled_from([8, 16]),
+)
 def test_choice_fits_and_is_the_fastest_confirmed(strategy, limit_mib, batch) -> None:
-    rec = plan_grid(GridRequest(strategy, model(), with_memory(PCIE, limit_mib * MIB), 4, batch,
-                                microbatch_sizes=(1, 2, 4), confirm=3, iterations=3)).to_json()
+    rec = plan_grid(
+        GridRequest(
+            strategy,
+            model(),
+            with_memory(PCIE, limit_mib * MIB),
+            4,
+            batch,
+            microbatch_sizes=(1, 2, 4),
+            confirm=3,
+            iterations=3,
+        )
+    ).to_json()
     cands, best = rec["candidates"], rec["candidates"][rec["chosen"]]
     fitting = [c for c in cands if not c["out_of_memory"]]
     if not fitting:
@@ -78,16 +94,30 @@ def test_choice_fits_and_is_the_fastest_confirmed(strategy, limit_mib, batch) ->
     p = best["params"]
     assert p["width"] * p["depth"] == 4 and p["width"] * p["microbatch_size"] * p["microbatches"] == batch
     assert set(rec) <= PLAN_KEYS and plan_file(rec).width == p["width"]  # simulate --plan reads it back
-    assert (rec["width"], rec["microbatch_size"], rec["recompute"]) == (p["width"], p["microbatch_size"],
-                                                                      p["recompute"])
+    assert (rec["width"], rec["microbatch_size"], rec["recompute"]) == (
+        p["width"],
+        p["microbatch_size"],
+        p["recompute"],
+    )
 
 
 def test_confirmations_go_to_every_shape_before_a_shapes_near_ties() -> None:
     """Micro-batch sizes of one (width, depth, recompute) shape score alike;
     the engine confirms the best of each shape first, so a shape the closed
     form ranks just behind another's near-ties is still simulated."""
-    rec = plan_grid(GridRequest("pipedream-2bw", model(), PCIE, 4, 16, microbatch_sizes=(1, 2, 4),
-                                recompute=(False,), confirm=3, iterations=3)).to_json()
+    rec = plan_grid(
+        GridRequest(
+            "pipedream-2bw",
+            model(),
+            PCIE,
+            4,
+            16,
+            microbatch_sizes=(1, 2, 4),
+            recompute=(False,),
+            confirm=3,
+            iterations=3,
+        )
+    ).to_json()
     fitting = [c for c in rec["candidates"] if not c["out_of_memory"]]
     shapes = {(c["params"]["width"], c["params"]["depth"]) for c in fitting}
     confirmed = [c for c in fitting if c["simulated_samples_per_s"] is not None]
@@ -96,8 +126,18 @@ def test_confirmations_go_to_every_shape_before_a_shapes_near_ties() -> None:
 
 
 def _largest_fitting_b(strategy: str, recompute: bool, limit: float) -> int:
-    rec = plan_grid(GridRequest(strategy, model(layers=8), with_memory(PCIE, limit), 4, 64,
-                                microbatch_sizes=(1, 2, 4, 8, 16), recompute=(recompute,), confirm=2)).to_json()
+    rec = plan_grid(
+        GridRequest(
+            strategy,
+            model(layers=8),
+            with_memory(PCIE, limit),
+            4,
+            64,
+            microbatch_sizes=(1, 2, 4, 8, 16),
+            recompute=(recompute,),
+            confirm=2,
+        )
+    ).to_json()
     fits = [c["params"]["microbatch_size"] for c in rec["candidates"] if not c["out_of_memory"]]
     return max(fits, default=0)
 
@@ -114,17 +154,22 @@ def test_gpipe_fits_fewer_microbatches_than_1f1b() -> None:
     limit = 250 * MIB
 
     def largest_m(strategy: str) -> int:
-        req = GridRequest(strategy, model(), with_memory(PCIE, limit), 4, 64, microbatch_sizes=(1,),
-                          recompute=(False,), confirm=0)
+        req = GridRequest(
+            strategy, model(), with_memory(PCIE, limit), 4, 64, microbatch_sizes=(1,), recompute=(False,), confirm=0
+        )
         grid = _Grid(req, limit)
-        return max((m for m in range(1, 65) if not grid.candidate(Shape(1, 4, 1, m, False)).out_of_memory),
-                   default=0)
+        return max((m for m in range(1, 65) if not grid.candidate(Shape(1, 4, 1, m, False)).out_of_memory), default=0)
 
     gpipe, one_f_one_b = largest_m("gpipe"), largest_m("1f1b")
     assert 0 < gpipe < one_f_one_b
     # and the engine holds GPipe's m stashes: one more micro-batch, one more stash per stage
-    peaks = [max(t.peak_bytes for t in simulate(ScheduleSpec("gpipe", 4, m), profile=model()(1),
-                                                hardware=IDEAL, recv_lookahead=1).memory) for m in (4, 5)]
+    peaks = [
+        max(
+            t.peak_bytes
+            for t in simulate(ScheduleSpec("gpipe", 4, m), profile=model()(1), hardware=IDEAL, recv_lookahead=1).memory
+        )
+        for m in (4, 5)
+    ]
     assert peaks[1] - peaks[0] == 16 * MIB  # a stage (one layer here) holds one more stash
 
 
@@ -135,8 +180,7 @@ def test_tuner_picks_the_best_of_a_brute_force_grid() -> None:
     brute = {}
     for n in (1, 2, 3):
         for m in (2, 4, 8):
-            r = simulate(ScheduleSpec("avgpipe", 4, m, iterations=3, width=n), profile=profile_for(8 // m),
-                         hardware=hw)
+            r = simulate(ScheduleSpec("avgpipe", 4, m, iterations=3, width=n), profile=profile_for(8 // m), hardware=hw)
             brute[(n, m)] = (not any(t.out_of_memory for t in r.memory), steady_throughput(r))
     assert any(not fits for fits, _ in brute.values()) and any(fits for fits, _ in brute.values())
     best = max(brute, key=lambda k: brute[k])
@@ -149,16 +193,37 @@ def test_tuner_picks_the_best_of_a_brute_force_grid() -> None:
 
 def test_plan_runs_with_simulate_plan(tmp_path, capsys) -> None:
     out = tmp_path / "plan"
-    assert main(["plan", "--strategy", "pipedream-2bw", "--model", "bert-large", "--hardware", "dgx1-v100",
-                 "--batch-size", "32", "--recompute", "--confirm", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--strategy",
+                "pipedream-2bw",
+                "--model",
+                "bert-large",
+                "--hardware",
+                "dgx1-v100",
+                "--batch-size",
+                "32",
+                "--recompute",
+                "--confirm",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     rec = json.loads((out / "plan.json").read_text())
     assert (out / "pareto.html").exists() and "chosen: " in text and rec["recompute"] is True
     pf = plan_file(rec)
     spec = pf.spec()
     assert spec.width == rec["width"] and spec.replicas is None and spec.stages == len(rec["stages"])
-    assert main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json",
-                 "--out", str(tmp_path / "sim")]) == 0
+    assert (
+        main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json", "--out", str(tmp_path / "sim")])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["meta"]["recompute"] is True and summary["microbatch_size"] == rec["microbatch_size"]
     assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
@@ -205,14 +270,34 @@ def test_the_tuner_plans_avgpipes_disjoint_placement(tmp_path, capsys) -> None:
     GPUs (depth GPUs / N), and the plan keeps the option for simulate --plan;
     a strategy without the option refuses it in one line."""
     out = tmp_path / "plan"
-    assert main(["plan", "--strategy", "avgpipe", "--model", "bert-large", "--hardware", "pcie-4gpu",
-                 "--batch-size", "8", "--placement", "disjoint", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--strategy",
+                "avgpipe",
+                "--model",
+                "bert-large",
+                "--hardware",
+                "pcie-4gpu",
+                "--batch-size",
+                "8",
+                "--placement",
+                "disjoint",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     rec = json.loads((out / "plan.json").read_text())
     assert rec["options"]["placement"] == "disjoint" and len(rec["stages"]) * rec["width"] == 4
     assert (f"in each of {rec['width']} pipelines" if rec["width"] > 1 else "in its one pipeline") in text
-    assert main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json",
-                 "--out", str(tmp_path / "sim")]) == 0
+    assert (
+        main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json", "--out", str(tmp_path / "sim")])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["devices_count"] == 4
     assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)

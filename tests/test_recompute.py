@@ -9,12 +9,12 @@ import pytest
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import load_hardware
-from pipesim.sim.workloads.stages import recomputed, split_at, stage_cost
 from pipesim.sim.partition.cost import held_activations
 from pipesim.sim.partition.layout import layout_of
 from pipesim.sim.partition.search import CostSetting, Tables, memory_terms
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workloads.profile import LayerCost, Profile
+from pipesim.sim.workloads.stages import recomputed, split_at, stage_cost
 
 F, B = 1e-3, 2e-3
 A, S, W = 1 << 18, 1 << 20, 1 << 20  # sent per micro-batch, stashed per micro-batch, weights
@@ -25,8 +25,9 @@ def uniform(p: int) -> Profile:
 
 
 def run(strategy: str, p: int, m: int, recompute: bool, iterations: int = 2):
-    return simulate_schedule(build_schedule(ScheduleSpec(strategy, p, m, iterations=iterations)), uniform(p),
-                             "ideal", recompute=recompute)
+    return simulate_schedule(
+        build_schedule(ScheduleSpec(strategy, p, m, iterations=iterations)), uniform(p), "ideal", recompute=recompute
+    )
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (3, 5), (2, 2)])
@@ -83,8 +84,9 @@ def test_cost_model_memory_matches_the_engine(strategy):
         est = CostSetting.of(prof, hw).estimate(tables.split(tuple(range(p))), layout)
         for k in range(p):
             engine_acts = result.memory[k].peak_breakdown["activations"]
-            terms = memory_terms(tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0,
-                                 optimizer_multiplier=1)
+            terms = memory_terms(
+                tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0, optimizer_multiplier=1
+            )
             weights = W * (layout.versions[k] + 2)
             boundary = 2 * (A if k else 0) + 2 * (A if k + 1 < p else 0)
             assert terms[k, k + 1] == est.memory_bytes[k] == weights + engine_acts + boundary, (strategy, k)
@@ -132,8 +134,9 @@ def test_layer_tables_match_the_stage_costs():
             c = recomputed([stage_cost(prof, i, j - 1)])[0]
             assert (t.checkpoints[i, j], t.peak[i, j]) == (c.held_bytes, c.full_stash_bytes), (i, j)
             for inflight in (0, 1, 3):
-                assert t.held(inflight)[i, j] == held_activations(c.stash_bytes, inflight, c.held_bytes,
-                                                                  c.full_stash_bytes)
+                assert t.held(inflight)[i, j] == held_activations(
+                    c.stash_bytes, inflight, c.held_bytes, c.full_stash_bytes
+                )
 
 
 def test_multi_layer_memory_checks_match_the_engine():
@@ -146,8 +149,9 @@ def test_multi_layer_memory_checks_match_the_engine():
         tables, layout = Tables(prof, True), layout_of(schedule)
         est = CostSetting.of(prof, hw).estimate(tables.split(starts), layout)
         for k in range(p):
-            terms = memory_terms(tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0,
-                                 optimizer_multiplier=1)
+            terms = memory_terms(
+                tables, inflight=layout.inflight[k], versions=layout.versions[k], buffers=0, optimizer_multiplier=1
+            )
             weights = layers * W * (layout.versions[k] + 2)
             boundary = 2 * (A if k else 0) + 2 * (A if k + 1 < p else 0)  # buffers; free links hold none
             engine = weights + result.memory[k].peak_breakdown["activations"] + boundary

@@ -6,7 +6,7 @@ stage, tanh between them, cross-entropy at the end) whose forward and
 backward are written out by hand, so the reference shares neither autograd's
 graph tricks nor pipesim's version pool, prediction kernel or optimizer.
 What each reference encodes is the rule as the papers (and
-``docs/semantics.md``) state it:
+``docs/concepts/strategies.md``) state it:
 
 * flush schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) and data
   parallelism: mini-batch SGD with momentum; the gradient of iteration t is
@@ -71,8 +71,9 @@ def initial_weights(layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for k in range(layers):
         rows = D if k < layers - 1 else CLASSES
-        out.append((torch.randn(rows, D, generator=g, dtype=DTYPE) * 0.5,
-                    torch.randn(rows, generator=g, dtype=DTYPE) * 0.1))
+        out.append(
+            (torch.randn(rows, D, generator=g, dtype=DTYPE) * 0.5, torch.randn(rows, generator=g, dtype=DTYPE) * 0.1)
+        )
     return out
 
 
@@ -199,12 +200,14 @@ def stashing_rule(stages):
     def rule(k, i, history, _):
         v = history[stale(k, i, stages)]
         return v, v
+
     return rule
 
 
 def vanilla_rule(stages):
     def rule(k, i, history, _):
         return history[stale(k, i, stages)], history[i]
+
     return rule
 
 
@@ -217,8 +220,8 @@ def spectrain_rule(stages):
 
     def rule(k, i, history, momentum):
         s_fwd, s_bwd = k // 2 + stages - k - 1, k // 2
-        return (predicted(history, momentum, stale(k, i, stages), s_fwd),
-                predicted(history, momentum, i, s_bwd))
+        return (predicted(history, momentum, stale(k, i, stages), s_fwd), predicted(history, momentum, i, s_bwd))
+
     return rule
 
 
@@ -291,8 +294,9 @@ def run_pipeline(spec: ScheduleSpec, layers: int):
                 lin.weight.copy_(init[j][0])
                 lin.bias.copy_(init[j][1])
             mods.append(nn.Sequential(lin, nn.Tanh()) if j < layers - 1 else lin)
-        stages[(rep, k)] = PipelineStage(nn.Sequential(*mods), k, sched.num_stages, replica=rep,
-                                         loss_fn=nn.CrossEntropyLoss())
+        stages[(rep, k)] = PipelineStage(
+            nn.Sequential(*mods), k, sched.num_stages, replica=rep, loss_fn=nn.CrossEntropyLoss()
+        )
     out = emulate(sched, stages, Data(), OptimizerConfig(lr=LR, momentum=MOM), timeline)
     weights = []
     for rep in range(sched.num_replicas):
@@ -300,8 +304,12 @@ def run_pipeline(spec: ScheduleSpec, layers: int):
         for k in range(sched.num_stages):
             state = out.weights[(rep, k)]
             for j in range(per):
-                flat.append((state[f"{j}.0.weight" if k * per + j < layers - 1 else f"{j}.weight"],
-                             state[f"{j}.0.bias" if k * per + j < layers - 1 else f"{j}.bias"]))
+                flat.append(
+                    (
+                        state[f"{j}.0.weight" if k * per + j < layers - 1 else f"{j}.weight"],
+                        state[f"{j}.0.bias" if k * per + j < layers - 1 else f"{j}.bias"],
+                    )
+                )
         weights.append(flat)
     return weights, out.losses
 
@@ -340,30 +348,55 @@ CASES = {
     "gpipe": case("gpipe", dict(stages=4), lambda: reference_minibatch(LAYERS, M, ITERS), ITERS),
     "1f1b": case("1f1b", dict(stages=4), lambda: reference_minibatch(LAYERS, M, ITERS), ITERS),
     "zb-h1": case("zb-h1", dict(stages=4), lambda: reference_minibatch(LAYERS, M, ITERS), ITERS),
-    "interleaved-1f1b": case("interleaved-1f1b", dict(stages=2, chunks=2),
-                             lambda: reference_minibatch(LAYERS, M, ITERS), ITERS),
+    "interleaved-1f1b": case(
+        "interleaved-1f1b", dict(stages=2, chunks=2), lambda: reference_minibatch(LAYERS, M, ITERS), ITERS
+    ),
     # m = 4 in all, 2 per replica
-    "data-parallel": case("data-parallel", dict(stages=2),
-                          lambda: reference_minibatch(LAYERS, M // 2, ITERS, replicas=2), ITERS),
-    "pipedream": case("pipedream", dict(stages=4),
-                      lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, stashing_rule(4)), N_ASYNC),
-    "pipedream-vanilla": case("pipedream", dict(stages=4, stashing=False),
-                              lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, vanilla_rule(4)), N_ASYNC),
+    "data-parallel": case(
+        "data-parallel", dict(stages=2), lambda: reference_minibatch(LAYERS, M // 2, ITERS, replicas=2), ITERS
+    ),
+    "pipedream": case(
+        "pipedream", dict(stages=4), lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, stashing_rule(4)), N_ASYNC
+    ),
+    "pipedream-vanilla": case(
+        "pipedream",
+        dict(stages=4, stashing=False),
+        lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, vanilla_rule(4)),
+        N_ASYNC,
+    ),
     # two layers per stage: vanilla's backward reads new weights inside a stage too
-    "pipedream-vanilla-2-stages": case("pipedream", dict(stages=2, stashing=False),
-                                       lambda: reference_asynchronous(LAYERS, 2, N_ASYNC, vanilla_rule(2)), N_ASYNC),
-    "spectrain": case("spectrain", dict(stages=4),
-                      lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, spectrain_rule(4)), N_ASYNC),
-    "spectrain-2-stages": case("spectrain", dict(stages=2),
-                               lambda: reference_asynchronous(LAYERS, 2, N_ASYNC, spectrain_rule(2)), N_ASYNC),
-    "pipedream-2bw": case("pipedream-2bw", dict(stages=4), lambda: reference_2bw(LAYERS, M, ITERS + 1),
-                          ITERS + 1, ITERS + 1),
-    "pipedream-2bw-width-2": case("pipedream-2bw", dict(stages=2, width=2),
-                                  lambda: reference_2bw(LAYERS, M, ITERS + 1, replicas=2), ITERS + 1, ITERS + 1),
-    "avgpipe": case("avgpipe", dict(stages=2, width=2, alpha=0.3),
-                    lambda: reference_avgpipe(LAYERS, M, ITERS, 2, 0.3, 1), ITERS),
-    "avgpipe-disjoint-tau-2": case("avgpipe", dict(stages=2, width=2, alpha=0.3, tau=2, placement="disjoint"),
-                                   lambda: reference_avgpipe(LAYERS, M, ITERS + 1, 2, 0.3, 2), ITERS + 1, ITERS + 1),
+    "pipedream-vanilla-2-stages": case(
+        "pipedream",
+        dict(stages=2, stashing=False),
+        lambda: reference_asynchronous(LAYERS, 2, N_ASYNC, vanilla_rule(2)),
+        N_ASYNC,
+    ),
+    "spectrain": case(
+        "spectrain", dict(stages=4), lambda: reference_asynchronous(LAYERS, 4, N_ASYNC, spectrain_rule(4)), N_ASYNC
+    ),
+    "spectrain-2-stages": case(
+        "spectrain", dict(stages=2), lambda: reference_asynchronous(LAYERS, 2, N_ASYNC, spectrain_rule(2)), N_ASYNC
+    ),
+    "pipedream-2bw": case(
+        "pipedream-2bw", dict(stages=4), lambda: reference_2bw(LAYERS, M, ITERS + 1), ITERS + 1, ITERS + 1
+    ),
+    "pipedream-2bw-width-2": case(
+        "pipedream-2bw",
+        dict(stages=2, width=2),
+        lambda: reference_2bw(LAYERS, M, ITERS + 1, replicas=2),
+        ITERS + 1,
+        ITERS + 1,
+    ),
+    "avgpipe": case(
+        "avgpipe", dict(stages=2, width=2, alpha=0.3), lambda: reference_avgpipe(LAYERS, M, ITERS, 2, 0.3, 1), ITERS
+    ),
+    "avgpipe-disjoint-tau-2": case(
+        "avgpipe",
+        dict(stages=2, width=2, alpha=0.3, tau=2, placement="disjoint"),
+        lambda: reference_avgpipe(LAYERS, M, ITERS + 1, 2, 0.3, 2),
+        ITERS + 1,
+        ITERS + 1,
+    ),
 }
 
 

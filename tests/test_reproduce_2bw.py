@@ -13,11 +13,30 @@ from pipesim.experiments.reproduce import twobw
 from pipesim.experiments.reproduce.base import Paper, row_key, with_published
 from pipesim.sim.workloads.catalog import uniform_profile
 
-KEYS = {"paper", "figure", "model", "hardware", "gpus", "global_batch", "technique", "metric", "predicted",
-        "published", "config"}
+KEYS = {
+    "paper",
+    "figure",
+    "model",
+    "hardware",
+    "gpus",
+    "global_batch",
+    "technique",
+    "metric",
+    "predicted",
+    "published",
+    "config",
+}
 MODELS = {"gpt-1.3b", "gpt-2.2b", "gpt-3.8b", "bert-2.2b", "bert-3.8b", "gpt"}
-TECHNIQUES = {"inter-layer", "tensor", "gpipe", "pipedream-flush", "pipedream-2bw", "pipedream", "data-parallel",
-              "spectrain"}
+TECHNIQUES = {
+    "inter-layer",
+    "tensor",
+    "gpipe",
+    "pipedream-flush",
+    "pipedream-2bw",
+    "pipedream",
+    "data-parallel",
+    "spectrain",
+}
 METRICS = {"throughput_seq_s", "memory_gb", "max_params_b", "speedup_vs_dp"}
 
 
@@ -79,8 +98,9 @@ def test_predictions_do_not_read_published_values(small, monkeypatch):
     nonsense_claims = {k: -1e9 for k in twobw.PUBLISHED_CLAIMS}
     monkeypatch.setattr(twobw, "PUBLISHED_ROWS", nonsense_rows)
     monkeypatch.setattr(twobw, "PUBLISHED_CLAIMS", nonsense_claims)
-    monkeypatch.setattr(twobw, "PAPER", replace(twobw.PAPER, published_rows=nonsense_rows,
-                                                published_claims=nonsense_claims))
+    monkeypatch.setattr(
+        twobw, "PAPER", replace(twobw.PAPER, published_rows=nonsense_rows, published_claims=nonsense_claims)
+    )
     after = _predict()
     assert [r.to_json() for r in before[0]] == [r.to_json() for r in after[0]]
     assert [c.to_json() for c in before[1]] == [c.to_json() for c in after[1]]
@@ -90,7 +110,9 @@ def test_predictions_do_not_read_published_values(small, monkeypatch):
 @pytest.fixture
 def uniform(monkeypatch):
     """Uniform layers (F = 1 ms, B = 2 ms, nothing sent) on the ideal machine."""
-    monkeypatch.setattr(twobw, "_profile", lambda model, hardware, b, layers=None: uniform_profile(8, microbatch_size=b))
+    monkeypatch.setattr(
+        twobw, "_profile", lambda model, hardware, b, layers=None: uniform_profile(8, microbatch_size=b)
+    )
     monkeypatch.setattr(twobw, "MICROBATCH_SIZES", (1, 2))
 
 
@@ -114,11 +136,26 @@ def test_paper_is_a_paper():
 
 def test_figures_one_per_published_figure(tmp_path):
     cfg = {"w": 1, "d": 8, "b": 1, "recompute": False, "replicas": None}
-    rows = [twobw._row("6a", "gpt-2.2b", "p3.16xlarge", 8, 64, "pipedream-2bw", "throughput_seq_s", 44.0, cfg),
-            twobw._row("7", "gpt-2.2b", "p3.16xlarge", 8, 64, "gpipe", "memory_gb", None, cfg),
-            twobw._row("9", "gpt", "p3.16xlarge-x8", 64, 64, "pipedream-2bw", "max_params_b", 6.4, cfg),
-            twobw._row("12", "gpt-1.3b", "p3.16xlarge", 8, 256, "pipedream-2bw", "throughput_seq_s", 69.7,
-                       cfg | {"recompute": True})]
+    rows = [
+        twobw._row("6a", "gpt-2.2b", "p3.16xlarge", 8, 64, "pipedream-2bw", "throughput_seq_s", 44.0, cfg),
+        twobw._row("7", "gpt-2.2b", "p3.16xlarge", 8, 64, "gpipe", "memory_gb", None, cfg),
+        twobw._row("9", "gpt", "p3.16xlarge-x8", 64, 64, "pipedream-2bw", "max_params_b", 6.4, cfg),
+        twobw._row(
+            "12",
+            "gpt-1.3b",
+            "p3.16xlarge",
+            8,
+            256,
+            "pipedream-2bw",
+            "throughput_seq_s",
+            69.7,
+            cfg | {"recompute": True},
+        ),
+    ]
     written = twobw.figures(rows, [], tmp_path)
-    assert {p.name for p in written if p.suffix == ".html"} == {"figure6.html", "figure7_11.html", "figure9.html",
-                                                                "figure12.html"}
+    assert {p.name for p in written if p.suffix == ".html"} == {
+        "figure6.html",
+        "figure7_11.html",
+        "figure9.html",
+        "figure12.html",
+    }

@@ -37,8 +37,9 @@ def test_pipedream_predictions_do_not_read_published_values(small_pipedream, mon
     assert row.gpus == 16 and row.global_batch == 256 * 16 and sum(row.config["replicas"]) == 16
     assert row.predicted > 1.0
     # the real table fills it in, keyed by model and cluster
-    filled, _ = with_published(rows, claims, pipedream.PAPER.published_rows, pipedream.PAPER.published_claims,
-                               key=pipedream.PAPER.key)
+    filled, _ = with_published(
+        rows, claims, pipedream.PAPER.published_rows, pipedream.PAPER.published_claims, key=pipedream.PAPER.key
+    )
     assert filled[0].published == 2.04
 
 
@@ -81,8 +82,11 @@ def test_spectrain_predicts_without_published_values_and_writes_its_files(tmp_pa
     assert all(r.published is None for r in rows)
     monkeypatch.setattr(spectrain, "PUBLISHED_CLAIMS", _nonsense(spectrain.PUBLISHED_CLAIMS))
     monkeypatch.setattr(spectrain, "PUBLISHED_ROWS", _nonsense(spectrain.PUBLISHED_ROWS))
-    monkeypatch.setattr(spectrain, "PUBLISHED_ACCURACY", {k: {**v, "accuracy": _nonsense(v["accuracy"])}
-                                                          for k, v in spectrain.PUBLISHED_ACCURACY.items()})
+    monkeypatch.setattr(
+        spectrain,
+        "PUBLISHED_ACCURACY",
+        {k: {**v, "accuracy": _nonsense(v["accuracy"])} for k, v in spectrain.PUBLISHED_ACCURACY.items()},
+    )
     assert spectrain.predict() == (rows, claims)
     monkeypatch.undo()
     out = runner.run_paper(spectrain.PAPER, tmp_path)
@@ -111,16 +115,22 @@ def test_spectrain_accuracy_rows_are_pipesim_converge_gaps_beside_the_papers() -
     measured with the command that regenerates it; the published gaps are
     the papers' tables; a gap has no ratio error, only a difference."""
     rows = spectrain.accuracy_rows()
-    assert {(r.figure, r.model) for r in rows} == {("accuracy", "lstm"), ("accuracy", "mlp"), ("2bw-mnli", "gpt-small"),
-                                                   ("2bw-mnli", "lstm"), ("2bw-mnli", "mlp")}
+    assert {(r.figure, r.model) for r in rows} == {
+        ("accuracy", "lstm"),
+        ("accuracy", "mlp"),
+        ("2bw-mnli", "gpt-small"),
+        ("2bw-mnli", "lstm"),
+        ("2bw-mnli", "mlp"),
+    }
     assert all(r.metric == "accuracy_gap_pts" and r.gpus == 4 and r.global_batch == 32 for r in rows)
     # recomputed here straight from the file: lstm, 4 stages, reference lr 0.3
     doc = json.loads(spectrain.files("pipesim.experiments").joinpath("results", "converge-lstm.json").read_text())
     ref = doc["summary"]["4"]["reference_lr"]
     acc = {s: v[f"{ref:g}"]["mean"] for s, v in doc["summary"]["4"]["accuracy"].items()}
     got = {r.technique: r.predicted for r in rows if r.figure == "accuracy" and r.model == "lstm"}
-    assert got == pytest.approx({s: 100 * (acc[s] - acc["data-parallel"])
-                                 for s in ("pipedream-nostash", "pipedream", "spectrain")})
+    assert got == pytest.approx(
+        {s: 100 * (acc[s] - acc["data-parallel"]) for s in ("pipedream-nostash", "pipedream", "spectrain")}
+    )
     # the README's table: SpecTrain 48.7 against 57.6; the papers' order holds on the lstm
     assert got["spectrain"] == pytest.approx(48.7 - 57.6, abs=0.1)
     assert got["spectrain"] > got["pipedream"] > got["pipedream-nostash"]
@@ -145,9 +155,18 @@ def test_the_regenerating_command_is_the_runs_of_the_file(results) -> None:
 
     doc = spectrain.load_results(results)
     args = build_parser().parse_args(spectrain.converge_command(doc).split()[1:])
-    cfg = ConvergeConfig(model=args.model, stages=tuple(args.stages), strategies=tuple(args.strategies),
-                         lrs=tuple(args.lr), seeds=tuple(args.seeds), updates=args.updates,
-                         update_batch=args.update_batch, eval_every=args.eval_every, momentum=args.momentum,
-                         model_width=args.model_width, model_depth=args.model_depth)
+    cfg = ConvergeConfig(
+        model=args.model,
+        stages=tuple(args.stages),
+        strategies=tuple(args.strategies),
+        lrs=tuple(args.lr),
+        seeds=tuple(args.seeds),
+        updates=args.updates,
+        update_batch=args.update_batch,
+        eval_every=args.eval_every,
+        momentum=args.momentum,
+        model_width=args.model_width,
+        model_depth=args.model_depth,
+    )
     planned = {(r.strategy, r.stages, r.lr, r.seed) for r in runs_of(cfg)}
     assert planned == {(r["strategy"], r["stages"], r["lr"], r["seed"]) for r in doc["runs"]}

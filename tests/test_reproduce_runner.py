@@ -15,11 +15,31 @@ from pipesim.experiments.cli import main
 from pipesim.experiments.reproduce import runner
 from pipesim.experiments.reproduce.base import Claim, Paper, Row
 
-ROW_KEYS = {"paper", "figure", "model", "hardware", "gpus", "global_batch", "technique", "metric", "predicted",
-            "published", "config"}
+ROW_KEYS = {
+    "paper",
+    "figure",
+    "model",
+    "hardware",
+    "gpus",
+    "global_batch",
+    "technique",
+    "metric",
+    "predicted",
+    "published",
+    "config",
+}
 CLAIM_KEYS = {"id", "text", "predicted", "published"}
-TECHNIQUES = {"inter-layer", "tensor", "gpipe", "pipedream-flush", "pipedream-2bw", "pipedream", "data-parallel",
-              "spectrain", "pipedream-nostash"}
+TECHNIQUES = {
+    "inter-layer",
+    "tensor",
+    "gpipe",
+    "pipedream-flush",
+    "pipedream-2bw",
+    "pipedream",
+    "data-parallel",
+    "spectrain",
+    "pipedream-nostash",
+}
 METRICS = {"throughput_seq_s", "memory_gb", "max_params_b", "speedup_vs_dp", "accuracy_gap_pts"}
 CONFIG_KEYS = {"w", "d", "b", "recompute", "replicas"}
 
@@ -39,9 +59,22 @@ def check_results_shape(doc: dict) -> None:
 
 def fake_predict(progress):
     progress(0, 2, "first")
-    rows = [Row("fake", "1", "m", "ideal", 2, 8, "pipedream", "speedup_vs_dp", 1.0 / 3.0,
-                config={"w": 1, "d": 2, "b": 4, "recompute": False, "replicas": [1, 1]}, note="a gap's cause"),
-            Row("fake", "1", "m", "ideal", 2, 8, "data-parallel", "speedup_vs_dp", 1.0, config=None)]
+    rows = [
+        Row(
+            "fake",
+            "1",
+            "m",
+            "ideal",
+            2,
+            8,
+            "pipedream",
+            "speedup_vs_dp",
+            1.0 / 3.0,
+            config={"w": 1, "d": 2, "b": 4, "recompute": False, "replicas": [1, 1]},
+            note="a gap's cause",
+        ),
+        Row("fake", "1", "m", "ideal", 2, 8, "data-parallel", "speedup_vs_dp", 1.0, config=None),
+    ]
     progress(1, 2, "second")
     return rows, [Claim("c", "fake is 2x faster", 2.0)]
 
@@ -52,9 +85,16 @@ def fake_figures(rows, claims, out: Path) -> list[Path]:
     return [path]
 
 
-FAKE = Paper(name="fake", title="A fake paper", predict=fake_predict,
-             published_rows={("1", "m", 8, "pipedream", "speedup_vs_dp"): 1.0}, published_claims={"c": 2.1},
-             figures=fake_figures, steps=2, notes=lambda rows, claims: "Some notes.")
+FAKE = Paper(
+    name="fake",
+    title="A fake paper",
+    predict=fake_predict,
+    published_rows={("1", "m", 8, "pipedream", "speedup_vs_dp"): 1.0},
+    published_claims={"c": 2.1},
+    figures=fake_figures,
+    steps=2,
+    notes=lambda rows, claims: "Some notes.",
+)
 
 
 def test_the_runner_writes_results_report_and_figures(tmp_path) -> None:

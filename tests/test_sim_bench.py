@@ -7,8 +7,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.api import simulate
 from pipesim.experiments.bench.sim import bare_model_seconds, ceiling, render
+from pipesim.sim.api import simulate
 from pipesim.sim.ir.core import ScheduleError
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule
 
@@ -17,8 +17,12 @@ BARE = ("gpipe", "1f1b", "interleaved-1f1b", "pipedream", "pipedream-2bw")
 
 
 @settings(max_examples=40, deadline=None)
-@given(strategy=st.sampled_from(BARE), p=st.integers(1, 6), m=st.integers(1, 10),
-       model=st.sampled_from(("uniform", "vgg16")))
+@given(
+    strategy=st.sampled_from(BARE),
+    p=st.integers(1, 6),
+    m=st.integers(1, 10),
+    model=st.sampled_from(("uniform", "vgg16")),
+)
 def test_bare_model_ends_when_the_engine_does(strategy, p, m, model) -> None:
     spec = ScheduleSpec(strategy, p, m)
     try:

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.ir.dataflow import PassDone, producer_of, split_stages
 from pipesim.sim.ir.core import (
     AVERAGE,
     P2P_OPS,
@@ -29,6 +28,7 @@ from pipesim.sim.ir.core import (
     W,
     format_action,
 )
+from pipesim.sim.ir.dataflow import PassDone, producer_of, split_stages
 from pipesim.sim.strategies import (
     ScheduleSpec,
     StrategyError,
@@ -102,9 +102,7 @@ def static_versions(s):
                 for mb in closed.pop(rs) if rs in closed else pending.pop(rs, []):
                     update_at[(*rs, mb)] = current[rs]
                 current[rs] = a.version
-            alive = {current[rs]} | {
-                v for v in range(current[rs]) if last_read.get((*rs, v), -1) >= pos
-            }
+            alive = {current[rs]} | {v for v in range(current[rs]) if last_read.get((*rs, v), -1) >= pos}
             held[rs] = max(held[rs], len(alive))
     return reads, update_at, dict(held)
 
@@ -171,6 +169,7 @@ def expect_error(spec):
 # torch 2.13's orders
 # --------------------------------------------------------------------------
 
+
 def torch_schedule(name):
     """A torch schedule class (tests may import torch; pipesim.sim never does)."""
     return getattr(pytest.importorskip("torch.distributed.pipelining.schedules"), name)
@@ -182,8 +181,7 @@ def torch_order(cls, p, m, v=None):
     if v is None:
         sched = cls(SimpleNamespace(num_stages=p), m)
     else:
-        stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p)
-                  for c in range(v)]
+        stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=c * p) for c in range(v)]
         sched = cls(stages, m)
     return {
         rank: [str(a) for a in acts if a is not None and "REDUCE_GRAD" not in str(a)]
@@ -203,7 +201,7 @@ def _fix_torch_1f1b_last_rank(order, p):
     fixed = []
     for a in order:
         if a.startswith(f"{p - 1}F"):
-            a = f"{p - 1}F{int(a[len(str(p - 1)) + 1:]) - 1}"
+            a = f"{p - 1}F{int(a[len(str(p - 1)) + 1 :]) - 1}"
         fixed.append(a)
     return fixed
 
@@ -220,8 +218,20 @@ def test_1f1b_equals_torch(p, m):
 
 @pytest.mark.parametrize(
     "p,v,m",
-    [(2, 2, 2), (2, 2, 4), (2, 3, 4), (4, 2, 4), (4, 2, 8), (4, 2, 10), (4, 2, 3), (4, 2, 6),
-     (3, 2, 8), (4, 3, 12), (4, 1, 4), (2, 2, 1)],
+    [
+        (2, 2, 2),
+        (2, 2, 4),
+        (2, 3, 4),
+        (4, 2, 4),
+        (4, 2, 8),
+        (4, 2, 10),
+        (4, 2, 3),
+        (4, 2, 6),
+        (3, 2, 8),
+        (4, 3, 12),
+        (4, 1, 4),
+        (2, 2, 1),
+    ],
 )
 def test_interleaved_equals_torch(p, v, m):
     s = build("interleaved-1f1b", p, m, chunks=v)
@@ -254,8 +264,12 @@ def specs(draw):
     if strategy in WIDE or strategy == "data-parallel":
         kw["width"] = draw(st.integers(1, 3))
     if strategy == "avgpipe":
-        kw.update(width=draw(st.integers(1, 3)), advance=draw(st.integers(0, 4)),
-                  tau=draw(st.integers(1, 3)), placement=draw(st.sampled_from(["shared", "disjoint"])))
+        kw.update(
+            width=draw(st.integers(1, 3)),
+            advance=draw(st.integers(0, 4)),
+            tau=draw(st.integers(1, 3)),
+            placement=draw(st.sampled_from(["shared", "disjoint"])),
+        )
     if strategy == "interleaved-1f1b":
         kw["chunks"] = draw(st.integers(1, 3))
     if strategy == "pipedream":
@@ -302,8 +316,7 @@ def check_versions(s, spec):
     reads, update_at, held = static_versions(s)
     p, m, total = s.num_stages, s.num_microbatches, s.total_microbatches
     reps = s.replicas
-    assert set(update_at) == {(i % reps[k], k, i) for k in range(p) for i in range(total)}, \
-        "every gradient is applied"
+    assert set(update_at) == {(i % reps[k], k, i) for k in range(p) for i in range(total)}, "every gradient is applied"
     stale = staleness(s)
     name = spec.strategy
     for (op, r, k, i), (v, dist) in reads.items():
@@ -553,7 +566,13 @@ def test_data_parallel_layout():
     # the iteration's 8 micro-batches, 2 per device: ids 1 and 5 on device 1
     assert (s.num_devices, s.num_stages, s.num_replicas, s.num_microbatches) == (4, 1, 4, 8)
     assert [format_action(a) for a in s.programs[1][:6]] == [
-        "r1.0F1@v0", "r1.0B1@v0", "r1.0F5@v0", "r1.0B5@v0", "r1.0REDUCE_GRAD", "r1.0UPDATE@v1"]
+        "r1.0F1@v0",
+        "r1.0B1@v0",
+        "r1.0F5@v0",
+        "r1.0B5@v0",
+        "r1.0REDUCE_GRAD",
+        "r1.0UPDATE@v1",
+    ]
     assert build("data-parallel", 2, 8, width=2).num_devices == 4
     single = build("data-parallel", 1, 3)
     assert not any(a.op is REDUCE_GRAD for a in single.programs[0])
@@ -571,18 +590,24 @@ def test_width_places_replicas_and_reduces():
                 # the plain pipeline's order on the replica's own micro-batches: its l-th is l*w + r
                 plain = build(name, p, m, iterations=2).programs[d]
                 assert [a._replace(replica=0) for a in prog if a.op is not REDUCE_GRAD] == [
-                    a if a.microbatch is None else a._replace(microbatch=a.microbatch * w + r) for a in plain]
+                    a if a.microbatch is None else a._replace(microbatch=a.microbatch * w + r) for a in plain
+                ]
 
 
 def test_flush_update_right_after_last_backward():
     s = build("zb-h1", 4, 6, iterations=2)
     for k, prog in enumerate(s.programs):
         for t in range(2):
-            last = max(pos for pos, a in enumerate(prog)
-                       if a.op in (B, W) and a.microbatch // 6 == t)
+            last = max(pos for pos, a in enumerate(prog) if a.op in (B, W) and a.microbatch // 6 == t)
             assert prog[last + 1] == Action(UPDATE, k, version=t + 1)
-    assert strategy_names() == list(ALL[:4]) + ["pipedream", "pipedream-2bw", "spectrain",
-                                                "avgpipe", "data-parallel", "tensor-parallel"]
+    assert strategy_names() == list(ALL[:4]) + [
+        "pipedream",
+        "pipedream-2bw",
+        "spectrain",
+        "avgpipe",
+        "data-parallel",
+        "tensor-parallel",
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -622,8 +647,15 @@ def test_bad_specs(spec, match):
     assert isinstance(info.value, ValueError)
 
 
-NON_DEFAULT = {"width": 2, "chunks": 3, "stashing": False, "alpha": 0.5, "tau": 2, "advance": 2,
-               "placement": "disjoint"}
+NON_DEFAULT = {
+    "width": 2,
+    "chunks": 3,
+    "stashing": False,
+    "alpha": 0.5,
+    "tau": 2,
+    "advance": 2,
+    "placement": "disjoint",
+}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -686,10 +718,15 @@ def test_unknown_strategy_names_the_choices():
             build_schedule(ScheduleSpec(name, 2, 2))
 
 
-@pytest.mark.parametrize("kw", [dict(strategy="avgpipe", stages=2, microbatches=2),
-                                dict(strategy="1f1b", stages=2, microbatches=4, replicas=(2, 1)),
-                                dict(strategy="pipedream-2bw", stages=2, microbatches=4, width=2),
-                                dict(strategy="pipedream", stages=2, microbatches=3, replicas=(3, 1))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(strategy="avgpipe", stages=2, microbatches=2),
+        dict(strategy="1f1b", stages=2, microbatches=4, replicas=(2, 1)),
+        dict(strategy="pipedream-2bw", stages=2, microbatches=4, width=2),
+        dict(strategy="pipedream", stages=2, microbatches=3, replicas=(3, 1)),
+    ],
+)
 def test_a_schedule_rebuilds_from_the_spec_read_off_it(kw):
     """spec_of inverts the build: widths count m per pipeline, per-stage replicas m in all."""
     from pipesim.sim.strategies import spec_of

@@ -42,16 +42,26 @@ def Data():  # noqa: N802 (a data source, as the tests construct it)
 def stages_for(sched):
     base = layers()
     per = len(base) // sched.num_stages
-    return {(rep, k): PipelineStage(nn.Sequential(*copy.deepcopy(base[k * per:(k + 1) * per])), k, sched.num_stages,
-                                    replica=rep, loss_fn=nn.CrossEntropyLoss())
-            for rep, k in sched.placement()}
+    return {
+        (rep, k): PipelineStage(
+            nn.Sequential(*copy.deepcopy(base[k * per : (k + 1) * per])),
+            k,
+            sched.num_stages,
+            replica=rep,
+            loss_fn=nn.CrossEntropyLoss(),
+        )
+        for rep, k in sched.placement()
+    }
 
 
 def spec(name, iterations, **kw):
     options = {"pipedream-vanilla": {"stashing": False}}.get(name, {})
     strategy = "pipedream" if name == "pipedream-vanilla" else name
-    defaults = {"interleaved-1f1b": {"stages": 2, "chunks": 2}, "avgpipe": {"stages": 2, "tau": 2},
-                "data-parallel": {"stages": 2}}.get(strategy, {"stages": 4})
+    defaults = {
+        "interleaved-1f1b": {"stages": 2, "chunks": 2},
+        "avgpipe": {"stages": 2, "tau": 2},
+        "data-parallel": {"stages": 2},
+    }.get(strategy, {"stages": 4})
     return ScheduleSpec(strategy=strategy, iterations=iterations, **(defaults | options | kw))
 
 
@@ -76,8 +86,11 @@ NAMES = [s.name for s in strategies() if s.executable] + ["pipedream-vanilla"]  
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("m", [1, 4])
 def test_k_steps_and_a_flush_equal_one_run_k_times_as_long(name, m):
-    if m < 4 and get_strategy(spec(name, 1, microbatches=4).strategy).needs_m_ge_p or \
-            (name == "data-parallel" and m % 2):
+    if (
+        m < 4
+        and get_strategy(spec(name, 1, microbatches=4).strategy).needs_m_ge_p
+        or (name == "data-parallel" and m % 2)
+    ):
         pytest.skip("m < p (or not a multiple of the devices) is not defined for this strategy")
     K = 3
     want_stages, want = long_run(spec(name, K, microbatches=m))
@@ -120,8 +133,7 @@ def test_a_flush_then_more_steps_start_a_new_fill_where_the_last_one_ended():
     runner.flush()
     # the same as two runs, the second on the next micro-batches and versions
     first = build_schedule(spec("spectrain", 2, microbatches=2))
-    second = moved_on(build_schedule(spec("spectrain", 3, microbatches=2)), first.total_microbatches,
-                      updates(first))
+    second = moved_on(build_schedule(spec("spectrain", 3, microbatches=2)), first.total_microbatches, updates(first))
     want = stages_for(first)
     emulate(first, want, Data(), OPT, _timeline(first))
     emulate(second, want, Data(), OPT, _timeline(build_schedule(spec("spectrain", 3, microbatches=2))))
@@ -168,8 +180,15 @@ def _job(strategy, iterations):
     from pipesim.validate.runtime import Job
 
     sched = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=2, iterations=iterations))
-    return Job(schedule=sched, model="mlp", starts=(0, 3), microbatch_size=8, width=32, depth=4,
-               optimizer=OptimizerConfig(lr=0.05, momentum=0.9))
+    return Job(
+        schedule=sched,
+        model="mlp",
+        starts=(0, 3),
+        microbatch_size=8,
+        width=32,
+        depth=4,
+        optimizer=OptimizerConfig(lr=0.05, momentum=0.9),
+    )
 
 
 @pytest.mark.multiprocess

@@ -15,8 +15,14 @@ from pipesim.sim.strategies import ScheduleSpec
 
 #: A small grid with a point its strategy rejects (2BW needs m >= p) and
 #: options that only some strategies take.
-SMALL = {"strategy": ("gpipe", "pipedream-2bw", "interleaved-1f1b", "avgpipe"), "stages": (2, 4),
-         "microbatches": (2, 4), "iterations": (2,), "width": (1, 2), "chunks": (2,)}
+SMALL = {
+    "strategy": ("gpipe", "pipedream-2bw", "interleaved-1f1b", "avgpipe"),
+    "stages": (2, 4),
+    "microbatches": (2, 4),
+    "iterations": (2,),
+    "width": (1, 2),
+    "chunks": (2,),
+}
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -50,15 +56,28 @@ def test_values_are_read_by_the_field_type() -> None:
 def test_library_grids_are_checked_like_the_command_line() -> None:
     assert sweep.make_grid({"stages": [4, 2, 4], "alpha": (1,)})["stages"] == (4, 2)
     assert sweep.make_grid({"alpha": (1,)})["alpha"] == (1.0,)
-    for grid, message in (({"stages": "4"}, "expected a sequence"), ({"stages": (4.5,)}, "not of type int"),
-                          ({"nope": (1,)}, "unknown sweep axis"), ({"strategy": ("nope",)}, "unknown strategy")):
+    for grid, message in (
+        ({"stages": "4"}, "expected a sequence"),
+        ({"stages": (4.5,)}, "not of type int"),
+        ({"nope": (1,)}, "unknown sweep axis"),
+        ({"strategy": ("nope",)}, "unknown strategy"),
+    ):
         with pytest.raises(InputError, match=message):
             sweep.make_grid(grid)
 
 
 def test_options_vary_only_the_strategies_that_take_them() -> None:
-    points = sweep.expand(sweep.make_grid({**SMALL, "strategy": ("gpipe", "interleaved-1f1b", "spectrain"),
-                                           "stages": (2,), "microbatches": (4,), "chunks": (2, 3)}))
+    points = sweep.expand(
+        sweep.make_grid(
+            {
+                **SMALL,
+                "strategy": ("gpipe", "interleaved-1f1b", "spectrain"),
+                "stages": (2,),
+                "microbatches": (4,),
+                "chunks": (2, 3),
+            }
+        )
+    )
     count = {name: sum(p["strategy"] == name for p in points) for name in ("gpipe", "interleaved-1f1b", "spectrain")}
     assert count == {"gpipe": 2, "interleaved-1f1b": 4, "spectrain": 1}
     assert all("width" not in p and "chunks" not in p for p in points if p["strategy"] == "spectrain")
@@ -75,13 +94,39 @@ def test_a_new_spec_field_is_swept_with_no_change(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(sweep, "ScheduleSpec", _SpecWithReplicas)  # in this process: --workers 1
     grid_file = tmp_path / "grid.json"
     grid_file.write_text(json.dumps({"strategy": ["1f1b"], "stages": [2], "replicas": [[15, 1], [3, 1], None]}))
-    code, _, err = run(capsys, "sweep", "--grid", str(grid_file), "--microbatches", "2", "--workers", "1",
-                       "--out", str(tmp_path / "file"))
+    code, _, err = run(
+        capsys,
+        "sweep",
+        "--grid",
+        str(grid_file),
+        "--microbatches",
+        "2",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path / "file"),
+    )
     assert code == 0, err
     doc = json.loads((tmp_path / "file" / "sweep.json").read_text())
     assert [p["replicas"] for p in doc["points"]] == [[15, 1], [3, 1], None]
-    code, _, err = run(capsys, "sweep", "--strategy", "1f1b", "--stages", "2", "--microbatches", "2",
-                       "--set", "replicas=15,1", "3,1", "none", "--workers", "1", "--out", str(tmp_path / "flags"))
+    code, _, err = run(
+        capsys,
+        "sweep",
+        "--strategy",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--set",
+        "replicas=15,1",
+        "3,1",
+        "none",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path / "flags"),
+    )
     assert code == 0, err
     for name in ("sweep.json", "sweep.csv"):
         assert (tmp_path / "flags" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
@@ -91,8 +136,11 @@ def test_a_new_spec_field_is_swept_with_no_change(monkeypatch, tmp_path, capsys)
 
 
 def test_rejected_points_are_skipped_with_the_reason() -> None:
-    doc = sweep.run_sweep(sweep.make_grid({"strategy": ("pipedream-2bw",), "stages": (4,), "microbatches": (2, 4),
-                                           "iterations": (3,)}), workers=1, progress=False)
+    doc = sweep.run_sweep(
+        sweep.make_grid({"strategy": ("pipedream-2bw",), "stages": (4,), "microbatches": (2, 4), "iterations": (3,)}),
+        workers=1,
+        progress=False,
+    )
     skipped, ran = doc["points"]
     assert skipped["status"] == "skipped" and "m=2 < p=4" in skipped["reason"]
     assert ran["status"] == "ok" and ran["staleness_max"] == 1 and ran["devices_count"] == 4
@@ -109,8 +157,9 @@ def test_one_two_and_three_workers_give_identical_outputs() -> None:
     one = sweep.run_sweep(grid, workers=1, progress=False)
     for workers in (2, 3):
         assert _outputs(sweep.run_sweep(grid, workers=workers, progress=False)) == _outputs(one)
-    assert [(p["strategy"], p["stages"], p["microbatches"]) for p in one["points"]] == \
-        [(p["strategy"], p["stages"], p["microbatches"]) for p in sweep.expand(grid)]
+    assert [(p["strategy"], p["stages"], p["microbatches"]) for p in one["points"]] == [
+        (p["strategy"], p["stages"], p["microbatches"]) for p in sweep.expand(grid)
+    ]
     assert one["skipped"] and one["simulated"]
 
 
@@ -129,9 +178,29 @@ def test_ray_gives_the_local_results() -> None:
 
 
 def test_cli_writes_table_csv_and_figure(tmp_path, capsys) -> None:
-    code, out, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--model", "bert-large", "vgg16",
-                         "--hardware", "pcie-4gpu", "--stages", "4", "--microbatches", "4", "64", "--iterations", "1",
-                         "--workers", "1", "--out", str(tmp_path))
+    code, out, err = run(
+        capsys,
+        "sweep",
+        "--strategy",
+        "gpipe",
+        "1f1b",
+        "--model",
+        "bert-large",
+        "vgg16",
+        "--hardware",
+        "pcie-4gpu",
+        "--stages",
+        "4",
+        "--microbatches",
+        "4",
+        "64",
+        "--iterations",
+        "1",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "8 points: 8 simulated, 0 skipped, 3 out of memory" in out
     assert "fastest configuration that fits in memory" in out and "bert-large" in out
@@ -143,12 +212,18 @@ def test_cli_writes_table_csv_and_figure(tmp_path, capsys) -> None:
 
 
 def test_a_value_swept_as_none_is_spelled_none_in_the_console_and_empty_in_the_csv() -> None:
-    doc = {"columns": ["strategy", "microbatch_size", "recompute"],
-           "points": [{"strategy": "1f1b", "microbatch_size": None, "recompute": False},
-                      {"strategy": "1f1b", "microbatch_size": 2, "recompute": True}]}
+    doc = {
+        "columns": ["strategy", "microbatch_size", "recompute"],
+        "points": [
+            {"strategy": "1f1b", "microbatch_size": None, "recompute": False},
+            {"strategy": "1f1b", "microbatch_size": 2, "recompute": True},
+        ],
+    }
     axes = ["strategy", "microbatch_size", "recompute", "width"]  # width: not taken by these points
     assert [sweep.label(p, axes) for p in doc["points"]] == [
-        "strategy=1f1b, microbatch_size=none, recompute=false", "strategy=1f1b, microbatch_size=2, recompute=true"]
+        "strategy=1f1b, microbatch_size=none, recompute=false",
+        "strategy=1f1b, microbatch_size=2, recompute=true",
+    ]
     assert sweep.to_csv(doc).splitlines()[1:] == ["1f1b,,false", "1f1b,2,true"]
 
 
@@ -223,8 +298,8 @@ def test_bad_grid_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> Non
         ("{not json", "malformed JSON"),
         ("[1, 2]", "expected an object"),
         ('{"stages": 4}', "stages must be a list of values"),
-        ('{"stages": ["4"]}', "sweep axis stages: value \"4\" is not of type int"),
-        ('{"alpha": [0.5, "x"]}', "sweep axis alpha: value \"x\" is not of type float"),
+        ('{"stages": ["4"]}', 'sweep axis stages: value "4" is not of type int'),
+        ('{"alpha": [0.5, "x"]}', 'sweep axis alpha: value "x" is not of type float'),
         ('{"stages": []}', "sweep axis stages has no values"),
         ('{"frobs": [1]}', "unknown sweep axis 'frobs'"),
         ('{"stages": [4, -2]}', "sweep axis stages: stages must be >= 1, got -2"),
@@ -242,8 +317,16 @@ def test_bad_grid_file_is_one_line_and_exit_2(content, message, capsys, tmp_path
 def test_a_sweep_runs_pipedreams_measured_profiles() -> None:
     """The catalog's measured models (PipeDream's graph.txt profiles) sweep
     like the computed ones, each point costed from the profile."""
-    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (2, 4), "microbatches": (4,), "iterations": (1,),
-                            "model": ("pipedream-alexnet",), "hardware": ("pipedream-cluster-a",)})
+    grid = sweep.make_grid(
+        {
+            "strategy": ("1f1b",),
+            "stages": (2, 4),
+            "microbatches": (4,),
+            "iterations": (1,),
+            "model": ("pipedream-alexnet",),
+            "hardware": ("pipedream-cluster-a",),
+        }
+    )
     doc = sweep.run_sweep(grid, workers=1, progress=False)
     assert [p["status"] for p in doc["points"]] == ["ok", "ok"]
     assert all(p["throughput_samples_per_s"] > 0 for p in doc["points"])
@@ -254,8 +337,10 @@ def test_a_reader_that_stops_early_loses_no_file(tmp_path) -> None:
     first line is printed, so a pipe that closes after it loses none."""
     import subprocess
 
-    cmd = (f"{sys.executable} -m pipesim.experiments.cli sweep --strategy 1f1b 1f1b --stages 2 --microbatches 4 "
-           f"--iterations 1 --workers 1 --out {tmp_path / 'o'} | head -c 1")
+    cmd = (
+        f"{sys.executable} -m pipesim.experiments.cli sweep --strategy 1f1b 1f1b --stages 2 --microbatches 4 "
+        f"--iterations 1 --workers 1 --out {tmp_path / 'o'} | head -c 1"
+    )
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert {p.name for p in (tmp_path / "o").iterdir()} >= {"sweep.json", "sweep.csv", "sweep.html"}
@@ -264,8 +349,17 @@ def test_a_reader_that_stops_early_loses_no_file(tmp_path) -> None:
 def test_recomputation_is_a_sweep_axis() -> None:
     """``--set recompute=false true``: every backward re-runs its forward, so
     the stash shrinks to the layers' inputs and the passes take longer."""
-    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (4,), "microbatches": (8,), "iterations": (2,),
-                            "model": ("bert-large",), "hardware": ("pcie-4gpu",), "recompute": (False, True)})
+    grid = sweep.make_grid(
+        {
+            "strategy": ("1f1b",),
+            "stages": (4,),
+            "microbatches": (8,),
+            "iterations": (2,),
+            "model": ("bert-large",),
+            "hardware": ("pcie-4gpu",),
+            "recompute": (False, True),
+        }
+    )
     assert "recompute" in sweep.columns(grid)
     plain, recomputed = sweep.run_sweep(grid, workers=1, progress=False)["points"]
     assert (plain["recompute"], recomputed["recompute"]) == (False, True)
@@ -280,8 +374,17 @@ def test_a_swept_optimizer_is_the_one_the_run_prices_and_records() -> None:
     from pipesim.sim.api import simulate
     from pipesim.sim.engine.metrics import summarize
 
-    grid = sweep.make_grid({"strategy": ("1f1b",), "stages": (2,), "microbatches": (4,), "iterations": (1,),
-                            "model": ("vgg16",), "hardware": ("pcie-4gpu",), "optimizer": ("sgd", "adam")})
+    grid = sweep.make_grid(
+        {
+            "strategy": ("1f1b",),
+            "stages": (2,),
+            "microbatches": (4,),
+            "iterations": (1,),
+            "model": ("vgg16",),
+            "hardware": ("pcie-4gpu",),
+            "optimizer": ("sgd", "adam"),
+        }
+    )
     sgd, adam = sweep.run_sweep(grid, workers=1, progress=False)["points"]
     assert adam["peak_memory_bytes_max"] > sgd["peak_memory_bytes_max"]
     summary = summarize(simulate(ScheduleSpec("1f1b", 2, 4), "bert-large", "pcie-4gpu"))
@@ -292,12 +395,43 @@ def test_the_console_says_how_many_workers_ran(tmp_path, capsys) -> None:
     """A sweep starts no more processes than it has chunks of points, and says
     so when fewer than asked; its files are those of any other count."""
     assert sweep.local_workers(12, 50) == 12 and sweep.local_workers(12, 2) == 2 and sweep.local_workers(1, 8) == 1
-    code, out, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--stages", "2", "4", "--microbatches", "4",
-                         "8", "16", "--workers", "50", "--out", str(tmp_path / "many"))
+    code, out, err = run(
+        capsys,
+        "sweep",
+        "--strategy",
+        "gpipe",
+        "1f1b",
+        "--stages",
+        "2",
+        "4",
+        "--microbatches",
+        "4",
+        "8",
+        "16",
+        "--workers",
+        "50",
+        "--out",
+        str(tmp_path / "many"),
+    )
     assert code == 0, err
     assert "on 12 local worker(s) of the 50 asked for" in out
-    code, _, err = run(capsys, "sweep", "--strategy", "gpipe", "1f1b", "--stages", "2", "4", "--microbatches", "4",
-                       "8", "16", "--workers", "1", "--out", str(tmp_path / "one"))
+    code, _, err = run(
+        capsys,
+        "sweep",
+        "--strategy",
+        "gpipe",
+        "1f1b",
+        "--stages",
+        "2",
+        "4",
+        "--microbatches",
+        "4",
+        "8",
+        "16",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path / "one"),
+    )
     assert code == 0, err
     assert (tmp_path / "many" / "sweep.json").read_bytes() == (tmp_path / "one" / "sweep.json").read_bytes()
-

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from pipesim.sim.api import simulate, simulate_schedule
+from pipesim.sim.engine.metrics import summarize
 from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.ir.core import ALLREDUCE, REDUCE_GRAD, UPDATE, B, F, parse_action
-from pipesim.sim.engine.metrics import summarize
-from pipesim.sim.workloads.catalog import uniform_profile
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
+from pipesim.sim.workloads.catalog import uniform_profile
 from pipesim.sim.workloads.profile import Profile
 
 ACT = 1 << 20  # bytes of each layer's hidden state in the closed-form test
@@ -102,8 +102,12 @@ def test_fixed_part_of_a_pass_is_not_split(d):
 
     layers = 4
     base = _profile(layers)
-    prof = replace(base, overhead_forward_s=1e-4, overhead_backward_s=3e-4,
-                   layers=tuple(replace(c, fixed_forward_s=2e-4, fixed_backward_s=5e-4) for c in base.layers))
+    prof = replace(
+        base,
+        overhead_forward_s=1e-4,
+        overhead_backward_s=3e-4,
+        layers=tuple(replace(c, fixed_forward_s=2e-4, fixed_backward_s=5e-4) for c in base.layers),
+    )
     opts = build_schedule(ScheduleSpec("tensor-parallel", d, 1)).options
     (c,) = get_strategy("tensor-parallel").device_costs(prof, split_at(prof, [0]), opts)
     fixed_f, fixed_b = layers * 2e-4 + 1e-4, layers * 5e-4 + 3e-4

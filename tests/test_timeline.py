@@ -82,10 +82,10 @@ def test_bars_in_ms_on_the_right_rows():
     by = {t.name: t for t in fig.data}
     ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext, strict=True))
     f = by["F"]
-    got = sorted((ticks[int(y)].split(" (")[0], b, x, txt)
-                 for y, b, x, txt in zip(f.y, f.base, f.x, f.text, strict=True))
-    assert got == [("device 0", 0.0, 1.0, "0F0@v0"), ("device 0", 1.0, 1.0, "0F1@v0"),
-                   ("device 1", 1.5, 1.0, "1F0@v0")]
+    got = sorted(
+        (ticks[int(y)].split(" (")[0], b, x, txt) for y, b, x, txt in zip(f.y, f.base, f.x, f.text, strict=True)
+    )
+    assert got == [("device 0", 0.0, 1.0, "0F0@v0"), ("device 0", 1.0, 1.0, "0F1@v0"), ("device 1", 1.5, 1.0, "1F0@v0")]
     send = by["SEND_F"]
     assert {ticks[int(y)] for y in send.y} == {"device 0 comm"}
     assert {ticks[int(y)] for y in by["RECV_F"].y} == {"device 1 comm"}
@@ -145,23 +145,26 @@ def test_html_self_contained_and_byte_identical(tmp_path):
 def _plotly_written(result, path, **kwargs):
     """The page as plotly writes a validated figure: the reference
     write_timeline_html must match byte for byte."""
-    timeline_figure(result, **kwargs).write_html(path, include_plotlyjs=True, full_html=True, div_id=DIV_ID,
-                                                 config={"displaylogo": False, "scrollZoom": True})
+    timeline_figure(result, **kwargs).write_html(
+        path, include_plotlyjs=True, full_html=True, div_id=DIV_ID, config={"displaylogo": False, "scrollZoom": True}
+    )
 
 
-@pytest.mark.parametrize("case", [
-    {"spec": ("1f1b", 4, 8), "model": "uniform", "hardware": "ideal"},
-    {"spec": ("pipedream", 2, 12, {"replicas": (3, 1)}), "model": "vgg16", "hardware": "pcie-4gpu"},
-    {"spec": ("zb-h1", 4, 8), "model": "gpt-1.3b", "hardware": "dgx-h100", "max_spans": 50},
-    {"spec": ("avgpipe", 2, 4), "model": "uniform", "hardware": "pcie-4gpu"},
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"spec": ("1f1b", 4, 8), "model": "uniform", "hardware": "ideal"},
+        {"spec": ("pipedream", 2, 12, {"replicas": (3, 1)}), "model": "vgg16", "hardware": "pcie-4gpu"},
+        {"spec": ("zb-h1", 4, 8), "model": "gpt-1.3b", "hardware": "dgx-h100", "max_spans": 50},
+        {"spec": ("avgpipe", 2, 4), "model": "uniform", "hardware": "pcie-4gpu"},
+    ],
+)
 def test_html_without_validation_is_what_plotly_writes(tmp_path, case):
     from pipesim.sim.api import simulate
     from pipesim.sim.strategies import ScheduleSpec
 
     strategy, p, m, *options = case["spec"]
-    res = simulate(ScheduleSpec(strategy, p, m, **(options[0] if options else {})), case["model"],
-                   case["hardware"])
+    res = simulate(ScheduleSpec(strategy, p, m, **(options[0] if options else {})), case["model"], case["hardware"])
     kwargs = {"max_spans": case["max_spans"]} if "max_spans" in case else {}
     ours, ref = tmp_path / "ours.html", tmp_path / "ref.html"
     write_timeline_html(res, ours, **kwargs)
@@ -180,25 +183,41 @@ _TIMES = st.sampled_from([0.0, 1e-3, 1e-3, 2e-3, (0.1 + 0.2) * 1e-2, 3e-3])
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), _TIMES, _TIMES, st.integers(0, 3), st.integers(0, 3),
-                          st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 1), st.integers(0, 1)),
-                min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            _TIMES,
+            _TIMES,
+            st.integers(0, 3),
+            st.integers(0, 3),
+            st.one_of(st.none(), st.integers(0, 2)),
+            st.integers(0, 1),
+            st.integers(0, 1),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
 @example([(0, 1e-3, 1e-3, 3, 1, 0, 0, 0), (0, 0.0, 1e-3, 0, 0, 0, 0, 0), (0, 1e-3, 1e-3, 1, 1, 0, 0, 0)])
 def test_bars_are_spans_sorted_by_device_time_and_name(rows):
     """Each op's bars are its spans sorted by (device, start, end, name),
     name spelt as ``str(action)``: the numpy sort and the inline spelling
     must give what the plain definition gives, ties on all three times
     (which only the name breaks) included."""
-    from pipesim.sim.ir.core import Action
     from pipesim.sim.engine.results import Span
+    from pipesim.sim.ir.core import Action
 
-    spans = [Span(dev, "compute", Action(op, stage, mb, version=ver, distance=dist, replica=rep), a, a + b)
-             for (dev, a, b, stage, mb, ver, dist, rep), op in zip(rows, [Op.FORWARD, Op.BACKWARD] * len(rows))]
+    spans = [
+        Span(dev, "compute", Action(op, stage, mb, version=ver, distance=dist, replica=rep), a, a + b)
+        for (dev, a, b, stage, mb, ver, dist, rep), op in zip(rows, [Op.FORWARD, Op.BACKWARD] * len(rows))
+    ]
     res = make_result()
     res.spans = spans
     for op, bars in timeline._spans_by_op(spans, has_comm=False):
-        expected = sorted((s for s in spans if s.action.op is op),
-                          key=lambda s: (s.device, s.start, s.end, str(s.action)))
+        expected = sorted(
+            (s for s in spans if s.action.op is op), key=lambda s: (s.device, s.start, s.end, str(s.action))
+        )
         assert bars.spans == expected
         assert bars.starts.tolist() == [s.start for s in expected]
         props = timeline._op_bar(op, bars, 1, 0.0)
@@ -305,8 +324,14 @@ class FakeSim:
 def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
     sim = FakeSim()
     mbs = (1, 2, 4, 8, 16)
-    html = bubble_figure(tmp_path, stages=(4, 8), microbatches=mbs,
-                         strategies=["gpipe", "interleaved-1f1b", "half", "broken"], simulate=sim, png=False)
+    html = bubble_figure(
+        tmp_path,
+        stages=(4, 8),
+        microbatches=mbs,
+        strategies=["gpipe", "interleaved-1f1b", "half", "broken"],
+        simulate=sim,
+        png=False,
+    )
     assert html == tmp_path / "bubbles.html"
     assert html.is_file() and (tmp_path / "bubbles.json").is_file()
     assert not (tmp_path / "bubbles.png").exists()
@@ -351,8 +376,15 @@ def test_bubble_figure_with_fake_simulator(tmp_path, capsys):
 def test_bubble_figure_deterministic(tmp_path):
     outs = []
     for sub in ("a", "b"):
-        bubble_figure(tmp_path / sub, stages=(4,), microbatches=(1, 4, 16), strategies=["gpipe", "zb-h1"],
-                      simulate=FakeSim(), progress=False, png=False)
+        bubble_figure(
+            tmp_path / sub,
+            stages=(4,),
+            microbatches=(1, 4, 16),
+            strategies=["gpipe", "zb-h1"],
+            simulate=FakeSim(),
+            progress=False,
+            png=False,
+        )
         outs.append(((tmp_path / sub / "bubbles.json").read_bytes(), (tmp_path / sub / "bubbles.html").read_bytes()))
     assert outs[0] == outs[1]
 
@@ -373,8 +405,9 @@ def test_import_errors_of_the_simulator_are_not_swallowed(tmp_path):
         raise ImportError("no api yet")
 
     with pytest.raises(ImportError):
-        bubble_figure(tmp_path, stages=(4,), microbatches=(4,), strategies=["gpipe"], simulate=sim,
-                      progress=False, png=False)
+        bubble_figure(
+            tmp_path, stages=(4,), microbatches=(4,), strategies=["gpipe"], simulate=sim, progress=False, png=False
+        )
 
 
 def test_default_strategies_are_the_registry():
@@ -382,7 +415,6 @@ def test_default_strategies_are_the_registry():
 
     assert figures.default_strategies() == strategy_names()
     assert "gpipe" in figures.default_strategies()
-
 
 
 def test_bubbles_agree_with_metrics_and_default_simulate():

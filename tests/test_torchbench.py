@@ -31,8 +31,9 @@ def test_rejects_bad_arguments():
 @pytest.mark.multiprocess
 def test_compare_with_torch_tiny():
     m, b, iters, warm = 4, 8, 2, 1
-    result = compare_with_torch("mlp", 2, m, b, iters, warm, ("gpipe", "1f1b"), width=32, depth=4,
-                                timeout_s=120, starts=(0, 3), repeats=1)
+    result = compare_with_torch(
+        "mlp", 2, m, b, iters, warm, ("gpipe", "1f1b"), width=32, depth=4, timeout_s=120, starts=(0, 3), repeats=1
+    )
     assert set(result["schedules"]) == {"gpipe", "1f1b"}
     for name, r in result["schedules"].items():
         ours, theirs = r["pipesim"], r["torch"]

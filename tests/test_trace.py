@@ -9,9 +9,9 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.sim.ir.core import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, UPDATE, Action, B, F, Schedule
-from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
 from pipesim.experiments.trace import assign_lanes, chrome_trace, dumps, write_trace
+from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
+from pipesim.sim.ir.core import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, UPDATE, Action, B, F, Schedule
 
 MS = 1e-3
 
@@ -44,13 +44,25 @@ def make_result() -> SimResult:
         Span(1, "collective", Action(REDUCE_GRAD, 1), 2.9 * MS, 3.0 * MS, nbytes=100),
     ]
     memory = [
-        MemoryTrack(0, capacity_bytes=float("inf"), times=[0.0, 1 * MS, 2.5 * MS], totals=[100, 200, 150],
-                    peak_bytes=200, peak_time=1 * MS),
-        MemoryTrack(1, capacity_bytes=1e9, times=[0.0, 1.5 * MS], totals=[50, 80], peak_bytes=80,
-                    peak_time=1.5 * MS),
+        MemoryTrack(
+            0,
+            capacity_bytes=float("inf"),
+            times=[0.0, 1 * MS, 2.5 * MS],
+            totals=[100, 200, 150],
+            peak_bytes=200,
+            peak_time=1 * MS,
+        ),
+        MemoryTrack(1, capacity_bytes=1e9, times=[0.0, 1.5 * MS], totals=[50, 80], peak_bytes=80, peak_time=1.5 * MS),
     ]
-    return SimResult(schedule=sched, spans=spans, memory=memory, versions=[], max_versions_held={},
-                     link_bytes={"l0": 8200}, meta={"model": "toy", "x": 0.1 + 0.2})
+    return SimResult(
+        schedule=sched,
+        spans=spans,
+        memory=memory,
+        versions=[],
+        max_versions_held={},
+        link_bytes={"l0": 8200},
+        meta={"model": "toy", "x": 0.1 + 0.2},
+    )
 
 
 def _events(trace, ph):
@@ -58,19 +70,24 @@ def _events(trace, ph):
 
 
 def _thread_names(trace):
-    return {(e["pid"], e["tid"]): e["args"]["name"]
-            for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    return {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
 
 
 def test_top_level_and_process_metadata():
     tr = chrome_trace(make_result())
     assert set(tr) == {"traceEvents", "displayTimeUnit", "otherData"}
     assert tr["displayTimeUnit"] == "ms"
-    procs = {e["pid"]: e["args"]["name"] for e in tr["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "process_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in tr["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {0: "device 0", 1: "device 1"}
-    sort = {e["pid"]: e["args"]["sort_index"] for e in tr["traceEvents"]
-            if e["ph"] == "M" and e["name"] == "process_sort_index"}
+    sort = {
+        e["pid"]: e["args"]["sort_index"]
+        for e in tr["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_sort_index"
+    }
     assert sort == {0: 0, 1: 1}
     assert tr["otherData"]["strategy"] == "test"
     assert tr["otherData"]["memory_capacity_bytes"] == {"0": None, "1": 1e9}
@@ -79,8 +96,11 @@ def test_top_level_and_process_metadata():
 def test_thread_names_fixed_order_and_extra_lanes():
     tr = chrome_trace(make_result())
     names = _thread_names(tr)
-    sort_index = {(e["pid"], e["tid"]): e["args"]["sort_index"] for e in tr["traceEvents"]
-                  if e["ph"] == "M" and e["name"] == "thread_sort_index"}
+    sort_index = {
+        (e["pid"], e["tid"]): e["args"]["sort_index"]
+        for e in tr["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_sort_index"
+    }
     # device 0 has three overlapping sends -> lanes "send", "send 1", "send 2"
     dev0 = [names[k] for k in sorted((k for k in names if k[0] == 0), key=lambda k: sort_index[k])]
     assert dev0 == ["compute", "send", "send 1", "send 2", "recv", "collective"]
@@ -132,7 +152,7 @@ def test_slices_on_each_track_never_partially_overlap():
     for track, ivs in tracks.items():
         ivs.sort()
         for i, (s1, e1) in enumerate(ivs):
-            for s2, e2 in ivs[i + 1:]:
+            for s2, e2 in ivs[i + 1 :]:
                 # s2 >= s1: either disjoint or nested
                 assert s2 >= e1 or e2 <= e1, (track, (s1, e1), (s2, e2))
 
@@ -150,10 +170,12 @@ def test_flow_pairs():
         assert f["bp"] == "e" and "bp" not in s
         assert (s["cat"], s["name"]) == (f["cat"], f["name"])
         # bound to the enclosing send / recv slice on the same track
-        send = [x for x in xs if x["pid"] == s["pid"] and x["tid"] == s["tid"]
-                and x["ts"] <= s["ts"] <= x["ts"] + x["dur"]]
-        recv = [x for x in xs if x["pid"] == f["pid"] and x["tid"] == f["tid"]
-                and x["ts"] <= f["ts"] <= x["ts"] + x["dur"]]
+        send = [
+            x for x in xs if x["pid"] == s["pid"] and x["tid"] == s["tid"] and x["ts"] <= s["ts"] <= x["ts"] + x["dur"]
+        ]
+        recv = [
+            x for x in xs if x["pid"] == f["pid"] and x["tid"] == f["tid"] and x["ts"] <= f["ts"] <= x["ts"] + x["dur"]
+        ]
         flow = {sp.flow: sp for sp in res.spans if sp.flow is not None and sp.stream == "send"}[s["id"]]
         assert len(send) == 1 and send[0]["name"] == str(flow.action) and send[0]["pid"] == flow.device
         assert len(recv) == 1 and recv[0]["pid"] == flow.peer and recv[0]["args"]["peer"] == flow.device
@@ -237,7 +259,7 @@ def test_engine_result_end_to_end():
     for ivs in tracks.values():
         ivs.sort()
         for i, (_, e1) in enumerate(ivs):
-            for s2, e2 in ivs[i + 1:]:
+            for s2, e2 in ivs[i + 1 :]:
                 assert s2 >= e1 or e2 <= e1
     assert {c["pid"] for c in _events(tr, "C")} == set(range(res.schedule.num_devices))
     compute = _thread_names(tr)
@@ -248,8 +270,15 @@ def test_engine_result_end_to_end():
 
 
 def _with_spans(res: SimResult, spans) -> SimResult:
-    return SimResult(schedule=res.schedule, spans=list(spans), memory=res.memory, versions=[],
-                     max_versions_held={}, link_bytes={}, meta=res.meta)
+    return SimResult(
+        schedule=res.schedule,
+        spans=list(spans),
+        memory=res.memory,
+        versions=[],
+        max_versions_held={},
+        link_bytes={},
+        meta=res.meta,
+    )
 
 
 class _OddAction(Action):
@@ -345,28 +374,40 @@ def test_write_trace_formats_engine_results_by_hand(tmp_path, monkeypatch):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(
-    st.tuples(
-        st.integers(0, 2),  # device
-        st.sampled_from(["compute", "send", "recv", "collective", "x\"y"]),
-        st.sampled_from([F, B, SEND_F, RECV_F, SEND_B, RECV_B, UPDATE, REDUCE_GRAD]),
-        st.integers(0, 3),  # stage
-        st.one_of(st.none(), st.integers(0, 4)),  # micro-batch
-        st.one_of(st.none(), st.integers(0, 2)),  # version
-        st.integers(0, 1),  # replica
-        st.integers(0, 6),  # start, in 0.5 us
-        st.integers(-1, 4),  # duration, in 0.25 us
-        st.one_of(st.none(), st.integers(0, 3)),  # flow
-    ),
-    max_size=25,
-))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # device
+            st.sampled_from(["compute", "send", "recv", "collective", 'x"y']),
+            st.sampled_from([F, B, SEND_F, RECV_F, SEND_B, RECV_B, UPDATE, REDUCE_GRAD]),
+            st.integers(0, 3),  # stage
+            st.one_of(st.none(), st.integers(0, 4)),  # micro-batch
+            st.one_of(st.none(), st.integers(0, 2)),  # version
+            st.integers(0, 1),  # replica
+            st.integers(0, 6),  # start, in 0.5 us
+            st.integers(-1, 4),  # duration, in 0.25 us
+            st.one_of(st.none(), st.integers(0, 3)),  # flow
+        ),
+        max_size=25,
+    )
+)
 def test_write_trace_matches_chrome_trace_on_any_spans(raw):
     import tempfile
     from pathlib import Path
 
-    spans = [Span(dev, stream, Action(op, stage, mb, ver, replica=rep), t * 0.5e-6, t * 0.5e-6 + d * 0.25e-6,
-                  peer=None if flow is None else 1 - dev % 2, flow=flow, nbytes=8)
-             for dev, stream, op, stage, mb, ver, rep, t, d, flow in raw]
+    spans = [
+        Span(
+            dev,
+            stream,
+            Action(op, stage, mb, ver, replica=rep),
+            t * 0.5e-6,
+            t * 0.5e-6 + d * 0.25e-6,
+            peer=None if flow is None else 1 - dev % 2,
+            flow=flow,
+            nbytes=8,
+        )
+        for dev, stream, op, stage, mb, ver, rep, t, d, flow in raw
+    ]
     res = _with_spans(make_result(), spans)
     with tempfile.TemporaryDirectory() as tmp:
         _assert_written_as_chrome_trace(res, Path(tmp) / "t.json")

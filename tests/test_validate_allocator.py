@@ -34,8 +34,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(mode: str, env=None) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode], check=True, capture_output=True, text=True,
-                         env={**os.environ, **(env or {})}).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    ).stdout.split("\n")
     return out[0], int(out[1])
 
 

@@ -46,7 +46,7 @@ def run(strategy, *, stages=2, m=4, iters=3, optim=None, **kw):
     per = len(layers) // sched.num_stages
     mods = {}
     for rep, k in sched.placement():
-        mod = nn.Sequential(*copy.deepcopy(layers[k * per:(k + 1) * per]))
+        mod = nn.Sequential(*copy.deepcopy(layers[k * per : (k + 1) * per]))
         mods[(rep, k)] = PipelineStage(mod, k, sched.num_stages, loss_fn=loss_fn, replica=rep)
     out = emulate(sched, mods, Data(), optim or OptimizerConfig(lr=LR, momentum=MOM), timeline)
     return sched, timeline, out
@@ -100,8 +100,9 @@ def reference_sgd(m, iters, replicas=1, version_lag=0):
     return torch.cat([p.detach().flatten() for p in model.parameters()]), losses
 
 
-@pytest.mark.parametrize("strategy,kw", [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}),
-                                         ("interleaved-1f1b", {"chunks": 2})])
+@pytest.mark.parametrize(
+    "strategy,kw", [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2})]
+)
 def test_flush_schedules_train_like_minibatch_sgd(strategy, kw):
     sched, _, out = run(strategy, **kw)
     ref, ref_losses = reference_sgd(4, 3)
@@ -128,9 +129,17 @@ def test_2bw_applies_gradients_of_the_previous_version():
     assert not torch.allclose(flat_weights(out), plain, atol=1e-4)
 
 
-@pytest.mark.parametrize("strategy,kw", [("pipedream", {}), ("pipedream", {"stashing": False}),
-                                         ("pipedream-2bw", {}), ("spectrain", {}), ("gpipe", {}),
-                                         ("avgpipe", {"width": 2})])
+@pytest.mark.parametrize(
+    "strategy,kw",
+    [
+        ("pipedream", {}),
+        ("pipedream", {"stashing": False}),
+        ("pipedream-2bw", {}),
+        ("spectrain", {}),
+        ("gpipe", {}),
+        ("avgpipe", {"width": 2}),
+    ],
+)
 def test_versions_read_are_those_the_simulator_predicts(strategy, kw):
     sched, timeline, out = run(strategy, stages=3 if strategy != "avgpipe" else 2, m=3, iters=3, **kw)
     # rebuild the layers for 3 stages: 4 layers split 1/1/2 is not uniform, so use the
@@ -168,6 +177,7 @@ def test_avgpipe_averaging_pulls_replicas_together():
     def spread(alpha):
         _, _, out = run("avgpipe", width=2, m=2, iters=4, alpha=alpha, tau=1)
         return (flat_weights(out, 0) - flat_weights(out, 1)).abs().max().item()
+
     assert spread(0.4) < 0.5 * spread(0.01)
 
 
@@ -181,7 +191,7 @@ def test_reading_a_version_that_was_overwritten_is_an_error():
     bad = sched.with_programs(progs)
     timeline = simulate(sched, stage_costs_uniform(2), load_hardware("ideal"))
     layers = make_layers()
-    mods = {(0, k): PipelineStage(nn.Sequential(*layers[2 * k:2 * k + 2]), k, 2, loss_fn=loss_fn) for k in (0, 1)}
+    mods = {(0, k): PipelineStage(nn.Sequential(*layers[2 * k : 2 * k + 2]), k, 2, loss_fn=loss_fn) for k in (0, 1)}
     with pytest.raises(RuntimeSemanticsError, match="version 5"):
         emulate(bad, mods, Data(), OptimizerConfig(), timeline)
 

@@ -14,8 +14,8 @@ import pytest
 
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate
-from pipesim.sim.ir.core import PASS_OPS
 from pipesim.sim.engine.results import MemoryTrack, Span
+from pipesim.sim.ir.core import PASS_OPS
 from pipesim.sim.strategies import ScheduleSpec
 from pipesim.sim.workloads.readers import load_profile
 from pipesim.validate import executor, harness
@@ -36,14 +36,23 @@ from pipesim.validate.reconcile import (
     iteration_time,
 )
 
-REQUIRED = ("iteration_time_measured_s", "iteration_time_predicted_s", "iteration_time_error",
-            "bubble_fraction_measured", "bubble_fraction_predicted", "action_errors", "losses",
-            "weight_versions", "flagged_actions")
+REQUIRED = (
+    "iteration_time_measured_s",
+    "iteration_time_predicted_s",
+    "iteration_time_error",
+    "bubble_fraction_measured",
+    "bubble_fraction_predicted",
+    "action_errors",
+    "losses",
+    "weight_versions",
+    "flagged_actions",
+)
 
 
 def predicted(strategy="gpipe", iterations=3, m=4):
-    return simulate(ScheduleSpec(strategy=strategy, stages=2, microbatches=m, iterations=iterations), "uniform",
-                    "ideal")
+    return simulate(
+        ScheduleSpec(strategy=strategy, stages=2, microbatches=m, iterations=iterations), "uniform", "ideal"
+    )
 
 
 def stretched(result, factor=1.0, slow=None):
@@ -100,8 +109,9 @@ def test_action_errors_leave_out_the_warm_up_iteration():
     every later action by 5 ms; counted from the end of the first iteration,
     as the iteration time is, the steady state shows no error at all."""
     res = predicted("gpipe", iterations=3)
-    warm = [Span(s.device, s.stream, s.action, s.start + (5e-3 if s.start > 0 else 0.0), s.end + 5e-3)
-            for s in res.spans]
+    warm = [
+        Span(s.device, s.stream, s.action, s.start + (5e-3 if s.start > 0 else 0.0), s.end + 5e-3) for s in res.spans
+    ]
     meas = replace(res, spans=warm, memory=[], versions=[])
     summary, flagged = compare_actions(res, meas)
     assert summary["compared"] == len(steady_actions(res)) < len(res.by_stream()["compute"])
@@ -113,9 +123,12 @@ def test_compare_report_signs_and_versions():
     meas = stretched(res, 1.25)
     used = {}
     for pv in res.versions:
-        used.setdefault((pv.replica, pv.stage), []).extend([
-            ("F", pv.microbatch, pv.forward_version, pv.forward_distance),
-            ("B", pv.microbatch, pv.backward_version, pv.backward_distance)])
+        used.setdefault((pv.replica, pv.stage), []).extend(
+            [
+                ("F", pv.microbatch, pv.forward_version, pv.forward_distance),
+                ("B", pv.microbatch, pv.backward_version, pv.backward_distance),
+            ]
+        )
     report = compare(res, meas, losses=[1.0, 0.5], versions_used=used)
     for key in REQUIRED:
         assert key in report
@@ -141,8 +154,17 @@ def test_machine_checks_are_one_line_errors(monkeypatch):
 
 
 def test_single_device_validation_end_to_end():
-    cfg = ValidateConfig("spectrain", stages=2, microbatches=4, iterations=3, model="mlp", backend="single",
-                         microbatch_size=8, model_width=32, profile_repeats=3)
+    cfg = ValidateConfig(
+        "spectrain",
+        stages=2,
+        microbatches=4,
+        iterations=3,
+        model="mlp",
+        backend="single",
+        microbatch_size=8,
+        model_width=32,
+        profile_repeats=3,
+    )
     v = run_validation(cfg)
     r = v.report
     for key in REQUIRED:
@@ -151,8 +173,8 @@ def test_single_device_validation_end_to_end():
     assert r["weight_versions"]["match"] and r["weight_versions"]["passes_compared"] == 2 * 2 * 12
     assert r["action_errors"]["compared"] == len(steady_actions(v.measured))
     assert r["iteration_time_error"] == pytest.approx(
-        (r["iteration_time_predicted_s"] - r["iteration_time_measured_s"]) / r["iteration_time_measured_s"],
-        rel=1e-6)
+        (r["iteration_time_predicted_s"] - r["iteration_time_measured_s"]) / r["iteration_time_measured_s"], rel=1e-6
+    )
     # single-device mode predicts the actions laid end to end, in the order they ran
     pred = v.predicted.by_stream()["compute"]
     assert all(a.end == pytest.approx(b.start) for a, b in zip(pred, pred[1:]))
@@ -214,64 +236,163 @@ def test_single_device_validation_resolves_deferred_timestamps(monkeypatch):
     must resolve them before the records are reconciled (it once handed the
     events themselves to the reconciliation, which failed on the first GPU)."""
     monkeypatch.setattr(executor, "Clock", _DeferredClock)
-    cfg = ValidateConfig("1f1b", stages=2, microbatches=4, iterations=2, model="mlp", backend="single",
-                         microbatch_size=8, model_width=32, profile_repeats=3)
+    cfg = ValidateConfig(
+        "1f1b",
+        stages=2,
+        microbatches=4,
+        iterations=2,
+        model="mlp",
+        backend="single",
+        microbatch_size=8,
+        model_width=32,
+        profile_repeats=3,
+    )
     v = run_validation(cfg)
     assert v.report["action_errors"]["compared"] > 0
     assert all(isinstance(s.start, float) and isinstance(s.end, float) for s in v.measured.spans)
 
 
 def test_cli_profile_then_simulate_with_it(tmp_path, capsys):
-    code = main(["profile", "--model", "mlp", "--model-width", "32", "--microbatch-size", "8", "--backend",
-                 "single", "--repeats", "3", "--out", str(tmp_path)])
+    code = main(
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--model-width",
+            "32",
+            "--microbatch-size",
+            "8",
+            "--backend",
+            "single",
+            "--repeats",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     prof = load_profile(tmp_path / "profile.json")
     assert prof.num_layers == 5 and prof.overhead_forward_s > 0
     assert all(la.forward_s > 0 and la.backward_s > 0 for la in prof.layers)
-    code = main(["simulate", "--strategy", "1f1b", "--stages", "2", "--profile", str(tmp_path / "profile.json"),
-                 "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "sim"), "--summary-only"])
+    code = main(
+        [
+            "simulate",
+            "--strategy",
+            "1f1b",
+            "--stages",
+            "2",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--hardware",
+            str(tmp_path / "hardware.json"),
+            "--out",
+            str(tmp_path / "sim"),
+            "--summary-only",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     # validate with that profile at another micro-batch size, or with none there: one line, before any measuring
-    for profile, size, width, message in ((tmp_path / "profile.json", "16", "32", "was measured at micro-batch "
-                                           "size 8, this run uses 16: pass --microbatch-size 8"),
-                                          (tmp_path / "none.json", "8", "32", "not found"),
-                                          # a profile of another model size: its layers are not this model's
-                                          (tmp_path / "profile.json", "8", "64", "measured on another model size")):
-        code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", width,
-                     "--microbatch-size", size, "--backend", "single", "--profile", str(profile),
-                     "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "v")])
+    for profile, size, width, message in (
+        (
+            tmp_path / "profile.json",
+            "16",
+            "32",
+            "was measured at micro-batch size 8, this run uses 16: pass --microbatch-size 8",
+        ),
+        (tmp_path / "none.json", "8", "32", "not found"),
+        # a profile of another model size: its layers are not this model's
+        (tmp_path / "profile.json", "8", "64", "measured on another model size"),
+    ):
+        code = main(
+            [
+                "validate",
+                "--strategy",
+                "1f1b",
+                "--stages",
+                "2",
+                "--model",
+                "mlp",
+                "--model-width",
+                width,
+                "--microbatch-size",
+                size,
+                "--backend",
+                "single",
+                "--profile",
+                str(profile),
+                "--hardware",
+                str(tmp_path / "hardware.json"),
+                "--out",
+                str(tmp_path / "v"),
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     # a profile measured in one backend's runtime is not another's (its per-pass overhead is the runtime's)
-    code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--model", "mlp", "--model-width", "32",
-                 "--microbatch-size", "8", "--backend", "gloo", "--profile", str(tmp_path / "profile.json"),
-                 "--hardware", str(tmp_path / "hardware.json"), "--out", str(tmp_path / "v")])
+    code = main(
+        [
+            "validate",
+            "--strategy",
+            "1f1b",
+            "--stages",
+            "2",
+            "--model",
+            "mlp",
+            "--model-width",
+            "32",
+            "--microbatch-size",
+            "8",
+            "--backend",
+            "gloo",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--hardware",
+            str(tmp_path / "hardware.json"),
+            "--out",
+            str(tmp_path / "v"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "was measured with --backend single" in err and len(err.strip().splitlines()) == 1, err
     # the profile (written for SGD) is priced with the optimizer the run uses
     from pipesim.validate import harness
     from pipesim.validate.stage import OptimizerConfig
 
-    cfg = ValidateConfig("1f1b", stages=2, microbatches=4, model="mlp", backend="single", microbatch_size=8,
-                         model_width=32, optimizer=OptimizerConfig(kind="adam"),
-                         profile_path=str(tmp_path / "profile.json"), hardware_path=str(tmp_path / "hardware.json"))
+    cfg = ValidateConfig(
+        "1f1b",
+        stages=2,
+        microbatches=4,
+        model="mlp",
+        backend="single",
+        microbatch_size=8,
+        model_width=32,
+        optimizer=OptimizerConfig(kind="adam"),
+        profile_path=str(tmp_path / "profile.json"),
+        hardware_path=str(tmp_path / "hardware.json"),
+    )
     schedule = harness.build(cfg)
-    prof, _ = harness._measurements(cfg, schedule, harness.torch_device("single"), harness.model_of(cfg),
-                                    lambda msg: None)
+    prof, _ = harness._measurements(
+        cfg, schedule, harness.torch_device("single"), harness.model_of(cfg), lambda msg: None
+    )
     assert prof.optimizer == "adam" and load_profile(tmp_path / "profile.json").optimizer == "sgd"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["validate", "--strategy", "1f1b", "--model", "resnet"], "unknown model"),
-    (["validate", "--strategy", "nope"], "unknown strategy"),
-    (["validate", "--strategy", "1f1b", "--backend", "nccl"], "GPUs"),
-    (["validate", "--strategy", "1f1b", "--stages", "9", "--backend", "single"], "stages"),
-    # a micro-batch whose activations alone exceed memory: refused before its batch is built
-    (["validate", "--strategy", "1f1b", "--microbatch-size", "100000000", "--backend", "single"],
-     "use a smaller --microbatch-size"),
-    (["profile", "--microbatch-size", "100000000", "--backend", "single"], "use a smaller --microbatch-size"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["validate", "--strategy", "1f1b", "--model", "resnet"], "unknown model"),
+        (["validate", "--strategy", "nope"], "unknown strategy"),
+        (["validate", "--strategy", "1f1b", "--backend", "nccl"], "GPUs"),
+        (["validate", "--strategy", "1f1b", "--stages", "9", "--backend", "single"], "stages"),
+        # a micro-batch whose activations alone exceed memory: refused before its batch is built
+        (
+            ["validate", "--strategy", "1f1b", "--microbatch-size", "100000000", "--backend", "single"],
+            "use a smaller --microbatch-size",
+        ),
+        (["profile", "--microbatch-size", "100000000", "--backend", "single"], "use a smaller --microbatch-size"),
+    ],
+)
 def test_cli_validate_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
     code = main([*argv, "--out", str(tmp_path)])
     err = capsys.readouterr().err
@@ -281,9 +402,29 @@ def test_cli_validate_bad_input_exits_2_with_one_line(argv, message, capsys, tmp
 
 @pytest.mark.multiprocess
 def test_cli_validate_gloo_writes_report_overlay_and_trace(tmp_path, capsys):
-    code = main(["validate", "--strategy", "1f1b", "--stages", "2", "--microbatches", "4", "--model", "mlp",
-                 "--model-width", "32", "--microbatch-size", "8", "--iterations", "2", "--backend", "gloo",
-                 "--out", str(tmp_path)])
+    code = main(
+        [
+            "validate",
+            "--strategy",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--model",
+            "mlp",
+            "--model-width",
+            "32",
+            "--microbatch-size",
+            "8",
+            "--iterations",
+            "2",
+            "--backend",
+            "gloo",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     report = json.loads((tmp_path / "report.json").read_text())
@@ -304,8 +445,8 @@ def test_cli_validate_gloo_writes_report_overlay_and_trace(tmp_path, capsys):
 def test_bench_validate_runs_every_executable_strategy():
     """`pipesim bench validate` without --strategies runs what real tensors
     can run, and nothing the runtime refuses (a refusal lost every row)."""
-    from pipesim.sim.strategies import get_strategy, strategy_names
     from pipesim.experiments.bench.validate import default_strategies
+    from pipesim.sim.strategies import get_strategy, strategy_names
 
     chosen = default_strategies()
     assert "tensor-parallel" not in chosen and {"gpipe", "1f1b", "spectrain", "avgpipe"} <= set(chosen)
@@ -328,18 +469,41 @@ def test_bench_validate_prints_every_configuration_in_one_table():
     from pipesim.experiments.bench.validate import render
 
     def row(strategy, error):
-        return {"strategy": strategy, "errors": [error], "error": error, "error_without_cpu_model": None,
-                "start_error_p90": 0.04, "measured_s": 0.1, "predicted_s": 0.1 * (1 + error),
-                "bubble_measured": 0.2, "bubble_predicted": 0.2}
+        return {
+            "strategy": strategy,
+            "errors": [error],
+            "error": error,
+            "error_without_cpu_model": None,
+            "start_error_p90": 0.04,
+            "measured_s": 0.1,
+            "predicted_s": 0.1 * (1 + error),
+            "bubble_measured": 0.2,
+            "bubble_predicted": 0.2,
+        }
 
     def config(model, stages, rows):
-        return {"model": model, "model_depth": 4, "stages": stages, "microbatch_size": 32, "microbatches": 8,
-                "iterations": 4, "backend": "gloo", "link_latency_s": 3e-5, "link_bandwidth_Bps": 4e9,
-                "update_bandwidth_Bps": 2e10, "rows": rows}
+        return {
+            "model": model,
+            "model_depth": 4,
+            "stages": stages,
+            "microbatch_size": 32,
+            "microbatches": 8,
+            "iterations": 4,
+            "backend": "gloo",
+            "link_latency_s": 3e-5,
+            "link_bandwidth_Bps": 4e9,
+            "update_bandwidth_Bps": 2e10,
+            "rows": rows,
+        }
 
-    res = {"configs": [config("mlp", 2, [row("gpipe", -0.02), row("1f1b", -0.2)]),
-                       config("gpt-small", 4, [row("gpipe", 0.01), row("1f1b", -0.03)])],
-           "median_abs_error": 0.025, "seconds": 60}
+    res = {
+        "configs": [
+            config("mlp", 2, [row("gpipe", -0.02), row("1f1b", -0.2)]),
+            config("gpt-small", 4, [row("gpipe", 0.01), row("1f1b", -0.03)]),
+        ],
+        "median_abs_error": 0.025,
+        "seconds": 60,
+    }
     text = render(res)
     table = [line for line in text.splitlines() if line.startswith(("mlp  ", "gpt-small  "))]
     assert len(table) == 4 and "-20.0%" in table[1]
@@ -348,11 +512,16 @@ def test_bench_validate_prints_every_configuration_in_one_table():
     assert "all: median |error| 2.5% (target 5%), worst 1f1b -20.0%, 3 of 4 within 15%" in text
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
-    (["--strategies", "interleaved-1f1b", "--model-depth", "1", "--repeats", "1"],
-     "interleaved-1f1b: 4 stages need at least that many layers"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategies", "tensor-parallel"], "cannot run tensor-parallel"),
+        (
+            ["--strategies", "interleaved-1f1b", "--model-depth", "1", "--repeats", "1"],
+            "interleaved-1f1b: 4 stages need at least that many layers",
+        ),
+    ],
+)
 def test_bench_validate_refuses_before_measuring(argv, message, capsys, monkeypatch):
     """What `pipesim validate` refuses at once, its benchmark refuses before
     profiling the model too (it measured for seconds, then said so)."""
@@ -362,4 +531,3 @@ def test_bench_validate_refuses_before_measuring(argv, message, capsys, monkeypa
     code = main(["bench", "validate", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
-

@@ -177,8 +177,11 @@ def _gone(pid: int) -> bool:
 
 def _pids(piddir) -> list[int]:
     # a rank stopped while writing leaves its temporary file: not a pid yet
-    return [int(open(os.path.join(piddir, n)).read()) for n in sorted(os.listdir(piddir))
-            if n.startswith("pid") and not n.endswith(".tmp")]
+    return [
+        int(open(os.path.join(piddir, n)).read())
+        for n in sorted(os.listdir(piddir))
+        if n.startswith("pid") and not n.endswith(".tmp")
+    ]
 
 
 def _spawned_pids(monkeypatch) -> list[int]:
@@ -401,8 +404,14 @@ def test_fit_recovers_latency_and_bandwidth():
 
 def test_hardware_json_round_trips():
     p2p = commprofile.P2PProfile(
-        backend="gloo", sizes=(4, 1 << 20), one_way_s=(1e-4, 6e-4), min_one_way_s=(9e-5, 5e-4),
-        latency_s=1e-4, bandwidth_Bps=2e9, repeats=10, device="cpu",
+        backend="gloo",
+        sizes=(4, 1 << 20),
+        one_way_s=(1e-4, 6e-4),
+        min_one_way_s=(9e-5, 5e-4),
+        latency_s=1e-4,
+        bandwidth_Bps=2e9,
+        repeats=10,
+        device="cpu",
     )
     d = hardware_json("loopback-3", "cpu core", 5e10, 8e9, 1 << 34, p2p, 3, device_notes="one core per rank")
     hw = Hardware.from_json(d)
@@ -423,15 +432,27 @@ def test_hardware_json_cpu_section_from_measured_cpu_times():
     send = tuple(3e-5 + n / 3e9 for n in sizes)
     recv = tuple(4e-5 + n / 6e9 for n in sizes)
     p2p = commprofile.P2PProfile(
-        backend="gloo", sizes=sizes, one_way_s=(1e-4, 1.2e-4, 6e-4), min_one_way_s=(9e-5, 1e-4, 5e-4),
-        latency_s=1e-4, bandwidth_Bps=2e9, repeats=10, device="cpu", send_cpu_s=send, recv_cpu_s=recv,
+        backend="gloo",
+        sizes=sizes,
+        one_way_s=(1e-4, 1.2e-4, 6e-4),
+        min_one_way_s=(9e-5, 1e-4, 5e-4),
+        latency_s=1e-4,
+        bandwidth_Bps=2e9,
+        repeats=10,
+        device="cpu",
+        send_cpu_s=send,
+        recv_cpu_s=recv,
     )
     hw = Hardware.from_json(hardware_json("loopback-4", "cpu", 1e12, 8e9, 1 << 34, p2p, 4, cores=[0, 1, 0, 1]))
     assert hw.cpu.cores == (0, 1, 0, 1) and hw.cpu.shared
-    assert hw.cpu.send.fixed_s == pytest.approx(3e-5, rel=1e-6) and hw.cpu.send.bytes_per_s == pytest.approx(3e9, rel=1e-6)
+    assert hw.cpu.send.fixed_s == pytest.approx(3e-5, rel=1e-6) and hw.cpu.send.bytes_per_s == pytest.approx(
+        3e9, rel=1e-6
+    )
     assert hw.cpu.recv.seconds(1 << 20) == pytest.approx(recv[2], rel=1e-6)
     unmeasured = commprofile.P2PProfile(**{**p2p.to_json(), "send_cpu_s": None, "recv_cpu_s": None})
-    assert Hardware.from_json(hardware_json("x", "cpu", 1e12, 8e9, 1 << 34, unmeasured, 4, cores=[0, 1, 0, 1])).cpu is None
+    assert (
+        Hardware.from_json(hardware_json("x", "cpu", 1e12, 8e9, 1 << 34, unmeasured, 4, cores=[0, 1, 0, 1])).cpu is None
+    )
 
 
 def test_memory_bandwidth_is_positive():

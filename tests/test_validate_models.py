@@ -45,7 +45,9 @@ def model(request) -> RealModel:
         lambda: data.digits(16, seed=3),
         lambda: data.digits(16, seed=3, image=True),
         lambda: data.char_corpus(8, 20, seed=3),
-        lambda: data.synthetic(8, data.TensorSpec((5,), torch.float32), data.TensorSpec((), torch.int64, high=4), seed=3),
+        lambda: data.synthetic(
+            8, data.TensorSpec((5,), torch.float32), data.TensorSpec((), torch.int64, high=4), seed=3
+        ),
     ],
     ids=["digits", "digits-image", "corpus", "synthetic"],
 )
@@ -111,25 +113,28 @@ def test_heldout_split_is_disjoint_from_training_and_fixed():
     assert set(seen) == set(_row_counts(everything[torch.from_numpy(data._digits_split_rows("train").copy())]))
     assert not set(seen) & set(_row_counts(held_x))
     # every class is held out in proportion, and the split does not follow the seed
-    assert collections.Counter(held_y.tolist()) == {c: round(n * 0.2) for c, n in
-                                                    collections.Counter(labels.tolist()).items()}
+    assert collections.Counter(held_y.tolist()) == {
+        c: round(n * 0.2) for c, n in collections.Counter(labels.tolist()).items()
+    }
     assert torch.equal(data.digits(1, seed=0, image=True).heldout_set()[0].reshape(-1, 64), held_x)
 
     corpus = data.char_corpus(64, 24, seed=1, split="train")
     text = data.corpus_text()
-    tail = text[len(text) - round(len(text) * data.CORPUS_HELDOUT_SHARE):]
+    tail = text[len(text) - round(len(text) * data.CORPUS_HELDOUT_SHARE) :]
     hx, hy = corpus.heldout_set()
     assert hx.shape[1] == 24 and torch.equal(hx[:, 1:], hy[:, :-1])
     assert all(corpus.decode(x) + corpus.decode(y[-1:]) in tail for x, y in zip(hx, hy))
-    head = text[:len(text) - len(tail)]
+    head = text[: len(text) - len(tail)]
     for i in range(4):
         x, y = corpus.batch(i)
         assert all(corpus.decode(r) + corpus.decode(t[-1:]) in head for r, t in zip(x, y))
 
 
-@pytest.mark.parametrize("make", [lambda b: data.digits(b, seed=4, split="train"),
-                                  lambda b: data.char_corpus(b, 16, seed=4, split="train")],
-                         ids=["digits", "corpus"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda b: data.digits(b, seed=4, split="train"), lambda b: data.char_corpus(b, 16, seed=4, split="train")],
+    ids=["digits", "corpus"],
+)
 def test_streams_are_addressed_by_sample(make):
     """One micro-batch of 12 holds the samples of three of 4: runs that cut
     the stream differently (a pipeline's m micro-batches against PipeDream's
@@ -352,8 +357,20 @@ def test_split_accepts_partitioner_stage_costs():
 
 @pytest.mark.parametrize(
     "spec",
-    [[], [1, 2], [0, 2, 2], [0, 3, 1], [0, 5], [0, True], [0.0, 2], "ab",
-     [_Stage(0, 1)], [_Stage(0, 1), _Stage(3, 4)], [_Stage(1, 4)], [_Stage(0, 2), _Stage(3, 2), _Stage(3, 4)]],
+    [
+        [],
+        [1, 2],
+        [0, 2, 2],
+        [0, 3, 1],
+        [0, 5],
+        [0, True],
+        [0.0, 2],
+        "ab",
+        [_Stage(0, 1)],
+        [_Stage(0, 1), _Stage(3, 4)],
+        [_Stage(1, 4)],
+        [_Stage(0, 2), _Stage(3, 2), _Stage(3, 4)],
+    ],
 )
 def test_split_rejects_bad_stage_lists(spec):
     m = build_model("mlp", width=16, depth=4)  # 5 layers

@@ -21,11 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesim.sim.ir.checks import validate
-from pipesim.sim.ir.dataflow import Arrival
 from pipesim.sim.engine.core import simulate
 from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.checks import validate
 from pipesim.sim.ir.core import Op, ScheduleError
+from pipesim.sim.ir.dataflow import Arrival
 from pipesim.sim.partition.split import stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.validate.executor import compiled, emulate, iteration_losses
@@ -46,15 +46,25 @@ pytestmark = pytest.mark.numerics
 STARTS = {1: (0,), 2: (0, 3), 3: (0, 2, 4), 4: (0, 1, 3, 4)}
 
 TWO_DEVICES = [
-    ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2}),
-    ("pipedream", {}), ("pipedream", {"stashing": False}), ("pipedream-2bw", {}), ("spectrain", {}),
-    ("avgpipe", {"width": 2}), ("data-parallel", {}),
+    ("gpipe", {}),
+    ("1f1b", {}),
+    ("zb-h1", {}),
+    ("interleaved-1f1b", {"chunks": 2}),
+    ("pipedream", {}),
+    ("pipedream", {"stashing": False}),
+    ("pipedream-2bw", {}),
+    ("spectrain", {}),
+    ("avgpipe", {"width": 2}),
+    ("data-parallel", {}),
 ]
 MORE_DEVICES = [
-    ("1f1b", 3, {}), ("spectrain", 3, {}),
-    ("pipedream-2bw", 2, {"width": 2}), ("avgpipe", 2, {"width": 2, "placement": "disjoint"}),
+    ("1f1b", 3, {}),
+    ("spectrain", 3, {}),
+    ("pipedream-2bw", 2, {"width": 2}),
+    ("avgpipe", 2, {"width": 2, "placement": "disjoint"}),
     # PipeDream's hybrid: the first stage replicated on 3 devices, the second on one ("3-1")
-    ("1f1b", 2, {"replicas": (3, 1)}), ("pipedream", 2, {"replicas": (3, 1)}),
+    ("1f1b", 2, {"replicas": (3, 1)}),
+    ("pipedream", 2, {"replicas": (3, 1)}),
     ("pipedream-2bw", 2, {"replicas": (3, 1)}),
 ]
 
@@ -62,8 +72,15 @@ MORE_DEVICES = [
 def job_for(strategy, stages, kw, m=None):
     m = m or (6 if "replicas" in kw else 4)  # a multiple of every stage's replicas
     sched = build_schedule(ScheduleSpec(strategy=strategy, stages=stages, microbatches=m, iterations=2, **kw))
-    return Job(schedule=sched, model="mlp", starts=STARTS[sched.num_stages], microbatch_size=8, width=32,
-               depth=4, optimizer=OptimizerConfig(lr=0.05, momentum=0.9))
+    return Job(
+        schedule=sched,
+        model="mlp",
+        starts=STARTS[sched.num_stages],
+        microbatch_size=8,
+        width=32,
+        depth=4,
+        optimizer=OptimizerConfig(lr=0.05, momentum=0.9),
+    )
 
 
 def reference(job):
@@ -93,8 +110,7 @@ def test_two_device_strategies_match_the_emulator_bit_for_bit():
     for (strategy, kw), job, out in zip(TWO_DEVICES, jobs, outs):
         assert_same(out, reference(job))
         compute = [r for r in out.records if r.stream == "compute"]
-        n_compute = sum(1 for p in job.schedule.programs for a in p if a.op.name not in
-                        ("REDUCE_GRAD", "AVERAGE"))
+        n_compute = sum(1 for p in job.schedule.programs for a in p if a.op.name not in ("REDUCE_GRAD", "AVERAGE"))
         assert len(compute) == n_compute, strategy
         assert all(r.end >= r.start for r in out.records if r.end is not None)
         # communication is timed too, and every transfer completed
@@ -105,8 +121,7 @@ def test_two_device_strategies_match_the_emulator_bit_for_bit():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("devices", [3, 4])
 def test_larger_pipelines_match_the_emulator(devices):
-    jobs = [job for job in (job_for(s, st, kw) for s, st, kw in MORE_DEVICES)
-            if job.schedule.num_devices == devices]
+    jobs = [job for job in (job_for(s, st, kw) for s, st, kw in MORE_DEVICES) if job.schedule.num_devices == devices]
     assert jobs
     for job, out in zip(jobs, run_many(jobs, timeout_s=240)):
         assert_same(out, reference(job))
@@ -141,8 +156,9 @@ def test_nccl_pair_order_holds_for_every_strategy_and_is_checked():
 def test_a_deadlocking_schedule_is_refused_before_any_process_starts():
     sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=2))
     progs = [list(p) for p in sched.programs]
-    progs[1] = [a for a in progs[1] if a.op is not Op.FORWARD or a.microbatch != 1] + \
-        [a for a in progs[1] if a.op is Op.FORWARD and a.microbatch == 1]
+    progs[1] = [a for a in progs[1] if a.op is not Op.FORWARD or a.microbatch != 1] + [
+        a for a in progs[1] if a.op is Op.FORWARD and a.microbatch == 1
+    ]
     bad = sched.with_programs(progs)
     with pytest.raises(ScheduleError):
         validate(bad, deadlock=True)
@@ -161,8 +177,15 @@ def test_schedule_step_twice_equals_one_run_twice_as_long():
     for strategy in ("1f1b", "data-parallel"):
         short = job_for(strategy, 2, {}, m=4)
         sched2 = build_schedule(ScheduleSpec(strategy=strategy, stages=2, microbatches=4, iterations=4))
-        long = Job(schedule=sched2, model="mlp", starts=short.starts, microbatch_size=8, width=32, depth=4,
-                   optimizer=short.optimizer)
+        long = Job(
+            schedule=sched2,
+            model="mlp",
+            starts=short.starts,
+            microbatch_size=8,
+            width=32,
+            depth=4,
+            optimizer=short.optimizer,
+        )
         _, _, stages, data = _stages_for(short, short.schedule.placement())
         runner = PipelineSchedule(short.schedule, stages.values(), short.optimizer)
         first, second = runner.step(data), runner.step(data)

@@ -93,8 +93,15 @@ layer_st = st.builds(
 )
 def test_profile_json_round_trip(layers, mb, opt, split):
     layers = [
-        LayerCost(la.name, la.forward_s, la.backward_s, la.param_bytes, la.activation_bytes,
-                  la.stash_bytes, None if k % 2 else la.backward_s * split[k])
+        LayerCost(
+            la.name,
+            la.forward_s,
+            la.backward_s,
+            la.param_bytes,
+            la.activation_bytes,
+            la.stash_bytes,
+            None if k % 2 else la.backward_s * split[k],
+        )
         for k, la in enumerate(layers)
     ]
     prof = Profile("p", tuple(layers), microbatch_size=mb, optimizer=opt, notes="x")
@@ -109,8 +116,14 @@ def test_save_and_load_catalog_profile(tmp_path):
     assert load_profile(str(path)) == prof
 
 
-GOOD_LAYER = {"name": "l0", "forward_s": 0.001, "backward_s": 0.002, "param_bytes": 4,
-              "activation_bytes": 8, "stash_bytes": 16}
+GOOD_LAYER = {
+    "name": "l0",
+    "forward_s": 0.001,
+    "backward_s": 0.002,
+    "param_bytes": 4,
+    "activation_bytes": 8,
+    "stash_bytes": 16,
+}
 
 
 @pytest.mark.parametrize(
@@ -122,16 +135,25 @@ GOOD_LAYER = {"name": "l0", "forward_s": 0.001, "backward_s": 0.002, "param_byte
         (json.dumps({"name": "m"}), "missing field 'layers'"),
         (json.dumps({"name": "m", "layers": {}}), "'layers' must be a list"),
         (json.dumps({"name": "m", "layers": []}), "has no layers"),
-        (json.dumps({"name": "m", "layers": [{k: v for k, v in GOOD_LAYER.items() if k != "stash_bytes"}]}),
-         "layer 0 (l0): missing field 'stash_bytes'"),
-        (json.dumps({"name": "m", "layers": [GOOD_LAYER, {**GOOD_LAYER, "name": "l1", "forward_s": -2}]}),
-         "layer 1 (l1): forward_s must be a finite number >= 0"),
+        (
+            json.dumps({"name": "m", "layers": [{k: v for k, v in GOOD_LAYER.items() if k != "stash_bytes"}]}),
+            "layer 0 (l0): missing field 'stash_bytes'",
+        ),
+        (
+            json.dumps({"name": "m", "layers": [GOOD_LAYER, {**GOOD_LAYER, "name": "l1", "forward_s": -2}]}),
+            "layer 1 (l1): forward_s must be a finite number >= 0",
+        ),
         (json.dumps({"name": "m", "layers": [{**GOOD_LAYER, "param_bytes": "big"}]}), "param_bytes must be an integer"),
         (json.dumps({"name": "m", "layers": [{**GOOD_LAYER, "forward_ms": 1}]}), "unknown field 'forward_ms'"),
         (json.dumps({"name": "m", "layers": [GOOD_LAYER], "optimizer": "rmsprop"}), "optimizer must be one of"),
         (json.dumps({"name": "m", "layers": [GOOD_LAYER], "microbatch_size": 0}), "microbatch_size must be"),
-        (('{"name": "m", "layers": [{"name": "l", "forward_s": NaN, "backward_s": 1, "param_bytes": 1,'
-          ' "activation_bytes": 1, "stash_bytes": 1}]}'), "forward_s must be"),
+        (
+            (
+                '{"name": "m", "layers": [{"name": "l", "forward_s": NaN, "backward_s": 1, "param_bytes": 1,'
+                ' "activation_bytes": 1, "stash_bytes": 1}]}'
+            ),
+            "forward_s must be",
+        ),
     ],
 )
 def test_malformed_profile_files(tmp_path, content, fragment):
@@ -388,8 +410,9 @@ def test_memory_the_tracker_cannot_count_is_refused_by_name():
 # ---------------------------------------------------------------------------
 
 #: FLOPS_ONLY with 5 us per kernel launch.
-LAUNCHING = DeviceSpec("launching", flops=1e15, mem_bandwidth=math.inf, memory_bytes=math.inf, dtype_bytes=2,
-                       kernel_overhead_s=5e-6)
+LAUNCHING = DeviceSpec(
+    "launching", flops=1e15, mem_bandwidth=math.inf, memory_bytes=math.inf, dtype_bytes=2, kernel_overhead_s=5e-6
+)
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 8, 32])
@@ -408,8 +431,9 @@ def test_layer_time_is_launches_plus_b_times_per_sample(b):
     assert block.forward_s == pytest.approx(k_f * t + b * per_sample_fwd, rel=1e-12)
     assert block.backward_s == pytest.approx((k_bi + k_bw) * t + 2 * b * per_sample_fwd, rel=1e-12)
     # the input gradient: its own launches and the products' input-gradient FLOPs (24sh^2 + 8s^2h)
-    assert block.backward_input == pytest.approx(k_bi * t + b * (24 * s * h * h + 8 * s * s * h) / LAUNCHING.flops,
-                                                 rel=1e-12)
+    assert block.backward_input == pytest.approx(
+        k_bi * t + b * (24 * s * h * h + 8 * s * s * h) / LAUNCHING.flops, rel=1e-12
+    )
     assert (block.fixed_forward_s, block.fixed_backward_s) == pytest.approx((k_f * t, (k_bi + k_bw) * t))
     # without launches it is the roofline alone, exactly as before
     plain = model_profile("2bw-gpt-355m", FLOPS_ONLY, b).layers[1]

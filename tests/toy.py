@@ -31,5 +31,7 @@ class SeededData:
 
     def batch(self, i):
         g = torch.Generator().manual_seed(self.first_seed + i)
-        return (torch.randn(self.size, self.width, generator=g),
-                torch.randint(0, self.classes, (self.size,), generator=g))
+        return (
+            torch.randn(self.size, self.width, generator=g),
+            torch.randint(0, self.classes, (self.size,), generator=g),
+        )

@@ -61,8 +61,11 @@ def _configure() -> str:
     mallopt = _glibc_mallopt()
     if mallopt is None:
         return "system default (not glibc)"
-    ok = (mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
-          and mallopt(_M_TOP_PAD, _TOP_PAD_BYTES) == 1)
+    ok = (
+        mallopt(_M_MMAP_MAX, 0) == 1
+        and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
+        and mallopt(_M_TOP_PAD, _TOP_PAD_BYTES) == 1
+    )
     return "kept (glibc: no mmap, no trim)" if ok else "system default (mallopt refused)"
 
 

@@ -152,9 +152,15 @@ def measure_p2p(
         raise ValueError("measure_p2p: needs at least two distinct sizes to fit latency and bandwidth")
     _check_counts(repeats, warmup)
     results = launch(
-        _p2p_worker, 2, args=(elems, repeats, warmup), backend=backend, timeout_s=timeout_s, devices=devices,
+        _p2p_worker,
+        2,
+        args=(elems, repeats, warmup),
+        backend=backend,
+        timeout_s=timeout_s,
+        devices=devices,
         # measured the way the runtime runs: a core per rank, kept awake
-        pin_cores=backend == "gloo", keep_cores_awake=backend == "gloo",
+        pin_cores=backend == "gloo",
+        keep_cores_awake=backend == "gloo",
     )
     one_way, fastest, device, send_cpu, recv_cpu = results[0]
     nbytes = [n * _F32 for n in elems]
@@ -487,12 +493,18 @@ def hardware_json(
         d["device"]["notes"] = device_notes
     cpu = p2p.cpu_costs()
     if cores is not None and cpu is not None:
-        d["cpu"] = {"cores": list(cores)[:world_size], **cpu, "wake_slice_s": wake_slice_s,
-                    "notes": ("core each rank is pinned to; CPU seconds per message on each end (process CPU "
-                              "time of the sender around isend + wait, of the receiver around wait, receivers "
-                              "idle before each message), fitted as fixed + bytes / rate; wake_slice_s: how "
-                              "long a thread woken beside a busy one keeps the core, median of 30 wake-ups "
-                              "(measured only where ranks share cores)")}
+        d["cpu"] = {
+            "cores": list(cores)[:world_size],
+            **cpu,
+            "wake_slice_s": wake_slice_s,
+            "notes": (
+                "core each rank is pinned to; CPU seconds per message on each end (process CPU "
+                "time of the sender around isend + wait, of the receiver around wait, receivers "
+                "idle before each message), fitted as fixed + bytes / rate; wake_slice_s: how "
+                "long a thread woken beside a busy one keeps the core, median of 30 wake-ups "
+                "(measured only where ranks share cores)"
+            ),
+        }
     Hardware.from_json(d, source=f"measured hardware {name!r}")
     return d
 
@@ -549,22 +561,35 @@ def run_bench(backend: str, world_size: int, repeats: int, all_gather: bool) -> 
             mem = measure_memory_bandwidth("cpu")
     hw = Hardware.from_json(hardware_json("measured", p2p.device, 1e12, mem, 1e12, p2p, world_size))
     ranks = list(range(world_size))
-    return {"p2p": p2p.to_json(), "p2p_model_s": [p2p.predict(n) for n in p2p.sizes],
-            "allreduce": ar.to_json(), "allreduce_ring_model_s": [hw.ring_allreduce_time(ranks, n) for n in ar.sizes],
-            "mem_bandwidth_Bps": mem, "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "p2p": p2p.to_json(),
+        "p2p_model_s": [p2p.predict(n) for n in p2p.sizes],
+        "allreduce": ar.to_json(),
+        "allreduce_ring_model_s": [hw.ring_allreduce_time(ranks, n) for n in ar.sizes],
+        "mem_bandwidth_Bps": mem,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def render(report: dict) -> str:
     p2p, ar = report["p2p"], report["allreduce"]
-    lines = [f"{p2p['backend']} point to point on {p2p['device']}: latency {p2p['latency_s'] * 1e6:.1f} us, "
-             f"bandwidth {p2p['bandwidth_Bps'] / 1e9:.3f} GB/s (fitted)",
-             f"{'size':>10} {'one-way ms':>11} {'fastest ms':>11} {'model ms':>9}"]
+    lines = [
+        f"{p2p['backend']} point to point on {p2p['device']}: latency {p2p['latency_s'] * 1e6:.1f} us, "
+        f"bandwidth {p2p['bandwidth_Bps'] / 1e9:.3f} GB/s (fitted)",
+        f"{'size':>10} {'one-way ms':>11} {'fastest ms':>11} {'model ms':>9}",
+    ]
     for n, t, fast, model in zip(p2p["sizes"], p2p["one_way_s"], p2p["min_one_way_s"], report["p2p_model_s"]):
         lines.append(f"{_fmt_bytes(n):>10} {t * 1e3:11.3f} {fast * 1e3:11.3f} {model * 1e3:9.3f}")
-    lines += ["", f"all-reduce over {ar['world_size']} ranks:",
-              f"{'size':>10} {'measured ms':>12} {'ring model ms':>14} {'busbw GB/s':>11}"]
+    lines += [
+        "",
+        f"all-reduce over {ar['world_size']} ranks:",
+        f"{'size':>10} {'measured ms':>12} {'ring model ms':>14} {'busbw GB/s':>11}",
+    ]
     for n, t, model, bus in zip(ar["sizes"], ar["allreduce_s"], report["allreduce_ring_model_s"], ar["busbw_Bps"]):
         lines.append(f"{_fmt_bytes(n):>10} {t * 1e3:12.3f} {model * 1e3:14.3f} {bus / 1e9:11.3f}")
-    lines += ["", f"memory bandwidth (c = a + alpha * b): {report['mem_bandwidth_Bps'] / 1e9:.2f} GB/s; "
-                  f"{report['seconds']:.1f} s in all"]
+    lines += [
+        "",
+        f"memory bandwidth (c = a + alpha * b): {report['mem_bandwidth_Bps'] / 1e9:.2f} GB/s; "
+        f"{report['seconds']:.1f} s in all",
+    ]
     return "\n".join(lines)

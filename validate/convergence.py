@@ -137,19 +137,25 @@ def plan(run: Run) -> Plan:
     micro = probe.num_microbatches  # micro-batches one iteration runs, every replica's
     b, rest = divmod(setup.update_batch * per_iteration, micro)
     if rest or b < 1:
-        raise ConvergeError(f"{run.strategy} on {p} stages runs {micro} micro-batches per iteration and "
-                            f"{per_iteration} updates: an update batch of {setup.update_batch} does not split "
-                            f"into whole micro-batches (choose a multiple of {micro // math.gcd(micro, per_iteration)})")
+        raise ConvergeError(
+            f"{run.strategy} on {p} stages runs {micro} micro-batches per iteration and "
+            f"{per_iteration} updates: an update batch of {setup.update_batch} does not split "
+            f"into whole micro-batches (choose a multiple of {micro // math.gcd(micro, per_iteration)})"
+        )
     # Exactly U updates, evaluated after the same updates, for every strategy: a
     # step rounded up (eval_every not a multiple of u) once gave PipeDream and
     # SpecTrain 320 updates where the flushed schedules made 300.
     if setup.eval_every % per_iteration:
-        raise ConvergeError(f"{run.strategy} on {p} stages makes {per_iteration} updates per iteration (m = p): "
-                            f"--eval-every {setup.eval_every} is not a multiple of that, so it could not be "
-                            f"evaluated after the same updates as the others (choose a multiple of {per_iteration})")
+        raise ConvergeError(
+            f"{run.strategy} on {p} stages makes {per_iteration} updates per iteration (m = p): "
+            f"--eval-every {setup.eval_every} is not a multiple of that, so it could not be "
+            f"evaluated after the same updates as the others (choose a multiple of {per_iteration})"
+        )
     if setup.updates % setup.eval_every:
-        raise ConvergeError(f"--updates {setup.updates} is not a multiple of --eval-every {setup.eval_every}: "
-                            "every run makes exactly the same updates and is evaluated after each eval-every")
+        raise ConvergeError(
+            f"--updates {setup.updates} is not a multiple of --eval-every {setup.eval_every}: "
+            "every run makes exactly the same updates and is evaluated after each eval-every"
+        )
     iterations = setup.eval_every // per_iteration
     spec = ScheduleSpec(strategy=strategy, stages=p, microbatches=p, iterations=iterations, **options)
     return Plan(spec, b, setup.eval_every, setup.updates // setup.eval_every)
@@ -159,13 +165,15 @@ def stage_starts(layers: int, stages: int) -> list[int]:
     """First layer of each of ``stages`` contiguous stages, layers dealt
     evenly in order, the remainder to the last stages."""
     if stages > layers:
-        raise ConvergeError(f"{stages} stages need at least as many layers; the model has {layers} "
-                            "(raise --model-depth)")
+        raise ConvergeError(
+            f"{stages} stages need at least as many layers; the model has {layers} (raise --model-depth)"
+        )
     return [k * (layers // stages) + max(0, k - (stages - layers % stages)) for k in range(stages)]
 
 
-def evaluate(parts: list[tuple[nn.Module, dict[str, torch.Tensor]]], inputs: torch.Tensor, targets: torch.Tensor,
-             loss_fn) -> tuple[float, float]:
+def evaluate(
+    parts: list[tuple[nn.Module, dict[str, torch.Tensor]]], inputs: torch.Tensor, targets: torch.Tensor, loss_fn
+) -> tuple[float, float]:
     """Held-out (loss, accuracy) of a model given as its stages' modules,
     each with the weights to compute with (by parameter name). A prediction
     from non-finite logits counts as wrong."""
@@ -199,8 +207,12 @@ class _Trainer:
         sched = build_schedule(self.plan.spec)
         modules = split(model, stage_starts(model.num_layers, sched.num_stages))
         keys = sorted(sched.placement()) if keys is None else sorted(keys)
-        self.stages = {(r, k): PipelineStage(copy.deepcopy(modules[k]), k, sched.num_stages, device, replica=r,
-                                             loss_fn=model.loss_fn) for r, k in keys}
+        self.stages = {
+            (r, k): PipelineStage(
+                copy.deepcopy(modules[k]), k, sched.num_stages, device, replica=r, loss_fn=model.loss_fn
+            )
+            for r, k in keys
+        }
         self.data = model.data(self.plan.microbatch_size, seed=run.seed, split="train")
         self.optimizer = OptimizerConfig(lr=run.lr, momentum=run.setup.momentum)
         self.runner = PipelineSchedule(sched, self.stages.values(), self.optimizer, steps=self.plan.steps)
@@ -226,8 +238,14 @@ class _Curve:
         loss, acc = evaluate(parts, self.inputs, self.targets, self.loss_fn)
         if self.initial is None:
             self.initial = loss
-        self.points.append({"samples": steps_done * self.plan.updates_per_step * self.run.setup.update_batch,
-                            "heldout_accuracy": acc, "heldout_loss": _finite(loss), "train_loss": _finite(train_loss)})
+        self.points.append(
+            {
+                "samples": steps_done * self.plan.updates_per_step * self.run.setup.update_batch,
+                "heldout_accuracy": acc,
+                "heldout_loss": _finite(loss),
+                "train_loss": _finite(train_loss),
+            }
+        )
         bad = not math.isfinite(loss) or (train_loss is not None and not math.isfinite(train_loss))
         self.diverged = bad or loss > DIVERGENCE_FACTOR * self.initial
         return not self.diverged
@@ -236,11 +254,20 @@ class _Curve:
         last = self.points[-1]
         # a run that blew up and settled at chance (dead units) made nothing of the data either
         self.diverged = self.diverged or not (last["heldout_loss"] is not None and last["heldout_loss"] < self.initial)
-        return {"model": self.run.setup.model, "strategy": self.run.strategy, "stages": self.run.stages,
-                "lr": self.run.lr, "seed": self.run.seed, "updates": self.plan.updates,
-                "final_heldout_accuracy": last["heldout_accuracy"], "final_heldout_loss": last["heldout_loss"],
-                "diverged": self.diverged, "microbatch_size": self.plan.microbatch_size,
-                "microbatches": self.plan.spec.microbatches, "curve": self.points}
+        return {
+            "model": self.run.setup.model,
+            "strategy": self.run.strategy,
+            "stages": self.run.stages,
+            "lr": self.run.lr,
+            "seed": self.run.seed,
+            "updates": self.plan.updates,
+            "final_heldout_accuracy": last["heldout_accuracy"],
+            "final_heldout_loss": last["heldout_loss"],
+            "diverged": self.diverged,
+            "microbatch_size": self.plan.microbatch_size,
+            "microbatches": self.plan.spec.microbatches,
+            "curve": self.points,
+        }
 
 
 def _mean(losses: list[float] | None) -> float | None:
@@ -302,16 +329,23 @@ def train_distributed(run: Run, *, timeout_s: float = 600.0) -> dict:
     from pipesim.validate.launch import launch
 
     devices = build_schedule(plan(run).spec).num_devices
-    return launch(_distributed_worker, devices, args=(run,), backend="gloo", timeout_s=timeout_s,
-                  threads=EXECUTOR_THREADS)[0]
+    return launch(
+        _distributed_worker, devices, args=(run,), backend="gloo", timeout_s=timeout_s, threads=EXECUTOR_THREADS
+    )[0]
 
 
 def describe(run: Run) -> dict:
     """The settings of a run, for the record of a comparison."""
     p = plan(run)
-    return {"strategy": run.strategy, "stages": run.stages, "microbatches": p.spec.microbatches,
-            "microbatch_size": p.microbatch_size, "iterations_per_step": p.spec.iterations,
-            **{k: v for k, v in asdict(run.setup).items() if k != "model"}, "updates": p.updates}
+    return {
+        "strategy": run.strategy,
+        "stages": run.stages,
+        "microbatches": p.spec.microbatches,
+        "microbatch_size": p.microbatch_size,
+        "iterations_per_step": p.spec.iterations,
+        **{k: v for k, v in asdict(run.setup).items() if k != "model"},
+        "updates": p.updates,
+    }
 
 
 # ---------------------------------------------------------------- stability on a quadratic
@@ -334,7 +368,7 @@ def update_rule(strategy: str, stages: int) -> list[tuple[int, int]]:
         last = max(j for j, a in enumerate(prog) if a.op in WEIGHT_GRADIENT_OPS and a.microbatch == mb)
         # the next UPDATE applies it, or the one after the REDUCE_GRAD that closes it (2BW defers that one)
         closing = next(a for a in prog[last:] if a.op in (UPDATE, REDUCE_GRAD))
-        made = next(a.version for a in prog[prog.index(closing, last):] if a.op is UPDATE)
+        made = next(a.version for a in prog[prog.index(closing, last) :] if a.op is UPDATE)
         out.append((made - 1 - forwards[mb].version, forwards[mb].distance))
     return out
 
@@ -384,8 +418,9 @@ def stability_threshold(delay: int, distance: int = 0, momentum: float = 0.9) ->
     return float(lo)
 
 
-def layer_curvature(setup: Setup, *, lr: float, updates: int = 40, seed: int = 0, samples: int = 128,
-                    iterations: int = 12) -> list[float]:
+def layer_curvature(
+    setup: Setup, *, lr: float, updates: int = 40, seed: int = 0, samples: int = 128, iterations: int = 12
+) -> list[float]:
     """Top Hessian eigenvalue of each layer's parameter block, after ``updates``
     synchronous SGD updates (batch ``setup.update_batch``, ``setup.momentum``)
     at ``lr`` from the seed's weights, on ``samples`` training samples the

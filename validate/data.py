@@ -75,6 +75,7 @@ __all__ = [
     "synthetic_like",
 ]
 
+
 class DataError(InputError):
     """A data source asked for something it cannot give (one line)."""
 
@@ -189,7 +190,7 @@ def _digits_split_rows(split: str) -> np.ndarray:
         held = []
         for c in np.unique(y):
             members = np.flatnonzero(y == c)
-            held.append(rng.permutation(members)[:round(len(members) * DIGITS_HELDOUT_SHARE)])
+            held.append(rng.permutation(members)[: round(len(members) * DIGITS_HELDOUT_SHARE)])
         held_rows = np.sort(np.concatenate(held))
         rows = held_rows if split == "heldout" else np.setdiff1d(np.arange(len(y)), held_rows)
     rows.flags.writeable = False
@@ -362,7 +363,8 @@ class CharCorpus:
         for blk in np.unique(blocks):
             sel = blocks == blk
             starts[sel] = _corpus_block(self.seed, int(blk), *self._span(self.split), self.seq_len)[
-                positions[sel] % CORPUS_BLOCK]
+                positions[sel] % CORPUS_BLOCK
+            ]
         return self._windows(starts)
 
     def heldout_set(self, max_windows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,9 +432,7 @@ class Synthetic:
         return _random(rng, self.input_spec, b), _random(rng, self.target_spec, b)
 
 
-def synthetic(
-    microbatch_size: int, inputs: TensorSpec, targets: TensorSpec, *, seed: int = 0
-) -> Synthetic:
+def synthetic(microbatch_size: int, inputs: TensorSpec, targets: TensorSpec, *, seed: int = 0) -> Synthetic:
     """Random micro-batches: ``inputs``/``targets`` give per-sample shape and dtype."""
     return Synthetic(microbatch_size, inputs, targets, seed=seed)
 

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from pipesim.kernels import elastic_average
-from pipesim.sim.ir.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir.core import (
     ALLREDUCE,
     AVERAGE,
@@ -56,6 +55,7 @@ from pipesim.sim.ir.core import (
     ScheduleError,
     W,
 )
+from pipesim.sim.ir.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir.lowering import plan
 from pipesim.sim.strategies import schedule_option
 from pipesim.sim.strategies._common import check_executable
@@ -73,7 +73,7 @@ def flat(tensors: list[Tensor]) -> Tensor:
 def unflat(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
     out, i = [], 0
     for t in like:
-        out.append(buf[i:i + t.numel()].view_as(t))
+        out.append(buf[i : i + t.numel()].view_as(t))
         i += t.numel()
     return out
 
@@ -104,7 +104,7 @@ def average_elastic(flats: list[Tensor], centre: Tensor, alpha: float) -> None:
 def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
     """stage -> replicas that hold it, in order."""
     out: dict[int, set] = defaultdict(set)
-    for (rep, stage) in schedule.placement():
+    for rep, stage in schedule.placement():
         out[stage].add(rep)
     return {s: sorted(r) for s, r in out.items()}
 
@@ -207,8 +207,9 @@ class LocalComm:
         try:
             return self.mail.pop(token)
         except KeyError:
-            raise RuntimeSemanticsError(f"data of {token} taken before it was sent: the execution order "
-                                        "violates a dependency") from None
+            raise RuntimeSemanticsError(
+                f"data of {token} taken before it was sent: the execution order violates a dependency"
+            ) from None
 
     def collective(self, token, action, stage, record=None):
         group = self.pending[token]
@@ -244,8 +245,9 @@ def initial_centres(schedule: Schedule, stages: dict[tuple[int, int], PipelineSt
     return out
 
 
-def apply_collective(action: Action, flats: list[Tensor], centre: Tensor | None, alpha: float,
-                     into: Tensor | None = None) -> list[Tensor]:
+def apply_collective(
+    action: Action, flats: list[Tensor], centre: Tensor | None, alpha: float, into: Tensor | None = None
+) -> list[Tensor]:
     """The collective's result per replica (replica order), from their flat inputs.
 
     REDUCE_GRAD: the mean gradient (one tensor, shared; computed in ``into``
@@ -302,9 +304,18 @@ class RunOutput:
 class DeviceExecutor:
     """Walks one device's compiled entries, doing the tensor work of each action."""
 
-    def __init__(self, device: int, entries: list, stages: dict[tuple[int, int], PipelineStage],
-                 data, schedule: Schedule, comm: Comm, *, clock: Clock | None = None,
-                 peers: dict[tuple, int] | None = None):
+    def __init__(
+        self,
+        device: int,
+        entries: list,
+        stages: dict[tuple[int, int], PipelineStage],
+        data,
+        schedule: Schedule,
+        comm: Comm,
+        *,
+        clock: Clock | None = None,
+        peers: dict[tuple, int] | None = None,
+    ):
         self.device = device
         self.entries = entries
         self.stages = stages
@@ -342,8 +353,11 @@ class DeviceExecutor:
                 break
         else:
             raise RuntimeSemanticsError(f"{x} on device {self.device}: no pass here made its data")
-        rec = Record(self.device, "send", x, t0, None, self.peers.get(tok),
-                     tensor.numel() * tensor.element_size()) if self.clock else None
+        rec = (
+            Record(self.device, "send", x, t0, None, self.peers.get(tok), tensor.numel() * tensor.element_size())
+            if self.clock
+            else None
+        )
         self.comm.send(tok, x, tensor, rec)
         return rec
 
@@ -469,9 +483,16 @@ def _predict(stage: PipelineStage, a: Action, _) -> None:
 _COMPUTE = {F: _forward, B: _backward, I: _backward, W: _weight_gradient, UPDATE: _update, PREDICT: _predict}
 #: How each posted action is posted (a table on the class: bound methods in an
 #: instance dict would keep every executor alive in a reference cycle).
-_POST = {SEND_F: DeviceExecutor._post_send, SEND_B: DeviceExecutor._post_send,
-         RECV_F: DeviceExecutor._post_recv, RECV_B: DeviceExecutor._post_recv,
-         REDUCE_GRAD: DeviceExecutor._post_collective, AVERAGE: DeviceExecutor._post_collective}
+_POST = {
+    SEND_F: DeviceExecutor._post_send,
+    SEND_B: DeviceExecutor._post_send,
+    RECV_F: DeviceExecutor._post_recv,
+    RECV_B: DeviceExecutor._post_recv,
+    REDUCE_GRAD: DeviceExecutor._post_collective,
+    AVERAGE: DeviceExecutor._post_collective,
+}
+
+
 def stage_actions(schedule: Schedule) -> dict[tuple[int, int], list[Action]]:
     out: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for prog in schedule.programs:
@@ -493,8 +514,10 @@ def compiled(schedule: Schedule, recv_lookahead: int = 1) -> list[list]:
     for dev, prog in enumerate(schedule.programs):
         for a in prog:
             if a.op in UNSUPPORTED_OPS:
-                raise ScheduleError(f"{a.op.value} (device {dev}) is not run by the real-tensor executors; "
-                                    f"pipesim simulate runs this schedule")
+                raise ScheduleError(
+                    f"{a.op.value} (device {dev}) is not run by the real-tensor executors; "
+                    f"pipesim simulate runs this schedule"
+                )
     return compile_plan(schedule, plan(schedule, recv_lookahead=recv_lookahead))
 
 
@@ -550,9 +573,19 @@ def execution_events(entries: list[list], timeline) -> list[list[tuple[float, in
     return out
 
 
-def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, optim: OptimizerConfig,
-            timeline, *, recv_lookahead: int = 1, timed: bool = False, progress=None,
-            centres: dict[int, Tensor] | None = None, threads: int | None = EXECUTOR_THREADS) -> RunOutput:
+def emulate(
+    schedule: Schedule,
+    stages: dict[tuple[int, int], PipelineStage],
+    data,
+    optim: OptimizerConfig,
+    timeline,
+    *,
+    recv_lookahead: int = 1,
+    timed: bool = False,
+    progress=None,
+    centres: dict[int, Tensor] | None = None,
+    threads: int | None = EXECUTOR_THREADS,
+) -> RunOutput:
     """Run every device's program in one process, in ``timeline``'s order.
 
     ``stages`` holds a :class:`PipelineStage` for every (replica, stage) of
@@ -564,8 +597,17 @@ def emulate(schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], da
     theirs (:mod:`pipesim.validate.numerics`); ``None`` keeps torch's setting.
     """
     with intra_op_threads(threads):
-        return _emulate(schedule, stages, data, optim, timeline, recv_lookahead=recv_lookahead, timed=timed,
-                        progress=progress, centres=centres)
+        return _emulate(
+            schedule,
+            stages,
+            data,
+            optim,
+            timeline,
+            recv_lookahead=recv_lookahead,
+            timed=timed,
+            progress=progress,
+            centres=centres,
+        )
 
 
 def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres) -> RunOutput:
@@ -580,8 +622,9 @@ def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, 
     comm.clock = clock
     placement = schedule.placement()
     executors = [
-        DeviceExecutor(d, entries[d], {k: s for k, s in stages.items() if placement[k] == d}, data, schedule,
-                       comm, clock=clock)
+        DeviceExecutor(
+            d, entries[d], {k: s for k, s in stages.items() if placement[k] == d}, data, schedule, comm, clock=clock
+        )
         for d in range(schedule.num_devices)
     ]
     # Walk the devices in simulated-time order. Zero-cost actions (updates on
@@ -602,8 +645,9 @@ def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, 
             if best is None or (t, part, d) < best[0]:
                 best = ((t, part, d), d, j, part)
         if best is None:
-            stuck = [str(ex.entries[events[d][pos[d]][2]][1]) for d, ex in enumerate(executors)
-                     if pos[d] < len(events[d])]
+            stuck = [
+                str(ex.entries[events[d][pos[d]][2]][1]) for d, ex in enumerate(executors) if pos[d] < len(events[d])
+            ]
             raise RuntimeSemanticsError(f"emulation cannot proceed: {', '.join(stuck)} wait for data never produced")
         _, d, j, part = best
         executors[d].step_entry(j, "compute" if part else "posts")

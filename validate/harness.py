@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from pipesim.sim.engine.core import simulate as run_engine
+from pipesim.sim.engine.metrics import round_sig
+from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import Hardware, load_hardware
 from pipesim.sim.ir.core import Schedule
-from pipesim.sim.engine.metrics import round_sig
 from pipesim.sim.partition.split import partition
-from pipesim.sim.engine.results import MemoryTrack, SimResult, Span
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workloads.profile import Profile
@@ -105,14 +105,18 @@ def check_machine(cfg: ValidateConfig, schedule: Schedule) -> None:
     if cfg.backend == "nccl":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < n:
-            raise ValidateError(f"{cfg.strategy} needs {n} GPUs for --backend nccl; this machine has {have} "
-                                "(use --backend single to run every stage on one GPU)")
+            raise ValidateError(
+                f"{cfg.strategy} needs {n} GPUs for --backend nccl; this machine has {have} "
+                "(use --backend single to run every stage on one GPU)"
+            )
     if cfg.backend == "gloo" and not cfg.oversubscribe:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if n > cores:
-            raise ValidateError(f"{cfg.strategy} needs {n} worker processes but this machine has {cores} cores: "
-                                "timings would measure the OS scheduler (pass --oversubscribe to run anyway, "
-                                "or use --backend single)")
+            raise ValidateError(
+                f"{cfg.strategy} needs {n} worker processes but this machine has {cores} cores: "
+                "timings would measure the OS scheduler (pass --oversubscribe to run anyway, "
+                "or use --backend single)"
+            )
 
 
 def check_fits(cfg: ValidateConfig, model: RealModel) -> None:
@@ -127,9 +131,11 @@ def check_fits(cfg: ValidateConfig, model: RealModel) -> None:
     per_sample = sum(s.activation_bytes + s.stash_bytes for s in layer_stats(model, 1))
     need, available = per_sample * cfg.microbatch_size, available_memory_bytes()
     if available is not None and need > available:
-        raise ValidateError(f"a micro-batch of {cfg.microbatch_size} samples of {cfg.model} needs at least "
-                            f"{need / 2**30:,.1f} GiB for its activations ({per_sample:,} bytes a sample) and this "
-                            f"machine has {available / 2**30:,.1f} GiB available: use a smaller --microbatch-size")
+        raise ValidateError(
+            f"a micro-batch of {cfg.microbatch_size} samples of {cfg.model} needs at least "
+            f"{need / 2**30:,.1f} GiB for its activations ({per_sample:,} bytes a sample) and this "
+            f"machine has {available / 2**30:,.1f} GiB available: use a smaller --microbatch-size"
+        )
 
 
 def build(cfg: ValidateConfig) -> Schedule:
@@ -137,8 +143,9 @@ def build(cfg: ValidateConfig) -> Schedule:
     opts = dict(cfg.strategy_options)
     if cfg.replicas != 1:
         opts["width"] = cfg.replicas
-    spec = ScheduleSpec(strategy=cfg.strategy, stages=cfg.stages, microbatches=cfg.microbatches,
-                        iterations=cfg.iterations, **opts)
+    spec = ScheduleSpec(
+        strategy=cfg.strategy, stages=cfg.stages, microbatches=cfg.microbatches, iterations=cfg.iterations, **opts
+    )
     return build_schedule(spec)
 
 
@@ -153,8 +160,14 @@ def model_of(cfg: ValidateConfig) -> RealModel:
     return build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
 
 
-def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: RealModel | None = None,
-            hardware: Hardware | None = None) -> Profile:
+def profile(
+    cfg: ValidateConfig,
+    device: torch.device,
+    progress=None,
+    *,
+    model: RealModel | None = None,
+    hardware: Hardware | None = None,
+) -> Profile:
     """The model's per-layer costs on ``device``; with a distributed backend,
     the per-pass overhead is the runtime's measured cost per pass when
     passing tensors of the model's typical boundary size
@@ -171,23 +184,31 @@ def profile(cfg: ValidateConfig, device: torch.device, progress=None, *, model: 
         boundary = int(statistics.median(la.activation_bytes for la in prof.layers[:-1] or prof.layers))
         o_f, o_b = measure_dispatch(cfg.backend, boundary, timeout_s=min(cfg.timeout_s, 120.0))
         send = hardware.cpu.send.seconds(boundary) if hardware is not None and hardware.cpu is not None else 0.0
-        prof = replace(prof, overhead_forward_s=max(prof.overhead_forward_s, o_f - send),
-                       overhead_backward_s=max(prof.overhead_backward_s, o_b - send),
-                       notes=prof.notes + f"; per-pass overhead measured in the {cfg.backend} runtime passing "
-                                          f"{boundary} bytes" + (f", less the send's {send * 1e6:.1f} us of CPU "
-                                                                 "the simulator charges apart" if send else ""))
+        prof = replace(
+            prof,
+            overhead_forward_s=max(prof.overhead_forward_s, o_f - send),
+            overhead_backward_s=max(prof.overhead_backward_s, o_b - send),
+            notes=prof.notes + f"; per-pass overhead measured in the {cfg.backend} runtime passing "
+            f"{boundary} bytes"
+            + (f", less the send's {send * 1e6:.1f} us of CPU the simulator charges apart" if send else ""),
+        )
     return prof
 
 
-def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
-                 model: RealModel | None = None) -> Hardware:
+def hardware_for(
+    cfg: ValidateConfig, device: torch.device, num_devices: int, *, model: RealModel | None = None
+) -> Hardware:
     """This machine as the simulator sees it: measured links and update bandwidth."""
     from pipesim.validate.commprofile import hardware_json, measure_p2p
 
     model = model or model_of(cfg)
     with intra_op_threads(_executor_threads(device)):
-        kernels = kernel_bandwidths(model, device=device, optimizer=cfg.optimizer,
-                                    settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7))
+        kernels = kernel_bandwidths(
+            model,
+            device=device,
+            optimizer=cfg.optimizer,
+            settings=ProfileSettings(microbatch_size=cfg.microbatch_size, repeats=7),
+        )
     bw = kernels["update"]
     if cfg.backend == "single" or num_devices == 1:
         p2p = None
@@ -195,22 +216,32 @@ def hardware_for(cfg: ValidateConfig, device: torch.device, num_devices: int, *,
         p2p = measure_p2p(backend=cfg.backend, timeout_s=min(cfg.timeout_s, 120.0))
     cores = core_assignment(num_devices) if cfg.backend == "gloo" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     n = max(num_devices, 1)
     if p2p is None:  # one device: nothing is transferred between processes
-        d = {"name": f"measured-{cfg.backend}", "notes": "single-device mode: no links measured",
-             "device": {"name": name, "flops": 1e12, "mem_bandwidth": bw, "memory_bytes": float(memory)},
-             "num_devices": n, "devices_per_node": n, "intra_node": {"kind": "ideal"}}
+        d = {
+            "name": f"measured-{cfg.backend}",
+            "notes": "single-device mode: no links measured",
+            "device": {"name": name, "flops": 1e12, "mem_bandwidth": bw, "memory_bytes": float(memory)},
+            "num_devices": n,
+            "devices_per_node": n,
+            "intra_node": {"kind": "ideal"},
+        }
     else:
         shared = cores is not None and len(set(cores)) < len(cores)
         wake = measure_wake_slice(cores[0]) if shared else 0.0  # matters only where ranks share a core
         d = hardware_json(f"measured-{cfg.backend}", name, 1e12, bw, memory, p2p, n, cores=cores, wake_slice_s=wake)
     # flops is unused: the measured profile gives every layer's time directly
     d["device"].update({f"{k}_bandwidth": v for k, v in kernels.items()})
-    d["device"]["notes"] = (d["device"].get("notes", "") + " mem_bandwidth is the in-place optimizer step's; "
-                            "update/predict/average_bandwidth are each kernel's, measured as the runtime runs it "
-                            "(pipesim.validate.profiler.kernel_bandwidths)").strip()
+    d["device"]["notes"] = (
+        d["device"].get("notes", "") + " mem_bandwidth is the in-place optimizer step's; "
+        "update/predict/average_bandwidth are each kernel's, measured as the runtime runs it "
+        "(pipesim.validate.profiler.kernel_bandwidths)"
+    ).strip()
     return Hardware.from_json(d)
 
 
@@ -263,9 +294,14 @@ def summed_memory(tracks: list[MemoryTrack], sends: list[tuple[float, float, int
         done = np.concatenate([[0], np.cumsum(nbytes[by_end])])[np.searchsorted(ends[by_end], times, "right")]
         total -= begun - done
     peak = int(np.argmax(total)) if len(total) else 0
-    return MemoryTrack(device=0, capacity_bytes=tracks[0].capacity_bytes, times=times.tolist(),
-                       totals=total.tolist(), peak_bytes=int(total[peak]) if len(total) else 0,
-                       peak_time=float(times[peak]) if len(times) else 0.0)
+    return MemoryTrack(
+        device=0,
+        capacity_bytes=tracks[0].capacity_bytes,
+        times=times.tolist(),
+        totals=total.tolist(),
+        peak_bytes=int(total[peak]) if len(total) else 0,
+        peak_time=float(times[peak]) if len(times) else 0.0,
+    )
 
 
 @dataclass
@@ -288,43 +324,82 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     device = torch_device(cfg.backend)
     model = model_of(cfg)
     if schedule.num_stages > model.num_layers:  # fail before any measuring
-        raise ValidateError(f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
-                            f"{model.num_layers} (raise --model-depth)")
+        raise ValidateError(
+            f"{schedule.num_stages} stages need at least that many layers; {cfg.model} has "
+            f"{model.num_layers} (raise --model-depth)"
+        )
     check_fits(cfg, model)
     prof, hw = _measurements(cfg, schedule, device, model, say)
     costs = partition(prof, schedule.num_stages)
     starts = tuple(c.first_layer for c in costs)
     say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")
-    predicted = run_engine(schedule, costs, hw, microbatch_size=cfg.microbatch_size, optimizer=prof.optimizer,
-                           recv_lookahead=cfg.recv_lookahead,
-                           meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer})
-    job = Job(schedule=schedule, model=cfg.model, starts=starts, microbatch_size=cfg.microbatch_size,
-              optimizer=cfg.optimizer, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed,
-              synthetic=cfg.synthetic, recv_lookahead=cfg.recv_lookahead)
+    predicted = run_engine(
+        schedule,
+        costs,
+        hw,
+        microbatch_size=cfg.microbatch_size,
+        optimizer=prof.optimizer,
+        recv_lookahead=cfg.recv_lookahead,
+        meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer},
+    )
+    job = Job(
+        schedule=schedule,
+        model=cfg.model,
+        starts=starts,
+        microbatch_size=cfg.microbatch_size,
+        optimizer=cfg.optimizer,
+        width=cfg.model_width,
+        depth=cfg.model_depth,
+        seed=cfg.seed,
+        synthetic=cfg.synthetic,
+        recv_lookahead=cfg.recv_lookahead,
+    )
     out = _execute(cfg, job, device, predicted, say)
-    measured = measured_result(schedule, out.records, microbatch_size=cfg.microbatch_size, stage_costs=costs,
-                               meta={"model": cfg.model, "backend": cfg.backend, "measured": True})
+    measured = measured_result(
+        schedule,
+        out.records,
+        microbatch_size=cfg.microbatch_size,
+        stage_costs=costs,
+        meta={"model": cfg.model, "backend": cfg.backend, "measured": True},
+    )
     reference = serialized(predicted, measured) if cfg.backend == "single" else predicted
     report = _run_facts(cfg, schedule, model, device, starts, prof, hw)
-    report.update(compare(reference, measured, losses=iteration_losses(out.losses, schedule.num_microbatches),
-                          versions_used=out.versions_used, peak_memory=out.peak_memory or None))
+    report.update(
+        compare(
+            reference,
+            measured,
+            losses=iteration_losses(out.losses, schedule.num_microbatches),
+            versions_used=out.versions_used,
+            peak_memory=out.peak_memory or None,
+        )
+    )
     if hw.cpu is not None and cfg.backend != "single":
         # what the prediction would be without the cores' model: its share of the result
-        plain = run_engine(schedule, costs, replace(hw, cpu=None), microbatch_size=cfg.microbatch_size,
-                           optimizer=prof.optimizer, recv_lookahead=cfg.recv_lookahead)
+        plain = run_engine(
+            schedule,
+            costs,
+            replace(hw, cpu=None),
+            microbatch_size=cfg.microbatch_size,
+            optimizer=prof.optimizer,
+            recv_lookahead=cfg.recv_lookahead,
+        )
         t = iteration_time(plain)
         report["iteration_time_predicted_without_cpu_model_s"] = round_sig(t)
         report["iteration_time_error_without_cpu_model"] = round_sig(
-            (t - report["iteration_time_measured_s"]) / report["iteration_time_measured_s"])
+            (t - report["iteration_time_measured_s"]) / report["iteration_time_measured_s"]
+        )
     if cfg.backend == "single" and out.peak_memory:
-        report["peak_memory_note"] = ("single-device mode holds every stage on one device: measured is its peak, "
-                                      "predicted the peak of every simulated device's memory summed over time")
+        report["peak_memory_note"] = (
+            "single-device mode holds every stage on one device: measured is its peak, "
+            "predicted the peak of every simulated device's memory summed over time"
+        )
     report["unscheduled_predictions"] = out.unscheduled_predictions
     return Validation(report, reference, measured, prof, hw)
 
 
-def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device, model: RealModel,
-                  say) -> tuple[Profile, Hardware]:
+def _measurements(
+    cfg: ValidateConfig, schedule: Schedule, device: torch.device, model: RealModel, say
+) -> tuple[Profile, Hardware]:
     """The profile and hardware to simulate with: given files, or measured
     here; checked against the schedule and the model."""
     prof = _profile_file(cfg) if cfg.profile_path else None  # a bad file is named before any measuring
@@ -338,8 +413,9 @@ def _measurements(cfg: ValidateConfig, schedule: Schedule, device: torch.device,
         say(f"profiling {cfg.model} layers on {device} ...")
         prof = profile(cfg, device, model=model, hardware=hw)
     if hw.num_devices is not None and hw.num_devices < schedule.num_devices:
-        raise ValidateError(f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs "
-                            f"{schedule.num_devices}")
+        raise ValidateError(
+            f"hardware {hw.name!r} has {hw.num_devices} devices; {cfg.strategy} needs {schedule.num_devices}"
+        )
     if model.num_layers != prof.num_layers:
         raise ValidateError(f"the profile has {prof.num_layers} layers but {cfg.model} has {model.num_layers}")
     _check_same_model(cfg, model, prof)
@@ -355,9 +431,11 @@ def _check_same_model(cfg: ValidateConfig, model: RealModel, prof: Profile) -> N
     sizes = [layer_param_bytes(layer) for layer in model.layers]
     for k, (mine, theirs) in enumerate(zip(sizes, (la.param_bytes for la in prof.layers), strict=True)):
         if mine != theirs:
-            raise ValidateError(f"the profile's layer {k} has {theirs:,} bytes of weights, {cfg.model}'s here "
-                                f"{mine:,}: it was measured on another model size (--model-width, --model-depth); "
-                                "profile this one, or pass the sizes it was measured at")
+            raise ValidateError(
+                f"the profile's layer {k} has {theirs:,} bytes of weights, {cfg.model}'s here "
+                f"{mine:,}: it was measured on another model size (--model-width, --model-depth); "
+                "profile this one, or pass the sizes it was measured at"
+            )
 
 
 def _profile_file(cfg: ValidateConfig) -> Profile:
@@ -367,13 +445,17 @@ def _profile_file(cfg: ValidateConfig) -> Profile:
     prof = load_profile(cfg.profile_path)
     measured_in = _profiled_backend(prof)
     if measured_in is not None and measured_in != cfg.backend:
-        raise ValidateError(f"the profile {cfg.profile_path} was measured with --backend {measured_in} (its per-pass "
-                            f"overhead is that runtime's), this run uses {cfg.backend}: pass --backend {measured_in}, "
-                            f"or profile again with --backend {cfg.backend}")
+        raise ValidateError(
+            f"the profile {cfg.profile_path} was measured with --backend {measured_in} (its per-pass "
+            f"overhead is that runtime's), this run uses {cfg.backend}: pass --backend {measured_in}, "
+            f"or profile again with --backend {cfg.backend}"
+        )
     if prof.microbatch_size != cfg.microbatch_size:
-        raise ValidateError(f"the profile {cfg.profile_path} was measured at micro-batch size "
-                            f"{prof.microbatch_size}, this run uses {cfg.microbatch_size}: pass --microbatch-size "
-                            f"{prof.microbatch_size}, or profile again at {cfg.microbatch_size}")
+        raise ValidateError(
+            f"the profile {cfg.profile_path} was measured at micro-batch size "
+            f"{prof.microbatch_size}, this run uses {cfg.microbatch_size}: pass --microbatch-size "
+            f"{prof.microbatch_size}, or profile again at {cfg.microbatch_size}"
+        )
     return prof
 
 
@@ -400,15 +482,24 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     with intra_op_threads(_executor_threads(device)):
         _, modules, stages, data = build_stages(job, schedule.placement(), device)
         warm_up(stages, data, boundary_specs(modules, data), device)
-        out = emulate(schedule, stages, data, cfg.optimizer, predicted, recv_lookahead=cfg.recv_lookahead,
-                      timed=True, threads=None)
+        out = emulate(
+            schedule,
+            stages,
+            data,
+            cfg.optimizer,
+            predicted,
+            recv_lookahead=cfg.recv_lookahead,
+            timed=True,
+            threads=None,
+        )
     if device.type == "cuda":
         out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
     return out
 
 
-def _run_facts(cfg: ValidateConfig, schedule: Schedule, model: RealModel, device: torch.device, starts,
-               prof: Profile, hw: Hardware) -> dict:
+def _run_facts(
+    cfg: ValidateConfig, schedule: Schedule, model: RealModel, device: torch.device, starts, prof: Profile, hw: Hardware
+) -> dict:
     """What ran, on what, with which measurements: the head of report.json."""
     link_bw = hw.intra_node.bandwidth
     return {
@@ -426,10 +517,15 @@ def _run_facts(cfg: ValidateConfig, schedule: Schedule, model: RealModel, device
         "freed_memory": keep_freed_memory(),
         "partition_starts": list(starts),
         "optimizer": asdict(cfg.optimizer),
-        "hardware": {"name": hw.name, "mem_bandwidth_Bps": round_sig(hw.device.mem_bandwidth),
-                     "link_bandwidth_Bps": round_sig(link_bw) if link_bw != float("inf") else None,
-                     "link_latency_s": round_sig(hw.intra_node.latency)},
-        "profile": {"overhead_forward_s": round_sig(prof.overhead_forward_s),
-                    "overhead_backward_s": round_sig(prof.overhead_backward_s),
-                    "layers": prof.num_layers},
+        "hardware": {
+            "name": hw.name,
+            "mem_bandwidth_Bps": round_sig(hw.device.mem_bandwidth),
+            "link_bandwidth_Bps": round_sig(link_bw) if link_bw != float("inf") else None,
+            "link_latency_s": round_sig(hw.intra_node.latency),
+        },
+        "profile": {
+            "overhead_forward_s": round_sig(prof.overhead_forward_s),
+            "overhead_backward_s": round_sig(prof.overhead_backward_s),
+            "layers": prof.num_layers,
+        },
     }

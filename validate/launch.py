@@ -184,17 +184,17 @@ class WorkerError(RunError):
         if traceback:
             text += "\n" + traceback.rstrip("\n")
         if self.others:
-            text += "\nother ranks that failed before they were stopped:\n" + "\n".join(
-                "  " + o for o in self.others
-            )
+            text += "\nother ranks that failed before they were stopped:\n" + "\n".join("  " + o for o in self.others)
         super().__init__(text)
 
     @property
     def hint(self) -> str:
         """What to try, from how the rank failed."""
         if self.exitcode is not None and self.exitcode < 0:
-            return ("a worker was killed from outside (by a signal): if nobody stopped it, the machine may have "
-                    "run out of memory (see `dmesg`); try a smaller model or micro-batch")
+            return (
+                "a worker was killed from outside (by a signal): if nobody stopped it, the machine may have "
+                "run out of memory (see `dmesg`); try a smaller model or micro-batch"
+            )
         if not self.traceback:
             return "the worker died without a Python traceback; its stderr, if any, is above"
         return f"the traceback above is rank {self.rank}'s own: fix what it names and run again"
@@ -217,14 +217,15 @@ class LaunchTimeout(RunError, TimeoutError):
         self.ranks = tuple(ranks)
         self.timeout_s = timeout_s
         super().__init__(
-            f"launch timed out after {timeout_s:g} s; ranks still running: {list(self.ranks)} "
-            "(all workers were killed)"
+            f"launch timed out after {timeout_s:g} s; ranks still running: {list(self.ranks)} (all workers were killed)"
         )
 
     @property
     def hint(self) -> str:
-        return (f"give the run more than {self.timeout_s:g} s (--timeout), run fewer iterations, "
-                "or look for a rank blocked in a collective (the process-group timeout names it)")
+        return (
+            f"give the run more than {self.timeout_s:g} s (--timeout), run fewer iterations, "
+            "or look for a rank blocked in a collective (the process-group timeout names it)"
+        )
 
     def __reduce__(self):
         return (LaunchTimeout, (self.ranks, self.timeout_s))
@@ -429,8 +430,7 @@ def _cuda_indices(backend: str, world_size: int, devices: Sequence[int] | None) 
     if devices is None:
         if world_size > count:
             raise LaunchError(
-                f"launch: nccl needs one CUDA device per rank: world_size {world_size} > "
-                f"{count} visible device(s)"
+                f"launch: nccl needs one CUDA device per rank: world_size {world_size} > {count} visible device(s)"
             )
         return [r % count for r in range(world_size)]
     devs = list(devices)
@@ -455,8 +455,13 @@ def _wait_for_results(procs, specs, deadline: float, timeout_s: float) -> None:
         died = _silent_deaths(procs, specs, pending, deadline)
         errors = [e for e in (_read_error(s) for s in specs) if e is not None]
         if errors and not died and all(_lost_peer(e) for e in errors if e["type"] != "unknown"):
-            died = _await_silent_death(procs, specs, pending - {e["rank"] for e in errors},
-                                       min(deadline, time.monotonic() + _DEATH_GRACE_S), deadline)
+            died = _await_silent_death(
+                procs,
+                specs,
+                pending - {e["rank"] for e in errors},
+                min(deadline, time.monotonic() + _DEATH_GRACE_S),
+                deadline,
+            )
             errors = [e for e in (_read_error(s) for s in specs) if e is not None]  # and those raised meanwhile
         if died or errors:
             raise _root_cause(died, errors)
@@ -482,8 +487,9 @@ def _silent_deaths(procs, specs, ranks, deadline: float) -> list[tuple[int, int 
     after it is seen exiting). They are given :data:`_REAP_S` together, and
     no more than to ``deadline``, to be reaped for their exit codes: None
     for one that is not."""
-    died = [r for r in _exited(procs, ranks)
-            if not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path)))]
+    died = [
+        r for r in _exited(procs, ranks) if not any(map(os.path.exists, (specs[r].result_path, specs[r].error_path)))
+    ]
     until = min(deadline, time.monotonic() + _REAP_S)
     for r in died:
         procs[r].join(max(0.0, until - time.monotonic()))
@@ -512,8 +518,13 @@ def _read_error(spec: _WorkerSpec) -> dict | None:
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 -- half-visible or corrupt file: still a failure of that rank
-        return {"rank": spec.rank, "type": "unknown", "message": f"unreadable error report ({e})",
-                "traceback": "", "time": math.inf}
+        return {
+            "rank": spec.rank,
+            "type": "unknown",
+            "message": f"unreadable error report ({e})",
+            "traceback": "",
+            "time": math.inf,
+        }
 
 
 def _root_cause(died: list[tuple[int, int | None]], errors: list[dict]) -> WorkerError:
@@ -525,7 +536,10 @@ def _root_cause(died: list[tuple[int, int | None]], errors: list[dict]) -> Worke
     else:
         e = min(errors, key=lambda e: (e["time"], e["rank"]))
         first = WorkerError(
-            e["rank"], _error_summary(e), e["traceback"], exc_type=e["type"],
+            e["rank"],
+            _error_summary(e),
+            e["traceback"],
+            exc_type=e["type"],
             others=[s for s, r in summaries if r != e["rank"]],
         )
     return first
@@ -546,10 +560,7 @@ def _death_summary(rank: int, code: int | None) -> str:
         how = f"still being torn down at least {_REAP_S:g} s after it began to exit, exit code unknown"
     else:
         how = f"exit code {code}"
-    return (
-        f"rank {rank} failed: worker died without raising ({how}); "
-        "its stderr, if any, is above"
-    )
+    return f"rank {rank} failed: worker died without raising ({how}); its stderr, if any, is above"
 
 
 def _wait_for_exit(procs, deadline: float) -> None:
@@ -612,8 +623,12 @@ def _start_heaters(cores) -> list:
     for core in cores:
         if core is None:
             continue
-        p = subprocess.Popen([sys.executable, "-c", _HEATER], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _HEATER],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.sched_setaffinity(p.pid, {core})
         out.append(p)
     return out
@@ -655,12 +670,19 @@ def measure_wake_slice(core: int, timeout_s: float = 30.0) -> float:
     on this project's machine (4 ms ticks)."""
     import subprocess
 
-    busy = subprocess.Popen([sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    busy = subprocess.Popen(
+        [sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         os.sched_setaffinity(busy.pid, {core})
-        out = subprocess.run([sys.executable, "-c", _WAKE_SLICE_PROBE], capture_output=True, text=True,
-                             check=True, timeout=timeout_s, env={**os.environ, "PIPESIM_PROBE_CORE": str(core)})
+        out = subprocess.run(
+            [sys.executable, "-c", _WAKE_SLICE_PROBE],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=timeout_s,
+            env={**os.environ, "PIPESIM_PROBE_CORE": str(core)},
+        )
     finally:
         busy.kill()
         busy.wait()
@@ -700,8 +722,10 @@ def _worker(spec: _WorkerSpec, fn: Callable[..., Any]) -> None:
         else:
             device = torch.device("cpu")
             extra = {}
-            if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists(
-                "/sys/class/net/lo"
+            if (
+                sys.platform.startswith("linux")
+                and "GLOO_SOCKET_IFNAME" not in os.environ
+                and os.path.exists("/sys/class/net/lo")
             ):
                 # every rank is on this host: loopback always works, whereas the
                 # hostname's address may be unroutable in containers

@@ -247,9 +247,7 @@ class ResidualLSTM(nn.Module):
         return x + y
 
 
-def _build_lstm(
-    width: int, depth: int, *, seq_len: int = 32
-) -> tuple[list[nn.Module], list[str], dict[str, Any]]:
+def _build_lstm(width: int, depth: int, *, seq_len: int = 32) -> tuple[list[nn.Module], list[str], dict[str, Any]]:
     seq_len = _check_size("seq_len", seq_len)
     vocab = _data.char_corpus(1, seq_len).vocab_size  # validates seq_len against the corpus
     layers: list[nn.Module] = [CharEmbedding(vocab, width)]
@@ -296,8 +294,9 @@ def _build_vgg(width: int, depth: int) -> tuple[list[nn.Module], list[str], dict
 # -------------------------------------------------------------- catalog
 
 
-def _digits_source(image: bool, config: dict, microbatch_size: int, seed: int,
-                   split: str = "all") -> _data.MicroBatchSource:
+def _digits_source(
+    image: bool, config: dict, microbatch_size: int, seed: int, split: str = "all"
+) -> _data.MicroBatchSource:
     return _data.digits(microbatch_size, seed=seed, image=image, split=split)
 
 
@@ -319,16 +318,27 @@ class _Spec:
 _CATALOG: dict[str, _Spec] = {
     "mlp": _Spec(_build_mlp, 512, 4, (), "digits (64 px) -> depth x Linear(width)+ReLU -> Linear(10), He init"),
     "gpt-small": _Spec(
-        _build_gpt, 128, 4, ("heads", "seq_len"),
-        "char LM on pydoc topics: embed -> depth x pre-LN block -> LN + Linear(vocab)", _corpus_source,
+        _build_gpt,
+        128,
+        4,
+        ("heads", "seq_len"),
+        "char LM on pydoc topics: embed -> depth x pre-LN block -> LN + Linear(vocab)",
+        _corpus_source,
     ),
     "lstm": _Spec(
-        _build_lstm, 128, 4, ("seq_len",),
+        _build_lstm,
+        128,
+        4,
+        ("seq_len",),
         "char LM on pydoc topics: embed -> depth x residual LSTM (x + LSTM(LN x)) -> LN + Linear(vocab)",
         _corpus_source,
     ),
     "vgg-small": _Spec(
-        _build_vgg, 64, 4, (), "digits (1x8x8) -> depth x Conv3x3+ReLU(+pool) -> Linear+ReLU -> Linear(10)",
+        _build_vgg,
+        64,
+        4,
+        (),
+        "digits (1x8x8) -> depth x Conv3x3+ReLU(+pool) -> Linear+ReLU -> Linear(10)",
         functools.partial(_digits_source, True),
     ),
 }

@@ -84,8 +84,17 @@ def _mean_time(fn, device: torch.device, warmup: int, repeats: int) -> float:
     return expected(times) / 1e9
 
 
-def time_stage(module: nn.Module, x: torch.Tensor, *, first: bool, last: bool, loss_fn, target,
-               device: torch.device, settings: ProfileSettings) -> tuple[float, float, float]:
+def time_stage(
+    module: nn.Module,
+    x: torch.Tensor,
+    *,
+    first: bool,
+    last: bool,
+    loss_fn,
+    target,
+    device: torch.device,
+    settings: ProfileSettings,
+) -> tuple[float, float, float]:
     """Median (forward, backward, backward-input) seconds of ``module`` as a
     stage, in a tight loop (used for the empty stage that gives the overhead)."""
     stage = _stage(module, first, last, loss_fn, device)
@@ -106,6 +115,7 @@ def time_stage(module: nn.Module, x: torch.Tensor, *, first: bool, last: bool, l
             stage.forward(fa, x, target)
             stage.backward(op, grad)
             stage.inflight.pop(0, None)
+
         return run
 
     t_f = _mean_time(fwd, device, settings.warmup, settings.repeats)
@@ -119,7 +129,7 @@ def _stage(module, first, last, loss_fn, device, optimizer=OptimizerConfig()):
     n = k + 1 if last else k + 2
     stage = PipelineStage(module, k, n, device, loss_fn=loss_fn if last else None)
     stage.optim = optimizer
-    stage.pool.expect(0, 10 ** 9)  # profiling reads version 0 forever
+    stage.pool.expect(0, 10**9)  # profiling reads version 0 forever
     return stage
 
 
@@ -128,13 +138,15 @@ def _now(device: torch.device) -> int:
     return time.perf_counter_ns()
 
 
-def time_in_model_order(model: RealModel, device: torch.device, settings: ProfileSettings,
-                        optimizer: OptimizerConfig = OptimizerConfig()):
+def time_in_model_order(
+    model: RealModel, device: torch.device, settings: ProfileSettings, optimizer: OptimizerConfig = OptimizerConfig()
+):
     """Per layer: mean forward, backward, backward-input and update seconds,
     each timed inside whole training steps of single-layer stages."""
     n = model.num_layers
-    stages = [_stage(layer, i == 0, i == n - 1, model.loss_fn, device, optimizer)
-              for i, layer in enumerate(model.layers)]
+    stages = [
+        _stage(layer, i == 0, i == n - 1, model.loss_fn, device, optimizer) for i, layer in enumerate(model.layers)
+    ]
     data = model.data(settings.microbatch_size)
     fwd, bwd, inp, upd = ([[] for _ in range(n)] for _ in range(4))
     steps = settings.warmup + settings.repeats
@@ -167,12 +179,17 @@ def time_in_model_order(model: RealModel, device: torch.device, settings: Profil
             st.update(Action(UPDATE, st.stage_index, None, st.pool.version + 1))
             if timed:
                 upd[i].append(_now(device) - t0)
-            st.pool.expect(st.pool.version, 10 ** 9)
+            st.pool.expect(st.pool.version, 10**9)
     return [[expected(v) / 1e9 for v in lst] for lst in (fwd, bwd, inp, upd)]
 
 
-def profile_model(model: RealModel, *, device: torch.device | str = "cpu",
-                  settings: ProfileSettings = ProfileSettings(), progress=None) -> Profile:
+def profile_model(
+    model: RealModel,
+    *,
+    device: torch.device | str = "cpu",
+    settings: ProfileSettings = ProfileSettings(),
+    progress=None,
+) -> Profile:
     """Per-layer costs of ``model`` for one micro-batch on ``device``, as a simulator Profile."""
     device = torch.device(device)
     allocator = keep_freed_memory()  # as the runtime's workers run (see allocator.py)
@@ -180,21 +197,24 @@ def profile_model(model: RealModel, *, device: torch.device | str = "cpu",
     stats = layer_stats(model, b, device=device)
     # the runtime's fixed cost per pass: an empty stage in the middle of a pipeline
     probe = torch.randn(b, 8)
-    o_f, o_b, o_i = time_stage(nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None,
-                               device=device, settings=settings)
+    o_f, o_b, o_i = time_stage(
+        nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=settings
+    )
     fwd, bwd, inp, _ = time_in_model_order(_fresh(model), device, settings)
     layers = []
     for i, s in enumerate(stats):
         t_b = max(bwd[i] - o_b, 1e-7)
-        layers.append(LayerCost(
-            name=s.name,
-            forward_s=max(fwd[i] - o_f, 1e-7),
-            backward_s=t_b,
-            backward_input_s=min(max(inp[i] - o_i, 0.0), t_b),
-            param_bytes=s.param_bytes,
-            activation_bytes=s.activation_bytes,
-            stash_bytes=s.stash_bytes,
-        ))
+        layers.append(
+            LayerCost(
+                name=s.name,
+                forward_s=max(fwd[i] - o_f, 1e-7),
+                backward_s=t_b,
+                backward_input_s=min(max(inp[i] - o_i, 0.0), t_b),
+                param_bytes=s.param_bytes,
+                activation_bytes=s.activation_bytes,
+                stash_bytes=s.stash_bytes,
+            )
+        )
     if progress is not None:
         progress(len(layers), len(layers))
     return Profile(
@@ -204,10 +224,12 @@ def profile_model(model: RealModel, *, device: torch.device | str = "cpu",
         optimizer="sgd",
         overhead_forward_s=o_f,
         overhead_backward_s=o_b,
-        notes=(f"measured by pipesim profile on {device} ({torch.get_num_threads()} thread(s)), "
-               f"{model.description}; per layer, means of {settings.repeats} training steps with every "
-               "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
-               f"freed memory {allocator}"),
+        notes=(
+            f"measured by pipesim profile on {device} ({torch.get_num_threads()} thread(s)), "
+            f"{model.description}; per layer, means of {settings.repeats} training steps with every "
+            "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
+            f"freed memory {allocator}"
+        ),
     )
 
 
@@ -223,9 +245,13 @@ def _fresh(model: RealModel) -> RealModel:
 AVERAGE_REPLICAS = 2
 
 
-def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
-                      settings: ProfileSettings = ProfileSettings(),
-                      optimizer: OptimizerConfig = OptimizerConfig()) -> dict[str, float]:
+def kernel_bandwidths(
+    model: RealModel,
+    *,
+    device: torch.device | str = "cpu",
+    settings: ProfileSettings = ProfileSettings(),
+    optimizer: OptimizerConfig = OptimizerConfig(),
+) -> dict[str, float]:
     """Bytes/s at which the simulator's byte count for each memory-bound
     kernel (:class:`pipesim.sim.engine.core.CostModel`) matches the time the
     runtime's own code takes for it, the whole model as one stage, each
@@ -281,8 +307,11 @@ def kernel_bandwidths(model: RealModel, *, device: torch.device | str = "cpu",
             times["average"].append(t3 - t2)
     params = sum(t.numel() * t.element_size() for t in stage.weights())
     costs = CostModel((), 1.0, optimizer.kind)
-    moved = {"update": costs.traffic(UPDATE) * params, "predict": costs.traffic(PREDICT) * params,
-             "average": (2 * AVERAGE_REPLICAS + 2) * params}
+    moved = {
+        "update": costs.traffic(UPDATE) * params,
+        "predict": costs.traffic(PREDICT) * params,
+        "average": (2 * AVERAGE_REPLICAS + 2) * params,
+    }
     return {k: moved[k] / (expected(v) / 1e9) for k, v in times.items()}
 
 
@@ -326,16 +355,21 @@ def _dispatch_worker(ctx, numel: int, microbatches: int, iterations: int):
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
     from pipesim.validate.runtime import execute
 
-    sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches,
-                                        iterations=iterations))
+    sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches, iterations=iterations))
     k = ctx.rank
     stages = {(0, k): PipelineStage(_Relay(), k, 2, ctx.device, loss_fn=_relay_loss if k == 1 else None)}
     specs = [((numel,), torch.float32)] * 2
     return execute(ctx, sched, stages, _RelayData(numel), specs, OptimizerConfig())
 
 
-def measure_dispatch(backend: str = "gloo", nbytes: int = 1 << 17, *, microbatches: int = 16,
-                     iterations: int = 3, timeout_s: float = 120.0) -> tuple[float, float]:
+def measure_dispatch(
+    backend: str = "gloo",
+    nbytes: int = 1 << 17,
+    *,
+    microbatches: int = 16,
+    iterations: int = 3,
+    timeout_s: float = 120.0,
+) -> tuple[float, float]:
     """Seconds per pass the distributed runtime costs around a stage that does nothing.
 
     Two ranks run GPipe on stages that only scale their input, sending
@@ -353,8 +387,14 @@ def measure_dispatch(backend: str = "gloo", nbytes: int = 1 << 17, *, microbatch
     from pipesim.validate.runtime import launch_settings
 
     numel = max(1, nbytes // 4)
-    out = launch(_dispatch_worker, 2, args=(numel, microbatches, iterations), backend=backend,
-                 timeout_s=timeout_s, **launch_settings(backend))[0]
+    out = launch(
+        _dispatch_worker,
+        2,
+        args=(numel, microbatches, iterations),
+        backend=backend,
+        timeout_s=timeout_s,
+        **launch_settings(backend),
+    )[0]
     gaps = {"F": [], "B": []}
     for dev, op, stage in ((0, F, 0), (1, B, 1)):
         comp = sorted((r for r in out.records if r.stream == "compute" and r.device == dev), key=lambda r: r.start)

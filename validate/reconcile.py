@@ -20,9 +20,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, Schedule
 from pipesim.sim.engine.metrics import bubble_fractions, round_sig
 from pipesim.sim.engine.results import SimResult, Span
+from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, Schedule
 
 #: relative duration error (|pred − meas| / meas) above which an action is flagged
 DURATION_THRESHOLD = 0.25
@@ -32,8 +32,9 @@ START_THRESHOLD = 0.10
 FLAGGED_LIMIT = 25
 
 
-def measured_result(schedule: Schedule, records, *, microbatch_size: int = 1, stage_costs=(),
-                    meta: dict | None = None) -> SimResult:
+def measured_result(
+    schedule: Schedule, records, *, microbatch_size: int = 1, stage_costs=(), meta: dict | None = None
+) -> SimResult:
     """The records of a real run as a SimResult (seconds from the first compute action)."""
     compute = [r for r in records if r.stream == "compute"]
     if not compute:
@@ -42,11 +43,18 @@ def measured_result(schedule: Schedule, records, *, microbatch_size: int = 1, st
     spans = []
     for r in sorted(records, key=lambda r: (r.start, r.device, r.stream)):
         end = r.end if r.end is not None else r.start
-        spans.append(Span(r.device, r.stream, r.action, (r.start - t0) / 1e9, (end - t0) / 1e9,
-                          r.peer, None, r.nbytes))
-    return SimResult(schedule=schedule, spans=spans, memory=[], versions=[], max_versions_held={},
-                     link_bytes={}, microbatch_size=microbatch_size, meta=dict(meta or {}),
-                     stage_costs=tuple(stage_costs))
+        spans.append(Span(r.device, r.stream, r.action, (r.start - t0) / 1e9, (end - t0) / 1e9, r.peer, None, r.nbytes))
+    return SimResult(
+        schedule=schedule,
+        spans=spans,
+        memory=[],
+        versions=[],
+        max_versions_held={},
+        link_bytes={},
+        microbatch_size=microbatch_size,
+        meta=dict(meta or {}),
+        stage_costs=tuple(stage_costs),
+    )
 
 
 def _compute_by_device(result: SimResult) -> dict[int, list[Span]]:
@@ -98,8 +106,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _stats(values: list[float]) -> dict:
-    return {"median": round_sig(_quantile(values, 0.5)), "p90": round_sig(_quantile(values, 0.9)),
-            "max": round_sig(max(values, default=0.0))}
+    return {
+        "median": round_sig(_quantile(values, 0.5)),
+        "p90": round_sig(_quantile(values, 0.9)),
+        "max": round_sig(max(values, default=0.0)),
+    }
 
 
 def steady_actions(schedule: Schedule) -> set[tuple[int, object]]:
@@ -155,13 +166,19 @@ def compare_actions(predicted: SimResult, measured: SimResult) -> tuple[dict, li
         starts_rel.append(abs(se) / span)
         durs.append(abs(rel))
         if abs(rel) > DURATION_THRESHOLD or abs(se) / span > START_THRESHOLD:
-            rows.append({
-                "device": key[0], "action": str(key[1]),
-                "start_measured_s": round_sig(m.start - m0), "start_predicted_s": round_sig(p.start - p0),
-                "duration_measured_s": round_sig(m.duration), "duration_predicted_s": round_sig(p.duration),
-                "duration_error": round_sig(rel), "start_error_s": round_sig(se),
-                "_score": max(abs(rel) / DURATION_THRESHOLD, abs(se) / span / START_THRESHOLD),
-            })
+            rows.append(
+                {
+                    "device": key[0],
+                    "action": str(key[1]),
+                    "start_measured_s": round_sig(m.start - m0),
+                    "start_predicted_s": round_sig(p.start - p0),
+                    "duration_measured_s": round_sig(m.duration),
+                    "duration_predicted_s": round_sig(p.duration),
+                    "duration_error": round_sig(rel),
+                    "start_error_s": round_sig(se),
+                    "_score": max(abs(rel) / DURATION_THRESHOLD, abs(se) / span / START_THRESHOLD),
+                }
+            )
     rows.sort(key=lambda r: (-r["_score"], r["device"], r["start_measured_s"]))
     for r in rows:
         del r["_score"]
@@ -185,8 +202,16 @@ def compare_stage_times(predicted: SimResult, measured: SimResult) -> list[dict]
     out = []
     for (stage, op), (p, m) in sorted(acc.items()):
         mp, mm = statistics.fmean(p), statistics.fmean(m)
-        out.append({"stage": stage, "op": op, "count": len(m), "predicted_s": round_sig(mp),
-                    "measured_s": round_sig(mm), "error": round_sig((mp - mm) / mm) if mm > 0 else None})
+        out.append(
+            {
+                "stage": stage,
+                "op": op,
+                "count": len(m),
+                "predicted_s": round_sig(mp),
+                "measured_s": round_sig(mm),
+                "error": round_sig((mp - mm) / mm) if mm > 0 else None,
+            }
+        )
     return out
 
 
@@ -207,9 +232,16 @@ def compare_versions(predicted: SimResult, versions_used: dict) -> dict:
     for key in sorted(set(want) | set(got), key=lambda k: (k[0], k[1], k[3], k[2])):
         if want.get(key) != got.get(key):
             rep, stage, op, mb = key
-            mismatches.append({"replica": rep, "stage": stage, "pass": op, "microbatch": mb,
-                               "predicted": list(want[key]) if key in want else None,
-                               "used": list(got[key]) if key in got else None})
+            mismatches.append(
+                {
+                    "replica": rep,
+                    "stage": stage,
+                    "pass": op,
+                    "microbatch": mb,
+                    "predicted": list(want[key]) if key in want else None,
+                    "used": list(got[key]) if key in got else None,
+                }
+            )
     per_stage = defaultdict(lambda: {"passes": 0, "versions": set()})
     for (rep, stage, op, mb), (v, d) in got.items():
         per_stage[stage]["passes"] += 1
@@ -219,13 +251,21 @@ def compare_versions(predicted: SimResult, versions_used: dict) -> dict:
         "passes_compared": len(want),
         "mismatches": len(mismatches),
         "first_mismatches": mismatches[:10],
-        "per_stage": [{"stage": s, "passes": v["passes"], "distinct_effective_versions": len(v["versions"])}
-                      for s, v in sorted(per_stage.items())],
+        "per_stage": [
+            {"stage": s, "passes": v["passes"], "distinct_effective_versions": len(v["versions"])}
+            for s, v in sorted(per_stage.items())
+        ],
     }
 
 
-def compare(predicted: SimResult, measured: SimResult, *, losses: list[float], versions_used: dict,
-            peak_memory: dict[int, int] | None = None) -> dict:
+def compare(
+    predicted: SimResult,
+    measured: SimResult,
+    *,
+    losses: list[float],
+    versions_used: dict,
+    peak_memory: dict[int, int] | None = None,
+) -> dict:
     """The reconciliation part of ``report.json``."""
     t_meas = iteration_time(measured)
     t_pred = iteration_time(predicted)
@@ -242,7 +282,8 @@ def compare(predicted: SimResult, measured: SimResult, *, losses: list[float], v
         "bubble_fraction_predicted": round_sig(sum(b_pred) / len(b_pred)),
         "bubble_fraction_per_device": [
             {"device": d, "measured": round_sig(bm), "predicted": round_sig(bp)}
-            for d, (bm, bp) in enumerate(zip(b_meas, b_pred))],
+            for d, (bm, bp) in enumerate(zip(b_meas, b_pred))
+        ],
         "action_errors": actions,
         "flagged_actions": flagged,
         "stage_times": compare_stage_times(predicted, measured),
@@ -251,9 +292,14 @@ def compare(predicted: SimResult, measured: SimResult, *, losses: list[float], v
     }
     if peak_memory:
         report["peak_memory"] = [
-            {"device": d, "measured_bytes": int(peak_memory[d]),
-             "predicted_bytes": int(predicted.memory[d].peak_bytes) if d < len(predicted.memory) else None,
-             "error": round_sig((predicted.memory[d].peak_bytes - peak_memory[d]) / peak_memory[d])
-             if d < len(predicted.memory) and peak_memory[d] else None}
-            for d in sorted(peak_memory)]
+            {
+                "device": d,
+                "measured_bytes": int(peak_memory[d]),
+                "predicted_bytes": int(predicted.memory[d].peak_bytes) if d < len(predicted.memory) else None,
+                "error": round_sig((predicted.memory[d].peak_bytes - peak_memory[d]) / peak_memory[d])
+                if d < len(predicted.memory) and peak_memory[d]
+                else None,
+            }
+            for d in sorted(peak_memory)
+        ]
     return report

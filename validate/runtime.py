@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pipesim.sim.ir.dataflow import Arrival, CollectiveDone
 from pipesim.sim.ir.core import (
     AVERAGE,
     COLLECTIVE_OPS,
@@ -60,6 +59,7 @@ from pipesim.sim.ir.core import (
     boundary_stage,
     transfer_stages,
 )
+from pipesim.sim.ir.dataflow import Arrival, CollectiveDone
 from pipesim.sim.strategies import schedule_option
 from pipesim.validate.executor import (
     Clock,
@@ -123,7 +123,8 @@ def check_pair_order(entries: list[list], peers: dict[int, dict[tuple, int]]) ->
             if ts != tr:
                 raise ScheduleError(
                     f"NCCL needs device {pair[0]}'s sends to device {pair[1]} in the order that device "
-                    f"receives them: {xs} is sent where {xr} is received")
+                    f"receives them: {xs} is sent where {xr} is received"
+                )
 
 
 def boundary_specs(stage_modules, data) -> list[tuple[torch.Size, torch.dtype]]:
@@ -140,10 +141,19 @@ def boundary_specs(stage_modules, data) -> list[tuple[torch.Size, torch.dtype]]:
 class DistComm:
     """The IR's communication on torch.distributed (see the module doc)."""
 
-    def __init__(self, schedule: Schedule, device: int, stages: dict[tuple[int, int], PipelineStage],
-                 peers: dict[tuple, int], specs, groups: dict[int, object], members: dict[int, list[int]],
-                 clock: Clock | None,
-                 torch_device: torch.device, centres: dict | None = None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        device: int,
+        stages: dict[tuple[int, int], PipelineStage],
+        peers: dict[tuple, int],
+        specs,
+        groups: dict[int, object],
+        members: dict[int, list[int]],
+        clock: Clock | None,
+        torch_device: torch.device,
+        centres: dict | None = None,
+    ):
         self.schedule = schedule
         self.device = device
         self.stages = stages
@@ -256,8 +266,11 @@ class DistComm:
             up, down = self.p2p[SEND_F], self.p2p[SEND_B]
             me = self.device
             works = [dist.isend(mine, dst=d, tag=tag, group=up if d > me else down) for d in members if d != me]
-            works += [dist.irecv(outs[i], src=d, tag=tag, group=up if me > d else down)
-                      for i, d in enumerate(members) if d != me]
+            works += [
+                dist.irecv(outs[i], src=d, tag=tag, group=up if me > d else down)
+                for i, d in enumerate(members)
+                if d != me
+            ]
         self.gathers[token] = (works, outs, action, stage, record)
 
     def _receive_buffer(self, action, peer: int, like: torch.Tensor) -> torch.Tensor:
@@ -332,8 +345,8 @@ def stage_groups(schedule: Schedule) -> dict[int, list[int]]:
             continue
         if len(set(devs)) != len(devs):
             raise ScheduleError(
-                f"stage {stage}: replicas on devices {devs}; the runtime needs them all on one device "
-                "or one per device")
+                f"stage {stage}: replicas on devices {devs}; the runtime needs them all on one device or one per device"
+            )
         out[stage] = sorted(devs)
     return out
 
@@ -370,8 +383,9 @@ def build_stages(job: Job, keys, device: torch.device):
 
     stages = {}
     for rep, k in sorted(keys):
-        stages[(rep, k)] = PipelineStage(copy.deepcopy(modules[k]), k, job.schedule.num_stages, device,
-                                         replica=rep, loss_fn=model.loss_fn)
+        stages[(rep, k)] = PipelineStage(
+            copy.deepcopy(modules[k]), k, job.schedule.num_stages, device, replica=rep, loss_fn=model.loss_fn
+        )
     data = model.data(job.microbatch_size, seed=job.seed, synthetic=job.synthetic)
     return model, modules, stages, data
 
@@ -432,13 +446,30 @@ def run_job(ctx, job: Job) -> RunOutput | None:
     where = job.schedule.placement()
     keys = [k for k, d in where.items() if d == ctx.rank]
     _, modules, stages, data = build_stages(job, keys, ctx.device)
-    return execute(ctx, job.schedule, stages, data, boundary_specs(modules, data), job.optimizer,
-                   recv_lookahead=job.recv_lookahead, timed=job.timed)
+    return execute(
+        ctx,
+        job.schedule,
+        stages,
+        data,
+        boundary_specs(modules, data),
+        job.optimizer,
+        recv_lookahead=job.recv_lookahead,
+        timed=job.timed,
+    )
 
 
-def execute(ctx, schedule: Schedule, stages: dict[tuple[int, int], PipelineStage], data, specs,
-            optimizer: OptimizerConfig, *, recv_lookahead: int = 1, timed: bool = True,
-            centres: dict | None = None) -> RunOutput | None:
+def execute(
+    ctx,
+    schedule: Schedule,
+    stages: dict[tuple[int, int], PipelineStage],
+    data,
+    specs,
+    optimizer: OptimizerConfig,
+    *,
+    recv_lookahead: int = 1,
+    timed: bool = True,
+    centres: dict | None = None,
+) -> RunOutput | None:
     """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
 
     ``stages`` are this rank's; ``specs`` the (shape, dtype) of every stage's output.
@@ -505,8 +536,9 @@ def launch_settings(backend: str) -> dict:
     return {"pin_cores": cpu, "keep_cores_awake": cpu}
 
 
-def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = EXECUTOR_THREADS
-             ) -> list[RunOutput]:
+def run_many(
+    jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = EXECUTOR_THREADS
+) -> list[RunOutput]:
     """Run jobs of the same device count one after another in one set of worker
     processes (start-up is the expensive part of a short run)."""
     from pipesim.sim.ir.checks import validate
@@ -520,12 +552,14 @@ def run_many(jobs: list[Job], *, backend: str = "gloo", timeout_s: float = 300.0
             raise ValueError(f"jobs of one launch need the same device count ({n} and {job.schedule.num_devices})")
         validate(job.schedule, deadlock=True)  # a deadlocking schedule is named here, not hung on
         stage_groups(job.schedule)
-    results = launch(worker, n, args=(list(jobs),), backend=backend, timeout_s=timeout_s, threads=threads,
-                     **launch_settings(backend))
+    results = launch(
+        worker, n, args=(list(jobs),), backend=backend, timeout_s=timeout_s, threads=threads, **launch_settings(backend)
+    )
     return results[0]
 
 
-def run_distributed(job: Job, *, backend: str = "gloo", timeout_s: float = 300.0,
-                    threads: int = EXECUTOR_THREADS) -> RunOutput:
+def run_distributed(
+    job: Job, *, backend: str = "gloo", timeout_s: float = 300.0, threads: int = EXECUTOR_THREADS
+) -> RunOutput:
     """Run ``job`` with one process per device of its schedule; every rank's output, merged."""
     return run_many([job], backend=backend, timeout_s=timeout_s, threads=threads)[0]

@@ -76,9 +76,17 @@ class PipelineSchedule:
     :meth:`flush`.
     """
 
-    def __init__(self, schedule: Schedule, stages, optimizer: OptimizerConfig = OptimizerConfig(), *,
-                 steps: int | None = None, recv_lookahead: int = 1, timed: bool = False,
-                 threads: int | None = EXECUTOR_THREADS):
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages,
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        *,
+        steps: int | None = None,
+        recv_lookahead: int = 1,
+        timed: bool = False,
+        threads: int | None = EXECUTOR_THREADS,
+    ):
         self.schedule = schedule
         self.stages = {s.key: s for s in stages}
         if not self.stages:
@@ -108,8 +116,9 @@ class PipelineSchedule:
         """Run the next part of the pipeline; one mean loss per iteration it
         started (None on ranks other than 0)."""
         if self._stream is None:
-            self._stream = Stream(self._build, self.schedule.total_microbatches, self.recv_lookahead, _timeline,
-                                  steps=self.total_steps)
+            self._stream = Stream(
+                self._build, self.schedule.total_microbatches, self.recv_lookahead, _timeline, steps=self.total_steps
+            )
             if self._centres is None:  # EASGD's centres start at the initial weights
                 self._centres = initial_centres(self._stream.layout.lowered, self.stages)
         stream, s = self._stream, self._in_stream
@@ -154,21 +163,32 @@ class PipelineSchedule:
         for key, acts in actions.items():
             stage = self.stages.get(key)
             if stage is not None:
-                stage.prepare([moved(a, self._first_id, self._versions) for a in acts] if self._first_id else acts,
-                              self.optimizer)
+                stage.prepare(
+                    [moved(a, self._first_id, self._versions) for a in acts] if self._first_id else acts, self.optimizer
+                )
 
     def _run(self, part: Part, data) -> RunOutput | None:
         sched = moved_on(part.schedule, self._first_id, self._versions)
         averaged = {a.stage for prog in sched.programs for a in prog if a.op is AVERAGE and a.key[:2] in self.stages}
         if averaged - set(self._centres):
-            raise StreamError(f"{sched.strategy}: a step averages stages {sorted(averaged)} that the first "
-                              f"{self._stream.horizon} steps did not (pass steps= to build the whole run at once)")
+            raise StreamError(
+                f"{sched.strategy}: a step averages stages {sorted(averaged)} that the first "
+                f"{self._stream.horizon} steps did not (pass steps= to build the whole run at once)"
+            )
         with intra_op_threads(self.threads):
             if self._distributed():
                 out = self._run_distributed(sched, data)
             else:
-                out = emulate(sched, self.stages, data, self.optimizer, part, timed=self.timed,
-                              centres=self._centres, threads=None)  # set above
+                out = emulate(
+                    sched,
+                    self.stages,
+                    data,
+                    self.optimizer,
+                    part,
+                    timed=self.timed,
+                    centres=self._centres,
+                    threads=None,
+                )  # set above
         for stage in self.stages.values():
             stage.losses.clear()  # reported once, by the part that made them
         if out is not None:
@@ -185,8 +205,17 @@ class PipelineSchedule:
         ctx = _Context(dist.get_rank(), world, dist.get_backend(), device)
         if self._specs is None:
             self._specs = self._infer_specs(sched, data)
-        return execute(ctx, sched, self.stages, data, self._specs, self.optimizer,
-                       recv_lookahead=self.recv_lookahead, timed=self.timed, centres=self._centres)
+        return execute(
+            ctx,
+            sched,
+            self.stages,
+            data,
+            self._specs,
+            self.optimizer,
+            recv_lookahead=self.recv_lookahead,
+            timed=self.timed,
+            centres=self._centres,
+        )
 
     def _infer_specs(self, sched: Schedule, data) -> list:
         """Every stage's output (shape, dtype), found by running replica 0's

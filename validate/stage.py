@@ -124,9 +124,16 @@ class PipelineStage:
     is left as it was). ``loss_fn`` is applied on the last stage.
     """
 
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int,
-                 device: torch.device | str = "cpu", *, replica: int = 0,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device | str = "cpu",
+        *,
+        replica: int = 0,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} outside 0..{num_stages - 1}")
         self.device = torch.device(device)
@@ -212,7 +219,8 @@ class PipelineStage:
                 if version not in self.pool.held:
                     raise RuntimeSemanticsError(
                         f"stage {self.stage_index}: {n} reads of version {version} announced after it was "
-                        f"overwritten (held: {self.pool.held})")
+                        f"overwritten (held: {self.pool.held})"
+                    )
                 self.pool.expect(version, n)
 
     def withdraw(self, keep) -> None:
@@ -253,8 +261,7 @@ class PipelineStage:
             try:
                 return self.pool.get(a.version)
             except KeyError:
-                raise RuntimeSemanticsError(
-                    f"{a}: version {a.version} is not held (held: {self.pool.held})") from None
+                raise RuntimeSemanticsError(f"{a}: version {a.version} is not held (held: {self.pool.held})") from None
         if self.scratch_key != (a.version, a.distance):
             self.unscheduled_predictions += 1
             self._predict_into_scratch(a.version, a.distance)
@@ -295,11 +302,13 @@ class PipelineStage:
                 return
             raise RuntimeSemanticsError(
                 f"{a}: its forward computed on version {rec.version}, whose buffer no longer holds "
-                f"version {a.version}; the schedule needs this version stashed or read in place")
+                f"version {a.version}; the schedule needs this version stashed or read in place"
+            )
         if rec.buffer is not self.scratch:
             raise RuntimeSemanticsError(
                 f"{a}: backward with prediction distance {a.distance} after a forward on stored "
-                f"version {rec.version}: not executable without recomputing the forward")
+                f"version {rec.version}: not executable without recomputing the forward"
+            )
         if self.scratch_key != (a.version, a.distance):
             self._predict_into_scratch(a.version, a.distance)
 
@@ -319,8 +328,9 @@ class PipelineStage:
             want_w = a.op is not I
             inputs = ([rec.x] if want_x else []) + (rec.leaves if want_w else [])
             if inputs:
-                got = torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out,
-                                          retain_graph=a.op is I, allow_unused=True)
+                got = torch.autograd.grad(
+                    rec.out, inputs, grad_outputs=grad_out, retain_graph=a.op is I, allow_unused=True
+                )
             else:
                 got = ()
         dx = got[0] if want_x else None
@@ -360,6 +370,7 @@ class PipelineStage:
         def hook(_module, _inputs, output):
             if self._capture is not None and isinstance(output, Tensor) and output.requires_grad:
                 self._capture.append((k, output))
+
         return hook
 
     def _split_pass(self, a: Action, rec: _InFlight, grad_out: Tensor | None) -> Tensor | None:
@@ -375,8 +386,11 @@ class PipelineStage:
             want_x = rec.x.requires_grad
             inputs = ([rec.x] if want_x else []) + [out for _, out in rec.captured]
             with torch.enable_grad():
-                got = torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out, retain_graph=True,
-                                          allow_unused=True) if inputs else ()
+                got = (
+                    torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out, retain_graph=True, allow_unused=True)
+                    if inputs
+                    else ()
+                )
             rec.captured_grads = got[1:] if want_x else got
             return self._backward_done(a, got[0] if want_x else None)
         sums: list[Tensor | None] = [None] * len(rec.leaves)
@@ -385,8 +399,9 @@ class PipelineStage:
                 if g is None:
                     continue
                 owned = self._owned[k]
-                grads = torch.autograd.grad(out, [rec.leaves[i] for i in owned], grad_outputs=g,
-                                            retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(
+                    out, [rec.leaves[i] for i in owned], grad_outputs=g, retain_graph=True, allow_unused=True
+                )
                 for i, gi in zip(owned, grads):
                     if gi is not None:
                         sums[i] = gi if sums[i] is None else sums[i] + gi
@@ -408,8 +423,9 @@ class PipelineStage:
             if self.is_last:
                 out = self.loss_fn(out, target.to(self.device))
             inputs = ([x] if x.requires_grad else []) + leaves
-            torch.autograd.grad(out, inputs, grad_outputs=None if self.is_last else torch.ones_like(out),
-                                allow_unused=True)
+            torch.autograd.grad(
+                out, inputs, grad_outputs=None if self.is_last else torch.ones_like(out), allow_unused=True
+            )
 
     # ------------------------------------------------------------ weights
 
@@ -417,7 +433,8 @@ class PipelineStage:
         if version != self.pool.version:
             raise RuntimeSemanticsError(
                 f"stage {self.stage_index}: prediction from version {version}, but the current "
-                f"version is {self.pool.version} (predictions start from the live weights)")
+                f"version is {self.pool.version} (predictions start from the live weights)"
+            )
         src = self.pool.get(version)
         if self.scratch is None:
             self.scratch = [torch.empty_like(t) for t in src]
@@ -425,8 +442,17 @@ class PipelineStage:
         if opt.kind == "sgd" and "momentum" in self.state:
             predict_sgd(src, self.state["momentum"], opt.lr, distance, out=self.scratch)
         elif opt.kind == "adam" and self.steps:
-            predict_adam(src, self.state["exp_avg"], self.state["exp_avg_sq"], self.steps, opt.lr,
-                         opt.betas, opt.eps, distance, out=self.scratch)
+            predict_adam(
+                src,
+                self.state["exp_avg"],
+                self.state["exp_avg_sq"],
+                self.steps,
+                opt.lr,
+                opt.betas,
+                opt.eps,
+                distance,
+                out=self.scratch,
+            )
         else:  # no optimizer state yet: nothing moves the weights
             foreach.copy(self.scratch, src)
         self.scratch_key = (version, distance)
@@ -441,8 +467,10 @@ class PipelineStage:
         reduces and the next UPDATE applies; backwards before that UPDATE
         accumulate into a second buffer (see :mod:`pipesim.sim.ir.core`)."""
         if self.closed is not None:
-            raise RuntimeSemanticsError(f"stage {self.stage_index} replica {self.replica}: REDUCE_GRAD before the "
-                                        "UPDATE of the gradients the previous one closed")
+            raise RuntimeSemanticsError(
+                f"stage {self.stage_index} replica {self.replica}: REDUCE_GRAD before the "
+                "UPDATE of the gradients the previous one closed"
+            )
         self.closed = (self.grad_flat, self.grads, self.accumulated)
         self.accumulated = 0
 
@@ -525,7 +553,7 @@ def _gradient_buffer(like: list[Tensor], device) -> tuple[Tensor | None, list[Te
         flat_ = torch.zeros(sum(w.numel() for w in like), dtype=like[0].dtype, device=device)
         grads, i = [], 0
         for w in like:
-            grads.append(flat_[i:i + w.numel()].view_as(w))
+            grads.append(flat_[i : i + w.numel()].view_as(w))
             i += w.numel()
         return flat_, grads
     return None, [torch.zeros_like(w) for w in like]

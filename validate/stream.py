@@ -48,9 +48,9 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pipesim.sim.ir.dataflow import compile_plan
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, PREDICT, UPDATE, Action, F, Schedule
+from pipesim.sim.ir.dataflow import compile_plan
 from pipesim.sim.ir.lowering import group, lower
 from pipesim.sim.strategies import find_strategy, spec_of
 
@@ -65,8 +65,10 @@ class StreamError(InputError):
 def moved(a: Action, microbatches: int, versions: dict) -> Action:
     """``a`` with its micro-batch id ``microbatches`` later and its version
     ``versions[(replica, stage)]`` later (what a stream that follows others runs)."""
-    return a._replace(microbatch=a.microbatch + microbatches if a.microbatch is not None else None,
-                      version=a.version + versions.get((a.replica, a.stage), 0) if a.version is not None else None)
+    return a._replace(
+        microbatch=a.microbatch + microbatches if a.microbatch is not None else None,
+        version=a.version + versions.get((a.replica, a.stage), 0) if a.version is not None else None,
+    )
 
 
 def moved_on(schedule: Schedule, microbatches: int, versions: dict) -> Schedule:
@@ -88,11 +90,15 @@ def _repeated(schedule: Schedule, steps: int) -> Schedule:
     per = updates(schedule)
     ids = schedule.total_microbatches
     parts = [moved_on(schedule, j * ids, {k: j * n for k, n in per.items()}) for j in range(steps)]
-    return Schedule(strategy=schedule.strategy, num_stages=schedule.num_stages,
-                    num_microbatches=schedule.num_microbatches,
-                    programs=tuple(sum((p.programs[d] for p in parts), ()) for d in range(schedule.num_devices)),
-                    num_iterations=schedule.num_iterations * steps, replicas=schedule.replicas,
-                    options=schedule.options)
+    return Schedule(
+        strategy=schedule.strategy,
+        num_stages=schedule.num_stages,
+        num_microbatches=schedule.num_microbatches,
+        programs=tuple(sum((p.programs[d] for p in parts), ()) for d in range(schedule.num_devices)),
+        num_iterations=schedule.num_iterations * steps,
+        replicas=schedule.replicas,
+        options=schedule.options,
+    )
 
 
 def stream_builder(schedule: Schedule) -> Callable[[int], Schedule]:
@@ -117,7 +123,8 @@ def stream_builder(schedule: Schedule) -> Callable[[int], Schedule]:
     raise StreamError(
         f"step() continues an asynchronous {schedule.strategy} pipeline by building its stream longer, and "
         f"{schedule.strategy} does not build this schedule from its options (an edited IR?); "
-        "use build_schedule's schedule, or emulate() to run this one once")
+        "use build_schedule's schedule, or emulate() to run this one once"
+    )
 
 
 # ---------------------------------------------------------------- cutting
@@ -214,8 +221,14 @@ class Stream:
     last of which drains it; without, it grows as steps are asked for.
     """
 
-    def __init__(self, build: Callable[[int], Schedule], per_step: int, recv_lookahead: int,
-                 simulate: Callable[[Schedule], object], steps: int | None = None):
+    def __init__(
+        self,
+        build: Callable[[int], Schedule],
+        per_step: int,
+        recv_lookahead: int,
+        simulate: Callable[[Schedule], object],
+        steps: int | None = None,
+    ):
         self.build, self.per_step = build, per_step
         self.recv_lookahead, self.simulate = recv_lookahead, simulate
         self.fixed = steps is not None
@@ -308,4 +321,3 @@ class Stream:
             if reach + 2 < half:
                 return reach
             self._grow(2 * self.horizon)
-

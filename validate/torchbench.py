@@ -88,8 +88,17 @@ from pipesim.sim.errors import InputError
 from pipesim.sim.strategies import get_strategy, strategies
 from pipesim.validate.numerics import EXECUTOR_THREADS
 
-__all__ = ["DEFAULT_STARTS", "CpuMeter", "TorchJob", "compare_with_torch", "default_starts", "format_report",
-           "machine", "pipesim_throughput", "torch_worker"]
+__all__ = [
+    "DEFAULT_STARTS",
+    "CpuMeter",
+    "TorchJob",
+    "compare_with_torch",
+    "default_starts",
+    "format_report",
+    "machine",
+    "pipesim_throughput",
+    "torch_worker",
+]
 
 #: The strategies compared: those whose per-rank order torch runs with one
 #: stage per rank (interleaving needs several per rank, so it is left out).
@@ -100,7 +109,7 @@ MOMENTUM = 0.9
 #: Balanced partitions of the catalog models at their default sizes (by
 #: measured forward+backward time on one CPU thread): (model, stages) -> starts.
 DEFAULT_STARTS: dict[tuple[str, int], tuple[int, ...]] = {
-    ("mlp", 2): (0, 3),        # fc0 fc1 fc2 | fc3 head (the runtime tests' split)
+    ("mlp", 2): (0, 3),  # fc0 fc1 fc2 | fc3 head (the runtime tests' split)
     ("gpt-small", 2): (0, 3),  # embed block0 block1 | block2 block3 head
     ("vgg-small", 2): (0, 2),  # conv0 conv1+pool | conv2 conv3+pool fc head
 }
@@ -160,8 +169,7 @@ def _torch_run(ctx, job: TorchJob) -> dict:
             x = mod(x)
             examples.append(torch.zeros_like(x).requires_grad_(x.is_floating_point()))
     module = modules[rank].to(ctx.device)
-    stage = PipelineStage(module, rank, world, ctx.device,
-                          input_args=examples[rank], output_args=examples[rank + 1])
+    stage = PipelineStage(module, rank, world, ctx.device, input_args=examples[rank], output_args=examples[rank + 1])
     kind = getattr(pipelining, get_strategy(job.schedule).torch_equivalent)
     sched = kind(stage, n_microbatches=job.microbatches, loss_fn=model.loss_fn, scale_grads=True)
     # foreach: the multi-tensor update pipesim's stages use as well
@@ -219,8 +227,9 @@ def _torch_result(per_rank: list[dict], job: TorchJob) -> dict:
 # ---------------------------------------------------------------- pipesim side
 
 
-def pipesim_throughput(out, *, microbatches: int, microbatch_size: int, iterations: int,
-                       warmup_iterations: int) -> dict:
+def pipesim_throughput(
+    out, *, microbatches: int, microbatch_size: int, iterations: int, warmup_iterations: int
+) -> dict:
     """Timed throughput of a flush schedule's run from its records.
 
     The timed span starts at the latest end of any compute action of the
@@ -242,7 +251,8 @@ def pipesim_throughput(out, *, microbatches: int, microbatch_size: int, iteratio
         end = r.end if end is None else max(end, r.end)
         a = r.action
         warm = (a.microbatch is not None and a.microbatch < cut) or (
-            a.op is UPDATE and a.version is not None and a.version <= warmup_iterations)
+            a.op is UPDATE and a.version is not None and a.version <= warmup_iterations
+        )
         if warm:
             warm_end = r.end if warm_end is None else max(warm_end, r.end)
     if end is None:
@@ -280,8 +290,14 @@ def machine() -> dict:
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": model, "cores": os.cpu_count(), "usable_cores": usable, "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 class CpuMeter:
@@ -329,11 +345,23 @@ def _log(msg: str) -> None:
     print(f"[torchbench] {msg}", file=sys.stderr, flush=True)
 
 
-def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 8, microbatch_size: int = 64,
-                       iterations: int = 6, warmup_iterations: int = 2,
-                       schedules: Sequence[str] = SCHEDULES, width: int | None = None,
-                       depth: int | None = None, seed: int = 0, timeout_s: float = 300.0, *,
-                       starts: Sequence[int] | None = None, repeats: int = 3, progress: bool = False) -> dict:
+def compare_with_torch(
+    model: str = "mlp",
+    stages: int = 2,
+    microbatches: int = 8,
+    microbatch_size: int = 64,
+    iterations: int = 6,
+    warmup_iterations: int = 2,
+    schedules: Sequence[str] = SCHEDULES,
+    width: int | None = None,
+    depth: int | None = None,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    *,
+    starts: Sequence[int] | None = None,
+    repeats: int = 3,
+    progress: bool = False,
+) -> dict:
     """Throughput of pipesim's runtime and torch.distributed.pipelining on the same job.
 
     Returns ``{"config", "machine", "schedules": {name: {"pipesim", "torch",
@@ -357,30 +385,53 @@ def compare_with_torch(model: str = "mlp", stages: int = 2, microbatches: int = 
     if len(starts) != stages:
         raise InputError(f"{len(starts)} stage starts for {stages} stages")
     split(real, list(starts))  # a ModelError naming a bad start, here rather than in every worker
-    pjobs, tjobs = _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations,
-                         width, depth, seed)
-    cpu_launch = {"backend": "gloo", "timeout_s": timeout_s, "threads": EXECUTOR_THREADS, "pin_cores": True,
-                  "keep_cores_awake": True}  # what run_many passes for gloo
+    pjobs, tjobs = _jobs(
+        schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations, width, depth, seed
+    )
+    cpu_launch = {
+        "backend": "gloo",
+        "timeout_s": timeout_s,
+        "threads": EXECUTOR_THREADS,
+        "pin_cores": True,
+        "keep_cores_awake": True,
+    }  # what run_many passes for gloo
     pipesim_runs, torch_runs, foreign = _alternate(pjobs, tjobs, schedules, cpu_launch, repeats, progress)
     return {
-        "config": {"model": model, "description": real.description, "stages": stages, "starts": list(starts),
-                   "microbatches": microbatches, "microbatch_size": microbatch_size, "iterations": iterations,
-                   "warmup_iterations": warmup_iterations, "repeats": repeats, "width": width, "depth": depth,
-                   "seed": seed, "optimizer": {"kind": "sgd", "lr": LR, "momentum": MOMENTUM},
-                   "launch": {k: v for k, v in cpu_launch.items() if k != "timeout_s"}},
+        "config": {
+            "model": model,
+            "description": real.description,
+            "stages": stages,
+            "starts": list(starts),
+            "microbatches": microbatches,
+            "microbatch_size": microbatch_size,
+            "iterations": iterations,
+            "warmup_iterations": warmup_iterations,
+            "repeats": repeats,
+            "width": width,
+            "depth": depth,
+            "seed": seed,
+            "optimizer": {"kind": "sgd", "lr": LR, "momentum": MOMENTUM},
+            "launch": {k: v for k, v in cpu_launch.items() if k != "timeout_s"},
+        },
         "machine": {**machine(), "other_processes_cores": foreign},
-        "schedules": {s: _side_by_side([run[j] for run in pipesim_runs], [run[j] for run in torch_runs])
-                      for j, s in enumerate(schedules)},
+        "schedules": {
+            s: _side_by_side([run[j] for run in pipesim_runs], [run[j] for run in torch_runs])
+            for j, s in enumerate(schedules)
+        },
     }
 
 
-def _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats,
-                      warmup_iterations) -> None:
+def _check_comparison(schedules, stages, microbatches, microbatch_size, iterations, repeats, warmup_iterations) -> None:
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown or not schedules:
         raise InputError(f"schedules must be among {', '.join(SCHEDULES)}, got {list(schedules)}")
-    for name, v in (("stages", stages), ("microbatches", microbatches), ("microbatch_size", microbatch_size),
-                    ("iterations", iterations), ("repeats", repeats)):
+    for name, v in (
+        ("stages", stages),
+        ("microbatches", microbatches),
+        ("microbatch_size", microbatch_size),
+        ("iterations", iterations),
+        ("repeats", repeats),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{name} must be a positive integer, got {v!r}")
     if isinstance(warmup_iterations, bool) or not isinstance(warmup_iterations, int) or warmup_iterations < 0:
@@ -392,8 +443,9 @@ def _check_comparison(schedules, stages, microbatches, microbatch_size, iteratio
         raise InputError(f"torch's Schedule1F1B needs microbatches >= stages ({microbatches} < {stages})")
 
 
-def _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations, width, depth,
-          seed) -> tuple[list, list]:
+def _jobs(
+    schedules, model, starts, microbatches, microbatch_size, iterations, warmup_iterations, width, depth, seed
+) -> tuple[list, list]:
     """The same work for both sides: pipesim's jobs and torch's."""
     from pipesim.sim.strategies import ScheduleSpec, build_schedule
     from pipesim.validate.runtime import Job
@@ -401,15 +453,36 @@ def _jobs(schedules, model, starts, microbatches, microbatch_size, iterations, w
 
     total = warmup_iterations + iterations
     optim = OptimizerConfig(kind="sgd", lr=LR, momentum=MOMENTUM, scale_grads=True)
-    pjobs = [Job(schedule=build_schedule(ScheduleSpec(strategy=s, stages=len(starts), microbatches=microbatches,
-                                                      iterations=total)),
-                 model=model, starts=starts, microbatch_size=microbatch_size, optimizer=optim,
-                 width=width, depth=depth, seed=seed)
-             for s in schedules]
-    tjobs = [TorchJob(schedule=s, model=model, starts=starts, microbatches=microbatches,
-                      microbatch_size=microbatch_size, iterations=iterations,
-                      warmup_iterations=warmup_iterations, width=width, depth=depth, seed=seed)
-             for s in schedules]
+    pjobs = [
+        Job(
+            schedule=build_schedule(
+                ScheduleSpec(strategy=s, stages=len(starts), microbatches=microbatches, iterations=total)
+            ),
+            model=model,
+            starts=starts,
+            microbatch_size=microbatch_size,
+            optimizer=optim,
+            width=width,
+            depth=depth,
+            seed=seed,
+        )
+        for s in schedules
+    ]
+    tjobs = [
+        TorchJob(
+            schedule=s,
+            model=model,
+            starts=starts,
+            microbatches=microbatches,
+            microbatch_size=microbatch_size,
+            iterations=iterations,
+            warmup_iterations=warmup_iterations,
+            width=width,
+            depth=depth,
+            seed=seed,
+        )
+        for s in schedules
+    ]
     return pjobs, tjobs
 
 
@@ -430,21 +503,33 @@ def _alternate(pjobs, tjobs, schedules, cpu_launch: dict, repeats: int, progress
         with CpuMeter() as meter:
             outs = run_many(pjobs, backend="gloo", timeout_s=cpu_launch["timeout_s"], threads=EXECUTOR_THREADS)
         foreign["pipesim"].append(meter.cores)
-        pipesim_runs.append([pipesim_throughput(o, microbatches=first.microbatches,
-                                                microbatch_size=first.microbatch_size, iterations=first.iterations,
-                                                warmup_iterations=first.warmup_iterations)
-                             for o in outs])
+        pipesim_runs.append(
+            [
+                pipesim_throughput(
+                    o,
+                    microbatches=first.microbatches,
+                    microbatch_size=first.microbatch_size,
+                    iterations=first.iterations,
+                    warmup_iterations=first.warmup_iterations,
+                )
+                for o in outs
+            ]
+        )
         if progress:
-            _log("  pipesim: " + ", ".join(f"{s} {r['samples_per_s']:,.0f} samples/s"
-                                           for s, r in zip(schedules, pipesim_runs[-1])))
+            _log(
+                "  pipesim: "
+                + ", ".join(f"{s} {r['samples_per_s']:,.0f} samples/s" for s, r in zip(schedules, pipesim_runs[-1]))
+            )
             _log(f"repeat {rep + 1}/{repeats}: torch ({', '.join(schedules)})")
         with CpuMeter() as meter:
             per_rank = launch(torch_worker, len(first.starts), args=(tjobs,), **cpu_launch)
         foreign["torch"].append(meter.cores)
         torch_runs.append([_torch_result([r[j] for r in per_rank], job) for j, job in enumerate(tjobs)])
         if progress:
-            _log("  torch:   " + ", ".join(f"{s} {r['samples_per_s']:,.0f} samples/s"
-                                           for s, r in zip(schedules, torch_runs[-1])))
+            _log(
+                "  torch:   "
+                + ", ".join(f"{s} {r['samples_per_s']:,.0f} samples/s" for s, r in zip(schedules, torch_runs[-1]))
+            )
             busy = [c for c in (foreign["pipesim"][-1], foreign["torch"][-1]) if c is not None]
             if busy and max(busy) > 0.1:
                 _log(f"  other processes used {max(busy):.2f} cores during this repeat: expect noise")
@@ -479,14 +564,21 @@ def format_report(result: dict) -> str:
     c, mach = result["config"], result["machine"]
     lines = [
         f"pipesim runtime vs torch.distributed.pipelining  ({c['description']})",
-        (f"  stages {c['stages']} (starts {tuple(c['starts'])}), m={c['microbatches']} x {c['microbatch_size']} "
-         f"samples, {c['warmup_iterations']} warm-up + {c['iterations']} timed iterations, "
-         f"{c['repeats']} repeat(s) alternating; gloo, 1 thread/rank, pinned cores"),
-        (f"  machine: {mach['cpu']}, {mach['usable_cores']} usable of {mach['cores']} cores; "
-         f"torch {mach['torch']}, python {mach['python']}"),
-        ("  CPU taken by other processes during each launch (cores): pipesim "
-         + " ".join(_fmt(v) for v in mach["other_processes_cores"]["pipesim"]) + "; torch "
-         + " ".join(_fmt(v) for v in mach["other_processes_cores"]["torch"])),
+        (
+            f"  stages {c['stages']} (starts {tuple(c['starts'])}), m={c['microbatches']} x {c['microbatch_size']} "
+            f"samples, {c['warmup_iterations']} warm-up + {c['iterations']} timed iterations, "
+            f"{c['repeats']} repeat(s) alternating; gloo, 1 thread/rank, pinned cores"
+        ),
+        (
+            f"  machine: {mach['cpu']}, {mach['usable_cores']} usable of {mach['cores']} cores; "
+            f"torch {mach['torch']}, python {mach['python']}"
+        ),
+        (
+            "  CPU taken by other processes during each launch (cores): pipesim "
+            + " ".join(_fmt(v) for v in mach["other_processes_cores"]["pipesim"])
+            + "; torch "
+            + " ".join(_fmt(v) for v in mach["other_processes_cores"]["torch"])
+        ),
         "",
         f"  {'schedule':<9} {'side':<8} {'best/s':>10} {'median/s':>10}   runs (samples/s)",
     ]
@@ -494,12 +586,17 @@ def format_report(result: dict) -> str:
         for side in ("pipesim", "torch"):
             st = r[side]["samples_per_s"]
             runs = " ".join(f"{v:,.0f}" for v in st["runs"])
-            lines.append(f"  {s if side == 'pipesim' else '':<9} {side:<8} {st['best']:>10,.0f} "
-                         f"{st['median']:>10,.0f}   {runs}")
-        lines.append(f"  {'':<9} {'ratio':<8} {r['ratio_best']:>10.3f} {r['ratio_median']:>10.3f}   "
-                     "pipesim/torch (of bests; median of per-repeat ratios)")
-        lines.append(f"  {'':<9} first-iteration mean loss: pipesim {r['first_loss']['pipesim']:.6f}, "
-                     f"torch {r['first_loss']['torch']:.6f} (max per-micro-batch diff "
-                     f"{r['max_first_iteration_loss_diff']:.1e}); last: pipesim "
-                     f"{r['pipesim']['iteration_losses'][-1]:.6f}, torch {r['torch']['iteration_losses'][-1]:.6f}")
+            lines.append(
+                f"  {s if side == 'pipesim' else '':<9} {side:<8} {st['best']:>10,.0f} {st['median']:>10,.0f}   {runs}"
+            )
+        lines.append(
+            f"  {'':<9} {'ratio':<8} {r['ratio_best']:>10.3f} {r['ratio_median']:>10.3f}   "
+            "pipesim/torch (of bests; median of per-repeat ratios)"
+        )
+        lines.append(
+            f"  {'':<9} first-iteration mean loss: pipesim {r['first_loss']['pipesim']:.6f}, "
+            f"torch {r['first_loss']['torch']:.6f} (max per-micro-batch diff "
+            f"{r['max_first_iteration_loss_diff']:.1e}); last: pipesim "
+            f"{r['pipesim']['iteration_losses'][-1]:.6f}, torch {r['torch']['iteration_losses'][-1]:.6f}"
+        )
     return "\n".join(lines)

@@ -10,6 +10,8 @@ same registry the command dispatches on.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 MARKER = "<!-- cli-reference -->"
 
@@ -24,27 +26,39 @@ def _flags(action: argparse.Action) -> str:
     return ", ".join(f"`{flag}`" for flag in action.option_strings)
 
 
-def _default(action: argparse.Action) -> str:
-    if action.default in (None, argparse.SUPPRESS) or isinstance(action, argparse._StoreTrueAction):
-        return ""
-    return f"`{action.default}`"
-
-
 def _options(parser: argparse.ArgumentParser) -> list[str]:
-    rows = ["| option | default | what it does |", "|---|---|---|"]
+    """One row per option, its text exactly as ``--help`` prints it (choices and default included)."""
+    formatter = parser._get_formatter()
+    rows = ["| option | what it does |", "|---|---|"]
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
             continue
-        help_text = (action.help or "") % {"default": action.default, "prog": parser.prog} if action.help else ""
-        if action.choices and not isinstance(action.choices, dict):
-            shown = ", ".join(f"`{c}`" for c in action.choices)
-            help_text = f"{help_text} (one of {shown})" if help_text else f"one of {shown}"
-        rows.append(f"| {_flags(action)} | {_default(action)} | {_cell(help_text)} |")
+        text = formatter._expand_help(action) if action.help is not None else ""
+        rows.append(f"| {_flags(action)} | {_cell(text)} |")
     return rows
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
     return parser.format_usage().strip().removeprefix("usage: ")
+
+
+def _bench_help(name: str) -> str:
+    """``pipesim bench NAME --help`` as the terminal prints it (each benchmark builds its own parser)."""
+    from pipesim.experiments.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main(["bench", name, "--help"])
+    return out.getvalue().strip()
+
+
+def _benchmarks(benches: dict) -> list[str]:
+    lines = ["| benchmark | what it measures |", "|---|---|"]
+    lines += [f"| [`{key}`](#pipesim-bench-{key}) | {_cell(bench.summary)} |" for key, bench in benches.items()]
+    lines.append("")
+    for key in benches:
+        lines += [f"### pipesim bench {key} {{#pipesim-bench-{key}}}", "", f"```text\n{_bench_help(key)}\n```", ""]
+    return lines
 
 
 def reference() -> str:
@@ -61,10 +75,7 @@ def reference() -> str:
             lines += [parser.description.strip(), ""]
         lines += _options(parser) + [""]
         if name == "bench":
-            lines += ["Benchmarks (`pipesim bench NAME --help` lists each one's options):", "",
-                      "| benchmark | what it measures |", "|---|---|"]
-            lines += [f"| `{key}` | {_cell(bench.summary)} |" for key, bench in BENCHES.items()]
-            lines.append("")
+            lines += _benchmarks(BENCHES)
     return "\n".join(lines)
 
 

@@ -22,8 +22,24 @@ from pathlib import Path
 
 #: image name -> (pipesim arguments, the PNG the command writes, relative to its --out)
 FIGURES = {
-    "timeline.png": (["simulate", "--strategy", "1f1b", "--model", "gpt-1.3b", "--hardware", "dgx1-v100",
-                      "--stages", "4", "--microbatches", "8", "--iterations", "2"], "timeline.png"),
+    "timeline.png": (
+        [
+            "simulate",
+            "--strategy",
+            "1f1b",
+            "--model",
+            "gpt-1.3b",
+            "--hardware",
+            "dgx1-v100",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--iterations",
+            "2",
+        ],
+        "timeline.png",
+    ),
     "comparison.png": (["compare"], "comparison.png"),
     "2bw-figure6.png": (["reproduce", "2bw"], "2bw/figure6.png"),
     "spectrain-speedup.png": (["reproduce", "spectrain"], "spectrain/speedup.png"),
@@ -45,16 +61,31 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "images")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = ["# Images of the documentation", "",
-             f"Written by `python3 docs/scripts/figures.py` on {datetime.date.today().isoformat()}, "
-             f"on {cpu_name()} ({platform.system()} {platform.machine()}, Python {platform.python_version()}).", "",
-             "| image | command |", "|---|---|"]
+    lines = [
+        "# Images of the documentation",
+        "",
+        f"Written by `python3 docs/scripts/figures.py` on {datetime.date.today().isoformat()}, "
+        f"on {cpu_name()} ({platform.system()} {platform.machine()}, Python {platform.python_version()}).",
+        "",
+        "| image | command |",
+        "|---|---|",
+    ]
     with tempfile.TemporaryDirectory(prefix="pipesim-docs-") as tmp:
         for name, (command, png) in FIGURES.items():
             out = Path(tmp) / name.removesuffix(".png")
             print(f"pipesim {' '.join(command)}", file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-c", "from pipesim.experiments.cli import console_main; console_main()",
-                            *command, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from pipesim.experiments.cli import console_main; console_main()",
+                    *command,
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             written = out / png
             if not written.is_file():
                 print(f"error: {written} was not written (is Chromium installed?)", file=sys.stderr)

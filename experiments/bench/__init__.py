@@ -51,8 +51,12 @@ def console_script_seconds(args: list[str], repeat: int = 3) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeat):
             start = time.perf_counter()
-            subprocess.run([*cmd, *args, "--out", out], check=True, stdout=subprocess.DEVNULL,
-                           env={**os.environ, "PYTHONHASHSEED": "0"})
+            subprocess.run(
+                [*cmd, *args, "--out", out],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONHASHSEED": "0"},
+            )
             times.append(time.perf_counter() - start)
     return sorted(times)
 
@@ -64,16 +68,28 @@ def _sim_with_console_script(argv: list[str]) -> int:
         report = sim_bench.run(args)
         if report["target"]:
             t = report["target"]
-            print("[target] library path with trace.json and timeline.html too, 3 times ...", file=sys.stderr,
-                  flush=True)
+            print(
+                "[target] library path with trace.json and timeline.html too, 3 times ...", file=sys.stderr, flush=True
+            )
             times, _ = sim_bench.target_seconds(outputs=_Outputs)
             t["library_outputs_best_s"] = round(times[0], 3)
             t["library_outputs_median_s"] = round(statistics.median(times), 3)
-            command = ["simulate", "--strategy", t["strategy"], "--stages", str(t["stages"]),
-                       "--microbatches", str(t["microbatches"])]
+            command = [
+                "simulate",
+                "--strategy",
+                t["strategy"],
+                "--stages",
+                str(t["stages"]),
+                "--microbatches",
+                str(t["microbatches"]),
+            ]
             for key, extra in (("console_script", ["--summary-only"]), ("console_script_outputs", [])):
-                print(f"[target] through the pipesim console script ({'summary only' if extra else 'every output'}), "
-                      "3 times ...", file=sys.stderr, flush=True)
+                print(
+                    f"[target] through the pipesim console script ({'summary only' if extra else 'every output'}), "
+                    "3 times ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 times = console_script_seconds(command + extra)
                 t[f"{key}_best_s"] = round(times[0], 3)
                 t[f"{key}_median_s"] = round(statistics.median(times), 3)
@@ -83,17 +99,25 @@ def _sim_with_console_script(argv: list[str]) -> int:
         text = sim_bench.render(report)
         t = report["target"]
         if "console_script_best_s" in t:
-            text += (f"\nlibrary path with trace.json + timeline.html too: best {t['library_outputs_best_s']:.2f} s, "
-                     f"median {t['library_outputs_median_s']:.2f} s of 3"
-                     f"\nend to end, `pipesim simulate ... --summary-only`: best {t['console_script_best_s']:.2f} s, "
-                     f"median {t['console_script_median_s']:.2f} s of 3"
-                     f"\nend to end, `pipesim simulate ...` (summary, trace, timeline): best "
-                     f"{t['console_script_outputs_best_s']:.2f} s, median {t['console_script_outputs_median_s']:.2f} s "
-                     f"of 3 (target {t['seconds']:.1f} s)")
+            text += (
+                f"\nlibrary path with trace.json + timeline.html too: best {t['library_outputs_best_s']:.2f} s, "
+                f"median {t['library_outputs_median_s']:.2f} s of 3"
+                f"\nend to end, `pipesim simulate ... --summary-only`: best {t['console_script_best_s']:.2f} s, "
+                f"median {t['console_script_median_s']:.2f} s of 3"
+                f"\nend to end, `pipesim simulate ...` (summary, trace, timeline): best "
+                f"{t['console_script_outputs_best_s']:.2f} s, median {t['console_script_outputs_median_s']:.2f} s "
+                f"of 3 (target {t['seconds']:.1f} s)"
+            )
         return text
 
-    return bench_main(argv, prog="pipesim bench sim", description=sim_bench.__doc__.split("\n")[0],
-                      add_arguments=sim_bench.add_arguments, run=run_all, render=render)
+    return bench_main(
+        argv,
+        prog="pipesim bench sim",
+        description=sim_bench.__doc__.split("\n")[0],
+        add_arguments=sim_bench.add_arguments,
+        run=run_all,
+        render=render,
+    )
 
 
 class _Outputs:
@@ -123,20 +147,40 @@ class _Outputs:
 
 
 def _plan_with_console_script(argv: list[str]) -> int:
-    from pipesim.sim.planning import bench as plan_bench
+    from pipesim.experiments.bench import plan as plan_bench
 
     def run_all(args) -> dict:
         report = plan_bench.run(args)
         first = report["cases"][0]
         print(f"[end to end] pipesim plan --model {first['model']}, 3 times ...", file=sys.stderr, flush=True)
-        times = console_script_seconds(["plan", "--strategy", first["strategy"], "--model", first["model"],
-                                        "--hardware", first["hardware"], "--gpus", str(first["gpus"])])
-        report["console_script"] = {"model": first["model"], "best_s": round(times[0], 3),
-                                    "median_s": round(statistics.median(times), 3)}
+        times = console_script_seconds(
+            [
+                "plan",
+                "--strategy",
+                first["strategy"],
+                "--model",
+                first["model"],
+                "--hardware",
+                first["hardware"],
+                "--gpus",
+                str(first["gpus"]),
+            ]
+        )
+        report["console_script"] = {
+            "model": first["model"],
+            "best_s": round(times[0], 3),
+            "median_s": round(statistics.median(times), 3),
+        }
         return report
 
-    return bench_main(argv, prog="pipesim bench plan", description=plan_bench.__doc__.split("\n")[0],
-                      add_arguments=plan_bench.add_arguments, run=run_all, render=plan_bench.render)
+    return bench_main(
+        argv,
+        prog="pipesim bench plan",
+        description=plan_bench.__doc__.split("\n")[0],
+        add_arguments=plan_bench.add_arguments,
+        run=run_all,
+        render=plan_bench.render,
+    )
 
 
 @dataclass(frozen=True)
@@ -147,17 +191,26 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
-    "sim": Bench("pipesim.experiments.bench.sim",
-                 "simulated actions/s, the ratio to raw SimPy, the 131k-action target, memory per action",
-                 main=_sim_with_console_script),
-    "plan": Bench("pipesim.experiments.bench.plan", "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
-                  main=_plan_with_console_script),
+    "sim": Bench(
+        "pipesim.experiments.bench.sim",
+        "simulated actions/s, the ratio to raw SimPy, the 131k-action target, memory per action",
+        main=_sim_with_console_script,
+    ),
+    "plan": Bench(
+        "pipesim.experiments.bench.plan",
+        "the planner's time on PipeDream's profiles, 16 GPUs of Cluster-A",
+        main=_plan_with_console_script,
+    ),
     "kernels": Bench("pipesim.experiments.bench.kernels", "kernel bandwidth against a plain copy and a Python loop"),
     "validate": Bench("pipesim.experiments.bench.validate", "prediction error of every strategy on this machine"),
     "torch": Bench("pipesim.experiments.bench.torchbench", "runtime throughput against torch.distributed.pipelining"),
-    "torch-dry-run": Bench("pipesim.experiments.torchdry",
-                           "simulating a torch schedule: pipesim against torch's own dry run"),
+    "torch-dry-run": Bench(
+        "pipesim.experiments.torchdry", "simulating a torch schedule: pipesim against torch's own dry run"
+    ),
     "comm": Bench("pipesim.experiments.bench.comm", "point-to-point and all-reduce times against their models"),
-    "sweep": Bench("pipesim.experiments.sweep", "a 1,000-point sweep on 1 and 2 local workers and on Ray: speedups",
-                   main=lambda argv: importlib.import_module("pipesim.experiments.sweep").bench(argv)),
+    "sweep": Bench(
+        "pipesim.experiments.sweep",
+        "a 1,000-point sweep on 1 and 2 local workers and on Ray: speedups",
+        main=lambda argv: importlib.import_module("pipesim.experiments.sweep").bench(argv),
+    ),
 }

@@ -25,8 +25,14 @@ def run(opts) -> dict:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.experiments.bench.comm") -> int:
-    return bench_main(argv, prog=prog, description=commprofile.__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run, render=commprofile.render)
+    return bench_main(
+        argv,
+        prog=prog,
+        description=commprofile.__doc__.split("\n")[0],
+        add_arguments=add_arguments,
+        run=run,
+        render=commprofile.render,
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from pipesim.experiments.cliargs import UsageError, bench_main, positive, run_command
 from pipesim.kernels import (
     DoubleBuffer,
     WeightStash,
@@ -38,7 +39,6 @@ from pipesim.kernels import (
 from pipesim.kernels._checks import DEFAULT_LAUNCH, check_launch_shape
 from pipesim.kernels.native import native_available
 from pipesim.kernels.prediction import empty_like_all
-from pipesim.experiments.cliargs import UsageError, bench_main, positive, run_command
 
 TARGET_PCT_COPY = 80.0
 TARGET_LOOP_CPU = 3.0
@@ -61,8 +61,7 @@ def model_shapes(numel: int, n_tensors: int = 100) -> list[tuple[int, ...]]:
     d = max(8, int(math.sqrt(numel / (13 * layers))) // 8 * 8)
     shapes: list[tuple[int, ...]] = []
     for _ in range(layers):
-        shapes += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
-                   (d,), (d,), (d,), (d,)]
+        shapes += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
     used = sum(math.prod(s) for s in shapes) + 2 * d
     shapes += [(max(1, (numel - used) // d), d), (d,), (d,)]
     return shapes
@@ -108,26 +107,36 @@ def _cases(params, sdt, lr=0.01, s=3.0, alpha=0.1):
     def sgd(backend):
         v = rand_like(sdt)
         out = empty_like_all(params)
-        kern = lambda: predict_sgd(params, v, lr, s, out=out, backend=backend)
-        loop = lambda: [(w - s * lr * b).to(wdt) for w, b in zip(params, v)]
+
+        def kern():
+            return predict_sgd(params, v, lr, s, out=out, backend=backend)
+
+        def loop():
+            return [(w - s * lr * b).to(wdt) for w, b in zip(params, v)]
+
         return kern, loop
 
     def adam(backend):
         m, v = rand_like(sdt), rand_like(sdt, positive=True)
         out = empty_like_all(params)
         step, betas, eps = 10, (0.9, 0.999), 1e-8
-        kern = lambda: predict_adam(params, m, v, step, lr, betas, eps, s, out=out, backend=backend)
+
+        def kern():
+            return predict_adam(params, m, v, step, lr, betas, eps, s, out=out, backend=backend)
+
         bc1, bc2 = 1 - betas[0] ** step, 1 - betas[1] ** step
 
         def loop():
-            return [(w - s * lr * (a / bc1) / ((b / bc2).sqrt() + eps)).to(wdt)
-                    for w, a, b in zip(params, m, v)]
+            return [(w - s * lr * (a / bc1) / ((b / bc2).sqrt() + eps)).to(wdt) for w, a, b in zip(params, m, v)]
+
         return kern, loop
 
     def easgd(backend):
         reps = [[p.clone() for p in params] for _ in range(2)]
         center = [p.to(sdt) for p in params]
-        kern = lambda: elastic_average(reps, center, alpha, backend=backend)
+
+        def kern():
+            return elastic_average(reps, center, alpha, backend=backend)
 
         def loop():
             for i, c in enumerate(center):
@@ -135,6 +144,7 @@ def _cases(params, sdt, lr=0.01, s=3.0, alpha=0.1):
                 for rep, di in zip(reps, d):
                     rep[i].sub_(di)
                 c.add_(sum(d))
+
         return kern, loop
 
     def stash(backend):
@@ -144,14 +154,22 @@ def _cases(params, sdt, lr=0.01, s=3.0, alpha=0.1):
             v = st.acquire()
             st.advance()
             st.release(v)
-        loop = lambda: [p.detach().clone() for p in params]
+
+        def loop():
+            return [p.detach().clone() for p in params]
+
         return kern, loop
 
     def double(backend):
         db = DoubleBuffer([p.clone() for p in params])
         g = rand_like(wdt)
-        kern = lambda: db.update_sgd(g, lr, backend=backend)
-        loop = lambda: [w - lr * gi for w, gi in zip(db.current, g)]
+
+        def kern():
+            return db.update_sgd(g, lr, backend=backend)
+
+        def loop():
+            return [w - lr * gi for w, gi in zip(db.current, g)]
+
         return kern, loop
 
     def sgd_inplace(backend):
@@ -168,11 +186,17 @@ def _cases(params, sdt, lr=0.01, s=3.0, alpha=0.1):
                 p.sub_((s * lr * b).to(wdt))
             for p, o in zip(w, saved):
                 p.copy_(o)
+
         return kern, loop
 
-    return [("predict_sgd", sdt, sgd), ("predict_adam", sdt, adam),
-            ("elastic_average", sdt, easgd), ("weight_stash", wdt, stash),
-            ("double_buffer", wdt, double), ("predict_sgd_", sdt, sgd_inplace)]
+    return [
+        ("predict_sgd", sdt, sgd),
+        ("predict_adam", sdt, adam),
+        ("elastic_average", sdt, easgd),
+        ("weight_stash", wdt, stash),
+        ("double_buffer", wdt, double),
+        ("predict_sgd_", sdt, sgd_inplace),
+    ]
 
 
 def _warm_up(dev, numel: int, seconds: float) -> None:
@@ -190,9 +214,16 @@ def _warm_up(dev, numel: int, seconds: float) -> None:
     _sync(dev)
 
 
-def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
-        dtypes=("float32", "bfloat16"), repeat: int = 15, kernels=None,
-        warmup_s: float = 2.0, launches=None) -> list[dict]:
+def run(
+    device: str = "cpu",
+    numel: int | None = None,
+    n_tensors: int = 100,
+    dtypes=("float32", "bfloat16"),
+    repeat: int = 15,
+    kernels=None,
+    warmup_s: float = 2.0,
+    launches=None,
+) -> list[dict]:
     """Rows of every kernel, dtype and backend; ``launches``, a sequence of
     (block, warps), times the Triton path at each of those launch shapes
     instead of its default."""
@@ -233,12 +264,19 @@ def run(device: str = "cpu", numel: int | None = None, n_tensors: int = 100,
             t_foreach = times[0]
             for (backend, shape), t in zip(variants, times):
                 row = {
-                    "kernel": name, "device": dev.type, "dtype": dt_name,
-                    "state_dtype": str(cost_sdt).replace("torch.", ""), "numel": total,
-                    "tensors": len(params), "backend": backend, "bytes": nbytes,
-                    "ms": round(t * 1e3, 3), "gbps": round(nbytes / t / 1e9, 2),
+                    "kernel": name,
+                    "device": dev.type,
+                    "dtype": dt_name,
+                    "state_dtype": str(cost_sdt).replace("torch.", ""),
+                    "numel": total,
+                    "tensors": len(params),
+                    "backend": backend,
+                    "bytes": nbytes,
+                    "ms": round(t * 1e3, 3),
+                    "gbps": round(nbytes / t / 1e9, 2),
                     "copy_gbps": round(2 * src.numel() * 4 / t_copy / 1e9, 2),
-                    "loop_ms": round(loop_t * 1e3, 3), "loop_speedup": round(loop_t / t, 2),
+                    "loop_ms": round(loop_t * 1e3, 3),
+                    "loop_speedup": round(loop_t / t, 2),
                 }
                 row["pct_copy"] = round(100 * row["gbps"] / row["copy_gbps"], 1)
                 if backend != "foreach":
@@ -267,6 +305,7 @@ def _launched(kern, shape: tuple[int, int]):
     def run():
         with triton_kernels.launch_shape(*shape):
             kern()
+
     return run
 
 
@@ -302,16 +341,17 @@ def launch_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["kernel", "backend", "dtype", "numel", "ms", "gbps", "copy_gbps", "pct_copy",
-            "loop_ms", "loop_speedup"]
+    cols = ["kernel", "backend", "dtype", "numel", "ms", "gbps", "copy_gbps", "pct_copy", "loop_ms", "loop_speedup"]
     if any("launch" in r for r in rows):
         cols.insert(2, "launch")
     if any("foreach_speedup" in r for r in rows):
         cols.append("foreach_speedup")
     data = [[str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(d[i]) for d in data)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w)
-                                  for i, (v, w) in enumerate(zip(vals, widths)))
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
     out = [line(cols), line(["-" * w for w in widths])] + [line(d) for d in data]
     return "\n".join(out)
 
@@ -340,8 +380,9 @@ def _names(allowed: tuple[str, ...], what: str):
         names = tuple(n.strip() for n in text.split(",") if n.strip())
         bad = [n for n in names if n not in allowed]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(text)}; "
-                                             f"choose from {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
+            )
         return names
 
     return parse
@@ -357,40 +398,67 @@ def _device(text: str) -> str:
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="device to time on (cpu or cuda)")
+    ap.add_argument(
+        "--device",
+        type=_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device to time on (cpu or cuda)",
+    )
     ap.add_argument("--numel", type=positive, default=None, help="parameters (default: 10M CPU, 100M GPU)")
     ap.add_argument("--tensors", type=positive, default=100, help="tensors the parameters are split into")
-    ap.add_argument("--dtypes", type=_names(DTYPES, "dtype"), default=("float32", "bfloat16"),
-                    help=f"comma-separated weight dtypes, of {', '.join(DTYPES)}")
+    ap.add_argument(
+        "--dtypes",
+        type=_names(DTYPES, "dtype"),
+        default=("float32", "bfloat16"),
+        help=f"comma-separated weight dtypes, of {', '.join(DTYPES)}",
+    )
     ap.add_argument("--repeat", type=positive, default=15, help="timed runs per kernel (the best is kept)")
-    ap.add_argument("--kernels", type=_names(KERNELS, "kernel"), default=None,
-                    help=f"comma-separated subset of {', '.join(KERNELS)} (default: all)")
+    ap.add_argument(
+        "--kernels",
+        type=_names(KERNELS, "kernel"),
+        default=None,
+        help=f"comma-separated subset of {', '.join(KERNELS)} (default: all)",
+    )
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of warm-up before measuring")
-    ap.add_argument("--triton-launch", type=launch_shapes, default=None,
-                    help="time the Triton kernels at these comma-separated BLOCKxWARPS launch shapes instead of "
-                         "the default (CUDA only), e.g. 1024x4,2048x8,4096x8,8192x16")
+    ap.add_argument(
+        "--triton-launch",
+        type=launch_shapes,
+        default=None,
+        help="time the Triton kernels at these comma-separated BLOCKxWARPS launch shapes instead of "
+        "the default (CUDA only), e.g. 1024x4,2048x8,4096x8,8192x16",
+    )
 
 
 def run_bench(args) -> dict:
-    rows = run(args.device, args.numel, args.tensors, args.dtypes, args.repeat, args.kernels, args.warmup,
-               launches=args.triton_launch)
+    rows = run(
+        args.device,
+        args.numel,
+        args.tensors,
+        args.dtypes,
+        args.repeat,
+        args.kernels,
+        args.warmup,
+        launches=args.triton_launch,
+    )
     return {"threads": torch.get_num_threads(), "repeat": args.repeat, "rows": rows, "misses": check_targets(rows)}
 
 
 def render(report: dict) -> str:
     miss = report["misses"]
-    return "\n".join([
-        f"threads={report['threads']}; best of {report['repeat']}; "
-        "gbps = minimum bytes / time; copy = flat copy_ of the same bytes",
-        format_table(report["rows"]),
-        "\ntargets: " + ("all met" if not miss else "missed:\n  " + "\n  ".join(miss)),
-    ])
+    return "\n".join(
+        [
+            f"threads={report['threads']}; best of {report['repeat']}; "
+            "gbps = minimum bytes / time; copy = flat copy_ of the same bytes",
+            format_table(report["rows"]),
+            "\ntargets: " + ("all met" if not miss else "missed:\n  " + "\n  ".join(miss)),
+        ]
+    )
 
 
 def main(argv=None, prog: str = "python -m pipesim.experiments.bench.kernels") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run_bench, render=render)
+    return bench_main(
+        argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments, run=run_bench, render=render
+    )
 
 
 if __name__ == "__main__":

@@ -44,14 +44,14 @@ from pathlib import Path
 import simpy
 from simpy.events import NORMAL
 
+from pipesim.experiments.cliargs import bench_main
 from pipesim.sim._gc import gc_paused
 from pipesim.sim.api import model_for, simulate, split_for
-from pipesim.experiments.cliargs import bench_main
 from pipesim.sim.engine.core import CostModel, _run_events, _Signal, _Walker, prepared_run
-from pipesim.sim.hardware.machines import load_hardware
-from pipesim.sim.ir.core import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
 from pipesim.sim.engine.metrics import summarize, write_summary
 from pipesim.sim.engine.results import Span
+from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import COMPUTE_OPS, UPDATE, Action, B, F, Schedule, ScheduleError
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 
 #: The machine of every timed case but the small real-model ones: transfers are free.
@@ -60,10 +60,14 @@ IDEAL_DEVICE = IDEAL.device
 
 #: The issue's target: 1F1B, p = 64, m = 1024 (131,072 compute actions) in 2 s.
 TARGET = {"strategy": "1f1b", "stages": 64, "microbatches": 1024, "seconds": 2.0}
-CASES = (("1f1b", 8, 64, "uniform", "ideal"), ("pipedream", 8, 64, "uniform", "ideal"),
-         ("gpipe", 16, 128, "gpt-1.3b", "dgx-h100-x2"), ("spectrain", 4, 256, "vgg16", "pcie-4gpu"),
-         # a ring over 1,024 GPUs: its steps skipped (engine.ring_steps), else half a minute
-         ("data-parallel", 1024, 1024, "uniform", "dgx-h100-x128"))
+CASES = (
+    ("1f1b", 8, 64, "uniform", "ideal"),
+    ("pipedream", 8, 64, "uniform", "ideal"),
+    ("gpipe", 16, 128, "gpt-1.3b", "dgx-h100-x2"),
+    ("spectrain", 4, 256, "vgg16", "pcie-4gpu"),
+    # a ring over 1,024 GPUs: its steps skipped (engine.ring_steps), else half a minute
+    ("data-parallel", 1024, 1024, "uniform", "dgx-h100-x128"),
+)
 
 
 def raw_simpy_rate(n: int = 300_000) -> float:
@@ -197,16 +201,25 @@ def engine_run_rate(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
     return {"compute_actions": actions, "seconds": round(min(times), 4), "actions_per_s": round(actions / min(times))}
 
 
-def simulate_rate(strategy: str, p: int, m: int, model: str = "uniform", hardware: str = "ideal",
-                  iterations: int = 1) -> dict:
+def simulate_rate(
+    strategy: str, p: int, m: int, model: str = "uniform", hardware: str = "ideal", iterations: int = 1
+) -> dict:
     spec = ScheduleSpec(strategy, p, m, iterations=iterations)
     start = time.perf_counter()
     result = simulate(spec, model, hardware)
     summary = summarize(result)
     elapsed = time.perf_counter() - start
     actions = summary["compute_actions"]
-    return {"strategy": strategy, "stages": p, "microbatches": m, "model": model, "hardware": hardware,
-            "compute_actions": actions, "seconds": round(elapsed, 4), "actions_per_s": round(actions / elapsed)}
+    return {
+        "strategy": strategy,
+        "stages": p,
+        "microbatches": m,
+        "model": model,
+        "hardware": hardware,
+        "compute_actions": actions,
+        "seconds": round(elapsed, 4),
+        "actions_per_s": round(actions / elapsed),
+    }
 
 
 def target_seconds(repeat: int = 3, outputs=None) -> tuple[list[float], int]:
@@ -276,12 +289,24 @@ def memory_rows(strategy: str = "1f1b", p: int = 64, sizes=MEMORY_SIZES) -> list
     interpreter (the peak resident set only ever grows within a process)."""
     rows = []
     for m in sizes:
-        out = subprocess.run([sys.executable, "-c", _PEAK_RSS_CHILD, strategy, str(p), str(m)], check=True,
-                             capture_output=True, text=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_CHILD, strategy, str(p), str(m)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         before, after, actions = map(int, out[-3:])
-        rows.append({"strategy": strategy, "stages": p, "microbatches": m, "compute_actions": actions,
-                     "peak_rss_bytes": after, "imports_rss_bytes": before,
-                     "bytes_per_action": round((after - before) / actions)})
+        rows.append(
+            {
+                "strategy": strategy,
+                "stages": p,
+                "microbatches": m,
+                "compute_actions": actions,
+                "peak_rss_bytes": after,
+                "imports_rss_bytes": before,
+                "bytes_per_action": round((after - before) / actions),
+            }
+        )
     return rows
 
 
@@ -302,17 +327,32 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(row)
     report = {"raw_simpy_timeouts_per_s": round(raw), "cases": rows, "target": {}}
     if not args.quick:
-        print("[target] 1f1b p=64 m=1024, as pipesim simulate --summary-only does it, 3 times ...",
-              file=sys.stderr, flush=True)
+        print(
+            "[target] 1f1b p=64 m=1024, as pipesim simulate --summary-only does it, 3 times ...",
+            file=sys.stderr,
+            flush=True,
+        )
         times, actions = target_seconds()
-        report["target"] = {**TARGET, "compute_actions": actions, "library_best_s": round(times[0], 3),
-                            "library_median_s": round(statistics.median(times), 3),
-                            "ratio_to_raw_simpy": round(actions / times[0] / raw, 4)}
-        print("[ceiling] the bare SimPy model of the target and the engine's SimPy run alone, 3 times each, "
-              "beside SimPy's raw rate ...", file=sys.stderr, flush=True)
+        report["target"] = {
+            **TARGET,
+            "compute_actions": actions,
+            "library_best_s": round(times[0], 3),
+            "library_median_s": round(statistics.median(times), 3),
+            "ratio_to_raw_simpy": round(actions / times[0] / raw, 4),
+        }
+        print(
+            "[ceiling] the bare SimPy model of the target and the engine's SimPy run alone, 3 times each, "
+            "beside SimPy's raw rate ...",
+            file=sys.stderr,
+            flush=True,
+        )
         report["ceiling"] = ceiling(TARGET["strategy"], TARGET["stages"], TARGET["microbatches"])
-        print(f"[memory] peak resident set for m = {', '.join(map(str, MEMORY_SIZES))} at p = 64, "
-              "each in a fresh interpreter ...", file=sys.stderr, flush=True)
+        print(
+            f"[memory] peak resident set for m = {', '.join(map(str, MEMORY_SIZES))} at p = 64, "
+            "each in a fresh interpreter ...",
+            file=sys.stderr,
+            flush=True,
+        )
         report["memory"] = memory_rows()
     return report
 
@@ -344,9 +384,14 @@ def object_floor(strategy: str, p: int, m: int, repeat: int = 3) -> dict:
         "objects_s": _best(lambda: (list(map(make_action, ends)), list(starmap(Span, span_args))), repeat),
     }
     seconds = sum(parts.values())
-    return {"compute_actions": actions, "transfer_ends": len(ends), "spans": len(span_args),
-            **{k: round(v, 4) for k, v in parts.items()}, "seconds": round(seconds, 4),
-            "actions_per_s": round(actions / seconds)}
+    return {
+        "compute_actions": actions,
+        "transfer_ends": len(ends),
+        "spans": len(span_args),
+        **{k: round(v, 4) for k, v in parts.items()},
+        "seconds": round(seconds, 4),
+        "actions_per_s": round(actions / seconds),
+    }
 
 
 def _best(fn, repeat: int) -> float:
@@ -368,57 +413,82 @@ def ceiling(strategy: str, p: int, m: int) -> dict:
     machine's speed drifts between the parts of a bench, and a raw rate
     caught in a slow moment would flatter the ratio)."""
     out = {}
-    for name, rate in (("bare_model", bare_model_rate), ("object_floor", object_floor),
-                       ("engine_run", engine_run_rate)):
+    for name, rate in (
+        ("bare_model", bare_model_rate),
+        ("object_floor", object_floor),
+        ("engine_run", engine_run_rate),
+    ):
         raw = max(raw_simpy_rate() for _ in range(3))
         row = rate(strategy, p, m)
-        out[name] = {**row, "raw_simpy_timeouts_per_s": round(raw),
-                     "ratio_to_raw_simpy": round(row["actions_per_s"] / raw, 4)}
+        out[name] = {
+            **row,
+            "raw_simpy_timeouts_per_s": round(raw),
+            "ratio_to_raw_simpy": round(row["actions_per_s"] / raw, 4),
+        }
     return out
 
 
 def render(report: dict) -> str:
-    lines = [f"SimPy raw timeouts/s: {report['raw_simpy_timeouts_per_s']:,}",
-             f"{'strategy':<13} {'p':>4} {'m':>5} {'model':<9} {'hardware':<13} {'actions':>8} {'s':>7} "
-             f"{'actions/s':>10} {'vs raw':>7}"]
+    lines = [
+        f"SimPy raw timeouts/s: {report['raw_simpy_timeouts_per_s']:,}",
+        f"{'strategy':<13} {'p':>4} {'m':>5} {'model':<9} {'hardware':<13} {'actions':>8} {'s':>7} "
+        f"{'actions/s':>10} {'vs raw':>7}",
+    ]
     for r in report["cases"]:
-        lines.append(f"{r['strategy']:<13} {r['stages']:>4} {r['microbatches']:>5} {r['model']:<9} "
-                     f"{r['hardware']:<13} {r['compute_actions']:>8} {r['seconds']:>7.3f} {r['actions_per_s']:>10,} "
-                     f"{r['ratio_to_raw_simpy']:>7.3f}")
+        lines.append(
+            f"{r['strategy']:<13} {r['stages']:>4} {r['microbatches']:>5} {r['model']:<9} "
+            f"{r['hardware']:<13} {r['compute_actions']:>8} {r['seconds']:>7.3f} {r['actions_per_s']:>10,} "
+            f"{r['ratio_to_raw_simpy']:>7.3f}"
+        )
     target = report["target"]
     if target:
-        lines.append(f"target, 1f1b p=64 m=1024 ({target['compute_actions']:,} compute actions), "
-                     f"library path of --summary-only: best "
-                     f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
-                     f"(target {target['seconds']:.1f} s end to end); best as a rate: "
-                     f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)")
+        lines.append(
+            f"target, 1f1b p=64 m=1024 ({target['compute_actions']:,} compute actions), "
+            f"library path of --summary-only: best "
+            f"{target['library_best_s']:.2f} s, median {target['library_median_s']:.2f} s of 3 "
+            f"(target {target['seconds']:.1f} s end to end); best as a rate: "
+            f"{target['ratio_to_raw_simpy']:.3f}x raw SimPy (target 0.3x)"
+        )
     ceil = report.get("ceiling")
     if ceil:
-        for name, what in (("bare_model", "the bare SimPy model of it (the engine's event loop, nothing recorded)"),
-                           ("object_floor", "floor of an object IR (build + that event loop + creating the "
-                                            "transfer ends' Actions and the result's Spans)"),
-                           ("engine_run", "the engine's SimPy run of it alone (spans and transfers included)")):
+        for name, what in (
+            ("bare_model", "the bare SimPy model of it (the engine's event loop, nothing recorded)"),
+            (
+                "object_floor",
+                "floor of an object IR (build + that event loop + creating the "
+                "transfer ends' Actions and the result's Spans)",
+            ),
+            ("engine_run", "the engine's SimPy run of it alone (spans and transfers included)"),
+        ):
             r = ceil.get(name)
             if r is None:
                 continue
-            lines.append(f"  {what}: best {r['seconds']:.3f} s, {r['actions_per_s']:,} actions/s, "
-                         f"{r['ratio_to_raw_simpy']:.3f}x raw SimPy ({r['raw_simpy_timeouts_per_s']:,}/s)")
+            lines.append(
+                f"  {what}: best {r['seconds']:.3f} s, {r['actions_per_s']:,} actions/s, "
+                f"{r['ratio_to_raw_simpy']:.3f}x raw SimPy ({r['raw_simpy_timeouts_per_s']:,}/s)"
+            )
             if name == "object_floor":
-                lines.append(f"    = build {r['build_s']:.3f} s + event loop {r['event_loop_s']:.3f} s + "
-                             f"{r['transfer_ends']:,} Actions and {r['spans']:,} Spans {r['objects_s']:.3f} s")
+                lines.append(
+                    f"    = build {r['build_s']:.3f} s + event loop {r['event_loop_s']:.3f} s + "
+                    f"{r['transfer_ends']:,} Actions and {r['spans']:,} Spans {r['objects_s']:.3f} s"
+                )
     if report.get("memory"):
-        lines.append(f"{'peak memory':<12} {'m':>5} {'actions':>8} {'peak RSS':>10} {'after imports':>14} "
-                     f"{'bytes/action':>13}")
+        lines.append(
+            f"{'peak memory':<12} {'m':>5} {'actions':>8} {'peak RSS':>10} {'after imports':>14} {'bytes/action':>13}"
+        )
         for r in report["memory"]:
-            lines.append(f"{'1f1b p=64':<12} {r['microbatches']:>5} {r['compute_actions']:>8} "
-                         f"{r['peak_rss_bytes'] / 2**20:>7.0f} MiB {r['imports_rss_bytes'] / 2**20:>10.0f} MiB "
-                         f"{r['bytes_per_action']:>13,}")
+            lines.append(
+                f"{'1f1b p=64':<12} {r['microbatches']:>5} {r['compute_actions']:>8} "
+                f"{r['peak_rss_bytes'] / 2**20:>7.0f} MiB {r['imports_rss_bytes'] / 2**20:>10.0f} MiB "
+                f"{r['bytes_per_action']:>13,}"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipesim.experiments.bench.sim") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run, render=render)
+    return bench_main(
+        argv, prog=prog, description=__doc__.split("\n")[0], add_arguments=add_arguments, run=run, render=render
+    )
 
 
 if __name__ == "__main__":

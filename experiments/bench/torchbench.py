@@ -26,8 +26,9 @@ def add_arguments(p) -> None:
     schedules = torchbench.SCHEDULES
     p.add_argument("--model", default="mlp", help="real model (mlp, gpt-small, vgg-small)")
     p.add_argument("--stages", type=positive, default=2, help="pipeline stages, one rank each")
-    p.add_argument("--starts", type=_starts, default=None,
-                   help="first layer of each stage, e.g. 0,3 (default: a balanced split)")
+    p.add_argument(
+        "--starts", type=_starts, default=None, help="first layer of each stage, e.g. 0,3 (default: a balanced split)"
+    )
     p.add_argument("--width", type=positive, default=None, help="model width (default: the model's)")
     p.add_argument("--depth", type=positive, default=None, help="model depth (default: the model's)")
     p.add_argument("--microbatch-size", type=positive, default=64, help="samples per micro-batch")
@@ -42,14 +43,32 @@ def add_arguments(p) -> None:
 
 def run(a) -> dict:
     return torchbench.compare_with_torch(
-        a.model, a.stages, a.microbatches, a.microbatch_size, a.iterations, a.warmup_iterations,
-        tuple(s.strip() for s in a.schedules.split(",") if s.strip()), a.width, a.depth, a.seed, a.timeout,
-        starts=a.starts, repeats=a.repeats, progress=True)
+        a.model,
+        a.stages,
+        a.microbatches,
+        a.microbatch_size,
+        a.iterations,
+        a.warmup_iterations,
+        tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
+        a.width,
+        a.depth,
+        a.seed,
+        a.timeout,
+        starts=a.starts,
+        repeats=a.repeats,
+        progress=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m pipesim.experiments.bench.torchbench") -> int:
-    return bench_main(argv, prog=prog, description=torchbench.__doc__.split("\n")[0], add_arguments=add_arguments,
-                      run=run, render=torchbench.format_report)
+    return bench_main(
+        argv,
+        prog=prog,
+        description=torchbench.__doc__.split("\n")[0],
+        add_arguments=add_arguments,
+        run=run,
+        render=torchbench.format_report,
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,18 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, iterations: int = 4,
-        repeats: int = 2, backend: str = "gloo", strategies=None, model_width=None, model_depth=None,
-        stages: int = 2) -> dict:
+def run(
+    model: str = "mlp",
+    microbatch_size: int = 64,
+    microbatches: int = 8,
+    iterations: int = 4,
+    repeats: int = 2,
+    backend: str = "gloo",
+    strategies=None,
+    model_width=None,
+    model_depth=None,
+    stages: int = 2,
+) -> dict:
     from pipesim.validate.harness import (
         ValidateConfig,
         ValidateError,
@@ -61,15 +70,26 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
     schedules = [build_schedule(ScheduleSpec(name, stages, microbatches)) for name in chosen]
     if model_depth is None:
         model_depth = _depth_for(model, max(s.num_stages for s in schedules))
-    base = ValidateConfig(strategy="1f1b", stages=stages, microbatches=microbatches, model=model, backend=backend,
-                          iterations=iterations, microbatch_size=microbatch_size, model_width=model_width,
-                          model_depth=model_depth, oversubscribe=True)
+    base = ValidateConfig(
+        strategy="1f1b",
+        stages=stages,
+        microbatches=microbatches,
+        model=model,
+        backend=backend,
+        iterations=iterations,
+        microbatch_size=microbatch_size,
+        model_width=model_width,
+        model_depth=model_depth,
+        oversubscribe=True,
+    )
     device = torch_device(backend)
     real = model_of(base)
     for name, schedule in zip(chosen, schedules, strict=True):
         if schedule.num_stages > real.num_layers:
-            raise ValidateError(f"{name}: {schedule.num_stages} stages need at least that many layers; {model} has "
-                                f"{real.num_layers} (raise --model-depth)")
+            raise ValidateError(
+                f"{name}: {schedule.num_stages} stages need at least that many layers; {model} has "
+                f"{real.num_layers} (raise --model-depth)"
+            )
     _say(f"profiling {model} (micro-batch {microbatch_size}, depth {model_depth}) on {device} ...")
     rows = []
     # the most devices any chosen strategy needs (AvgPipe's pipelines, data
@@ -80,21 +100,31 @@ def run(model: str = "mlp", microbatch_size: int = 64, microbatches: int = 8, it
         # every strategy is predicted from the same measurements
         save_profile(profile(base, device, model=real, hardware=hw), Path(tmp) / "profile.json")
         (Path(tmp) / "hardware.json").write_text(json.dumps(hw.to_json()))
-        measured = replace(base, profile_path=str(Path(tmp) / "profile.json"),
-                           hardware_path=str(Path(tmp) / "hardware.json"))
+        measured = replace(
+            base, profile_path=str(Path(tmp) / "profile.json"), hardware_path=str(Path(tmp) / "hardware.json")
+        )
         for i, name in enumerate(chosen, 1):
             reports = []
             for r in range(repeats):
                 _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
                 reports.append(run_validation(replace(measured, strategy=name)).report)
             rows.append(_row(name, reports))
-    return {"model": model, "model_depth": model_depth, "stages": stages, "microbatch_size": microbatch_size,
-            "microbatches": microbatches,
-            "iterations": iterations, "backend": backend, "rows": rows, "cores": list(hw.cpu.cores) if hw.cpu else None,
-            "transfer_cpu": hw.to_json().get("cpu"),
-            "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
-            "link_latency_s": hw.intra_node.latency, "link_bandwidth_Bps": hw.intra_node.bandwidth,
-            "update_bandwidth_Bps": hw.device.mem_bandwidth}
+    return {
+        "model": model,
+        "model_depth": model_depth,
+        "stages": stages,
+        "microbatch_size": microbatch_size,
+        "microbatches": microbatches,
+        "iterations": iterations,
+        "backend": backend,
+        "rows": rows,
+        "cores": list(hw.cpu.cores) if hw.cpu else None,
+        "transfer_cpu": hw.to_json().get("cpu"),
+        "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+        "link_latency_s": hw.intra_node.latency,
+        "link_bandwidth_Bps": hw.intra_node.bandwidth,
+        "update_bandwidth_Bps": hw.device.mem_bandwidth,
+    }
 
 
 def _depth_for(model: str, stages: int) -> int:
@@ -114,16 +144,21 @@ def default_strategies() -> list[str]:
 def _row(strategy: str, reports: list[dict]) -> dict:
     """One strategy's medians over its repeats (bubbles from the last)."""
     errors = [r["iteration_time_error"] for r in reports]
-    plain = [r["iteration_time_error_without_cpu_model"] for r in reports
-             if "iteration_time_error_without_cpu_model" in r]
+    plain = [
+        r["iteration_time_error_without_cpu_model"] for r in reports if "iteration_time_error_without_cpu_model" in r
+    ]
     starts = [r["action_errors"]["start_error_fraction_of_makespan"]["p90"] for r in reports]
-    return {"strategy": strategy, "errors": errors, "error": statistics.median(errors),
-            "error_without_cpu_model": statistics.median(plain) if plain else None,
-            "start_error_p90": statistics.median(starts),
-            "measured_s": statistics.median(r["iteration_time_measured_s"] for r in reports),
-            "predicted_s": statistics.median(r["iteration_time_predicted_s"] for r in reports),
-            "bubble_measured": reports[-1]["bubble_fraction_measured"],
-            "bubble_predicted": reports[-1]["bubble_fraction_predicted"]}
+    return {
+        "strategy": strategy,
+        "errors": errors,
+        "error": statistics.median(errors),
+        "error_without_cpu_model": statistics.median(plain) if plain else None,
+        "start_error_p90": statistics.median(starts),
+        "measured_s": statistics.median(r["iteration_time_measured_s"] for r in reports),
+        "predicted_s": statistics.median(r["iteration_time_predicted_s"] for r in reports),
+        "bubble_measured": reports[-1]["bubble_fraction_measured"],
+        "bubble_predicted": reports[-1]["bubble_fraction_predicted"],
+    }
 
 
 #: Micro-batch size per model when none is given: gpt-small's passes are long enough at 32.
@@ -132,13 +167,16 @@ DEFAULT_MICROBATCH_SIZE = {"gpt-small": 32}
 
 def _names_of(what: str, known):
     """An argparse type: a comma-separated list of ``known()`` names."""
+
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in known()]
         if not names or unknown:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or text!r}; "
-                                             f"choose from {', '.join(known())}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or text!r}; choose from {', '.join(known())}"
+            )
         return names
+
     return parse
 
 
@@ -147,20 +185,43 @@ def _positive_list(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", type=_names_of("model", model_names), default="mlp",
-                   help="real model(s) to validate, comma-separated (mlp, gpt-small, lstm, vgg-small)")
-    p.add_argument("--microbatch-size", type=positive, default=None,
-                   help="samples per micro-batch (default: 32 for gpt-small, 64 otherwise)")
-    p.add_argument("--model-width", type=positive, default=None, help="hidden width of the model (its default if unset)")
-    p.add_argument("--model-depth", type=positive, default=None,
-                   help="layers of the model (its default if unset; interleaved 1F1B needs 2 per stage)")
-    p.add_argument("--stages", type=_positive_list, default="2",
-                   help="pipeline stages, comma-separated (more devices than cores share them, as the simulator models)")
+    p.add_argument(
+        "--model",
+        type=_names_of("model", model_names),
+        default="mlp",
+        help="real model(s) to validate, comma-separated (mlp, gpt-small, lstm, vgg-small)",
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=positive,
+        default=None,
+        help="samples per micro-batch (default: 32 for gpt-small, 64 otherwise)",
+    )
+    p.add_argument(
+        "--model-width", type=positive, default=None, help="hidden width of the model (its default if unset)"
+    )
+    p.add_argument(
+        "--model-depth",
+        type=positive,
+        default=None,
+        help="layers of the model (its default if unset; interleaved 1F1B needs 2 per stage)",
+    )
+    p.add_argument(
+        "--stages",
+        type=_positive_list,
+        default="2",
+        help="pipeline stages, comma-separated (more devices than cores share them, as the simulator models)",
+    )
     p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
     p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
     p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"), help="how the devices run")
-    p.add_argument("--strategies", type=_names_of("strategy", strategy_names), default=None, help="comma-separated subset (default: all)")
+    p.add_argument(
+        "--strategies",
+        type=_names_of("strategy", strategy_names),
+        default=None,
+        help="comma-separated subset (default: all)",
+    )
 
 
 def run_bench(args) -> dict:
@@ -169,25 +230,44 @@ def run_bench(args) -> dict:
     for model in args.model:
         b = args.microbatch_size or DEFAULT_MICROBATCH_SIZE.get(model, 64)
         for stages in args.stages:
-            configs.append(run(model, b, args.microbatches, args.iterations, args.repeats, args.backend,
-                               args.strategies, args.model_width, args.model_depth, stages=stages))
+            configs.append(
+                run(
+                    model,
+                    b,
+                    args.microbatches,
+                    args.iterations,
+                    args.repeats,
+                    args.backend,
+                    args.strategies,
+                    args.model_width,
+                    args.model_depth,
+                    stages=stages,
+                )
+            )
     rows = [r for c in configs for r in c["rows"]]
-    return {"configs": configs, "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
-            "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "configs": configs,
+        "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def render(res: dict) -> str:
     """Every configuration's rows in one table, a verdict per configuration and over all."""
     lines = [_measured_line(c) for c in res["configs"]]
-    lines.append(f"{'model':10} {'p':>2} {'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  "
-                 f"{'runs':24} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}")
+    lines.append(
+        f"{'model':10} {'p':>2} {'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  "
+        f"{'runs':24} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"
+    )
     for c in res["configs"]:
         for r in c["rows"]:
             runs = " ".join(f"{e:+.1%}" for e in r["errors"])
             plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
-            lines.append(f"{c['model']:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
-                         f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {plain:>12} "
-                         f"{r['start_error_p90']:9.1%} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}")
+            lines.append(
+                f"{c['model']:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
+                f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {plain:>12} "
+                f"{r['start_error_p90']:9.1%} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}"
+            )
     for c in res["configs"]:
         lines.append(f"{c['model']}, {c['stages']} stages: " + _verdict(c["rows"]))
     if len(res["configs"]) > 1:
@@ -197,9 +277,11 @@ def render(res: dict) -> str:
 
 
 def _measured_line(c: dict) -> str:
-    return (f"{c['model']} depth {c['model_depth']}, {c['stages']} stages, micro-batch {c['microbatch_size']}, m={c['microbatches']}, "
-            f"{c['iterations']} iterations, {c['backend']}; link {c['link_latency_s'] * 1e6:.0f} us + "
-            f"{c['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {c['update_bandwidth_Bps'] / 1e9:.1f} GB/s")
+    return (
+        f"{c['model']} depth {c['model_depth']}, {c['stages']} stages, micro-batch {c['microbatch_size']}, m={c['microbatches']}, "
+        f"{c['iterations']} iterations, {c['backend']}; link {c['link_latency_s'] * 1e6:.0f} us + "
+        f"{c['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {c['update_bandwidth_Bps'] / 1e9:.1f} GB/s"
+    )
 
 
 def _verdict(rows: list[dict]) -> str:
@@ -208,14 +290,17 @@ def _verdict(rows: list[dict]) -> str:
     median = statistics.median(abs(r["error"]) for r in rows)
     starts = statistics.median(r["start_error_p90"] for r in rows)
     within = sum(abs(r["error"]) <= 0.15 for r in rows)
-    return (f"median |error| {median:.1%} (target 5%), worst {worst['strategy']} {worst['error']:+.1%}, "
-            f"{within} of {len(rows)} within 15%; start error p90 median {starts:.1%} of the steady makespan "
-            f"(target 5%)")
+    return (
+        f"median |error| {median:.1%} (target 5%), worst {worst['strategy']} {worst['error']:+.1%}, "
+        f"{within} of {len(rows)} within 15%; start error p90 median {starts:.1%} of the steady makespan "
+        f"(target 5%)"
+    )
 
 
 def main(argv=None, prog: str = "python -m pipesim.experiments.bench.validate") -> int:
-    return bench_main(argv, prog=prog, description=__doc__.splitlines()[0], add_arguments=add_arguments,
-                      run=run_bench, render=render)
+    return bench_main(
+        argv, prog=prog, description=__doc__.splitlines()[0], add_arguments=add_arguments, run=run_bench, render=render
+    )
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ import argparse
 def add_parser(subparsers) -> None:
     from pipesim.experiments.bench import BENCHES, describe
 
-    p = subparsers.add_parser("bench", help="benchmarks: print their figures (tables, or --json)",
-                              description="Run one benchmark; `pipesim bench NAME --help` lists its options.",
-                              epilog="benchmarks:\n" + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: print their figures (tables, or --json)",
+        description="Run one benchmark; `pipesim bench NAME --help` lists its options.",
+        epilog="benchmarks:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     p.set_defaults(func=run)

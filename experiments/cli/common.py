@@ -82,13 +82,23 @@ STRATEGY_FLAGS = {
     "tau": (positive, "AvgPipe: average every tau iterations"),
     "advance": (nonnegative, "AvgPipe: forwards issued ahead of the 1F1B warm-up"),
     "placement": (str, "AvgPipe: where the replicas run"),
-    "replicas": (replica_counts, "replicas of each stage, PipeDream's notation: 15,1 runs the first stage on 15 "
-                                 "devices and the second on one (gpipe, 1f1b, pipedream, pipedream-2bw)"),
+    "replicas": (
+        replica_counts,
+        "replicas of each stage, PipeDream's notation: 15,1 runs the first stage on 15 "
+        "devices and the second on one (gpipe, 1f1b, pipedream, pipedream-2bw)",
+    ),
 }
 
 
-def add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = False, one_strategy: bool = True,
-                      iterations: int = 1, stages: int = DEFAULT_STAGES, imports_csv: bool = False) -> None:
+def add_schedule_args(
+    p: argparse.ArgumentParser,
+    *,
+    strategy_required: bool = False,
+    one_strategy: bool = True,
+    iterations: int = 1,
+    stages: int = DEFAULT_STAGES,
+    imports_csv: bool = False,
+) -> None:
     """The flags that shape a schedule; ``one_strategy`` adds ``--strategy``
     (``compare`` names several with ``--strategies`` instead), ``iterations``
     and ``stages`` are the defaults the help states, ``imports_csv`` whether
@@ -96,45 +106,79 @@ def add_schedule_args(p: argparse.ArgumentParser, *, strategy_required: bool = F
     from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
 
     if one_strategy:
-        list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"),
-                     strategy_names)
-    p.add_argument("--stages", type=positive, default=None,
-                   help="pipeline depth in devices per replica (data-parallel: devices) "
-                        f"(default: {stages}, or as many as --replicas names)")
-    p.add_argument("--microbatches", type=positive, default=None,
-                   help="micro-batches per iteration per replica, m (default: 8"
-                        + ("; an imported CSV: the one a pipesim CSV records, else inferred)" if imports_csv else ")"))
-    p.add_argument("--iterations", type=positive, default=None,
-                   help=f"iterations K (asynchronous schedules run K*m micro-batches) (default: {iterations}"
-                        + ("; an imported pipesim CSV: the one it records)" if imports_csv else ")"))
-    p.add_argument("--width", type=positive, default=None,
-                   help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)")
+        list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), strategy_names)
+    p.add_argument(
+        "--stages",
+        type=positive,
+        default=None,
+        help="pipeline depth in devices per replica (data-parallel: devices) "
+        f"(default: {stages}, or as many as --replicas names)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=positive,
+        default=None,
+        help="micro-batches per iteration per replica, m (default: 8"
+        + ("; an imported CSV: the one a pipesim CSV records, else inferred)" if imports_csv else ")"),
+    )
+    p.add_argument(
+        "--iterations",
+        type=positive,
+        default=None,
+        help=f"iterations K (asynchronous schedules run K*m micro-batches) (default: {iterations}"
+        + ("; an imported pipesim CSV: the one it records)" if imports_csv else ")"),
+    )
+    p.add_argument(
+        "--width",
+        type=positive,
+        default=None,
+        help="parallel pipelines w (width x depth; AvgPipe's N_p) (default: the strategy's, 1; avgpipe 2)",
+    )
     p.add_argument("--no-stashing", action="store_true", help="pipedream without weight stashing (vanilla)")
     for name, (kind, text) in STRATEGY_FLAGS.items():
-        p.add_argument(f"--{name}", type=kind, default=None, choices=PLACEMENTS if name == "placement" else None,
-                       help=f"{text} (default: {OPTION_DEFAULTS[name]})")
+        p.add_argument(
+            f"--{name}",
+            type=kind,
+            default=None,
+            choices=PLACEMENTS if name == "placement" else None,
+            help=f"{text} (default: {OPTION_DEFAULTS[name]})",
+        )
 
 
-def add_machine_args(p: argparse.ArgumentParser, *, model: str = "uniform", hardware: str = "ideal",
-                     takes_plan: bool = False) -> None:
+def add_machine_args(
+    p: argparse.ArgumentParser, *, model: str = "uniform", hardware: str = "ideal", takes_plan: bool = False
+) -> None:
     """The model and machine flags; ``model`` and ``hardware`` are the defaults the help states,
     ``takes_plan`` whether the command also takes ``--plan`` (whose run overrides a default)."""
     g = p.add_mutually_exclusive_group()
     list_choices(g.add_argument("--model", default=None, help=f"catalog model (default: {model})"), catalog_models)
-    g.add_argument("--profile", default=None,
-                   help="per-layer cost profile: JSON (from `pipesim profile` or hand-written) or PipeDream's "
-                        "graph.txt")
-    list_choices(p.add_argument("--hardware", default=None,
-                                help=f"preset, preset-xN (N nodes) or a JSON file (default: {hardware})"),
-                 hardware_presets)
-    p.add_argument("--microbatch-size", type=positive, default=None,
-                   help="samples per micro-batch (default: the model's)")
-    p.add_argument("--recv-lookahead", type=nonnegative, default=None,
-                   help="post receives this many compute actions early (0 = right before use) "
-                        + ("(default: 1; with --plan, the plan's)" if takes_plan else "(default: 1)"))
-    p.add_argument("--recompute", action="store_true",
-                   help="activation recomputation, checkpointed per layer: every backward re-runs its stage's "
-                        "forward, and a micro-batch keeps only its layers' inputs until then")
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="per-layer cost profile: JSON (from `pipesim profile` or hand-written) or PipeDream's graph.txt",
+    )
+    list_choices(
+        p.add_argument(
+            "--hardware", default=None, help=f"preset, preset-xN (N nodes) or a JSON file (default: {hardware})"
+        ),
+        hardware_presets,
+    )
+    p.add_argument(
+        "--microbatch-size", type=positive, default=None, help="samples per micro-batch (default: the model's)"
+    )
+    p.add_argument(
+        "--recv-lookahead",
+        type=nonnegative,
+        default=None,
+        help="post receives this many compute actions early (0 = right before use) "
+        + ("(default: 1; with --plan, the plan's)" if takes_plan else "(default: 1)"),
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="activation recomputation, checkpointed per layer: every backward re-runs its stage's "
+        "forward, and a micro-batch keeps only its layers' inputs until then",
+    )
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -163,8 +207,13 @@ def schedule_spec(args, strategy: str | None = None):
         ignored = sorted(set(options) - set(options_of(name)))
         if ignored:
             raise StrategyError(f"{flag_of(ignored[0])} does not apply to {name}")
-    return ScheduleSpec(strategy=name, stages=args.stages, microbatches=args.microbatches or 8,
-                        iterations=args.iterations or 1, **options)
+    return ScheduleSpec(
+        strategy=name,
+        stages=args.stages,
+        microbatches=args.microbatches or 8,
+        iterations=args.iterations or 1,
+        **options,
+    )
 
 
 def strategy_options(args, strategy: str | None = None) -> dict:
@@ -202,8 +251,14 @@ def _profile(args, hardware, schedule, uniform_layers: int | None = None):
 
     if args.profile:
         return _profile_file(args)
-    return model_for(schedule, args.model or "uniform", hardware, args.microbatch_size, pipeline_depth=args.stages,
-                     uniform_layers=uniform_layers)
+    return model_for(
+        schedule,
+        args.model or "uniform",
+        hardware,
+        args.microbatch_size,
+        pipeline_depth=args.stages,
+        uniform_layers=uniform_layers,
+    )
 
 
 def plan_profile(args, hardware, devices: int):
@@ -224,8 +279,18 @@ def recorded_path(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
-def simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool = True,
-                 keep: bool = False, plan=None, spec=None, built=None, uniform_layers: int | None = None) -> dict:
+def simulate_one(
+    args,
+    strategy: str | None,
+    out: Path | None,
+    *,
+    outputs: bool = True,
+    keep: bool = False,
+    plan=None,
+    spec=None,
+    built=None,
+    uniform_layers: int | None = None,
+) -> dict:
     """Simulate one schedule: ``plan`` (a :class:`~pipesim.sim.planning.plan.PlanFile`)
     gives the strategy, replicas and split, ``spec`` its run (default: the
     plan's, with the command line's micro-batches and iterations); else
@@ -247,8 +312,9 @@ def simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool 
 
         # the engine validates the structure and names a deadlock itself, so
         # the import's own checks would only run everything twice
-        schedule = load_schedule_csv(args.schedule, microbatches=args.microbatches, iterations=args.iterations,
-                                     check=False)
+        schedule = load_schedule_csv(
+            args.schedule, microbatches=args.microbatches, iterations=args.iterations, check=False
+        )
         spec, passes = None, sum(map(len, schedule.programs)) // 2
     else:
         if spec is None:
@@ -274,10 +340,15 @@ def simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool 
         trace = _trace_writer(out, step) if out is not None and outputs else None
         with trace or nullcontext():
             with kept_until_exit(keep and ONE_SHOT):
-                result = simulate_schedule(schedule, profile, hw, recv_lookahead=args.recv_lookahead,
-                                           starts=None if plan is None else plan.starts,
-                                           recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)),
-                                           on_spans=None if trace is None else trace.start)
+                result = simulate_schedule(
+                    schedule,
+                    profile,
+                    hw,
+                    recv_lookahead=args.recv_lookahead,
+                    starts=None if plan is None else plan.starts,
+                    recompute=bool(getattr(args, "recompute", False) or (plan is not None and plan.recompute)),
+                    on_spans=None if trace is None else trace.start,
+                )
                 retain(result)
             if trace is not None:
                 trace.hand_over(result)
@@ -290,10 +361,14 @@ def simulate_one(args, strategy: str | None, out: Path | None, *, outputs: bool 
                 from pipesim.sim.planning.plan import steady_state
 
                 rate, windowed = steady_state(result)
-                summary["plan"] = {"config": plan.config, "predicted_samples_per_s": plan.predicted_samples_per_s,
-                                   "predicted_is_simulated": plan.predicted_is_simulated,
-                                   "predicted_is_steady": plan.predicted_is_steady,
-                                   "steady_samples_per_s": round_sig(rate), "steady_window": windowed}
+                summary["plan"] = {
+                    "config": plan.config,
+                    "predicted_samples_per_s": plan.predicted_samples_per_s,
+                    "predicted_is_simulated": plan.predicted_is_simulated,
+                    "predicted_is_steady": plan.predicted_is_steady,
+                    "steady_samples_per_s": round_sig(rate),
+                    "steady_window": windowed,
+                }
             if out is not None:
                 write_summary(summary, out / "summary.json")
                 if outputs:
@@ -356,8 +431,9 @@ def table(rows: list[list[str]], header: list[str], *, limit: int = 16) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-            for r in rows]
+    out += [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
+    ]
     return "\n".join(out)
 
 

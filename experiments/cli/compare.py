@@ -37,9 +37,12 @@ def add_parser(subparsers) -> None:
     p.set_defaults(iterations=COMPARE_ITERATIONS)
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
     p.add_argument("--strategy", dest="one_strategy", default=None, help=argparse.SUPPRESS)  # refused: see run
-    p.add_argument("--planned", action="store_true",
-                   help="plan each strategy that takes per-stage replicas on the --stages devices first "
-                        "(pipesim plan) and simulate the configuration it chooses")
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="plan each strategy that takes per-stage replicas on the --stages devices first "
+        "(pipesim plan) and simulate the configuration it chooses",
+    )
     add_machine_args(p, model=COMPARE_MODEL, hardware=COMPARE_HARDWARE)
     p.add_argument("--out", default="out/compare", help="output folder")
     p.set_defaults(func=run)
@@ -49,8 +52,10 @@ def run(args) -> int:
     from pipesim.sim.engine.metrics import dumps
 
     if args.one_strategy is not None:
-        raise UsageError(f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
-                         f"e.g. --strategies {args.one_strategy}")
+        raise UsageError(
+            f"pipesim compare: name the strategies to compare with --strategies (comma-separated), "
+            f"e.g. --strategies {args.one_strategy}"
+        )
     strategies = _compared(args.strategies)
     built, depths = _check_compared(args, strategies)
     layers = _uniform_layers(args, depths)
@@ -66,16 +71,27 @@ def run(args) -> int:
     for i, strategy in enumerate(strategies, 1):
         print(f"[{i}/{len(strategies)}] simulating {strategy} ...", file=sys.stderr, flush=True)
         planned = plans[strategy][0] if strategy in plans else None
-        s = simulate_one(args, strategy, out / strategy, outputs=True, plan=planned,
-                         spec=None if planned is None else planned.spec(), built=built.pop(strategy, None),
-                         uniform_layers=layers)
+        s = simulate_one(
+            args,
+            strategy,
+            out / strategy,
+            outputs=True,
+            plan=planned,
+            spec=None if planned is None else planned.spec(),
+            built=built.pop(strategy, None),
+            uniform_layers=layers,
+        )
         summaries[strategy] = s
         if base is None:
             base = s["throughput_samples_per_s"]
         row = [
-            strategy, str(s["devices_count"]), f"{s['iteration_time_s'] * 1e3:.2f}",
-            rate(s["throughput_samples_per_s"]), _ratio(s["throughput_samples_per_s"], base),
-            f"{s['bubble_fraction']:.3f}", fmt_bytes(s["peak_memory_bytes_max"]),
+            strategy,
+            str(s["devices_count"]),
+            f"{s['iteration_time_s'] * 1e3:.2f}",
+            rate(s["throughput_samples_per_s"]),
+            _ratio(s["throughput_samples_per_s"], base),
+            f"{s['bubble_fraction']:.3f}",
+            fmt_bytes(s["peak_memory_bytes_max"]),
             str(max(st["staleness_max"] for st in s["stages_info"])),
             "yes" if s["out_of_memory"] else "",
         ]
@@ -83,12 +99,23 @@ def run(args) -> int:
             row[1:1] = [s["plan"]["config"] if "plan" in s else "", f"{s['microbatches']}x{s['iterations']}"]
         rows.append(row)
     first = next(iter(summaries.values()))
-    print(f"{first['meta'].get('model')} on {first['meta'].get('hardware')}, "
-          f"{args.stages} {'devices' if args.planned else 'stages'}, {args.microbatches or 8} micro-batches, "
-          f"{args.iterations} iteration(s)" + (" (a planned run may need another: run = m x iterations)"
-                                                if args.planned else ""))
-    header = ["strategy", "devices", "iter ms", "samples/s", f"vs {strategies[0]}", "bubble", "peak mem", "staleness",
-              "OOM"]
+    print(
+        f"{first['meta'].get('model')} on {first['meta'].get('hardware')}, "
+        f"{args.stages} {'devices' if args.planned else 'stages'}, {args.microbatches or 8} micro-batches, "
+        f"{args.iterations} iteration(s)"
+        + (" (a planned run may need another: run = m x iterations)" if args.planned else "")
+    )
+    header = [
+        "strategy",
+        "devices",
+        "iter ms",
+        "samples/s",
+        f"vs {strategies[0]}",
+        "bubble",
+        "peak mem",
+        "staleness",
+        "OOM",
+    ]
     if args.planned:
         header[1:1] = ["config", "run"]
     print(table(rows, header))
@@ -103,8 +130,10 @@ def run(args) -> int:
     from pipesim.experiments.figures import write_comparison
 
     write_comparison(strategies, summaries, out)
-    print(f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json"
-          + (", plan.json, pareto.html" if plans else ""))
+    print(
+        f"wrote {out}/comparison.html, comparison.json and {out}/<strategy>/timeline.html, trace.json, summary.json"
+        + (", plan.json, pareto.html" if plans else "")
+    )
     return 0
 
 
@@ -200,9 +229,20 @@ def _compare_plans(args, strategies: list[str], out: Path, uniform_layers: int |
         print(f"planning {name} on {args.stages} devices ...", file=sys.stderr, flush=True)
         options = {k: v for k, v in strategy_options(args, name).items() if k not in ("replicas", "width")}
         try:
-            record = plan(PlanRequest(name, profile, hw, args.stages, microbatches=args.microbatches or 8,
-                                      iterations=args.iterations, options=options, recv_lookahead=args.recv_lookahead,
-                                      model=args.model, profile_path=recorded_path(args.profile))).to_json()
+            record = plan(
+                PlanRequest(
+                    name,
+                    profile,
+                    hw,
+                    args.stages,
+                    microbatches=args.microbatches or 8,
+                    iterations=args.iterations,
+                    options=options,
+                    recv_lookahead=args.recv_lookahead,
+                    model=args.model,
+                    profile_path=recorded_path(args.profile),
+                )
+            ).to_json()
         except NothingRunsError as e:  # said once: by run, as a note or as its error
             left_out[name] = str(e)
             continue

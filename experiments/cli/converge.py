@@ -36,30 +36,54 @@ def add_parser(subparsers) -> None:
     from pipesim.experiments.converge import ConvergeConfig
 
     d = ConvergeConfig()
-    p = subparsers.add_parser("converge",
-                              help="train every strategy on the same samples and compare held-out accuracy")
-    list_choices(p.add_argument("--model", default=d.model, help="real model (digits: mlp, vgg-small; characters: "
-                                "lstm, gpt-small)"), _real_models)
+    p = subparsers.add_parser("converge", help="train every strategy on the same samples and compare held-out accuracy")
+    list_choices(
+        p.add_argument(
+            "--model", default=d.model, help="real model (digits: mlp, vgg-small; characters: lstm, gpt-small)"
+        ),
+        _real_models,
+    )
     p.add_argument("--stages", type=positive, nargs="+", default=list(d.stages), help="pipeline depths")
-    list_choices(p.add_argument("--strategies", nargs="+", default=list(d.strategies),
-                                help="strategies (pipedream-nostash: PipeDream without weight stashing)"),
-                 _converge_strategies)
-    p.add_argument("--lr", type=_positive_float, nargs="+", default=list(d.lrs),
-                   help="learning rates (every strategy runs each)")
-    p.add_argument("--seeds", type=nonnegative, nargs="+", default=list(d.seeds),
-                   help="seeds of the weights and the data order")
+    list_choices(
+        p.add_argument(
+            "--strategies",
+            nargs="+",
+            default=list(d.strategies),
+            help="strategies (pipedream-nostash: PipeDream without weight stashing)",
+        ),
+        _converge_strategies,
+    )
+    p.add_argument(
+        "--lr", type=_positive_float, nargs="+", default=list(d.lrs), help="learning rates (every strategy runs each)"
+    )
+    p.add_argument(
+        "--seeds", type=nonnegative, nargs="+", default=list(d.seeds), help="seeds of the weights and the data order"
+    )
     p.add_argument("--updates", type=positive, default=d.updates, help="weight updates per run")
-    p.add_argument("--update-batch", type=positive, default=d.update_batch,
-                   help="samples per weight update, every strategy")
-    p.add_argument("--eval-every", type=positive, default=d.eval_every,
-                   help="updates between held-out evaluations (a multiple of the depth for pipedream and spectrain, "
-                        "which update p times per iteration; --updates a multiple of it)")
+    p.add_argument(
+        "--update-batch", type=positive, default=d.update_batch, help="samples per weight update, every strategy"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive,
+        default=d.eval_every,
+        help="updates between held-out evaluations (a multiple of the depth for pipedream and spectrain, "
+        "which update p times per iteration; --updates a multiple of it)",
+    )
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
     p.add_argument("--model-width", type=positive, default=None, help="model width (default: the model's for converge)")
-    p.add_argument("--model-depth", type=positive, default=None,
-                   help="model depth (default: the model's for converge, enough layers for 8 stages)")
-    p.add_argument("--backend", choices=("emulator", "gloo"), default=d.backend,
-                   help="emulator: one process per run; gloo: the distributed runtime (bit-identical, slower)")
+    p.add_argument(
+        "--model-depth",
+        type=positive,
+        default=None,
+        help="model depth (default: the model's for converge, enough layers for 8 stages)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("emulator", "gloo"),
+        default=d.backend,
+        help="emulator: one process per run; gloo: the distributed runtime (bit-identical, slower)",
+    )
     p.add_argument("--jobs", type=positive, default=d.jobs, help="runs trained at once (emulator)")
     p.add_argument("--timeout", type=seconds, default=d.timeout_s, help="seconds one gloo run may take")
     p.add_argument("--out", default="out/converge", help="output folder")
@@ -71,17 +95,30 @@ def run(args) -> int:
     from pipesim.experiments.converge import table as accuracy_rows
 
     out = output_dir(args.out)
-    cfg = ConvergeConfig(model=args.model, stages=tuple(args.stages), strategies=tuple(args.strategies),
-                         lrs=tuple(args.lr), seeds=tuple(args.seeds), updates=args.updates,
-                         update_batch=args.update_batch, eval_every=args.eval_every, momentum=args.momentum,
-                         model_width=args.model_width, model_depth=args.model_depth, backend=args.backend,
-                         jobs=args.jobs, timeout_s=args.timeout)
+    cfg = ConvergeConfig(
+        model=args.model,
+        stages=tuple(args.stages),
+        strategies=tuple(args.strategies),
+        lrs=tuple(args.lr),
+        seeds=tuple(args.seeds),
+        updates=args.updates,
+        update_batch=args.update_batch,
+        eval_every=args.eval_every,
+        momentum=args.momentum,
+        model_width=args.model_width,
+        model_depth=args.model_depth,
+        backend=args.backend,
+        jobs=args.jobs,
+        timeout_s=args.timeout,
+    )
     total = len(runs_of(cfg))  # every run checked before any trains
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    with tqdm(total=total, desc="converge", unit="run", file=sys.stderr, mininterval=0.5 if tty else 10.0,
-              leave=True) as bar:
+    with tqdm(
+        total=total, desc="converge", unit="run", file=sys.stderr, mininterval=0.5 if tty else 10.0, leave=True
+    ) as bar:
+
         def progress(done: int, n: int, record: dict) -> None:
             bar.set_postfix_str(f"{record['strategy']}, {record['stages']} stages, lr {record['lr']}", refresh=False)
             bar.update(1)

@@ -9,10 +9,14 @@ from pipesim.experiments.cli.common import output_dir
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("reproduce", help="predict the papers' published figures and compare (PipeDream, "
-                              "PipeDream-2BW, SpecTrain)")
-    p.add_argument("paper", choices=("pipedream", "2bw", "spectrain", "all"),
-                   help="the paper (all: every one this build reproduces)")
+    p = subparsers.add_parser(
+        "reproduce", help="predict the papers' published figures and compare (PipeDream, PipeDream-2BW, SpecTrain)"
+    )
+    p.add_argument(
+        "paper",
+        choices=("pipedream", "2bw", "spectrain", "all"),
+        help="the paper (all: every one this build reproduces)",
+    )
     p.add_argument("--out", default="out/reproduce", help="output folder (one subfolder per paper)")
     p.set_defaults(func=run)
 

@@ -15,9 +15,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=positive, default=None, help="devices (interleaved: stages/devices chunks)")
     p.add_argument("--format", choices=("torch-csv", "csv", "text"), default="text")
     p.add_argument("--lowered", action="store_true", help="include the sends and receives")
-    p.add_argument("--recv-lookahead", type=nonnegative, default=None,
-                   help="with --lowered: post receives this many compute actions early "
-                        "(default: 0 for torch-csv, which torch's dry run requires; else 1)")
+    p.add_argument(
+        "--recv-lookahead",
+        type=nonnegative,
+        default=None,
+        help="with --lowered: post receives this many compute actions early "
+        "(default: 0 for torch-csv, which torch's dry run requires; else 1)",
+    )
     p.add_argument("--list", action="store_true", help="list strategy names")
     p.set_defaults(func=run)
 
@@ -44,8 +48,10 @@ def run(args) -> int:
     check_size(spec)
     schedule = build_schedule(spec)
     if args.devices is not None and schedule.num_devices != args.devices:
-        raise UsageError(f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
-                         f"{schedule.num_devices} devices, not {args.devices}")
+        raise UsageError(
+            f"pipesim schedule: {args.strategy} with {args.stages} stages uses "
+            f"{schedule.num_devices} devices, not {args.devices}"
+        )
     if args.lowered:
         from pipesim.sim.ir.lowering import lower
 
@@ -57,8 +63,11 @@ def run(args) -> int:
         schedule = lower(schedule, recv_lookahead=lookahead)
     if args.format == "torch-csv":
         if get_strategy(args.strategy).asynchronous:  # said, not refused: torch's order of passes is still right
-            print(f"note: torch's CSV has no updates or weight versions, so {args.strategy} read back from it "
-                  "is a flushed schedule; --format csv keeps them", file=sys.stderr)
+            print(
+                f"note: torch's CSV has no updates or weight versions, so {args.strategy} read back from it "
+                "is a flushed schedule; --format csv keeps them",
+                file=sys.stderr,
+            )
         sys.stdout.write(to_csv(schedule, torch_only=True))
     elif args.format == "csv":
         sys.stdout.write(to_csv(schedule))

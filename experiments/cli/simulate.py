@@ -29,9 +29,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="out/simulate", help="output folder")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     p.add_argument("--summary-only", action="store_true", help="write only summary.json (skip trace and timeline)")
-    p.add_argument("--plan", default=None,
-                   help="plan.json from `pipesim plan`: its strategy, stages, replicas and split, and by default its "
-                        "model, hardware and run")
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="plan.json from `pipesim plan`: its strategy, stages, replicas and split, and by default its "
+        "model, hardware and run",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,8 +44,10 @@ def run(args) -> int:
         raise UsageError("pipesim simulate: give --strategy NAME, --schedule FILE.csv or --plan FILE")
     if args.schedule and (args.strategy or strategy_options(args)):
         given = ["--strategy"] * bool(args.strategy) + _option_flags(args)
-        raise UsageError(f"pipesim simulate: {', '.join(given)} configure a strategy to build, but --schedule "
-                         "imports one whose order is given; leave them out")
+        raise UsageError(
+            f"pipesim simulate: {', '.join(given)} configure a strategy to build, but --schedule "
+            "imports one whose order is given; leave them out"
+        )
     out = output_dir(args.out)
     started = time.perf_counter()
     summary = simulate_one(args, None, out, outputs=not args.summary_only, keep=True, plan=plan)
@@ -55,12 +60,16 @@ def run(args) -> int:
         if plan is not None:
             p = summary["plan"]
             if p["steady_window"]:
-                this_run = (f"this run {p['steady_samples_per_s']:.1f} in steady state, "
-                            f"{rate(summary['throughput_samples_per_s'])} over the whole run "
-                            "(fill and drain included)")
+                this_run = (
+                    f"this run {p['steady_samples_per_s']:.1f} in steady state, "
+                    f"{rate(summary['throughput_samples_per_s'])} over the whole run "
+                    "(fill and drain included)"
+                )
             else:  # nothing to leave out: say so rather than call the whole run steady
-                this_run = (f"this run {rate(summary['throughput_samples_per_s'])} over the whole run, too short "
-                            "for a steady state (no whole period between its fill and its drain: run more iterations)")
+                this_run = (
+                    f"this run {rate(summary['throughput_samples_per_s'])} over the whole run, too short "
+                    "for a steady state (no whole period between its fill and its drain: run more iterations)"
+                )
             planned = "in steady state" if p["predicted_is_steady"] else "over its whole run"
             if not p["predicted_is_simulated"]:
                 planned += " (the cost model's)"
@@ -85,14 +94,16 @@ def _plan_arguments(args):
     plan = load_plan(args.plan)
     if args.strategy and args.strategy != plan.strategy:
         raise UsageError(f"pipesim simulate: the plan is for {plan.strategy}, not {args.strategy}")
-    fixed = [f"--{k}" for k in ("replicas", "width") if getattr(args, k, None) is not None] + \
-        ["--stages"] * (args.stages_given and args.stages != len(plan.replicas))
+    fixed = [f"--{k}" for k in ("replicas", "width") if getattr(args, k, None) is not None] + ["--stages"] * (
+        args.stages_given and args.stages != len(plan.replicas)
+    )
     if fixed:
         raise UsageError(f"pipesim simulate: the plan fixes the stages and their replicas; leave out {fixed[0]}")
     options = _option_flags(args)
     if options:
-        raise UsageError(f"pipesim simulate: the plan fixes the strategy's options (it was chosen with them); "
-                         f"leave out {options[0]}")
+        raise UsageError(
+            f"pipesim simulate: the plan fixes the strategy's options (it was chosen with them); leave out {options[0]}"
+        )
     args.strategy = plan.strategy
     if not args.model and not args.profile:
         if plan.model is None and plan.profile is None:
@@ -106,15 +117,26 @@ def _plan_arguments(args):
 
 
 def _print_summary(s: dict) -> None:
-    print(f"{s['strategy']}: {s['stages']} stages on {s['devices_count']} devices, "
-          f"{s['microbatches']} micro-batches x {s['iterations']} iterations "
-          f"({s['meta'].get('model')} on {s['meta'].get('hardware')})")
-    print(f"iteration time {s['iteration_time_s'] * 1e3:.3f} ms, throughput "
-          f"{rate(s['throughput_samples_per_s'])} samples/s, bubble {s['bubble_fraction']:.3f}")
+    print(
+        f"{s['strategy']}: {s['stages']} stages on {s['devices_count']} devices, "
+        f"{s['microbatches']} micro-batches x {s['iterations']} iterations "
+        f"({s['meta'].get('model')} on {s['meta'].get('hardware')})"
+    )
+    print(
+        f"iteration time {s['iteration_time_s'] * 1e3:.3f} ms, throughput "
+        f"{rate(s['throughput_samples_per_s'])} samples/s, bubble {s['bubble_fraction']:.3f}"
+    )
     rows = []
     for d in s["devices"]:
-        rows.append([str(d["id"]), f"{d['bubble_fraction']:.3f}", fmt_bytes(d["peak_memory_bytes"]),
-                     fmt_bytes(d["memory_breakdown"]["activations"]), "OOM" if d["out_of_memory"] else ""])
+        rows.append(
+            [
+                str(d["id"]),
+                f"{d['bubble_fraction']:.3f}",
+                fmt_bytes(d["peak_memory_bytes"]),
+                fmt_bytes(d["memory_breakdown"]["activations"]),
+                "OOM" if d["out_of_memory"] else "",
+            ]
+        )
     print(table(rows, ["device", "bubble", "peak memory", "activations", ""]))
     rows = []
     for st in s["stages_info"]:

@@ -31,17 +31,29 @@ def run(args) -> int:
     seconds = time.perf_counter() - started
     written = sweep.write_outputs(doc, out)  # before any printing: a reader that stops early loses no file
     ran = sweep.local_workers(len(doc["points"]), args.workers)
-    where = (f"Ray ({args.ray})" if args.ray else f"{ran} local worker(s)"
-             + (f" of the {args.workers} asked for (one per chunk of points)"
-                if args.workers and ran < args.workers else ""))
-    print(f"{len(doc['points'])} points: {doc['simulated']} simulated, {doc['skipped']} skipped, "
-          f"{sum(bool(p.get('out_of_memory')) for p in doc['points'])} out of memory; "
-          f"{seconds:.2f} s on {where}")
+    where = (
+        f"Ray ({args.ray})"
+        if args.ray
+        else f"{ran} local worker(s)"
+        + (f" of the {args.workers} asked for (one per chunk of points)" if args.workers and ran < args.workers else "")
+    )
+    print(
+        f"{len(doc['points'])} points: {doc['simulated']} simulated, {doc['skipped']} skipped, "
+        f"{sum(bool(p.get('out_of_memory')) for p in doc['points'])} out of memory; "
+        f"{seconds:.2f} s on {where}"
+    )
     for reason, count in list(sweep.skip_reasons(doc).items())[:3]:
         print(f"  skipped {count}: {reason}")
-    rows = [[p["model"], p["hardware"], sweep.label(p, doc["axes"]),
-             rate(p["throughput_samples_per_s"]), fmt_bytes(p["peak_memory_bytes_max"])]
-            for p in sweep.best_points(doc)]
+    rows = [
+        [
+            p["model"],
+            p["hardware"],
+            sweep.label(p, doc["axes"]),
+            rate(p["throughput_samples_per_s"]),
+            fmt_bytes(p["peak_memory_bytes_max"]),
+        ]
+        for p in sweep.best_points(doc)
+    ]
     if rows:
         print("fastest configuration that fits in memory:")
         print(table(rows, ["model", "hardware", "configuration", "samples/s", "peak mem"]))

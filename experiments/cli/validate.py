@@ -19,16 +19,24 @@ def add_parser(subparsers) -> None:
     add_schedule_args(p, strategy_required=True, iterations=4, stages=2)
     p.set_defaults(stages=2, iterations=4)
     model_args(p)
-    p.add_argument("--backend", choices=("gloo", "nccl", "single"), default="gloo",
-                   help="gloo: CPU processes; nccl: one process per GPU; single: every stage on one device")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl", "single"),
+        default="gloo",
+        help="gloo: CPU processes; nccl: one process per GPU; single: every stage on one device",
+    )
     p.add_argument("--profile", default=None, help="use this profile JSON instead of profiling")
     p.add_argument("--hardware", default=None, help="use this hardware JSON instead of measuring links")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--synthetic", action="store_true", help="random inputs of the right shapes (timing only)")
-    p.add_argument("--recv-lookahead", type=nonnegative, default=1,
-                   help="post receives this many compute actions early (0 = right before use)")
+    p.add_argument(
+        "--recv-lookahead",
+        type=nonnegative,
+        default=1,
+        help="post receives this many compute actions early (0 = right before use)",
+    )
     p.add_argument("--timeout", type=seconds, default=600.0, help="seconds before the workers are stopped")
     p.add_argument("--oversubscribe", action="store_true", help="allow more worker processes than cores")
     p.add_argument("--out", default="out/validate", help="output folder")
@@ -49,12 +57,24 @@ def run(args) -> int:
     options = strategy_options(args)
     options.pop("width", None)  # replicas, below
     cfg = ValidateConfig(
-        strategy=args.strategy, stages=args.stages, microbatches=args.microbatches or 8, model=args.model,
-        backend=args.backend, iterations=args.iterations, microbatch_size=args.microbatch_size,
-        replicas=args.width or 1, model_width=args.model_width, model_depth=args.model_depth, seed=args.seed,
+        strategy=args.strategy,
+        stages=args.stages,
+        microbatches=args.microbatches or 8,
+        model=args.model,
+        backend=args.backend,
+        iterations=args.iterations,
+        microbatch_size=args.microbatch_size,
+        replicas=args.width or 1,
+        model_width=args.model_width,
+        model_depth=args.model_depth,
+        seed=args.seed,
         optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr, momentum=args.momentum),
-        synthetic=args.synthetic, recv_lookahead=args.recv_lookahead, timeout_s=args.timeout,
-        profile_path=args.profile, hardware_path=args.hardware, oversubscribe=args.oversubscribe,
+        synthetic=args.synthetic,
+        recv_lookahead=args.recv_lookahead,
+        timeout_s=args.timeout,
+        profile_path=args.profile,
+        hardware_path=args.hardware,
+        oversubscribe=args.oversubscribe,
         strategy_options=tuple(sorted(options.items())),
     )
     v = run_validation(cfg, progress=progress)
@@ -64,29 +84,53 @@ def run(args) -> int:
     (out / "hardware.json").write_text(json.dumps(v.hardware.to_json(), indent=1) + "\n")
     flagged = r["flagged_actions"]
     replicas = dict(cfg.strategy_options).get("replicas")
-    shape = (f"stages replicated {notation_of(replicas)}" if replicas else
-             f"{r['stages']} stages" + (f" x {cfg.replicas} pipelines" if cfg.replicas > 1 else ""))
-    title = (f"{cfg.strategy}, {shape}, {cfg.model}, {cfg.backend}: iteration "
-             f"{r['iteration_time_measured_s'] * 1e3:.2f} ms measured, {r['iteration_time_predicted_s'] * 1e3:.2f} ms "
-             f"predicted ({r['iteration_time_error']:+.1%})")
+    shape = (
+        f"stages replicated {notation_of(replicas)}"
+        if replicas
+        else f"{r['stages']} stages" + (f" x {cfg.replicas} pipelines" if cfg.replicas > 1 else "")
+    )
+    title = (
+        f"{cfg.strategy}, {shape}, {cfg.model}, {cfg.backend}: iteration "
+        f"{r['iteration_time_measured_s'] * 1e3:.2f} ms measured, {r['iteration_time_predicted_s'] * 1e3:.2f} ms "
+        f"predicted ({r['iteration_time_error']:+.1%})"
+    )
     write_overlay_html(v.measured, v.predicted, out / "overlay.html", title=title, flagged=flagged)
     write_merged_trace(v.measured, v.predicted, out / "trace.json")
     a = r["action_errors"]
     print(title)
-    print(table([
-        ["iteration time (ms)", f"{r['iteration_time_measured_s'] * 1e3:.3f}",
-         f"{r['iteration_time_predicted_s'] * 1e3:.3f}", f"{r['iteration_time_error']:+.1%}"],
-        ["bubble fraction", f"{r['bubble_fraction_measured']:.3f}", f"{r['bubble_fraction_predicted']:.3f}",
-         f"{r['bubble_fraction_predicted'] - r['bubble_fraction_measured']:+.3f}"],
-    ], ["", "measured", "predicted", "error"]))
-    print(f"per action: |start error| median {a['start_error_s']['median'] * 1e3:.3f} ms, p90 "
-          f"{a['start_error_s']['p90'] * 1e3:.3f} ms; |duration error| median {a['duration_error']['median']:.1%}, "
-          f"p90 {a['duration_error']['p90']:.1%}; {a['flagged_count']} of {a['compared']} actions over the thresholds")
+    print(
+        table(
+            [
+                [
+                    "iteration time (ms)",
+                    f"{r['iteration_time_measured_s'] * 1e3:.3f}",
+                    f"{r['iteration_time_predicted_s'] * 1e3:.3f}",
+                    f"{r['iteration_time_error']:+.1%}",
+                ],
+                [
+                    "bubble fraction",
+                    f"{r['bubble_fraction_measured']:.3f}",
+                    f"{r['bubble_fraction_predicted']:.3f}",
+                    f"{r['bubble_fraction_predicted'] - r['bubble_fraction_measured']:+.3f}",
+                ],
+            ],
+            ["", "measured", "predicted", "error"],
+        )
+    )
+    print(
+        f"per action: |start error| median {a['start_error_s']['median'] * 1e3:.3f} ms, p90 "
+        f"{a['start_error_s']['p90'] * 1e3:.3f} ms; |duration error| median {a['duration_error']['median']:.1%}, "
+        f"p90 {a['duration_error']['p90']:.1%}; {a['flagged_count']} of {a['compared']} actions over the thresholds"
+    )
     for f in flagged[:5]:
-        print(f"  device {f['device']} {f['action']}: {f['duration_measured_s'] * 1e3:.3f} ms measured, "
-              f"{f['duration_predicted_s'] * 1e3:.3f} ms predicted")
+        print(
+            f"  device {f['device']} {f['action']}: {f['duration_measured_s'] * 1e3:.3f} ms measured, "
+            f"{f['duration_predicted_s'] * 1e3:.3f} ms predicted"
+        )
     wv = r["weight_versions"]
-    print(f"weight versions: {'as predicted' if wv['match'] else str(wv['mismatches']) + ' passes differ'} "
-          f"({wv['passes_compared']} passes); losses " + ", ".join(f"{x:.4f}" for x in r["losses"]))
+    print(
+        f"weight versions: {'as predicted' if wv['match'] else str(wv['mismatches']) + ' passes differ'} "
+        f"({wv['passes_compared']} passes); losses " + ", ".join(f"{x:.4f}" for x in r["losses"])
+    )
     print(f"wrote {out}/report.json, overlay.html, trace.json, profile.json, hardware.json")
     return 0

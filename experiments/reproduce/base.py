@@ -126,14 +126,20 @@ def row_key(row: Row) -> tuple:
     return (row.figure, row.model, row.global_batch, row.technique, row.metric)
 
 
-def with_published(rows: Sequence[Row], claims: Sequence[Claim], published_rows: Mapping[tuple, float],
-                   published_claims: Mapping[str, float],
-                   key: Callable[[Row], tuple] = row_key) -> tuple[list[Row], list[Claim]]:
+def with_published(
+    rows: Sequence[Row],
+    claims: Sequence[Claim],
+    published_rows: Mapping[tuple, float],
+    published_claims: Mapping[str, float],
+    key: Callable[[Row], tuple] = row_key,
+) -> tuple[list[Row], list[Claim]]:
     """The predictions with their published values filled in (None where the
     paper gives none); ``key`` finds a row's value (:func:`row_key`, or a
     paper's own where two rows differ only in their hardware)."""
-    return ([replace(r, published=published_rows.get(key(r))) for r in rows],
-            [replace(c, published=published_claims.get(c.id)) for c in claims])
+    return (
+        [replace(r, published=published_rows.get(key(r))) for r in rows],
+        [replace(c, published=published_claims.get(c.id)) for c in claims],
+    )
 
 
 @dataclass(frozen=True)
@@ -171,12 +177,16 @@ def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
     whether it is within tolerance, and the note (``hardware``: a column for
     each row's hardware and GPUs too)."""
     hw = "hardware | GPUs | " if hardware else ""
-    out = [f"| figure | model | {hw}technique | batch | metric | predicted | published | error | note |",
-           "|---|---|" + ("---|---|" if hardware else "") + "---|---|---|---|---|---|---|"]
+    out = [
+        f"| figure | model | {hw}technique | batch | metric | predicted | published | error | note |",
+        "|---|---|" + ("---|---|" if hardware else "") + "---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         where = f"{r.hardware} | {r.gpus} | " if hardware else ""
-        out.append(f"| {r.figure} | {r.model} | {where}{r.technique} | {r.global_batch or ''} | {r.metric} | "
-                   f"{_num(r.predicted)} | {_num(r.published)} | {_error(r)} | {_note(r)} |")
+        out.append(
+            f"| {r.figure} | {r.model} | {where}{r.technique} | {r.global_batch or ''} | {r.metric} | "
+            f"{_num(r.predicted)} | {_num(r.published)} | {_error(r)} | {_note(r)} |"
+        )
     return "\n".join(out)
 
 
@@ -221,14 +231,23 @@ def bars_beside_published(rows: Sequence[Row], title: str, yaxis: str, group: Ca
 
     x = [[group(r) for r in rows], [r.technique for r in rows]]
     fig = go.Figure()
-    fig.add_bar(x=x, y=[r.predicted for r in rows], name="pipesim (predicted)",
-                text=["OOM" if r.predicted is None else ("" if r.ratio_error is None else f"{r.ratio_error:+.0%}")
-                      for r in rows],
-                textposition="outside", marker={"color": "#1f77b4"})
-    fig.add_bar(x=x, y=[r.published for r in rows], name="published",
-                marker={"color": "rgba(0,0,0,0)", "line": {"color": "#d62728", "width": 2}})
-    fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", template="plotly_white",
-                      width=1100, height=520)
+    fig.add_bar(
+        x=x,
+        y=[r.predicted for r in rows],
+        name="pipesim (predicted)",
+        text=[
+            "OOM" if r.predicted is None else ("" if r.ratio_error is None else f"{r.ratio_error:+.0%}") for r in rows
+        ],
+        textposition="outside",
+        marker={"color": "#1f77b4"},
+    )
+    fig.add_bar(
+        x=x,
+        y=[r.published for r in rows],
+        name="published",
+        marker={"color": "rgba(0,0,0,0)", "line": {"color": "#d62728", "width": 2}},
+    )
+    fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", template="plotly_white", width=1100, height=520)
     return fig
 
 

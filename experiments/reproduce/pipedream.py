@@ -43,8 +43,8 @@ from pipesim.experiments.reproduce.base import (
     write_figure,
 )
 from pipesim.sim.api import resolve_hardware
-from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.planning.plan import PlanRequest, data_parallel_throughput, notation, plan
+from pipesim.sim.workloads.catalog import model_profile
 
 NAME = "pipedream"
 FIGURE = "table1"
@@ -69,28 +69,38 @@ PUBLISHED: dict[tuple, float] = {
 #: 14 stages on 14 GPUs: the stage map its driver launched
 #: (``models/gnmt_large/gpus=16/mp_conf.json`` in msr-fiddle/pipedream,
 #: commit 7db6a1c) has 14 stages, and its runtime's world size is the map's.
-PUBLISHED_CONFIGS = {"pipedream-vgg16": ("15-1", 16), "pipedream-alexnet": ("15-1", 16),
-                     "pipedream-resnet50": ("16", 16), "pipedream-gnmt16": ("straight", 14)}
+PUBLISHED_CONFIGS = {
+    "pipedream-vgg16": ("15-1", 16),
+    "pipedream-alexnet": ("15-1", 16),
+    "pipedream-resnet50": ("16", 16),
+    "pipedream-gnmt16": ("straight", 14),
+}
 #: "up to 5.3x faster than commonly used intra-batch parallelism" (abstract).
 PUBLISHED_CLAIMS = {"pipedream-up-to": 5.3}
 
 #: Why a row's gap is what it is (the report prints it for gaps over 20%).
 #: Written after seeing the results; the causes are the README's ("Planning",
 #: side by side with PipeDream's optimizer), and they hold for every row.
-NOTE_DP = ("the gap is in the baseline: pipesim's data parallelism is a ring all-reduce after the backward pass "
-           "at the presets' nominal speeds (one 10 or 25 Gbps NIC per server shared by its GPUs), and the paper's "
-           "measured data parallelism was slower than that, as PipeDream's own model of it is (the README's "
-           "Planning section: 4.97x one GPU for VGG-16 against pipesim's simulated 7.1x); a slower baseline "
-           "inflates every speedup over it")
-NOTE_PIPE = ("pipesim's best configuration itself is slow here: a stage of one replica takes the activations of "
-             "the many replicas before it through its server's one NIC, and a replicated stage steps in lock-step "
-             "with its slowest replica, which PipeDream's optimizer does not charge (it ignores activation "
-             "transfers)")
+NOTE_DP = (
+    "the gap is in the baseline: pipesim's data parallelism is a ring all-reduce after the backward pass "
+    "at the presets' nominal speeds (one 10 or 25 Gbps NIC per server shared by its GPUs), and the paper's "
+    "measured data parallelism was slower than that, as PipeDream's own model of it is (the README's "
+    "Planning section: 4.97x one GPU for VGG-16 against pipesim's simulated 7.1x); a slower baseline "
+    "inflates every speedup over it"
+)
+NOTE_PIPE = (
+    "pipesim's best configuration itself is slow here: a stage of one replica takes the activations of "
+    "the many replicas before it through its server's one NIC, and a replicated stage steps in lock-step "
+    "with its slowest replica, which PipeDream's optimizer does not charge (it ignores activation "
+    "transfers)"
+)
 #: below this share of the GPUs' compute a configuration's own speed is named as a cause
 SLOW_PIPELINE = 0.6
-NOTE_CONFIG = ("where pipesim's configuration differs from the paper's, it is because pipesim charges the "
-               "activations each cut sends over the server's one NIC and makes a replicated stage wait for its "
-               "slowest replica, which PipeDream's optimizer does not (it ignores activation transfers)")
+NOTE_CONFIG = (
+    "where pipesim's configuration differs from the paper's, it is because pipesim charges the "
+    "activations each cut sends over the server's one NIC and makes a replicated stage wait for its "
+    "slowest replica, which PipeDream's optimizer does not (it ignores activation transfers)"
+)
 
 
 def key(row: Row) -> tuple:
@@ -117,18 +127,34 @@ def predict(progress: Progress = no_progress) -> tuple[list[Row], list[Claim]]:
             one_gpu = batch / sum(layer.forward_s + layer.backward_s for layer in profile.layers)
             dp_eff = (p.data_parallel_samples_per_s or 0.0) / (GPUS * one_gpu)
             eff = p.predicted_samples_per_s / (GPUS * one_gpu)
-            rows.append(Row(
-                paper=NAME, figure=FIGURE, model=model, hardware=preset, gpus=GPUS, global_batch=batch * GPUS,
-                technique="pipedream", metric="speedup_vs_dp", predicted=p.speedup_vs_dp,
-                config={"w": None, "d": len(replicas), "b": batch, "recompute": False, "replicas": replicas},
-                note=f"pipesim chose {chosen}, at {eff:.0%} of 16 GPUs' compute, data parallelism at "
-                     f"{dp_eff:.0%}; " + (NOTE_PIPE + "; " if eff < SLOW_PIPELINE else "") + NOTE_DP))
+            rows.append(
+                Row(
+                    paper=NAME,
+                    figure=FIGURE,
+                    model=model,
+                    hardware=preset,
+                    gpus=GPUS,
+                    global_batch=batch * GPUS,
+                    technique="pipedream",
+                    metric="speedup_vs_dp",
+                    predicted=p.speedup_vs_dp,
+                    config={"w": None, "d": len(replicas), "b": batch, "recompute": False, "replicas": replicas},
+                    note=f"pipesim chose {chosen}, at {eff:.0%} of 16 GPUs' compute, data parallelism at "
+                    f"{dp_eff:.0%}; " + (NOTE_PIPE + "; " if eff < SLOW_PIPELINE else "") + NOTE_DP,
+                )
+            )
             done += 1
     progress(done, steps(), "done")
     best = max((r.predicted for r in rows if r.predicted is not None), default=None)
-    claims = [Claim(id="pipedream-up-to", text="PipeDream up to 5.3x faster than intra-batch (data) parallelism "
-                    "(abstract; the largest Table 1 row predicted)", predicted=best,
-                    note=NOTE_DP)]
+    claims = [
+        Claim(
+            id="pipedream-up-to",
+            text="PipeDream up to 5.3x faster than intra-batch (data) parallelism "
+            "(abstract; the largest Table 1 row predicted)",
+            predicted=best,
+            note=NOTE_DP,
+        )
+    ]
     return rows, claims
 
 
@@ -164,36 +190,63 @@ def _paper_config(row: Row) -> str:
 def notes(rows: list[Row], claims: list[Claim]) -> str:
     """The configurations chosen against those the paper ran, what the
     paper's would give in pipesim, and the causes of the gaps."""
-    out = ["Configurations (PipeDream's notation: replicas per stage; \"16\" pure data parallelism), and the "
-           "speedup pipesim predicts for each (the paper's with its cuts planned, `pipesim plan --replicas`):", "",
-           "| model | cluster | pipesim chose | speedup | the paper ran | its speedup in pipesim |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        'Configurations (PipeDream\'s notation: replicas per stage; "16" pure data parallelism), and the '
+        "speedup pipesim predicts for each (the paper's with its cuts planned, `pipesim plan --replicas`):",
+        "",
+        "| model | cluster | pipesim chose | speedup | the paper ran | its speedup in pipesim |",
+        "|---|---|---|---|---|---|",
+    ]
     names = dict(CLUSTERS)
     for r in rows:
         theirs = held_to_paper(r)
-        out.append(f"| {r.model} | {names.get(r.hardware, r.hardware)} | {notation(r.config['replicas'])} | "
-                   f"{r.predicted:.2f}x | {_paper_config(r)} | "
-                   f"{'—' if theirs is None else f'{theirs:.2f}x'} |")
-    out += ["", "Per-GPU batch as in the paper's runs (VGG-16 64, AlexNet 256, ResNet-50 128, GNMT-16 64): "
-            "PipeDream's measured profiles rescaled linearly from their profiled batch (`--microbatch-size`). "
-            "GNMT-16 has no published epoch-time speedup for these two clusters in the sources we could read "
-            "(the paper's Cluster-B row is one 8-GPU server), so its rows are predictions only.",
-            "", "Gaps over 20%: " + NOTE_DP[0].upper() + NOTE_DP[1:] + ". " + NOTE_CONFIG[0].upper()
-            + NOTE_CONFIG[1:] + "; the README's Planning section (side by side with PipeDream's optimizer) "
-            "measures both effects."]
+        out.append(
+            f"| {r.model} | {names.get(r.hardware, r.hardware)} | {notation(r.config['replicas'])} | "
+            f"{r.predicted:.2f}x | {_paper_config(r)} | "
+            f"{'—' if theirs is None else f'{theirs:.2f}x'} |"
+        )
+    out += [
+        "",
+        "Per-GPU batch as in the paper's runs (VGG-16 64, AlexNet 256, ResNet-50 128, GNMT-16 64): "
+        "PipeDream's measured profiles rescaled linearly from their profiled batch (`--microbatch-size`). "
+        "GNMT-16 has no published epoch-time speedup for these two clusters in the sources we could read "
+        "(the paper's Cluster-B row is one 8-GPU server), so its rows are predictions only.",
+        "",
+        "Gaps over 20%: "
+        + NOTE_DP[0].upper()
+        + NOTE_DP[1:]
+        + ". "
+        + NOTE_CONFIG[0].upper()
+        + NOTE_CONFIG[1:]
+        + "; the README's Planning section (side by side with PipeDream's optimizer) "
+        "measures both effects.",
+    ]
     return "\n".join(out)
 
 
 def figures(rows: list[Row], claims: list[Claim], out_dir: Path) -> list[Path]:
     names = dict(CLUSTERS)
-    fig = bars_beside_published(rows, "PipeDream Table 1: speedup over data parallelism (16 GPUs, epoch time)",
-                                "speedup over data parallelism (x)",
-                                group=lambda r: f"{r.model.removeprefix('pipedream-')}, {names[r.hardware]}")
+    fig = bars_beside_published(
+        rows,
+        "PipeDream Table 1: speedup over data parallelism (16 GPUs, epoch time)",
+        "speedup over data parallelism (x)",
+        group=lambda r: f"{r.model.removeprefix('pipedream-')}, {names[r.hardware]}",
+    )
     return write_figure(fig, out_dir, "table1")
 
 
-PAPER = Paper(name=NAME, title="PipeDream (SOSP'19), Table 1: speedup over data parallelism",
-              predict=predict, published_rows=PUBLISHED, published_claims=PUBLISHED_CLAIMS, figures=figures,
-              steps=steps(), key=key, notes=notes,
-              sources=("Narayanan et al., PipeDream: Generalized Pipeline Parallelism for DNN Training, SOSP 2019, "
-                       "Table 1 (VGG-16, AlexNet: the issue's section 4; ResNet-50: a reading note of the paper)",))
+PAPER = Paper(
+    name=NAME,
+    title="PipeDream (SOSP'19), Table 1: speedup over data parallelism",
+    predict=predict,
+    published_rows=PUBLISHED,
+    published_claims=PUBLISHED_CLAIMS,
+    figures=figures,
+    steps=steps(),
+    key=key,
+    notes=notes,
+    sources=(
+        "Narayanan et al., PipeDream: Generalized Pipeline Parallelism for DNN Training, SOSP 2019, "
+        "Table 1 (VGG-16, AlexNet: the issue's section 4; ResNet-50: a reading note of the paper)",
+    ),
+)

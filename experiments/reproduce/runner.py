@@ -125,8 +125,11 @@ def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float
     compared = [r for r in [*rows, *claims] if r.ratio_error is not None]
     in_points = [r for r in rows if r.difference is not None]
     points = f"; {len(in_points)} differences in points compared by their sign and size" if in_points else ""
-    out += [f"{len(compared) - len(outside)} of {len(compared)} compared values within tolerance{points}; "
-            f"{len(rows) + len(claims) - len(compared) - len(in_points)} without a published value.", ""]
+    out += [
+        f"{len(compared) - len(outside)} of {len(compared)} compared values within tolerance{points}; "
+        f"{len(rows) + len(claims) - len(compared) - len(in_points)} without a published value.",
+        "",
+    ]
     if rows:
         several = len({(r.hardware, r.gpus) for r in rows}) > 1
         out += ["## Predicted against published", "", comparison_table(rows, hardware=several), ""]
@@ -179,8 +182,15 @@ def _run_with_bar(paper: Paper, out: Path) -> Outcome:
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    with tqdm(total=paper.steps, desc=f"reproduce {paper.name}", unit="step", file=sys.stderr,
-              mininterval=0.2 if tty else 5.0, leave=True) as t:
+    with tqdm(
+        total=paper.steps,
+        desc=f"reproduce {paper.name}",
+        unit="step",
+        file=sys.stderr,
+        mininterval=0.2 if tty else 5.0,
+        leave=True,
+    ) as t:
+
         def progress(done: int, total: int, what: str) -> None:
             if total != t.total:
                 t.total = total

@@ -72,9 +72,9 @@ from pipesim.experiments.reproduce.base import (
 )
 from pipesim.sim.api import resolve_hardware, simulate
 from pipesim.sim.hardware.machines import DeviceSpec
-from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.planning.plan import steady_throughput
 from pipesim.sim.strategies import ScheduleSpec
+from pipesim.sim.workloads.catalog import model_profile
 from pipesim.sim.workloads.profile import LayerCost, Profile
 
 NAME = "spectrain"
@@ -113,8 +113,14 @@ ACCURACY_RESULTS = (
     (TWO_BW_FIGURE, "converge-mlp.json", "pipedream-2bw-bert-mnli", "data-parallel", ("pipedream-2bw",)),
 )
 #: a strategy's label in the report, as the papers name it
-LABELS = {"data-parallel": "data parallelism", "1f1b": "1F1B (synchronous)", "pipedream-nostash": "vanilla (no stashing)",
-          "pipedream": "PipeDream (stashing)", "spectrain": "SpecTrain", "pipedream-2bw": "PipeDream-2BW"}
+LABELS = {
+    "data-parallel": "data parallelism",
+    "1f1b": "1F1B (synchronous)",
+    "pipedream-nostash": "vanilla (no stashing)",
+    "pipedream": "PipeDream (stashing)",
+    "spectrain": "SpecTrain",
+    "pipedream-2bw": "PipeDream-2BW",
+}
 
 
 def _gap_key(figure: str, model: str, technique: str) -> tuple:
@@ -153,11 +159,13 @@ def converge_command(doc: dict) -> str:
     lrs = sorted({r["lr"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
     stages = sorted({r["stages"] for r in runs})
-    return (f"pipesim converge --model {st['model']} --stages {' '.join(map(str, stages))} "
-            f"--strategies {' '.join(strategies)} --lr {' '.join(f'{x:g}' for x in lrs)} "
-            f"--seeds {' '.join(map(str, seeds))} --updates {st['updates']} --update-batch {st['update_batch']} "
-            f"--eval-every {st['eval_every']} --momentum {st['momentum']:g} --model-width {st['model_width']} "
-            f"--model-depth {st['model_depth']}")
+    return (
+        f"pipesim converge --model {st['model']} --stages {' '.join(map(str, stages))} "
+        f"--strategies {' '.join(strategies)} --lr {' '.join(f'{x:g}' for x in lrs)} "
+        f"--seeds {' '.join(map(str, seeds))} --updates {st['updates']} --update-batch {st['update_batch']} "
+        f"--eval-every {st['eval_every']} --momentum {st['momentum']:g} --model-width {st['model_width']} "
+        f"--model-depth {st['model_depth']}"
+    )
 
 
 def _mean(doc: dict, stages: int, strategy: str, lr: str) -> float | None:
@@ -181,18 +189,34 @@ def accuracy_rows() -> list[Row]:
         for technique in strategies:
             got = _mean(doc, ACCURACY_STAGES, technique, lr)
             div = summary["accuracy"][technique][lr]
-            note = (f"measured by pipesim converge ({results}: {doc['settings']['model']}, "
-                    f"{ACCURACY_STAGES} stages, lr {lr}, the file's reference; {div['seeds']} seeds, "
-                    f"{div['diverged']} diverged) against {LABELS[baseline]}; regenerate with "
-                    f"`{converge_command(doc)}`; a different model and data than the paper's: compare signs and "
-                    f"orderings, not sizes")
-            rows.append(Row(paper=NAME, figure=figure, model=model, hardware=doc["settings"]["backend"],
-                            gpus=ACCURACY_STAGES, global_batch=doc["settings"]["update_batch"], technique=technique,
-                            metric=ACCURACY_METRIC,
-                            predicted=None if got is None or base is None else 100 * (got - base),
-                            config={"w": 1, "d": ACCURACY_STAGES, "b": layout[technique]["microbatch_size"],
-                                    "recompute": False, "replicas": [1] * ACCURACY_STAGES},
-                            note=note))
+            note = (
+                f"measured by pipesim converge ({results}: {doc['settings']['model']}, "
+                f"{ACCURACY_STAGES} stages, lr {lr}, the file's reference; {div['seeds']} seeds, "
+                f"{div['diverged']} diverged) against {LABELS[baseline]}; regenerate with "
+                f"`{converge_command(doc)}`; a different model and data than the paper's: compare signs and "
+                f"orderings, not sizes"
+            )
+            rows.append(
+                Row(
+                    paper=NAME,
+                    figure=figure,
+                    model=model,
+                    hardware=doc["settings"]["backend"],
+                    gpus=ACCURACY_STAGES,
+                    global_batch=doc["settings"]["update_batch"],
+                    technique=technique,
+                    metric=ACCURACY_METRIC,
+                    predicted=None if got is None or base is None else 100 * (got - base),
+                    config={
+                        "w": 1,
+                        "d": ACCURACY_STAGES,
+                        "b": layout[technique]["microbatch_size"],
+                        "recompute": False,
+                        "replicas": [1] * ACCURACY_STAGES,
+                    },
+                    note=note,
+                )
+            )
     return rows
 
 
@@ -201,8 +225,14 @@ PUBLISHED_ROWS: dict[tuple, float] = _published_gaps()
 FP32 = 4
 
 
-def fc_profile(device: DeviceSpec, batch: int = FC_BATCH, inputs: int = FC_INPUT, hidden: int = FC_HIDDEN,
-               layers: int = FC_LAYERS, outputs: int = FC_OUTPUT) -> Profile:
+def fc_profile(
+    device: DeviceSpec,
+    batch: int = FC_BATCH,
+    inputs: int = FC_INPUT,
+    hidden: int = FC_HIDDEN,
+    layers: int = FC_LAYERS,
+    outputs: int = FC_OUTPUT,
+) -> Profile:
     """A fully connected network ``inputs -> layers x hidden -> outputs`` at
     micro-batch ``batch``, fp32, on ``device``."""
     dims = [inputs] + [hidden] * layers + [outputs]
@@ -212,11 +242,24 @@ def fc_profile(device: DeviceSpec, batch: int = FC_BATCH, inputs: int = FC_INPUT
         flops = 2 * batch * a * b
         moved = params + batch * (a + b) * FP32
         fwd = max(flops / device.flops, moved / device.mem_bandwidth)
-        out.append(LayerCost(name=f"fc{i}", forward_s=fwd, backward_s=2 * fwd, param_bytes=params,
-                             activation_bytes=batch * b * FP32, stash_bytes=batch * b * FP32))
-    return Profile(name=FC_NAME, layers=tuple(out), microbatch_size=batch, optimizer="sgd",
-                   notes=f"fully connected {inputs}-{layers}x{hidden}-{outputs}, fp32, micro-batch {batch} "
-                         f"(SpecTrain's 'large fully connected network'; dimensions assumed)")
+        out.append(
+            LayerCost(
+                name=f"fc{i}",
+                forward_s=fwd,
+                backward_s=2 * fwd,
+                param_bytes=params,
+                activation_bytes=batch * b * FP32,
+                stash_bytes=batch * b * FP32,
+            )
+        )
+    return Profile(
+        name=FC_NAME,
+        layers=tuple(out),
+        microbatch_size=batch,
+        optimizer="sgd",
+        notes=f"fully connected {inputs}-{layers}x{hidden}-{outputs}, fp32, micro-batch {batch} "
+        f"(SpecTrain's 'large fully connected network'; dimensions assumed)",
+    )
 
 
 def profile_of(model: str, device: DeviceSpec) -> Profile:
@@ -229,10 +272,12 @@ def _throughput(spec: ScheduleSpec, profile: Profile, hw) -> float:
 
 #: what each model runs: (label, spec)
 def runs() -> list[tuple[str, ScheduleSpec]]:
-    return [("spectrain", ScheduleSpec("spectrain", GPUS, MICROBATCHES, iterations=ITERATIONS)),
-            ("pipedream", ScheduleSpec("pipedream", GPUS, MICROBATCHES, iterations=ITERATIONS)),
-            ("inter-layer", ScheduleSpec("gpipe", GPUS, 1, iterations=ITERATIONS)),
-            ("data-parallel", ScheduleSpec("data-parallel", GPUS, GPUS, iterations=ITERATIONS))]
+    return [
+        ("spectrain", ScheduleSpec("spectrain", GPUS, MICROBATCHES, iterations=ITERATIONS)),
+        ("pipedream", ScheduleSpec("pipedream", GPUS, MICROBATCHES, iterations=ITERATIONS)),
+        ("inter-layer", ScheduleSpec("gpipe", GPUS, 1, iterations=ITERATIONS)),
+        ("data-parallel", ScheduleSpec("data-parallel", GPUS, GPUS, iterations=ITERATIONS)),
+    ]
 
 
 def steps() -> int:
@@ -255,48 +300,74 @@ def predict(progress: Progress = no_progress) -> tuple[list[Row], list[Claim]]:
         dp = speed["data-parallel"]
         best_mp = max(speed["pipedream"], speed["inter-layer"])
         for technique in ("spectrain", "pipedream"):
-            rows.append(Row(paper=NAME, figure=FIGURE, model=model, hardware=HARDWARE, gpus=GPUS, global_batch=b,
-                            technique=technique, metric="speedup_vs_dp", predicted=speed[technique] / dp,
-                            config={"w": 1, "d": GPUS, "b": b, "recompute": False, "replicas": [1] * GPUS},
-                            note=NOTE_ROW))
+            rows.append(
+                Row(
+                    paper=NAME,
+                    figure=FIGURE,
+                    model=model,
+                    hardware=HARDWARE,
+                    gpus=GPUS,
+                    global_batch=b,
+                    technique=technique,
+                    metric="speedup_vs_dp",
+                    predicted=speed[technique] / dp,
+                    config={"w": 1, "d": GPUS, "b": b, "recompute": False, "replicas": [1] * GPUS},
+                    note=NOTE_ROW,
+                )
+            )
         vs_dp.append(speed["spectrain"] / dp)
         vs_mp.append(speed["spectrain"] / best_mp)
     rows += accuracy_rows()
     progress(done, steps(), "done")
     claims = [
-        Claim(id="spectrain-vs-dp", text="SpecTrain up to 8.91x faster than data parallelism on a 4-GPU platform "
-              "(the largest of the models' predicted speedups)", predicted=max(vs_dp), note=NOTE_DP),
-        Claim(id="spectrain-vs-mp", text="SpecTrain up to 2.18x faster than the best model-parallel method of its "
-              "time (predicted: over the faster of PipeDream and unpipelined inter-layer model parallelism)",
-              predicted=max(vs_mp), note=NOTE_MP),
+        Claim(
+            id="spectrain-vs-dp",
+            text="SpecTrain up to 8.91x faster than data parallelism on a 4-GPU platform "
+            "(the largest of the models' predicted speedups)",
+            predicted=max(vs_dp),
+            note=NOTE_DP,
+        ),
+        Claim(
+            id="spectrain-vs-mp",
+            text="SpecTrain up to 2.18x faster than the best model-parallel method of its "
+            "time (predicted: over the faster of PipeDream and unpipelined inter-layer model parallelism)",
+            predicted=max(vs_mp),
+            note=NOTE_MP,
+        ),
     ]
     return rows, claims
 
 
 NOTE_ROW = "no per-model value published in the text we could read"
-NOTE_DP = ("the speedup over data parallelism is set by the model's weights against its compute on a shared PCIe "
-           "bridge, and the dimensions of the paper's networks and its platform's interconnect are assumptions "
-           "here (module doc); the largest fully connected network decides the maximum")
-NOTE_MP = ("SpecTrain and PipeDream run the same 1F1B order, so pipesim predicts SpecTrain no faster than PipeDream "
-           "(slower where its weight prediction, a memory-bound pass over a stage's weights before each pass, is "
-           "large against the compute: the fully connected network); the paper's gain over the model-parallel "
-           "method of its time is measured against a baseline pipesim does not model, and the accuracy side "
-           "(staleness) is the convergence work's (pipesim converge)")
+NOTE_DP = (
+    "the speedup over data parallelism is set by the model's weights against its compute on a shared PCIe "
+    "bridge, and the dimensions of the paper's networks and its platform's interconnect are assumptions "
+    "here (module doc); the largest fully connected network decides the maximum"
+)
+NOTE_MP = (
+    "SpecTrain and PipeDream run the same 1F1B order, so pipesim predicts SpecTrain no faster than PipeDream "
+    "(slower where its weight prediction, a memory-bound pass over a stage's weights before each pass, is "
+    "large against the compute: the fully connected network); the paper's gain over the model-parallel "
+    "method of its time is measured against a baseline pipesim does not model, and the accuracy side "
+    "(staleness) is the convergence work's (pipesim converge)"
+)
 
 
 def notes(rows: list[Row], claims: list[Claim]) -> str:
-    return "\n".join([
-        "Platform `spectrain-4gpu`: 4 x GTX 1080 Ti (fp32) behind one PCIe 3.0 bridge, an assumption (the README's "
-        "\"Papers' machines and workloads\"). Models, assumed: a fully connected network 784-8x4096-10 "
-        "(`spectrain-fc`, built in `pipesim.experiments.reproduce.spectrain` from its dimensions, micro-batch 128), "
-        "the catalog's `gnmt` as the residual LSTM (4+4 LSTM layers of 1024, residual, micro-batch 64) and "
-        "`vgg16-cifar` as VGG-16 (micro-batch 128). Every pipeline is a straight 4-stage pipeline split by the "
-        "simulator's partitioner; data parallelism runs the same micro-batch per GPU and all-reduces once per "
-        "mini-batch of 4.",
-        "",
-        "",
-        accuracy_notes(rows),
-    ])
+    return "\n".join(
+        [
+            "Platform `spectrain-4gpu`: 4 x GTX 1080 Ti (fp32) behind one PCIe 3.0 bridge, an assumption (the README's "
+            '"Papers\' machines and workloads"). Models, assumed: a fully connected network 784-8x4096-10 '
+            "(`spectrain-fc`, built in `pipesim.experiments.reproduce.spectrain` from its dimensions, micro-batch 128), "
+            "the catalog's `gnmt` as the residual LSTM (4+4 LSTM layers of 1024, residual, micro-batch 64) and "
+            "`vgg16-cifar` as VGG-16 (micro-batch 128). Every pipeline is a straight 4-stage pipeline split by the "
+            "simulator's partitioner; data parallelism runs the same micro-batch per GPU and all-reduces once per "
+            "mini-batch of 4.",
+            "",
+            "",
+            accuracy_notes(rows),
+        ]
+    )
 
 
 def _order(gaps: dict[str, float | None]) -> str:
@@ -315,16 +386,19 @@ def accuracy_notes(rows: list[Row]) -> str:
     """The report's accuracy section: the papers' table and pipesim's gaps
     beside it (every learning rate, both depths), the orderings, and the
     commands that regenerate the measurements."""
-    out = ["### Accuracy under staleness (measured by `pipesim converge`, not trained here)", "",
-           "Gaps in points to the synchronous run (data parallelism; 2BW's paper: its synchronous baseline). "
-           "pipesim's models and data differ from the papers' (character LSTM and digits MLP against the "
-           "paper's residual LSTM on IMDb and VGG-16 on CIFAR-10; a small character transformer against 2BW's "
-           "BERT on MNLI) and train 400 updates, not whole trainings: compare the gaps' signs and the "
-           "strategies' order, not the accuracies. The rows above are read at each file's reference learning "
-           "rate (the largest at which data parallelism converged in every seed, one rate for every strategy). "
-           "2BW's MNLI pair (87.77, 87.82) is read as `pipesim.experiments.converge.PUBLISHED` assigns it "
-           "(2BW 87.82); sources disagree on which is which, a gap of 0.05 points either way.",
-           ""]
+    out = [
+        "### Accuracy under staleness (measured by `pipesim converge`, not trained here)",
+        "",
+        "Gaps in points to the synchronous run (data parallelism; 2BW's paper: its synchronous baseline). "
+        "pipesim's models and data differ from the papers' (character LSTM and digits MLP against the "
+        "paper's residual LSTM on IMDb and VGG-16 on CIFAR-10; a small character transformer against 2BW's "
+        "BERT on MNLI) and train 400 updates, not whole trainings: compare the gaps' signs and the "
+        "strategies' order, not the accuracies. The rows above are read at each file's reference learning "
+        "rate (the largest at which data parallelism converged in every seed, one rate for every strategy). "
+        "2BW's MNLI pair (87.77, 87.82) is read as `pipesim.experiments.converge.PUBLISHED` assigns it "
+        "(2BW 87.82); sources disagree on which is which, a gap of 0.05 points either way.",
+        "",
+    ]
     acc_rows = [r for r in rows if r.metric == ACCURACY_METRIC]
     done = set()
     for figure, results, setting, baseline, strategies in ACCURACY_RESULTS:
@@ -333,16 +407,18 @@ def accuracy_notes(rows: list[Row]) -> str:
         measured = {t: r.predicted for t, r in mine.items()}
         src = PUBLISHED_ACCURACY[setting]
         what = "order" if len(strategies) > 1 else "gap"
-        out += [f"**{figure}: pipesim `{results_model(results)}` ({results}) beside {src['model']} on "
-                f"{src['data']}**: published {what} {_order(paper) or '(not filled in)'}; "
-                f"pipesim's at the reference lr {_order(measured)}.", ""]
+        out += [
+            f"**{figure}: pipesim `{results_model(results)}` ({results}) beside {src['model']} on "
+            f"{src['data']}**: published {what} {_order(paper) or '(not filled in)'}; "
+            f"pipesim's at the reference lr {_order(measured)}.",
+            "",
+        ]
         if results in done:
             continue
         done.add(results)
         doc = load_results(results)
         shown = [s for s in LABELS if s != baseline and s in doc["summary"][str(ACCURACY_STAGES)]["accuracy"]]
-        out += ["| stages | lr | " + " | ".join(LABELS[s] for s in shown) + " |",
-                "|---|---|" + "---|" * len(shown)]
+        out += ["| stages | lr | " + " | ".join(LABELS[s] for s in shown) + " |", "|---|---|" + "---|" * len(shown)]
         for stages in sorted(doc["summary"], key=int):
             summary = doc["summary"][stages]
             for lr in sorted(summary["accuracy"][baseline], key=float):
@@ -354,28 +430,49 @@ def accuracy_notes(rows: list[Row]) -> str:
                     cells.append(cell + (f" ×{info['diverged']}" if info["diverged"] else ""))
                 ref = " (ref.)" if float(lr) == summary["reference_lr"] else ""
                 out.append(f"| {stages} | {lr}{ref} | " + " | ".join(cells) + " |")
-        out += ["", f"(×k: k seeds diverged.) Regenerate: `{converge_command(doc)} --out DIR` "
-                f"(the committed file is DIR/curves.json without the curves).", ""]
+        out += [
+            "",
+            f"(×k: k seeds diverged.) Regenerate: `{converge_command(doc)} --out DIR` "
+            f"(the committed file is DIR/curves.json without the curves).",
+            "",
+        ]
     return "\n".join(out)
 
 
 def figures(rows: list[Row], claims: list[Claim], out_dir: Path) -> list[Path]:
     speed = [r for r in rows if r.metric == "speedup_vs_dp"]
-    fig = bars_beside_published(speed, "SpecTrain on 4 GPUs: speedup over data parallelism",
-                                "speedup over data parallelism (x)", group=lambda r: r.model)
+    fig = bars_beside_published(
+        speed,
+        "SpecTrain on 4 GPUs: speedup over data parallelism",
+        "speedup over data parallelism (x)",
+        group=lambda r: r.model,
+    )
     written = write_figure(fig, out_dir, "speedup")
     gaps = [r for r in rows if r.metric == ACCURACY_METRIC]
     if gaps:
-        fig = bars_beside_published(gaps, "Accuracy gap to the synchronous run (points): pipesim converge "
-                                    "(its models) beside the papers' tables (theirs)", "points",
-                                    group=lambda r: f"{r.figure}: {r.model}")
+        fig = bars_beside_published(
+            gaps,
+            "Accuracy gap to the synchronous run (points): pipesim converge "
+            "(its models) beside the papers' tables (theirs)",
+            "points",
+            group=lambda r: f"{r.figure}: {r.model}",
+        )
         written += write_figure(fig, out_dir, "accuracy")
     return written
 
 
-PAPER = Paper(name=NAME, title="SpecTrain (arXiv 1809.02839): speedup over data parallelism and PipeDream on 4 GPUs",
-              predict=predict, published_rows=PUBLISHED_ROWS, published_claims=PUBLISHED_CLAIMS, figures=figures,
-              steps=steps(), notes=notes,
-              sources=("Chen, Yang, Cheng, Efficient and Robust Parallel DNN Training through Model Parallelism on "
-                       "Multi-GPU Platform, arXiv 1809.02839 (abstracts of its versions: 8.91x over data "
-                       "parallelism, 2.18x over the state-of-the-art model parallelism method)",))
+PAPER = Paper(
+    name=NAME,
+    title="SpecTrain (arXiv 1809.02839): speedup over data parallelism and PipeDream on 4 GPUs",
+    predict=predict,
+    published_rows=PUBLISHED_ROWS,
+    published_claims=PUBLISHED_CLAIMS,
+    figures=figures,
+    steps=steps(),
+    notes=notes,
+    sources=(
+        "Chen, Yang, Cheng, Efficient and Robust Parallel DNN Training through Model Parallelism on "
+        "Multi-GPU Platform, arXiv 1809.02839 (abstracts of its versions: 8.91x over data "
+        "parallelism, 2.18x over the state-of-the-art model parallelism method)",
+    ),
+)

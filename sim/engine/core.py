@@ -95,8 +95,14 @@ class CostModel:
     def for_device(cls, stage_costs, device, optimizer: str = "sgd") -> CostModel:
         """The cost model of ``device`` (a :class:`~pipesim.sim.hardware.machines.DeviceSpec`),
         with its per-kernel bandwidths."""
-        return cls(tuple(stage_costs), device.mem_bandwidth, optimizer, device.update_bandwidth,
-                   device.predict_bandwidth, device.average_bandwidth)
+        return cls(
+            tuple(stage_costs),
+            device.mem_bandwidth,
+            optimizer,
+            device.update_bandwidth,
+            device.predict_bandwidth,
+            device.average_bandwidth,
+        )
 
     def compute(self, a: Action) -> float:
         c = self.stage_costs[a.stage]
@@ -112,8 +118,7 @@ class CostModel:
         return {UPDATE: 5 if sgd else 7, PREDICT: 3 if sgd else 4}[op]
 
     def averaging(self, stage: int, local_replicas: int) -> float:
-        return self.membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes,
-                              self.average_bandwidth)
+        return self.membound((2 * local_replicas + 2) * self.stage_costs[stage].param_bytes, self.average_bandwidth)
 
     def membound(self, nbytes: float, bandwidth: float | None = None) -> float:
         """Seconds a memory-bound kernel moving ``nbytes`` takes at ``bandwidth`` (default: the device's)."""
@@ -129,8 +134,12 @@ class CostModel:
 
 
 #: How long each pass takes, read off its stage's costs.
-_PASS_TIME = {F: attrgetter("forward_s"), B: attrgetter("backward_s"), I: attrgetter("backward_input_s"),
-              W: attrgetter("backward_weight_s")}
+_PASS_TIME = {
+    F: attrgetter("forward_s"),
+    B: attrgetter("backward_s"),
+    I: attrgetter("backward_input_s"),
+    W: attrgetter("backward_weight_s"),
+}
 
 
 def simulate(
@@ -168,8 +177,17 @@ def simulate(
     check_on_spans(on_spans)
     check_run_options(microbatch_size=microbatch_size, optimizer=optimizer, recv_lookahead=recv_lookahead)
     with gc_paused():
-        return _simulate(schedule, stage_costs, hardware, microbatch_size=microbatch_size, optimizer=optimizer,
-                         recv_lookahead=recv_lookahead, check=check, meta=meta, on_spans=on_spans)
+        return _simulate(
+            schedule,
+            stage_costs,
+            hardware,
+            microbatch_size=microbatch_size,
+            optimizer=optimizer,
+            recv_lookahead=recv_lookahead,
+            check=check,
+            meta=meta,
+            on_spans=on_spans,
+        )
 
 
 def check_run_options(*, microbatch_size: int = 1, optimizer: str = "sgd", recv_lookahead: int = 1) -> None:
@@ -196,16 +214,17 @@ def _check_arguments(schedule, stage_costs, hardware, check) -> None:
         raise ScheduleError(f"schedule must be a pipesim.sim.ir.core.Schedule, got {type(schedule).__name__}")
     if not isinstance(hardware, Hardware):
         raise HardwareError(f"hardware must be a pipesim.sim.hardware.machines.Hardware, got {type(hardware).__name__}")
-    if isinstance(stage_costs, (str, bytes)) or not isinstance(stage_costs, Sequence) or not all(
-        isinstance(c, StageCost) for c in stage_costs
+    if (
+        isinstance(stage_costs, (str, bytes))
+        or not isinstance(stage_costs, Sequence)
+        or not all(isinstance(c, StageCost) for c in stage_costs)
     ):
         raise WorkloadError("stage_costs must be a sequence of pipesim.sim.workloads.stages.StageCost, one per stage")
     if not isinstance(check, bool):
         raise ScheduleError(f"check (validate the schedule first) must be True or False, got {check!r}")
 
 
-def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta,
-              on_spans):
+def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, recv_lookahead, check, meta, on_spans):
     from pipesim.sim.engine.trackers import track  # after the engine: derived accounting
 
     if len(stage_costs) != schedule.num_stages:
@@ -237,8 +256,9 @@ def _simulate(schedule, stage_costs, hardware, *, microbatch_size, optimizer, re
     return result
 
 
-def prepared_run(schedule: Schedule, stage_costs, hardware: Hardware, *, optimizer: str = "sgd",
-                 recv_lookahead: int = 1) -> _Run:
+def prepared_run(
+    schedule: Schedule, stage_costs, hardware: Hardware, *, optimizer: str = "sgd", recv_lookahead: int = 1
+) -> _Run:
     """A run of ``schedule`` compiled and costed, ready for ``execute()``,
     which fills its ``spans`` and ``link_bytes`` (split from
     :func:`simulate` so the SimPy run can be timed alone: ``pipesim bench
@@ -260,8 +280,7 @@ def compiled(schedule: Schedule, recv_lookahead: int) -> list[list[Entry]]:
 class _Run:
     """State of one simulation: the environment, token events and spans."""
 
-    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
-                 hardware: Hardware) -> None:
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel, hardware: Hardware) -> None:
         self.schedule = schedule
         self.costs = costs
         self.hw = hardware
@@ -269,10 +288,13 @@ class _Run:
         self.programs = programs
         # Only tokens somebody waits for need an event; a pass whose output
         # leaves the device is awaited through its transfer instead.
-        self.awaited = set(chain.from_iterable(map(itemgetter(2), chain.from_iterable(self.programs))))  # chained in C, not a comprehension
+        self.awaited = set(
+            chain.from_iterable(map(itemgetter(2), chain.from_iterable(self.programs)))
+        )  # chained in C, not a comprehension
         #: seconds of each compute op on each stage, costed once per run
-        self.pass_seconds = {op: [costs.compute(Action(op, k)) for k in range(schedule.num_stages)]
-                             for op in COMPUTE_OPS}
+        self.pass_seconds = {
+            op: [costs.compute(Action(op, k)) for k in range(schedule.num_stages)] for op in COMPUTE_OPS
+        }
         # (src, dst, SEND_F|SEND_B, sending stage) -> (bytes, route, uncontended seconds)
         self.transfer_cost: dict[tuple, tuple] = {}
         self.events: dict[object, simpy.Event] = {}  # tokens a device is waiting for
@@ -313,8 +335,9 @@ class _Run:
         if not all(self.finished):
             stuck = [d for d, ok in enumerate(self.finished) if not ok]
             where = providers(self.programs)
-            raise ScheduleError("simulation deadlocked: "
-                                + describe_wait_cycle(stuck, self.blocked, where, self.schedule))
+            raise ScheduleError(
+                "simulation deadlocked: " + describe_wait_cycle(stuck, self.blocked, where, self.schedule)
+            )
 
     def walk(self, dev: int):
         env = self.env
@@ -388,8 +411,10 @@ class _Run:
         flow = next(self.flows)
         if duration == 0.0:
             now = self.env.now
-            self.spans += (Span(src, "send", send, now, now, dst, flow, nbytes),
-                           Span(dst, "recv", recv, now, now, src, flow, nbytes))
+            self.spans += (
+                Span(src, "send", send, now, now, dst, flow, nbytes),
+                Span(dst, "recv", recv, now, now, src, flow, nbytes),
+            )
             ev = self.events.pop(token, None)  # fire(token), inlined: this runs per transfer
             self.done.add(token)
             if ev is not None:
@@ -486,8 +511,7 @@ class _Run:
                 yield self.env.timeout(dur)
         end = self.env.now
         for dev in devices:
-            self.spans.append(Span(dev, "collective", first[dev], start, end,
-                                   nbytes=nbytes if len(devices) > 1 else 0))
+            self.spans.append(Span(dev, "collective", first[dev], start, end, nbytes=nbytes if len(devices) > 1 else 0))
         self.fire(token)
 
     def ring_allreduce(self, devices: list[int], nbytes: int, reduce: bool = True, *, stage: int | None = None):
@@ -550,8 +574,11 @@ class _Run:
         alone = self.alone_rings.get(key)
         if alone is None:
             names = [link.name for route, _ in edges for link in route]
-            alone = (len(set(names)) == len(names) and set(names).isdisjoint(self.links_besides(stage))
-                     and all(self.collectives_serial(stage, dev) for dev in devices))
+            alone = (
+                len(set(names)) == len(names)
+                and set(names).isdisjoint(self.links_besides(stage))
+                and all(self.collectives_serial(stage, dev) for dev in devices)
+            )
             self.alone_rings[key] = alone
         return alone
 
@@ -581,8 +608,11 @@ class _Run:
         p2p = {link.name for a, b in pairs for link in self.hw.route(a, b)}
         rings = {}
         for stage, devs in groups.items():
-            rings[stage] = {link.name for src, dst in _ring_pairs(self.hw.ring_order(sorted(devs)))
-                            for link in self.hw.route(src, dst)}
+            rings[stage] = {
+                link.name
+                for src, dst in _ring_pairs(self.hw.ring_order(sorted(devs)))
+                for link in self.hw.route(src, dst)
+            }
         return p2p, rings
 
     def collectives_serial(self, stage: int, dev: int) -> bool:
@@ -805,8 +835,7 @@ class _CpuRun(_Run):
     one-way time already contains both copies.
     """
 
-    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel,
-                 hardware: Hardware) -> None:
+    def __init__(self, schedule: Schedule, programs: list[list[Entry]], costs: CostModel, hardware: Hardware) -> None:
         super().__init__(schedule, programs, costs, hardware)
         cpu = hardware.cpu
         self.core_of = cpu.cores
@@ -880,5 +909,10 @@ _RING_OPS = frozenset({REDUCE_GRAD, AVERAGE, ALLREDUCE})
 #: How each kind of post that is not a transfer is posted. A table on the
 #: class, not of bound methods on the run: those would form a reference cycle
 #: that keeps a finished simulation's million objects for the cyclic collector.
-_POST = {REDUCE_GRAD: _Run.post_collective, AVERAGE: _Run.post_collective, ALLREDUCE: _Run.post_collective,
-         UNSHARD: _Run.post_shard, RESHARD: _Run.post_shard}
+_POST = {
+    REDUCE_GRAD: _Run.post_collective,
+    AVERAGE: _Run.post_collective,
+    ALLREDUCE: _Run.post_collective,
+    UNSHARD: _Run.post_shard,
+    RESHARD: _Run.post_shard,
+}

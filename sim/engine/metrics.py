@@ -1,6 +1,6 @@
 """The numbers people compare schedules by, and the ``summary.json`` contract.
 
-Definitions follow ``docs/semantics.md``: a device's bubble fraction is one
+Definitions follow ``docs/concepts/accounting.md``: a device's bubble fraction is one
 minus its busy compute time over the makespan (first action of any device to
 the last); the overall bubble is the mean over devices; staleness of a
 micro-batch on a stage is the version at the update consuming its gradient
@@ -45,8 +45,7 @@ def device_busy(result: SimResult) -> list[float]:
     return busy
 
 
-def bubble_fractions(result: SimResult, busy: list[float] | None = None,
-                     makespan: float | None = None) -> list[float]:
+def bubble_fractions(result: SimResult, busy: list[float] | None = None, makespan: float | None = None) -> list[float]:
     makespan = result.makespan if makespan is None else makespan
     busy = device_busy(result) if busy is None else busy
     if makespan <= 0:
@@ -67,20 +66,23 @@ def summarize(result: SimResult) -> dict:
 
     devices = []
     for dev, (bubble, mem) in enumerate(zip(bubbles, result.memory, strict=True)):
-        devices.append({
-            "id": dev,
-            "bubble_fraction": _r(bubble),
-            "busy_s": _r(busy[dev]),
-            "peak_memory_bytes": int(mem.peak_bytes),
-            "peak_memory_time_s": _r(mem.peak_time),
-            "memory_capacity_bytes": mem.capacity_bytes if mem.capacity_bytes != float("inf") else None,
-            "memory_breakdown": dict(mem.peak_breakdown),
-            "out_of_memory": bool(mem.out_of_memory),
-        })
+        devices.append(
+            {
+                "id": dev,
+                "bubble_fraction": _r(bubble),
+                "busy_s": _r(busy[dev]),
+                "peak_memory_bytes": int(mem.peak_bytes),
+                "peak_memory_time_s": _r(mem.peak_time),
+                "memory_capacity_bytes": mem.capacity_bytes if mem.capacity_bytes != float("inf") else None,
+                "memory_breakdown": dict(mem.peak_breakdown),
+                "out_of_memory": bool(mem.out_of_memory),
+            }
+        )
 
     # any distance at all (a C-level scan), then whether a pass has one
     predicting = any(map(attrgetter("distance"), chain.from_iterable(s.programs))) and any(
-        a.distance for p in s.programs for a in p if a.op in PASS_OPS)
+        a.distance for p in s.programs for a in p if a.op in PASS_OPS
+    )
     stale = defaultdict(list)
     dist_f: dict[int, set] = defaultdict(set)
     dist_b: dict[int, set] = defaultdict(set)
@@ -104,8 +106,13 @@ def summarize(result: SimResult) -> dict:
         }
         if result.stage_costs:
             c = result.stage_costs[stage]
-            info.update(forward_s=_r(c.forward_s), backward_s=_r(c.backward_s), param_bytes=int(c.param_bytes),
-                        stash_bytes=int(c.stash_bytes), activation_bytes=int(c.activation_bytes))
+            info.update(
+                forward_s=_r(c.forward_s),
+                backward_s=_r(c.backward_s),
+                param_bytes=int(c.param_bytes),
+                stash_bytes=int(c.stash_bytes),
+                activation_bytes=int(c.activation_bytes),
+            )
         if predicting:
             info["prediction_distance_fwd"] = max(dist_f.get(stage, {0}))
             info["prediction_distance_bwd"] = max(dist_b.get(stage, {0}))

@@ -117,5 +117,3 @@ def check_size(spec: ScheduleSpec) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
-
-

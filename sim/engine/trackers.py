@@ -250,17 +250,26 @@ class _Events:
 
     def add(self, devs, times, deltas, cat: str) -> None:
         """Append changes; each argument is a sequence or array, one item per change."""
-        self.chunks.append((np.asarray(devs, dtype=np.int64), np.asarray(times, dtype=float),
-                            np.asarray(deltas, dtype=np.int64), _CAT[cat]))
+        self.chunks.append(
+            (
+                np.asarray(devs, dtype=np.int64),
+                np.asarray(times, dtype=float),
+                np.asarray(deltas, dtype=np.int64),
+                _CAT[cat],
+            )
+        )
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Device, time, bytes and category of every change, in the order added."""
         if not self.chunks:
-            return (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64),
-                    np.zeros(0, dtype=np.int64))
+            return (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         devs, times, deltas, cats = zip(*self.chunks)
-        return (np.concatenate(devs), np.concatenate(times), np.concatenate(deltas),
-                np.repeat(np.asarray(cats, dtype=np.int64), [len(d) for d in devs]))
+        return (
+            np.concatenate(devs),
+            np.concatenate(times),
+            np.concatenate(deltas),
+            np.repeat(np.asarray(cats, dtype=np.int64), [len(d) for d in devs]),
+        )
 
 
 def _resident_state(events: _Events, schedule: Schedule, stage_costs, optimizer: str, t0: float) -> None:
@@ -299,9 +308,12 @@ def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: di
             for cat in ("weights", "gradients"):
                 rows = [r for r in changes[dev] if r[3] == cat]
                 if rows:
-                    events.add([dev] * len(rows),
-                               [at[pos].start if cat == "gradients" and d > 0 else at[pos].end for pos, d, _, _ in rows],
-                               [d * stage_costs[rs[1]].param_bytes for _, d, rs, _ in rows], cat)
+                    events.add(
+                        [dev] * len(rows),
+                        [at[pos].start if cat == "gradients" and d > 0 else at[pos].end for pos, d, _, _ in rows],
+                        [d * stage_costs[rs[1]].param_bytes for _, d, rs, _ in rows],
+                        cat,
+                    )
 
 
 def _activations(events: _Events, result: SimResult, stage_costs) -> None:
@@ -346,16 +358,23 @@ def _comm_buffers(events: _Events, result: SimResult) -> None:
     if not recvs:
         return
     split = split_stages(result.schedule)
-    started = {(s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
-               for s in by_stream["compute"] if s.action.op in PASS_OPS}
+    started = {
+        (s.action.op, s.action.replica, s.action.stage, s.action.microbatch): s.start
+        for s in by_stream["compute"]
+        if s.action.op in PASS_OPS
+    }
 
     def consumer(a: Action) -> tuple:
         op = F if a.op is RECV_F else backward_op(split, a.replica, a.stage, a.microbatch)
         return (op, a.replica, a.stage, a.microbatch)
 
     events.add([s.device for s in recvs], [s.start for s in recvs], [s.nbytes for s in recvs], "comm_buffers")
-    events.add([s.device for s in recvs], [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],
-               [-s.nbytes for s in recvs], "comm_buffers")
+    events.add(
+        [s.device for s in recvs],
+        [max(started.get(consumer(s.action), s.end), s.end) for s in recvs],
+        [-s.nbytes for s in recvs],
+        "comm_buffers",
+    )
 
 
 def _tracks(events: _Events, num_devices: int, capacity: float) -> list[MemoryTrack]:

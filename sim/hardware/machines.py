@@ -118,6 +118,7 @@ class DeviceSpec:
         """Bytes/s of a memory-bound kernel: its own figure, else ``mem_bandwidth``."""
         own = getattr(self, self.KERNELS[kernel])
         return self.mem_bandwidth if own is None else own
+
     kernel_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -128,21 +129,22 @@ class DeviceSpec:
             )
         if not _is_rate(self.mem_bandwidth):
             raise HardwareError(
-                f"device {self.name!r}: mem_bandwidth must be a positive number >= 1 (bytes/s) or \"inf\", "
+                f'device {self.name!r}: mem_bandwidth must be a positive number >= 1 (bytes/s) or "inf", '
                 f"got {shown(self.mem_bandwidth)}"
             )
         v = self.memory_bytes
         if not _is_number(v) or not v > 0 or (isinstance(v, int) and v > sys.float_info.max):
             raise HardwareError(
-                f"device {self.name!r}: memory_bytes must be a positive number or \"inf\", got {shown(v)}"
+                f'device {self.name!r}: memory_bytes must be a positive number or "inf", got {shown(v)}'
             )
         if isinstance(self.dtype_bytes, bool) or self.dtype_bytes not in (1, 2, 4, 8):
             raise HardwareError(f"device {self.name!r}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
         for name in self.KERNELS.values():
             v = getattr(self, name)
             if v is not None and not _is_rate(v):
-                raise HardwareError(f"device {self.name!r}: {name} must be a positive number >= 1 (bytes/s) or "
-                                    f"\"inf\", got {shown(v)}")
+                raise HardwareError(
+                    f'device {self.name!r}: {name} must be a positive number >= 1 (bytes/s) or "inf", got {shown(v)}'
+                )
         k = self.kernel_overhead_s
         if not _is_number(k) or not (0 <= k <= MAX_SECONDS):
             raise HardwareError(
@@ -222,7 +224,7 @@ def _is_rate(v: Any) -> bool:
 def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
     if not _is_rate(bandwidth):
         raise HardwareError(
-            f"{where}: bandwidth must be a positive number >= 1 (bytes/s) or \"inf\", got {shown(bandwidth)}"
+            f'{where}: bandwidth must be a positive number >= 1 (bytes/s) or "inf", got {shown(bandwidth)}'
         )
     if not _is_number(latency) or not (0 <= latency <= MAX_SECONDS):
         raise HardwareError(
@@ -246,11 +248,14 @@ class CpuCost:
 
     def __post_init__(self) -> None:
         if not _is_rate(self.bytes_per_s):
-            raise HardwareError(f"cpu transfer cost: bytes_per_s must be a positive number >= 1 or \"inf\", "
-                                f"got {shown(self.bytes_per_s)}")
+            raise HardwareError(
+                f'cpu transfer cost: bytes_per_s must be a positive number >= 1 or "inf", got {shown(self.bytes_per_s)}'
+            )
         if not _is_number(self.fixed_s) or not (0 <= self.fixed_s <= MAX_SECONDS):
-            raise HardwareError(f"cpu transfer cost: fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
-                                f"(seconds), got {shown(self.fixed_s)}")
+            raise HardwareError(
+                f"cpu transfer cost: fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
+                f"(seconds), got {shown(self.fixed_s)}"
+            )
 
     def seconds(self, nbytes: float) -> float:
         return self.fixed_s + (0.0 if math.isinf(self.bytes_per_s) else nbytes / self.bytes_per_s)
@@ -278,11 +283,13 @@ class HostCpu:
     wake_slice_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.cores or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                                     for c in self.cores):
+        if not self.cores or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cores):
             raise HardwareError(f"cpu.cores must be a non-empty list of core numbers >= 0, got {list(self.cores)!r}")
-        if (isinstance(self.wake_slice_s, bool) or not isinstance(self.wake_slice_s, (int, float))
-                or not 0 <= self.wake_slice_s < math.inf):
+        if (
+            isinstance(self.wake_slice_s, bool)
+            or not isinstance(self.wake_slice_s, (int, float))
+            or not 0 <= self.wake_slice_s < math.inf
+        ):
             raise HardwareError(f"cpu.wake_slice_s must be a finite number of seconds >= 0, got {self.wake_slice_s!r}")
 
     @property
@@ -369,9 +376,7 @@ class Hardware:
             raise HardwareError(f"{self.name} names cores for {len(self.cpu.cores)} devices; the schedule needs {n}")
 
     def _check_index(self, device: int) -> None:
-        if not isinstance(device, int) or device < 0 or (
-            self.num_devices is not None and device >= self.num_devices
-        ):
+        if not isinstance(device, int) or device < 0 or (self.num_devices is not None and device >= self.num_devices):
             raise HardwareError(f"{self.name} has no device {device!r} (devices 0..{self._last_device()})")
 
     def _last_device(self) -> str:
@@ -526,8 +531,11 @@ class Hardware:
                 "mem_bandwidth": _num_out(self.device.mem_bandwidth),
                 "memory_bytes": _num_out(self.device.memory_bytes),
                 "dtype_bytes": self.device.dtype_bytes,
-                **{name: _num_out(getattr(self.device, name)) for name in DeviceSpec.KERNELS.values()
-                   if getattr(self.device, name) is not None},
+                **{
+                    name: _num_out(getattr(self.device, name))
+                    for name in DeviceSpec.KERNELS.values()
+                    if getattr(self.device, name) is not None
+                },
                 # only when set, so presets without it keep their exact form
                 **({"kernel_overhead_s": self.device.kernel_overhead_s} if self.device.kernel_overhead_s else {}),
             },
@@ -553,10 +561,14 @@ class Hardware:
                 "label": nic.label,
             }
         if self.cpu is not None:
-            d["cpu"] = {"cores": list(self.cpu.cores),
-                        **{end: {"fixed_s": cost.fixed_s, "bytes_per_s": _num_out(cost.bytes_per_s)}
-                           for end, cost in (("send", self.cpu.send), ("recv", self.cpu.recv))},
-                        "wake_slice_s": self.cpu.wake_slice_s}
+            d["cpu"] = {
+                "cores": list(self.cpu.cores),
+                **{
+                    end: {"fixed_s": cost.fixed_s, "bytes_per_s": _num_out(cost.bytes_per_s)}
+                    for end, cost in (("send", self.cpu.send), ("recv", self.cpu.recv))
+                },
+                "wake_slice_s": self.cpu.wake_slice_s,
+            }
         return d
 
     @classmethod
@@ -640,8 +652,9 @@ def _edge_load(route: tuple[Link, ...]) -> tuple[float, float, tuple[str, ...]]:
     return (0.0 if math.isinf(bandwidth) else 1 / bandwidth, latency, tuple(link.name for link in route))
 
 
-def _add_edge(load: dict[str, list[float]], edge: tuple[float, float, tuple[str, ...]],
-              key: tuple[float, float]) -> tuple[float, float]:
+def _add_edge(
+    load: dict[str, list[float]], edge: tuple[float, float, tuple[str, ...]], key: tuple[float, float]
+) -> tuple[float, float]:
     """Add one edge's load to ``load`` (in place); the new (busiest per byte, busiest latency) key."""
     per_byte, latency, names = edge
     worst_b, worst_l = key
@@ -664,8 +677,18 @@ def _num_out(x: float) -> float | str:
 _TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node", "cpu"}
 _CPU_KEYS = {"cores", "send", "recv", "wake_slice_s", "notes"}
 _CPU_COST_KEYS = {"fixed_s", "bytes_per_s", "notes"}
-_DEVICE_KEYS = {"name", "flops", "mem_bandwidth", "memory_bytes", "dtype_bytes", "kernel_overhead_s", "notes",
-                "update_bandwidth", "predict_bandwidth", "average_bandwidth"}
+_DEVICE_KEYS = {
+    "name",
+    "flops",
+    "mem_bandwidth",
+    "memory_bytes",
+    "dtype_bytes",
+    "kernel_overhead_s",
+    "notes",
+    "update_bandwidth",
+    "predict_bandwidth",
+    "average_bandwidth",
+}
 _INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
 _NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
 
@@ -680,9 +703,9 @@ def _num(d: dict, key: str, where: str, default: Any = None) -> float:
     if v == "inf":
         return math.inf
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max:
-        raise HardwareError(f"{where}.{key} must be a number or \"inf\", got an integer of {v.bit_length()} bits")
+        raise HardwareError(f'{where}.{key} must be a number or "inf", got an integer of {v.bit_length()} bits')
     if not _is_number(v) or math.isnan(v):
-        raise HardwareError(f"{where}.{key} must be a number or \"inf\", got {v!r}")
+        raise HardwareError(f'{where}.{key} must be a number or "inf", got {v!r}')
     return float(v)
 
 
@@ -741,8 +764,9 @@ def _hardware_from_json(d: Any) -> Hardware:
     pairs = [frozenset(e[:2]) for e in mesh]
     twice = next((sorted(p) for i, p in enumerate(pairs) if p in pairs[:i]), None)
     if twice is not None:  # the lanes of one would silently replace the other's
-        raise HardwareError(f"intra_node.mesh lists the pair {twice[0]}, {twice[-1]} twice (either direction); "
-                            "give its lanes once")
+        raise HardwareError(
+            f"intra_node.mesh lists the pair {twice[0]}, {twice[-1]} twice (either direction); give its lanes once"
+        )
     ic = Interconnect(
         kind=kind,
         bandwidth=_num(intra, "bandwidth", "intra_node", math.inf if kind == "ideal" else None),
@@ -787,8 +811,9 @@ def _cpu_from_json(d: Any) -> HostCpu:
     costs = {}
     for end in ("send", "recv"):
         c = _obj(d.get(end, {}), f"cpu.{end}", _CPU_COST_KEYS)
-        costs[end] = CpuCost(fixed_s=_num(c, "fixed_s", f"cpu.{end}", 0.0),
-                             bytes_per_s=_num(c, "bytes_per_s", f"cpu.{end}", math.inf))
+        costs[end] = CpuCost(
+            fixed_s=_num(c, "fixed_s", f"cpu.{end}", 0.0), bytes_per_s=_num(c, "bytes_per_s", f"cpu.{end}", math.inf)
+        )
     return HostCpu(cores=tuple(cores), **costs, wake_slice_s=_num(d, "wake_slice_s", "cpu", 0.0))
 
 
@@ -798,9 +823,7 @@ def _presets():
 
 def preset_names() -> list[str]:
     """Names of the built-in hardware presets (``sim/hardware/presets/<name>.json``)."""
-    return sorted(
-        p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json")
-    )
+    return sorted(p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json"))
 
 
 _NODES_RE = re.compile(r"^(?P<base>.+)-x(?P<nodes>\d+)$")
@@ -820,7 +843,8 @@ def load_hardware(name_or_path: str) -> Hardware:
             root = _NODES_RE.match(base.name)
             raise HardwareError(
                 f"{m['base']} is already {base.nodes} nodes; name the node count once "
-                f"({root['base'] if root else base.name}-x{base.nodes * nodes} for {base.nodes * nodes} nodes)")
+                f"({root['base'] if root else base.name}-x{base.nodes * nodes} for {base.nodes * nodes} nodes)"
+            )
         return base.with_nodes(nodes)
     if os.path.isfile(key):
         return _parse_text(read_text(key, "hardware", HardwareError), f"hardware file {key}")

@@ -90,17 +90,24 @@ def _check_ranges(s: Schedule) -> None:
             continue
         ops, stages, mbs, _, distances, reps = zip(*prog)  # the fields as columns, transposed in C
         mbs = [mb for op, mb in zip(ops, mbs) if op in MICROBATCH_OPS]
-        if (min(stages) >= 0 and max(stages) < p and min(reps) >= 0 and max(reps) < r_count
-                and (not mbs or (min(mbs) >= 0 and max(mbs) < total))
-                and min(distances) >= 0
-                and (uniform or all(a.replica < s.replicas[a.stage] for a in prog))):
+        if (
+            min(stages) >= 0
+            and max(stages) < p
+            and min(reps) >= 0
+            and max(reps) < r_count
+            and (not mbs or (min(mbs) >= 0 and max(mbs) < total))
+            and min(distances) >= 0
+            and (uniform or all(a.replica < s.replicas[a.stage] for a in prog))
+        ):
             continue
         for a in prog:
             if not 0 <= a.stage < p:
                 raise ScheduleError(f"{a} on device {dev}: stage {a.stage} out of range 0..{p - 1}")
             if not 0 <= a.replica < s.replicas[a.stage]:
-                raise ScheduleError(f"{a} on device {dev}: replica {a.replica} out of range "
-                                    f"0..{s.replicas[a.stage] - 1} (stage {a.stage} has {s.replicas[a.stage]})")
+                raise ScheduleError(
+                    f"{a} on device {dev}: replica {a.replica} out of range "
+                    f"0..{s.replicas[a.stage] - 1} (stage {a.stage} has {s.replicas[a.stage]})"
+                )
             if a.op in MICROBATCH_OPS and not 0 <= a.microbatch < total:
                 raise ScheduleError(f"{a} on device {dev}: micro-batch {a.microbatch} out of range 0..{total - 1}")
             if a.distance < 0:
@@ -162,8 +169,9 @@ class _ProgramWalk:
         left = [a for a in (*self.pending.values(), *self.closed.values()) if a is not None]
         if left:
             a = min(left)
-            raise ScheduleError(f"the gradient of {a} is never applied: no UPDATE of "
-                                f"stage {a.stage} follows it on device {dev}")
+            raise ScheduleError(
+                f"the gradient of {a} is never applied: no UPDATE of stage {a.stage} follows it on device {dev}"
+            )
 
     def _check_plain(self, prog) -> bool:
         """The checks of :meth:`check` for the common program, full
@@ -190,8 +198,14 @@ class _ProgramWalk:
                 pending.discard(rs)
                 continue
             key = (op, rep, stage, mb)
-            if ((op is not F and op is not B) or v is None or dist or (v and v > current.get((rep, stage), 0))
-                    or (routed and mb % replicas[stage] != rep) or key in seen):
+            if (
+                (op is not F and op is not B)
+                or v is None
+                or dist
+                or (v and v > current.get((rep, stage), 0))
+                or (routed and mb % replicas[stage] != rep)
+                or key in seen
+            ):
                 ok = False
                 break
             if op is B:
@@ -219,7 +233,8 @@ class _ProgramWalk:
             if (other, rep, stage, mb) in seen:
                 raise ScheduleError(
                     f"{a} on device {self.dev}: micro-batch {mb} of stage {stage} already ran "
-                    f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W")
+                    f"{_name(other, rep, stage, mb)}; a backward is either B, or I then W"
+                )
         before = I if op is W else F
         if (before, rep, stage, mb) not in seen:
             raise ScheduleError(f"{a} on device {self.dev} runs before {_name(before, rep, stage, mb)}")
@@ -236,18 +251,24 @@ class _ProgramWalk:
             raise ScheduleError(f"{a} appears twice on device {self.dev}")
         n = self.replicas[a.stage]
         if n > 1 and a.microbatch % n != a.replica:
-            raise ScheduleError(f"{a} on device {self.dev}: micro-batch {a.microbatch} of stage {a.stage} runs on "
-                                f"its replica {a.microbatch % n} (round robin over {n}), not replica {a.replica}")
+            raise ScheduleError(
+                f"{a} on device {self.dev}: micro-batch {a.microbatch} of stage {a.stage} runs on "
+                f"its replica {a.microbatch % n} (round robin over {n}), not replica {a.replica}"
+            )
         self.seen[key] = pos
         v = a.version
         if v is None:
             raise ScheduleError(f"{a} names no weight version")
         if v and v > self.current[rs]:
-            raise ScheduleError(f"{a} reads version {v} but stage {a.stage} holds version "
-                                f"{self.current[rs]} at that point on device {self.dev}")
+            raise ScheduleError(
+                f"{a} reads version {v} but stage {a.stage} holds version "
+                f"{self.current[rs]} at that point on device {self.dev}"
+            )
         if a.distance and self.predicted.get(rs) != (v, a.distance):
-            raise ScheduleError(f"{a} reads weights predicted {a.distance} ahead of version {v} "
-                                f"but no PREDICT@v{v}+p{a.distance} of stage {a.stage} precedes it")
+            raise ScheduleError(
+                f"{a} reads weights predicted {a.distance} ahead of version {v} "
+                f"but no PREDICT@v{v}+p{a.distance} of stage {a.stage} precedes it"
+            )
 
     def transfer_end(self, a: Action, pos: int) -> None:
         ends = self.sends if a.op in SEND_OPS else self.recvs
@@ -259,8 +280,10 @@ class _ProgramWalk:
     def update(self, a: Action, pos: int) -> None:
         rs = (a.replica, a.stage)
         if a.version != self.current[rs] + 1:
-            raise ScheduleError(f"{a} on device {self.dev}: stage {a.stage} is at version {self.current[rs]}, "
-                                f"so its next update produces version {self.current[rs] + 1}")
+            raise ScheduleError(
+                f"{a} on device {self.dev}: stage {a.stage} is at version {self.current[rs]}, "
+                f"so its next update produces version {self.current[rs] + 1}"
+            )
         self.current[rs] = a.version
         if rs in self.closed:  # it applies what its REDUCE_GRAD closed; later gradients wait
             del self.closed[rs]
@@ -274,8 +297,10 @@ class _ProgramWalk:
         checked across devices afterwards."""
         rs = (a.replica, a.stage)
         if rs in self.closed:
-            raise ScheduleError(f"{a} on device {self.dev}: the gradients the previous REDUCE_GRAD of stage "
-                                f"{a.stage} closed are not applied yet: an UPDATE must come between")
+            raise ScheduleError(
+                f"{a} on device {self.dev}: the gradients the previous REDUCE_GRAD of stage "
+                f"{a.stage} closed are not applied yet: an UPDATE must come between"
+            )
         self.closed[rs] = self.pending.pop(rs, None)
 
     def predict(self, a: Action, pos: int) -> None:
@@ -293,11 +318,22 @@ class _ProgramWalk:
 
 #: The check of each kind of action (a table on the class rather than of
 #: bound methods, which would keep the walk alive in a reference cycle).
-_CHECKS = {F: _ProgramWalk.forward, B: _ProgramWalk.backward, I: _ProgramWalk.backward, W: _ProgramWalk.backward,
-           SEND_F: _ProgramWalk.transfer_end, SEND_B: _ProgramWalk.transfer_end,
-           RECV_F: _ProgramWalk.transfer_end, RECV_B: _ProgramWalk.transfer_end,
-           UPDATE: _ProgramWalk.update, REDUCE_GRAD: _ProgramWalk.reduce, PREDICT: _ProgramWalk.predict, OVERLAP_F_B: _ProgramWalk.overlap,
-           UNSHARD: _ProgramWalk.shard, RESHARD: _ProgramWalk.shard}
+_CHECKS = {
+    F: _ProgramWalk.forward,
+    B: _ProgramWalk.backward,
+    I: _ProgramWalk.backward,
+    W: _ProgramWalk.backward,
+    SEND_F: _ProgramWalk.transfer_end,
+    SEND_B: _ProgramWalk.transfer_end,
+    RECV_F: _ProgramWalk.transfer_end,
+    RECV_B: _ProgramWalk.transfer_end,
+    UPDATE: _ProgramWalk.update,
+    REDUCE_GRAD: _ProgramWalk.reduce,
+    PREDICT: _ProgramWalk.predict,
+    OVERLAP_F_B: _ProgramWalk.overlap,
+    UNSHARD: _ProgramWalk.shard,
+    RESHARD: _ProgramWalk.shard,
+}
 
 
 def _check_complete(s: Schedule, seen: dict, placement: dict, split: dict) -> None:
@@ -317,8 +353,10 @@ def _check_complete(s: Schedule, seen: dict, placement: dict, split: dict) -> No
             split_here = backward_op(split, rep, stage, mb) is I
             for op in (F, I, W) if split_here else (F, B):
                 if (op, rep, stage, mb) not in seen:
-                    raise ScheduleError(f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
-                                        f"one forward and one backward per stage")
+                    raise ScheduleError(
+                        f"{_name(op, rep, stage, mb)} is missing: every micro-batch needs "
+                        f"one forward and one backward per stage"
+                    )
 
 
 def _check_collectives(s: Schedule) -> None:
@@ -340,16 +378,17 @@ def _check_collectives(s: Schedule) -> None:
 def _check_overlap(prog, pos: int, dev: int, seen: dict) -> None:
     """An OVERLAP_F_B marker is followed by a forward and a full backward; the
     two run as one unit, so the backward's own forward must have run before."""
-    pair = prog[pos + 1:pos + 3]
+    pair = prog[pos + 1 : pos + 3]
     if len(pair) < 2 or pair[0].op is not F or pair[1].op is not B:
         got = " ".join(map(str, pair)) or "nothing"
-        raise ScheduleError(f"OVERLAP_F_B on device {dev} must be followed by a forward and a full backward, "
-                            f"got {got}")
+        raise ScheduleError(f"OVERLAP_F_B on device {dev} must be followed by a forward and a full backward, got {got}")
     b = pair[1]
     if (F, b.replica, b.stage, b.microbatch) not in seen:
-        cell = program_cells(prog[pos:pos + 3])[0]
-        raise ScheduleError(f"{cell} on device {dev}: {b}'s forward {_name(F, b.replica, b.stage, b.microbatch)} "
-                            f"must run before the pair, whose halves start together")
+        cell = program_cells(prog[pos : pos + 3])[0]
+        raise ScheduleError(
+            f"{cell} on device {dev}: {b}'s forward {_name(F, b.replica, b.stage, b.microbatch)} "
+            f"must run before the pair, whose halves start together"
+        )
 
 
 def _check_shards(s: Schedule, placement: dict) -> None:
@@ -366,19 +405,25 @@ def _check_shards(s: Schedule, placement: dict) -> None:
             op = a.op
             if op is UNSHARD or op is RESHARD:
                 if placement.get(rs, dev) != dev:
-                    raise ScheduleError(f"{a} on device {dev}: replica {a.replica} stage {a.stage} "
-                                        f"runs on device {placement[rs]}")
+                    raise ScheduleError(
+                        f"{a} on device {dev}: replica {a.replica} stage {a.stage} runs on device {placement[rs]}"
+                    )
                 if (op is UNSHARD) == (rs in gathered):
-                    state = "already unsharded (no RESHARD since its last UNSHARD)" if op is UNSHARD \
+                    state = (
+                        "already unsharded (no RESHARD since its last UNSHARD)"
+                        if op is UNSHARD
                         else "not unsharded (no UNSHARD precedes it)"
+                    )
                     raise ScheduleError(f"{a} on device {dev}: stage {a.stage} is {state}")
                 if op is UNSHARD:
                     gathered.add(rs)
                 else:
                     gathered.discard(rs)
             elif op in PASS_OPS and rs not in gathered:
-                raise ScheduleError(f"{a} on device {dev} computes on stage {a.stage}'s sharded parameters: "
-                                    f"no UNSHARD precedes it since the last RESHARD")
+                raise ScheduleError(
+                    f"{a} on device {dev} computes on stage {a.stage}'s sharded parameters: "
+                    f"no UNSHARD precedes it since the last RESHARD"
+                )
 
 
 def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placement: dict, split: dict) -> None:
@@ -418,7 +463,8 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
         if rdev != cdev or cpos is None or cpos < rpos:
             raise ScheduleError(
                 f"{_name(*consumer)} on device {cdev} needs data from device {pdev} but no "
-                f"{_name(RECV_OF[op], crep, cstage, mb)} precedes it")
+                f"{_name(RECV_OF[op], crep, cstage, mb)} precedes it"
+            )
         crossing += cdev != pdev
     if crossing == _crossings(s, placement):
         return
@@ -428,11 +474,15 @@ def _check_transfers(s: Schedule, seen: dict, sends: dict, recvs: dict, placemen
         a = Action(op, stage, mb, replica=rep)
         prod = producer_of(a, s.replicas, split)
         dev = placement[(rep, stage)]
-        if prod is not None and placement[(prod.replica, prod.stage)] != dev and send_key(
-                Action(RECV_OF[op], stage, mb, replica=rep)) not in recvs:
+        if (
+            prod is not None
+            and placement[(prod.replica, prod.stage)] != dev
+            and send_key(Action(RECV_OF[op], stage, mb, replica=rep)) not in recvs
+        ):
             raise ScheduleError(
                 f"{a} on device {dev} needs data from device {placement[(prod.replica, prod.stage)]} "
-                f"but no {_name(RECV_OF[op], rep, stage, mb)} precedes it")
+                f"but no {_name(RECV_OF[op], rep, stage, mb)} precedes it"
+            )
 
 
 def _crossings(s: Schedule, placement: dict) -> int:
@@ -443,11 +493,13 @@ def _crossings(s: Schedule, placement: dict) -> int:
     for stage in range(s.num_stages - 1):
         r0, r1 = reps[stage], reps[stage + 1]
         if r0 == r1:  # the common case: replica r feeds replica r, the same for every mb
-            needed += 2 * sum(len(routed(0, total, r0, r)) for r in range(r0)
-                              if placement[(r, stage)] != placement[(r, stage + 1)])
+            needed += 2 * sum(
+                len(routed(0, total, r0, r)) for r in range(r0) if placement[(r, stage)] != placement[(r, stage + 1)]
+            )
         else:
-            needed += 2 * sum(1 for mb in range(total)
-                              if placement[(mb % r0, stage)] != placement[(mb % r1, stage + 1)])
+            needed += 2 * sum(
+                1 for mb in range(total) if placement[(mb % r0, stage)] != placement[(mb % r1, stage + 1)]
+            )
     return needed
 
 
@@ -520,7 +572,7 @@ def _waiting_name(schedule: Schedule | None, dev: int, action: Action) -> str:
         prog = schedule.programs[dev]
         pos = prog.index(action)
         if pos and prog[pos - 1].op is OVERLAP_F_B:
-            return program_cells(prog[pos - 1:pos + 2])[0]
+            return program_cells(prog[pos - 1 : pos + 2])[0]
     return str(action)
 
 
@@ -537,8 +589,10 @@ def describe_wait_cycle(stuck, blocked, where, schedule: Schedule | None = None)
         if nxt is None:  # a collective: some other stuck replica has not posted it
             others = [d for d in stuck if d != dev and d in blocked]
             nxt = others[0] if others else None
-        parts.append(f"{action} (device {dev}) waits for {token_name(token)}"
-                     + (f" (device {nxt})" if nxt is not None else " (never issued)"))
+        parts.append(
+            f"{action} (device {dev}) waits for {token_name(token)}"
+            + (f" (device {nxt})" if nxt is not None else " (never issued)")
+        )
         dev = nxt
     if dev is not None and dev in seen_devs:
         parts.append(f"which waits on device {dev} again")

@@ -168,11 +168,19 @@ SEND_OPS = frozenset({SEND_F, SEND_B})
 #: Stage offset from an action's data source to its destination.
 FLOW: dict[Op, int] = {F: 1, SEND_F: 1, RECV_F: 1, B: -1, I: -1, SEND_B: -1, RECV_B: -1}
 #: The send of the transfer that carries a pass's output, or that an end belongs to.
-SEND_OF: dict[Op, Op] = {F: SEND_F, SEND_F: SEND_F, RECV_F: SEND_F, B: SEND_B, I: SEND_B, SEND_B: SEND_B,
-                         RECV_B: SEND_B}
+SEND_OF: dict[Op, Op] = {
+    F: SEND_F,
+    SEND_F: SEND_F,
+    RECV_F: SEND_F,
+    B: SEND_B,
+    I: SEND_B,
+    SEND_B: SEND_B,
+    RECV_B: SEND_B,
+}
 #: The passes whose output each send carries (a stage's backward is B, or I when split).
 PRODUCERS_OF: dict[Op, tuple[Op, ...]] = {
-    send: tuple(op for op in (F, B, I) if SEND_OF[op] is send) for send in (SEND_F, SEND_B)}
+    send: tuple(op for op in (F, B, I) if SEND_OF[op] is send) for send in (SEND_F, SEND_B)
+}
 #: The receive that takes a pass's output on the neighbouring stage.
 RECV_OF: dict[Op, Op] = {F: RECV_F, B: RECV_B, I: RECV_B, SEND_F: RECV_F, SEND_B: RECV_B}
 
@@ -262,11 +270,10 @@ def parse_action(text: str) -> Action:
     m = _ACTION_RE.match(text)
     if not m:
         if "OVERLAP_F_B" in text:
-            raise ScheduleError(f"cannot parse action {text!r}: an overlapped pair is one cell, "
-                                "e.g. (0F7;7B3)OVERLAP_F_B")
-        raise ScheduleError(
-            f"cannot parse action {text!r}: expected e.g. 0F1, 2B0, 1SEND_F3, 0UPDATE@v1"
-        )
+            raise ScheduleError(
+                f"cannot parse action {text!r}: an overlapped pair is one cell, e.g. (0F7;7B3)OVERLAP_F_B"
+            )
+        raise ScheduleError(f"cannot parse action {text!r}: expected e.g. 0F1, 2B0, 1SEND_F3, 0UPDATE@v1")
     replica, stage, op, mb, version, distance = m.groups()
     op = _OP_OF[op]
     if mb is not None:
@@ -300,8 +307,9 @@ def parse_cell(text: str) -> tuple[Action, ...]:
     m = _COMPOUND_RE.match(text)
     subs = m["subs"].split(";") if m else []
     if not m or m["op"] != OVERLAP_F_B.value or len(subs) != 2:
-        raise ScheduleError(f"cannot parse {text!r}: a compound action is written (F;B)OVERLAP_F_B, "
-                            "e.g. (0F7;7B3)OVERLAP_F_B")
+        raise ScheduleError(
+            f"cannot parse {text!r}: a compound action is written (F;B)OVERLAP_F_B, e.g. (0F7;7B3)OVERLAP_F_B"
+        )
     return overlapped(parse_action(subs[0]), parse_action(subs[1]))
 
 
@@ -316,7 +324,7 @@ def program_cells(prog: Iterable[Action], *, torch_only: bool = False) -> list[s
         if a.op is OVERLAP_F_B:
             if pos + 2 >= n:
                 raise ScheduleError(f"OVERLAP_F_B at position {pos} is not followed by its forward and backward")
-            pair = ";".join(format_action(x, torch_only=torch_only) for x in prog[pos + 1:pos + 3])
+            pair = ";".join(format_action(x, torch_only=torch_only) for x in prog[pos + 1 : pos + 3])
             cells.append(f"({pair}){OVERLAP_F_B.value}")
             pos += 3
             continue
@@ -367,8 +375,7 @@ class Schedule:
         reps = self.replicas
         reps = (reps,) * self.num_stages if isinstance(reps, int) else tuple(reps)
         if len(reps) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in reps):
-            raise ScheduleError(f"replicas must be one count >= 1 per stage ({self.num_stages}), "
-                                f"got {self.replicas!r}")
+            raise ScheduleError(f"replicas must be one count >= 1 per stage ({self.num_stages}), got {self.replicas!r}")
         object.__setattr__(self, "replicas", reps)
         if not self.programs:
             raise ScheduleError("a schedule needs at least one device")
@@ -428,9 +435,7 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule with communication actions removed."""
-        return self.with_programs(
-            tuple(a for a in prog if a.op not in P2P_OPS) for prog in self.programs
-        )
+        return self.with_programs(tuple(a for a in prog if a.op not in P2P_OPS) for prog in self.programs)
 
     def with_programs(self, programs: Iterable[Iterable[Action]]) -> Schedule:
         return Schedule(
@@ -480,7 +485,8 @@ def shift_versions(schedule: Schedule, by: int) -> Schedule:
         return schedule
     return schedule.with_programs(
         tuple(a._replace(version=a.version + by) if a.version is not None else a for a in prog)
-        for prog in schedule.programs)
+        for prog in schedule.programs
+    )
 
 
 # --------------------------------------------------------------------------
@@ -520,9 +526,13 @@ _HEADER = "# pipesim "
 
 
 def _header_of(schedule: Schedule) -> dict:
-    return {"strategy": schedule.strategy, "microbatches": schedule.num_microbatches,
-            "iterations": schedule.num_iterations, "replicas": list(schedule.replicas),
-            "options": dict(schedule.options)}
+    return {
+        "strategy": schedule.strategy,
+        "microbatches": schedule.num_microbatches,
+        "iterations": schedule.num_iterations,
+        "replicas": list(schedule.replicas),
+        "options": dict(schedule.options),
+    }
 
 
 def csv_header(text: str) -> tuple[dict, str]:
@@ -532,7 +542,7 @@ def csv_header(text: str) -> tuple[dict, str]:
         return {}, text
     line, _, rows = text.partition("\n")
     try:
-        header = json.loads(line[len(_HEADER):])
+        header = json.loads(line[len(_HEADER) :])
     except ValueError as e:
         raise ScheduleError(f"row 1: malformed pipesim header: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("options", {}), dict):
@@ -575,8 +585,16 @@ def _parse_plain_row(line: str) -> list[Action] | None:
     op_of, new = _OP_OF, tuple.__new__
     # tuple.__new__ is what Action(...) calls, without the Python-level frame
     return [
-        new(Action, (op_of[op or op2 or op3], int(stage), int(mb or mb2) if mb or mb2 else None,
-                     int(version) if version else None, int(distance) if distance else 0,
-                     int(replica) if replica else 0))
+        new(
+            Action,
+            (
+                op_of[op or op2 or op3],
+                int(stage),
+                int(mb or mb2) if mb or mb2 else None,
+                int(version) if version else None,
+                int(distance) if distance else 0,
+                int(replica) if replica else 0,
+            ),
+        )
         for replica, stage, op, mb, op2, mb2, op3, version, distance in found
     ]

@@ -152,10 +152,15 @@ def split_stages(schedule: Schedule) -> dict[tuple[int, int], frozenset[int] | N
     if cached is not None:
         return cached
     split: dict[tuple[int, int], frozenset[int] | None] = dict.fromkeys(
-        (a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I)
+        (a.replica, a.stage) for prog in schedule.programs for a in prog if a.op is I
+    )
     if split:
-        mixed = {(a.replica, a.stage) for prog in schedule.programs for a in prog
-                 if a.op is B and (a.replica, a.stage) in split}
+        mixed = {
+            (a.replica, a.stage)
+            for prog in schedule.programs
+            for a in prog
+            if a.op is B and (a.replica, a.stage) in split
+        }
         if mixed:
             mbs: dict[tuple[int, int], set[int]] = defaultdict(set)
             for prog in schedule.programs:
@@ -287,8 +292,7 @@ def compile_lowered(schedule: Schedule, recv_lookahead: int = 1) -> list[list[En
     return out
 
 
-def _device_entries(dev: int, prog, device_of: list, split: dict, rounds: dict,
-                    lookahead: int) -> list[Entry] | None:
+def _device_entries(dev: int, prog, device_of: list, split: dict, rounds: dict, lookahead: int) -> list[Entry] | None:
     """:func:`compile_lowered`'s entries of one program (``None`` at its first
     transfer or OVERLAP_F_B). Written flat: it visits every action of every
     simulation."""
@@ -322,15 +326,18 @@ def _device_entries(dev: int, prog, device_of: list, split: dict, rounds: dict,
                 if src[src_rep] != dev:  # received, posted ahead of this pass
                     key = _new(Arrival, (SEND_OF[op], src_stage, mb))
                     posts[j - lookahead if j > lookahead else 0].append(
-                        _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), key)))
+                        _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), key))
+                    )
                 else:  # made on this device
-                    key = _new(PassDone, (F if op is F else backward_op(split, src_rep, src_stage, mb),
-                                          src_rep, src_stage, mb))
+                    key = _new(
+                        PassDone, (F if op is F else backward_op(split, src_rep, src_stage, mb), src_rep, src_stage, mb)
+                    )
                 waits = (key,)
             if dst[0] >= 0 and dst[mb % len(dst)] != dev:  # sent right after
                 send = SEND_OF[op]
-                after.append(_new(Post, (_new(Action, (send, stage, mb, None, 0, rep)),
-                                         _new(Arrival, (send, stage, mb)))))
+                after.append(
+                    _new(Post, (_new(Action, (send, stage, mb, None, 0, rep)), _new(Arrival, (send, stage, mb))))
+                )
         if last_coll:
             waits += _collective_waits(op, rep, stage, last_coll)
         waits_of.append(waits)

@@ -155,11 +155,13 @@ def plan(schedule: Schedule, *, recv_lookahead: int = 1) -> Plan:
                 tok = _new(Arrival, (SEND_OF[op], stage - step, mb))
                 received.add(tok)
                 posts[j - recv_lookahead if j > recv_lookahead else 0].append(
-                    _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), tok)))
+                    _new(Post, (_new(Action, (RECV_OF[op], stage, mb, None, 0, rep)), tok))
+                )
             if dst[0] >= 0 and dst[mb % len(dst)] != dev:  # send it right after
                 send = SEND_OF[op]
-                after.append(_new(Post, (_new(Action, (send, stage, mb, None, 0, rep)),
-                                         _new(Arrival, (send, stage, mb)))))
+                after.append(
+                    _new(Post, (_new(Action, (send, stage, mb, None, 0, rep)), _new(Arrival, (send, stage, mb))))
+                )
         for j in overlaps:  # empty what would be posted inside each pair
             if j + 1 >= len(computes):
                 raise ScheduleError(f"OVERLAP_F_B on device {dev} is not followed by its forward and backward")

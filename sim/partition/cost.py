@@ -132,8 +132,11 @@ class LinkModel:
             route = self.hw.route(src, dst)
             if route:
                 bandwidth = min(link.bandwidth for link in route)
-                found = (math.fsum(link.latency for link in route), 0.0 if math.isinf(bandwidth) else 1 / bandwidth,
-                         tuple(link.name for link in route))
+                found = (
+                    math.fsum(link.latency for link in route),
+                    0.0 if math.isinf(bandwidth) else 1 / bandwidth,
+                    tuple(link.name for link in route),
+                )
             else:
                 found = (0.0, 0.0, ())
             self._pairs[key] = found
@@ -160,9 +163,12 @@ class LinkModel:
                         links[name][1] += per_byte / cycle
                     mean[0] += lat / (2 * cycle)
                     mean[1] += per_byte / (2 * cycle)
-            found = self._boundaries[key] = Boundary({k: (v[0], v[1]) for k, v in links.items()},
-                                                     (mean[0], mean[1]), frozenset(crossed[0]),
-                                                     frozenset(crossed[1]))
+            found = self._boundaries[key] = Boundary(
+                {k: (v[0], v[1]) for k, v in links.items()},
+                (mean[0], mean[1]),
+                frozenset(crossed[0]),
+                frozenset(crossed[1]),
+            )
         return found
 
     def ring(self, devices: tuple[int, ...]) -> Ring:
@@ -254,27 +260,40 @@ def held_activations(stash_bytes, inflight, checkpoint_bytes=None, peak_bytes=No
     return np.where(np.asarray(inflight) > 0, (np.asarray(inflight) - 1) * checkpoint_bytes + full, 0 * full)
 
 
-def stage_memory(cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int,
-                 boundary_bytes: int) -> int:
+def stage_memory(
+    cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int, boundary_bytes: int
+) -> int:
     """One replica of a stage: weights x versions, gradients, optimizer state,
     extra weight-sized buffers, stashed micro-batches, and a send and a receive
     buffer for each tensor across its boundaries (``boundary_bytes``: the
     activations in and out)."""
-    held = (held_activations(cost.stash_bytes, inflight, cost.held_bytes, cost.full_stash_bytes) if cost.recompute
-            else held_activations(cost.stash_bytes, inflight))
+    held = (
+        held_activations(cost.stash_bytes, inflight, cost.held_bytes, cost.full_stash_bytes)
+        if cost.recompute
+        else held_activations(cost.stash_bytes, inflight)
+    )
     return int(cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers) + held + 2 * boundary_bytes)
 
 
-def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimizer: str,
-             optimizer_multiplier: int, microbatch_size: int) -> Estimate:
+def estimate(
+    costs: list[StageCost],
+    layout: Layout,
+    links: LinkModel,
+    *,
+    optimizer: str,
+    optimizer_multiplier: int,
+    microbatch_size: int,
+) -> Estimate:
     """Cost ``costs`` (one per stage) run as ``layout`` says (see the module doc)."""
     hw = links.hw
     m = layout.microbatches
     p = len(costs)
     engine_costs = CostModel.for_device(costs, hw.device, optimizer)
     boundaries = [links.boundary(layout.devices[k], layout.devices[k + 1]) for k in range(p - 1)]
-    transfer = [b.transfer[0] + b.transfer[1] * costs[k].activation_bytes if costs[k].activation_bytes else 0.0
-                for k, b in enumerate(boundaries)]  # mean uncontended one-way time per boundary
+    transfer = [
+        b.transfer[0] + b.transfer[1] * costs[k].activation_bytes if costs[k].activation_bytes else 0.0
+        for k, b in enumerate(boundaries)
+    ]  # mean uncontended one-way time per boundary
     busy: dict[int, float] = defaultdict(float)
     load: dict[str, float] = defaultdict(float)
     memory: dict[int, int] = defaultdict(int)
@@ -283,8 +302,10 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
         ring = links.ring(devs)
         reduce_s = ring.seconds(c.param_bytes) if len(devs) > 1 else 0.0
         update_s = engine_costs.compute(Action(UPDATE, k))
-        exposed = sum(exposed_receive(k, kind, layout.waits[k][kind], boundaries, transfer, engine_costs)
-                      for kind in (FORWARD, BACKWARD))
+        exposed = sum(
+            exposed_receive(k, kind, layout.waits[k][kind], boundaries, transfer, engine_costs)
+            for kind in (FORWARD, BACKWARD)
+        )
         if layout.hidden_reduce and layout.hidden_reduce[k] and layout.updates[k]:
             # 2BW: the all-reduce runs behind the passes of the next window;
             # the device waits only for what outlasts them
@@ -299,15 +320,15 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
             for name, (a, b) in ring.links.items():
                 load[name] += layout.updates[k] * (a + b * c.param_bytes)
         boundary = (costs[k - 1].activation_bytes if k else 0) + (c.activation_bytes if k + 1 < p else 0)
-        mem = stage_memory(c, layout.inflight[k], layout.versions[k], layout.buffers[k], optimizer_multiplier,
-                           boundary)
+        mem = stage_memory(c, layout.inflight[k], layout.versions[k], layout.buffers[k], optimizer_multiplier, boundary)
         for d in devs:
             memory[d] += mem
     # A stage that steps more than once an iteration on several replicas runs
     # in lock-step: each step's all-reduce waits for the last of its
     # micro-batches, which the other stages hand over one at a time.
-    service = [(layout.passes[k] * c.time_s + layout.updates[k] * step_s[k]) / m
-               for k, c in enumerate(costs)]  # busy time per micro-batch of the pipeline
+    service = [
+        (layout.passes[k] * c.time_s + layout.updates[k] * step_s[k]) / m for k, c in enumerate(costs)
+    ]  # busy time per micro-batch of the pipeline
     for k, devs in enumerate(layout.devices):
         if len(devs) > 1 and layout.updates[k] > 1 and p > 1:
             group = len(devs) * layout.passes[k] / layout.updates[k]
@@ -343,20 +364,32 @@ def estimate(costs: list[StageCost], layout: Layout, links: LinkModel, *, optimi
         if all(held >= passes for held, passes in zip(layout.inflight, layout.passes)):
             # every forward before any backward (GPipe): two phases, each
             # paced by its own slowest stage, then stage 0's step
-            phases = 2 * math.fsum(transfer) + step_s[0] + sum(
-                math.fsum(t(c) for c in costs) + max((n - 1) * t(c) for n, c in zip(layout.passes, costs))
-                for t in (lambda c: c.forward_s, lambda c: c.backward_s))
+            phases = (
+                2 * math.fsum(transfer)
+                + step_s[0]
+                + sum(
+                    math.fsum(t(c) for c in costs) + max((n - 1) * t(c) for n, c in zip(layout.passes, costs))
+                    for t in (lambda c: c.forward_s, lambda c: c.backward_s)
+                )
+            )
             if phases > iteration:
                 iteration, bottleneck = phases, "forward and backward phases"
         makespan = layout.iterations * iteration
     dev_memory = tuple(memory[d] for d in range(layout.num_devices))
-    return Estimate(period_s=period, bottleneck=bottleneck, iteration_s=iteration, makespan_s=makespan,
-                    samples_per_s=m * microbatch_size / iteration if iteration > 0 else math.inf,
-                    memory_bytes=dev_memory, memory_limit_bytes=hw.device.memory_bytes)
+    return Estimate(
+        period_s=period,
+        bottleneck=bottleneck,
+        iteration_s=iteration,
+        makespan_s=makespan,
+        samples_per_s=m * microbatch_size / iteration if iteration > 0 else math.inf,
+        memory_bytes=dev_memory,
+        memory_limit_bytes=hw.device.memory_bytes,
+    )
 
 
-def exposed_receive(k: int, kind: int, wait: Wait, boundaries: list[Boundary], transfer: list[float],
-                    engine_costs: CostModel) -> float:
+def exposed_receive(
+    k: int, kind: int, wait: Wait, boundaries: list[Boundary], transfer: list[float], engine_costs: CostModel
+) -> float:
     """Seconds a pass of stage k waits for its receive in steady state (see
     :class:`~.layout.Wait`): the transfer, behind the prior pass's send when
     the two share a link, less what the window hides."""
@@ -365,8 +398,7 @@ def exposed_receive(k: int, kind: int, wait: Wait, boundaries: list[Boundary], t
         return 0.0
     links_in = boundaries[b].forward if kind == FORWARD else boundaries[b].backward
     stages = len(boundaries) + 1
-    window = math.fsum(engine_costs.compute(Action(op, k + off)) for op, off in wait.window
-                       if 0 <= k + off < stages)
+    window = math.fsum(engine_costs.compute(Action(op, k + off)) for op, off in wait.window if 0 <= k + off < stages)
     queued = 0.0
     if wait.prior is not None:
         op, off = wait.prior

@@ -174,10 +174,17 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
         stashed.append(max(peak[(r, k)] for r in reps))
         extra.append(int(any((r, k) in predicts for r in reps)) + int((0, k) in averages))
     return Layout(
-        devices=tuple(devices), microbatches=schedule.num_microbatches, iterations=k_iter,
-        streamed=bool(strategy is not None and strategy.asynchronous), passes=tuple(per_pass),
-        inflight=tuple(stashed), updates=tuple(per_update), versions=tuple(versions), buffers=tuple(extra),
-        waits=_waits(schedule, recv_lookahead), hidden_reduce=tuple(k in hidden for k in range(p)),
+        devices=tuple(devices),
+        microbatches=schedule.num_microbatches,
+        iterations=k_iter,
+        streamed=bool(strategy is not None and strategy.asynchronous),
+        passes=tuple(per_pass),
+        inflight=tuple(stashed),
+        updates=tuple(per_update),
+        versions=tuple(versions),
+        buffers=tuple(extra),
+        waits=_waits(schedule, recv_lookahead),
+        hidden_reduce=tuple(k in hidden for k in range(p)),
     )
 
 
@@ -197,8 +204,10 @@ def _waits(schedule: Schedule, lookahead: int) -> tuple[tuple[Wait, Wait], ...]:
             prior = (before.op, before.stage - a.stage) if before is not None and before.op in PASS_OPS else None
             seen[(a.stage, kind)][Wait(window, prior)] += 1
     none = Wait()
-    return tuple(tuple(seen[(k, kind)].most_common(1)[0][0] if seen[(k, kind)] else none
-                       for kind in (FORWARD, BACKWARD)) for k in range(schedule.num_stages))
+    return tuple(
+        tuple(seen[(k, kind)].most_common(1)[0][0] if seen[(k, kind)] else none for kind in (FORWARD, BACKWARD))
+        for k in range(schedule.num_stages)
+    )
 
 
 @dataclass(frozen=True)
@@ -249,9 +258,14 @@ def traits_of(strategy: str, recv_lookahead: int = 1) -> Traits:
     found = get_strategy(strategy)
     probe = layout_of(build_schedule(ScheduleSpec(strategy, _PROBE_STAGES, _PROBE_MICROBATCHES)), recv_lookahead)
     one_f_one_b = probe.inflight[0] == warmup((1,) * _PROBE_STAGES, 0) + 1
-    return Traits(strategy=strategy, streamed=found.asynchronous, holds_share=not one_f_one_b,
-                  steps_each_pass=probe.updates[0] >= _PROBE_MICROBATCHES, waits=probe.waits[0],
-                  hides_reduce=_hides_reduce(strategy, recv_lookahead))
+    return Traits(
+        strategy=strategy,
+        streamed=found.asynchronous,
+        holds_share=not one_f_one_b,
+        steps_each_pass=probe.updates[0] >= _PROBE_MICROBATCHES,
+        waits=probe.waits[0],
+        hides_reduce=_hides_reduce(strategy, recv_lookahead),
+    )
 
 
 def _hides_reduce(strategy: str, recv_lookahead: int) -> bool:
@@ -259,8 +273,11 @@ def _hides_reduce(strategy: str, recv_lookahead: int) -> bool:
     passes, read off a probe of three iterations with two replicas of it
     (False where the strategy takes no replicas)."""
     try:
-        probe = build_schedule(ScheduleSpec(strategy, _PROBE_STAGES, _PROBE_MICROBATCHES, iterations=3,
-                                            replicas=(2,) + (1,) * (_PROBE_STAGES - 1)))
+        probe = build_schedule(
+            ScheduleSpec(
+                strategy, _PROBE_STAGES, _PROBE_MICROBATCHES, iterations=3, replicas=(2,) + (1,) * (_PROBE_STAGES - 1)
+            )
+        )
     except InputError:
         return False
     return layout_of(probe, recv_lookahead).hidden_reduce[0]
@@ -276,8 +293,9 @@ def consecutive_devices(replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
-def layout_for(traits: Traits, replicas: tuple[int, ...], microbatches: int, iterations: int,
-               options: dict | None = None) -> Layout:
+def layout_for(
+    traits: Traits, replicas: tuple[int, ...], microbatches: int, iterations: int, options: dict | None = None
+) -> Layout:
     """The layout a strategy with per-stage ``replicas`` would build, without building it."""
     strategy = get_strategy(traits.strategy)
     opts = strategy.option_defaults() | (options or {}) | {"replicas": list(replicas)}
@@ -285,12 +303,15 @@ def layout_for(traits: Traits, replicas: tuple[int, ...], microbatches: int, ite
     total = sum(replicas)
     suffix = [total - sum(replicas[: k + 1]) for k in range(p)]
     return Layout(
-        devices=consecutive_devices(replicas), microbatches=microbatches, iterations=iterations,
+        devices=consecutive_devices(replicas),
+        microbatches=microbatches,
+        iterations=iterations,
         streamed=traits.streamed,
         passes=tuple(traits.share(r, microbatches) for r in replicas),
         inflight=tuple(traits.inflight(r, s, microbatches, iterations) for r, s in zip(replicas, suffix)),
         updates=tuple(traits.steps(r, microbatches) for r in replicas),
         versions=tuple(strategy.weight_versions(opts, k, p) for k in range(p)),
-        buffers=(0,) * p, waits=(traits.waits,) * p,
+        buffers=(0,) * p,
+        waits=(traits.waits,) * p,
         hidden_reduce=tuple(traits.hides_reduce and r > 1 for r in replicas),
     )

@@ -91,8 +91,9 @@ class Tables:
         idx = np.arange(n + 1)
         self.valid = idx[:, None] < idx[None, :]
         again = 2 if recompute else 1  # the backward re-runs the forward first
-        self.time = np.where(self.valid, ranges([again * la.forward_s + la.backward_s for la in layers]) + overhead,
-                             np.inf)
+        self.time = np.where(
+            self.valid, ranges([again * la.forward_s + la.backward_s for la in layers]) + overhead, np.inf
+        )
         self.params = np.where(self.valid, ranges([la.param_bytes for la in layers]), 0.0)
         self.stash = np.where(self.valid, ranges([la.stash_bytes for la in layers]), 0.0)
         # bytes crossing the cut before layer i (nothing before layer 0 or after the last)
@@ -136,8 +137,17 @@ def line_of(line: tuple[float, float], nbytes: np.ndarray) -> np.ndarray:
     return np.where(nbytes > 0, a + b * nbytes, 0.0)
 
 
-def stage_terms(tables: Tables, devices: tuple[int, ...], links: LinkModel, *, passes: float, steps: float,
-                microbatches: int, optimizer: str, hidden: bool = False) -> np.ndarray:
+def stage_terms(
+    tables: Tables,
+    devices: tuple[int, ...],
+    links: LinkModel,
+    *,
+    passes: float,
+    steps: float,
+    microbatches: int,
+    optimizer: str,
+    hidden: bool = False,
+) -> np.ndarray:
     """Seconds per micro-batch of the pipeline that one replica of a stage on
     ``devices`` is busy, for every layer range: its passes, and its steps,
     each after an all-reduce over the replicas when there are several (with
@@ -153,7 +163,9 @@ def stage_terms(tables: Tables, devices: tuple[int, ...], links: LinkModel, *, p
     return (passes * tables.time + steps * step) / microbatches
 
 
-def memory_terms(tables: Tables, *, inflight: int, versions: int, buffers: int, optimizer_multiplier: int) -> np.ndarray:
+def memory_terms(
+    tables: Tables, *, inflight: int, versions: int, buffers: int, optimizer_multiplier: int
+) -> np.ndarray:
     """Bytes one replica of a stage holds, for every layer range (see
     :func:`.cost.stage_memory`: the same terms, as arrays)."""
     boundary = tables.cut[:, None] + tables.cut[None, :]
@@ -178,12 +190,23 @@ class CostSetting:
 
     @classmethod
     def of(cls, profile: Profile, hardware: Hardware, memory_limit_bytes: float | None = None) -> CostSetting:
-        return cls(LinkModel(hardware), profile.optimizer, profile.optimizer_state_multiplier,
-                   profile.microbatch_size, memory_limit_bytes)
+        return cls(
+            LinkModel(hardware),
+            profile.optimizer,
+            profile.optimizer_state_multiplier,
+            profile.microbatch_size,
+            memory_limit_bytes,
+        )
 
     def estimate(self, costs: list[StageCost], layout: Layout) -> Estimate:
-        return estimate(costs, layout, self.links, optimizer=self.optimizer,
-                        optimizer_multiplier=self.optimizer_multiplier, microbatch_size=self.microbatch_size)
+        return estimate(
+            costs,
+            layout,
+            self.links,
+            optimizer=self.optimizer,
+            optimizer_multiplier=self.optimizer_multiplier,
+            microbatch_size=self.microbatch_size,
+        )
 
     def fits(self, est: Estimate) -> bool:
         return self.memory_limit_bytes is None or est.peak_memory_bytes <= self.memory_limit_bytes
@@ -251,8 +274,9 @@ def split_for_layout(tables: Tables, layout: Layout, setting: CostSetting) -> li
     return tables.split(ranked_splits(tables, layout, setting)[0])
 
 
-def _layout_terms(tables: Tables, layout: Layout, setting: CostSetting, *, memory: bool,
-                  shared: bool | None) -> list[np.ndarray]:
+def _layout_terms(
+    tables: Tables, layout: Layout, setting: CostSetting, *, memory: bool, shared: bool | None
+) -> list[np.ndarray]:
     """Per stage k, the [i, j] matrix of its dynamic-program term: its busy
     time per micro-batch, or its incoming boundary's busiest link, whichever
     is larger (``shared``: that link's load multiplied by the boundaries
@@ -270,23 +294,36 @@ def _layout_terms(tables: Tables, layout: Layout, setting: CostSetting, *, memor
         if shared is None:
             term = tables.time.copy()
         else:
-            term = stage_terms(tables, devs, links, passes=layout.passes[k], steps=layout.updates[k],
-                               microbatches=layout.microbatches, optimizer=setting.optimizer,
-                               hidden=bool(layout.hidden_reduce and layout.hidden_reduce[k]))
+            term = stage_terms(
+                tables,
+                devs,
+                links,
+                passes=layout.passes[k],
+                steps=layout.updates[k],
+                microbatches=layout.microbatches,
+                optimizer=setting.optimizer,
+                hidden=bool(layout.hidden_reduce and layout.hidden_reduce[k]),
+            )
         if k and shared is not None:
             line = envelope((users[name] * a, users[name] * b) for name, (a, b) in boundaries[k - 1].links.items())
             term = np.maximum(term, line_of(line, tables.cut)[:, None])
         if memory and setting.memory_limit_bytes is not None:
-            mem = memory_terms(tables, inflight=layout.inflight[k], versions=layout.versions[k],
-                               buffers=layout.buffers[k], optimizer_multiplier=setting.optimizer_multiplier)
+            mem = memory_terms(
+                tables,
+                inflight=layout.inflight[k],
+                versions=layout.versions[k],
+                buffers=layout.buffers[k],
+                optimizer_multiplier=setting.optimizer_multiplier,
+            )
             share = setting.memory_limit_bytes / max(hosted[d] for d in devs)
             term = np.where(mem <= share, term, np.inf)
         terms.append(np.where(tables.valid, term, np.inf))
     return terms
 
 
-def _improve_cuts(tables: Tables, starts: tuple[int, ...], layout: Layout, setting: CostSetting, *,
-                  memory: bool) -> tuple[tuple[int, ...], float | None]:
+def _improve_cuts(
+    tables: Tables, starts: tuple[int, ...], layout: Layout, setting: CostSetting, *, memory: bool
+) -> tuple[tuple[int, ...], float | None]:
     """Move cuts one or two layers while the estimated run gets shorter: the
     cuts reached and the run's estimated time (None if they do not fit)."""
 
@@ -303,7 +340,7 @@ def _cut_moves(starts: tuple[int, ...], n: int):
         for delta in (-2, -1, 1, 2):
             x = starts[c] + delta
             if bounds[c - 1] < x < bounds[c + 1]:
-                yield starts[:c] + (x,) + starts[c + 1:]
+                yield starts[:c] + (x,) + starts[c + 1 :]
 
 
 def _descend(start, cost: Callable, moves: Callable, rounds: int = MAX_ROUNDS):
@@ -414,8 +451,9 @@ class Planner:
         per_node = min(self.setting.links.hw.devices_per_node or SERVER, big_n)
         return tuple(sorted(set(range(1, per_node + 1)) | set(range(per_node, big_n + 1, per_node))))
 
-    def _stage_matrix(self, first_device: int, r: int, memory: bool, held: tuple[Layout, int] | None = None
-                      ) -> np.ndarray:
+    def _stage_matrix(
+        self, first_device: int, r: int, memory: bool, held: tuple[Layout, int] | None = None
+    ) -> np.ndarray:
         """The [i, j] terms of a stage of r replicas on devices first_device ..
         first_device + r - 1 followed by the remaining devices: its busy time,
         inf where it does not fit. Its memory is that of stage ``k`` of
@@ -423,16 +461,28 @@ class Planner:
         else that of the first of two stages, (r, the remaining devices)."""
         t, m = self.tables, self.microbatches
         devs = tuple(range(first_device, first_device + r))
-        term = stage_terms(t, devs, self.setting.links, passes=self.traits.share(r, m),
-                           steps=self.traits.steps(r, m), microbatches=m, optimizer=self.setting.optimizer,
-                           hidden=self.traits.hides_reduce)
+        term = stage_terms(
+            t,
+            devs,
+            self.setting.links,
+            passes=self.traits.share(r, m),
+            steps=self.traits.steps(r, m),
+            microbatches=m,
+            optimizer=self.setting.optimizer,
+            hidden=self.traits.hides_reduce,
+        )
         if memory and self.setting.memory_limit_bytes is not None:
             if held is None:
                 suffix = self.devices - first_device - r
                 held = (self.layout((r, suffix) if suffix else (r,)), 0)
             probe, k = held
-            mem = memory_terms(t, inflight=probe.inflight[k], versions=probe.versions[k], buffers=0,
-                               optimizer_multiplier=self.setting.optimizer_multiplier)
+            mem = memory_terms(
+                t,
+                inflight=probe.inflight[k],
+                versions=probe.versions[k],
+                buffers=0,
+                optimizer_multiplier=self.setting.optimizer_multiplier,
+            )
             term = np.where(mem <= self.setting.memory_limit_bytes, term, np.inf)
         return np.where(t.valid, term, np.inf)
 
@@ -479,8 +529,14 @@ class Planner:
         return Config(tuple(reversed(starts)), tuple(reversed(reps)))
 
     # -- local search ------------------------------------------------------
-    def improve(self, config: Config, *, memory: bool = True, cache: dict[Config, Estimate] | None = None,
-                fixed_replicas: bool = False) -> tuple[Config, Estimate]:
+    def improve(
+        self,
+        config: Config,
+        *,
+        memory: bool = True,
+        cache: dict[Config, Estimate] | None = None,
+        fixed_replicas: bool = False,
+    ) -> tuple[Config, Estimate]:
         """Local search on the full model from ``config`` (see the module doc):
         the configuration with the most samples per second it reaches.
         ``cache`` keeps every configuration it costed, with its estimate;
@@ -513,16 +569,17 @@ class Planner:
         bounds = [*starts, n]
         for k in range(p - 1):  # a replica to the neighbour, either way
             if reps[k] > 1:
-                yield Config(starts, reps[:k] + (reps[k] - 1, reps[k + 1] + 1) + reps[k + 2:])
+                yield Config(starts, reps[:k] + (reps[k] - 1, reps[k + 1] + 1) + reps[k + 2 :])
             if reps[k + 1] > 1:
-                yield Config(starts, reps[:k] + (reps[k] + 1, reps[k + 1] - 1) + reps[k + 2:])
-            yield Config(starts[: k + 1] + starts[k + 2:], reps[:k] + (reps[k] + reps[k + 1],) + reps[k + 2:])
+                yield Config(starts, reps[:k] + (reps[k] + 1, reps[k + 1] - 1) + reps[k + 2 :])
+            yield Config(starts[: k + 1] + starts[k + 2 :], reps[:k] + (reps[k] + reps[k + 1],) + reps[k + 2 :])
         for k in range(p):  # split a stage at its compute midpoint
             a, b = bounds[k], bounds[k + 1]
             if b - a >= 2 and reps[k] >= 2:
-                times = self.tables.time[a, a + 1:b]
+                times = self.tables.time[a, a + 1 : b]
                 mid = a + 1 + int(np.argmin(np.abs(times - self.tables.time[a, b] / 2)))
                 mid = min(max(mid, a + 1), b - 1)
                 half = reps[k] // 2
-                yield Config(starts[: k + 1] + (mid,) + starts[k + 1:],
-                             reps[:k] + (reps[k] - half, half) + reps[k + 1:])
+                yield Config(
+                    starts[: k + 1] + (mid,) + starts[k + 1 :], reps[:k] + (reps[k] - half, half) + reps[k + 1 :]
+                )

@@ -81,7 +81,7 @@ def partition(
     1F1B / PipeDream steady state; only used with ``memory_limit_bytes``).
 
     With ``hardware`` and ``layout`` (where each stage's replicas run and
-    what the schedule asks of them, :func:`pipesim.sim.planning.layout_of` of
+    what the schedule asks of them, :func:`pipesim.sim.partition.layout.layout_of` of
     a built schedule), communication-aware: transfers across every boundary
     over the links it crosses and each replicated stage's all-reduce count
     too, and memory is the layout's (``inflight`` does not apply); see

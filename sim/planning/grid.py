@@ -133,8 +133,13 @@ class Shape:
 
     @property
     def params(self) -> dict:
-        return {"width": self.width, "depth": self.depth, "microbatch_size": self.microbatch_size,
-                "microbatches": self.microbatches, "recompute": self.recompute}
+        return {
+            "width": self.width,
+            "depth": self.depth,
+            "microbatch_size": self.microbatch_size,
+            "microbatches": self.microbatches,
+            "recompute": self.recompute,
+        }
 
     @property
     def name(self) -> str:
@@ -159,8 +164,10 @@ def check_grid_request(req: GridRequest) -> None:
         raise PlanError(f"the planner searches up to {MAX_GPUS} devices, not {req.gpus}")
     if req.hardware.num_devices is not None and req.gpus > req.hardware.num_devices:
         raise PlanError(f"{req.hardware.name} has {req.hardware.num_devices} devices, not {req.gpus}")
-    if req.microbatch_sizes is not None and (not req.microbatch_sizes or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in req.microbatch_sizes)):
+    if req.microbatch_sizes is not None and (
+        not req.microbatch_sizes
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in req.microbatch_sizes)
+    ):
         raise PlanError(f"micro-batch sizes must be whole numbers >= 1, got {req.microbatch_sizes!r}")
     if not req.recompute or any(not isinstance(r, bool) for r in req.recompute):
         raise PlanError(f"recompute choices must be True and/or False, got {req.recompute!r}")
@@ -182,9 +189,11 @@ def shapes(req: GridRequest, layers: int) -> list[Shape]:
                 continue
             out.extend(Shape(w, d, b, m, r) for r in sorted(set(req.recompute)))
     if not out:
-        raise PlanError(f"no width x depth configuration of {req.gpus} devices divides a batch of "
-                        f"{req.batch_size} into micro-batches of the sizes tried"
-                        + (" with at least as many micro-batches as stages" if needs_m_ge_p else ""))
+        raise PlanError(
+            f"no width x depth configuration of {req.gpus} devices divides a batch of "
+            f"{req.batch_size} into micro-batches of the sizes tried"
+            + (" with at least as many micro-batches as stages" if needs_m_ge_p else "")
+        )
     return out
 
 
@@ -226,8 +235,13 @@ class _Grid:
         opt = self.profile(shape.microbatch_size).optimizer_state_multiplier
 
         def term(k: int) -> np.ndarray:
-            mem = memory_terms(t, inflight=self.inflight(shape, k), versions=self.versions(shape, k), buffers=0,
-                               optimizer_multiplier=opt)
+            mem = memory_terms(
+                t,
+                inflight=self.inflight(shape, k),
+                versions=self.versions(shape, k),
+                buffers=0,
+                optimizer_multiplier=opt,
+            )
             return np.where(t.valid & (mem <= self.limit), t.time, np.inf)
 
         starts = balanced(term, shape.depth)
@@ -243,14 +257,18 @@ class _Grid:
         per_mb, reduce_s, memory = [], [], []
         for k, c in enumerate(costs):
             comm = (hw.transfer_time(k - 1, k, costs[k - 1].activation_bytes) if k else 0.0) + (
-                hw.transfer_time(k + 1, k, c.activation_bytes) if k + 1 < d else 0.0)
+                hw.transfer_time(k + 1, k, c.activation_bytes) if k + 1 < d else 0.0
+            )
             step = update_seconds(c.param_bytes, profile.optimizer, hw.device.kernel_bandwidth("update"))
             ring = self.links.ring(tuple(r * d + k for r in range(w))).seconds(c.param_bytes) if w > 1 else 0.0
             per_mb.append((c.forward_s + c.backward_s + comm, step))
             reduce_s.append(ring)
             boundary = c.input_bytes + (c.activation_bytes if k + 1 < d else 0)
-            memory.append(stage_memory(c, self.inflight(shape, k), self.versions(shape, k), 0,
-                                       profile.optimizer_state_multiplier, boundary))
+            memory.append(
+                stage_memory(
+                    c, self.inflight(shape, k), self.versions(shape, k), 0, profile.optimizer_state_multiplier, boundary
+                )
+            )
         if self.traits.streamed:  # no flush: the all-reduce overlaps the next update's micro-batches
             periods = [max(t + step / m, ring / m) for (t, step), ring in zip(per_mb, reduce_s)]
             slowest = int(np.argmax(periods))
@@ -261,8 +279,11 @@ class _Grid:
             tail = max(ring + step for (_, step), ring in zip(per_mb, reduce_s))
             update_s = (m + d - 1) * per_mb[slowest][0] + tail
             what = "compute"
-        return Score(samples_per_s=self.req.batch_size / update_s if update_s > 0 else math.inf,
-                     bottleneck=f"stage {slowest} ({what})", memory_bytes=tuple(memory))
+        return Score(
+            samples_per_s=self.req.batch_size / update_s if update_s > 0 else math.inf,
+            bottleneck=f"stage {slowest} ({what})",
+            memory_bytes=tuple(memory),
+        )
 
     def candidate(self, shape: Shape) -> Candidate:
         starts, _ = self.split(shape)
@@ -271,10 +292,17 @@ class _Grid:
         score = self.score(shape, costs)
         stages = tuple(Stage(c.first_layer, c.last_layer, shape.width) for c in costs)
         peak = max(score.memory_bytes)
-        return Candidate(config=shape.name, stages=stages, source="closed form",
-                         analytic_samples_per_s=score.samples_per_s, peak_memory_bytes=peak,
-                         out_of_memory=peak > self.limit, bottleneck=score.bottleneck,
-                         boundary_bytes=int(sum(t.cut[a] for a in starts[1:])), params=shape.params)
+        return Candidate(
+            config=shape.name,
+            stages=stages,
+            source="closed form",
+            analytic_samples_per_s=score.samples_per_s,
+            peak_memory_bytes=peak,
+            out_of_memory=peak > self.limit,
+            bottleneck=score.bottleneck,
+            boundary_bytes=int(sum(t.cut[a] for a in starts[1:])),
+            params=shape.params,
+        )
 
     def confirm(self, cand: Candidate) -> Candidate:
         """``cand`` simulated with the engine, or a note saying why not."""
@@ -283,20 +311,33 @@ class _Grid:
 
         p = cand.params
         req = self.req
-        spec = ScheduleSpec(req.strategy, p["depth"], p["microbatches"], iterations=req.iterations,
-                            width=p["width"], **req.options)
+        spec = ScheduleSpec(
+            req.strategy, p["depth"], p["microbatches"], iterations=req.iterations, width=p["width"], **req.options
+        )
         try:
             check_size(spec)
             schedule = build_schedule(spec)
         except (StrategyError, InputError) as e:
             return replace(cand, note=f"not simulated: {e}")
-        result = simulate_schedule(schedule, self.profile(p["microbatch_size"]), req.hardware,
-                                   recv_lookahead=req.recv_lookahead, starts=cand.starts, recompute=p["recompute"])
+        result = simulate_schedule(
+            schedule,
+            self.profile(p["microbatch_size"]),
+            req.hardware,
+            recv_lookahead=req.recv_lookahead,
+            starts=cand.starts,
+            recompute=p["recompute"],
+        )
         peak = max(t.peak_bytes for t in result.memory)
         rate, steady = steady_state(result)
-        return replace(cand, simulated_samples_per_s=rate, steady=steady, microbatches=p["microbatches"],
-                       iterations=req.iterations, peak_memory_bytes=peak,
-                       out_of_memory=out_of_memory(result, self.limit))
+        return replace(
+            cand,
+            simulated_samples_per_s=rate,
+            steady=steady,
+            microbatches=p["microbatches"],
+            iterations=req.iterations,
+            peak_memory_bytes=peak,
+            out_of_memory=out_of_memory(result, self.limit),
+        )
 
 
 def confirmation_order(ranked: list[Candidate]) -> list[int]:
@@ -333,17 +374,32 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
     say("scoring width x depth configurations")
     found = [grid.candidate(s) for s in shapes(req, layers)]
     ranked = sorted(found, key=lambda c: (c.out_of_memory, -c.analytic_samples_per_s))
-    for i in confirmation_order(ranked)[:req.confirm]:
+    for i in confirmation_order(ranked)[: req.confirm]:
         say(f"confirming {ranked[i].config} with the engine")
         ranked[i] = grid.confirm(ranked[i])
-    chosen = max(range(len(ranked)),
-                 key=lambda i: (not ranked[i].out_of_memory, ranked[i].simulated, ranked[i].samples_per_s))
+    chosen = max(
+        range(len(ranked)), key=lambda i: (not ranked[i].out_of_memory, ranked[i].simulated, ranked[i].samples_per_s)
+    )
     best = ranked[chosen].params
-    return Plan(strategy=req.strategy, model=req.model or grid.profile(best["microbatch_size"]).name,
-                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus,
-                microbatches=best["microbatches"],
-                iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
-                candidates=tuple(ranked), chosen=chosen, data_parallel_samples_per_s=None, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
-                profile=req.profile_path, planner=PLANNER,
-                width=best["width"], recompute=best["recompute"], batch_size=req.batch_size)
+    return Plan(
+        strategy=req.strategy,
+        model=req.model or grid.profile(best["microbatch_size"]).name,
+        hardware=req.hardware.name,
+        hardware_spec=req.hardware.to_json(),
+        gpus=req.gpus,
+        microbatches=best["microbatches"],
+        iterations=req.iterations,
+        microbatch_size=best["microbatch_size"],
+        options=dict(req.options),
+        candidates=tuple(ranked),
+        chosen=chosen,
+        data_parallel_samples_per_s=None,
+        memory_limit_bytes=limit,
+        planner_seconds=time.perf_counter() - started,
+        recv_lookahead=req.recv_lookahead,
+        profile=req.profile_path,
+        planner=PLANNER,
+        width=best["width"],
+        recompute=best["recompute"],
+        batch_size=req.batch_size,
+    )

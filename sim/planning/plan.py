@@ -243,7 +243,8 @@ class Candidate:
             "stages": [s.to_json() for s in self.stages],
             "source": self.source,
             "analytic_samples_per_s": round_sig(self.analytic_samples_per_s),
-            "simulated_samples_per_s": None if self.simulated_samples_per_s is None
+            "simulated_samples_per_s": None
+            if self.simulated_samples_per_s is None
             else round_sig(self.simulated_samples_per_s),
             "microbatches": self.microbatches,
             "iterations": self.iterations,
@@ -319,41 +320,45 @@ class Plan:
     def to_json(self) -> dict:
         best = self.best
         speedup = self.speedup_vs_dp
-        return {
-            "plan_version": PLAN_VERSION,
-            "strategy": self.strategy,
-            "model": self.model,
-            "profile": self.profile,
-            "hardware": self.hardware,
-            "gpus": self.gpus,
-            "requested_microbatches": self.microbatches,
-            "microbatches": best.microbatches or self.microbatches,
-            "iterations": best.iterations or self.iterations,
-            "microbatch_size": self.microbatch_size,
-            "options": {k: self.options[k] for k in sorted(self.options)},
-            "config": best.config,
-            "stages": [s.to_json() for s in best.stages],
-            "predicted_samples_per_s": round_sig(self.predicted_samples_per_s),
-            "predicted_is_simulated": best.simulated,
-            "predicted_is_steady": best.steady,  # the cost model's figure is a steady state too
-            "analytic_samples_per_s": round_sig(best.analytic_samples_per_s),
-            "data_parallel_samples_per_s": None if self.data_parallel_samples_per_s is None
-            else round_sig(self.data_parallel_samples_per_s),
-            "speedup_vs_dp": None if speedup is None else round_sig(speedup),
-            "peak_memory_bytes": int(best.peak_memory_bytes),
-            "memory_limit_bytes": None if math.isinf(self.memory_limit_bytes) else self.memory_limit_bytes,
-            "out_of_memory": bool(best.out_of_memory),
-            "bottleneck": best.bottleneck,
-            "planner_seconds": round(self.planner_seconds, 3),
-            "chosen": self.chosen,
-            "candidates": [c.to_json() for c in self.candidates],
-            "planner": self.planner,
-            "recompute": bool(self.recompute),
-            "recv_lookahead": self.recv_lookahead,
-        } | ({} if self.hardware_spec is None else {"hardware_spec": self.hardware_spec}) | (
-            {} if self.width is None else {"width": self.width}) | (
-            {} if self.batch_size is None else {"batch_size": self.batch_size}) | (
-            {} if self.held_to is None else {"held_to": self.held_to})
+        return (
+            {
+                "plan_version": PLAN_VERSION,
+                "strategy": self.strategy,
+                "model": self.model,
+                "profile": self.profile,
+                "hardware": self.hardware,
+                "gpus": self.gpus,
+                "requested_microbatches": self.microbatches,
+                "microbatches": best.microbatches or self.microbatches,
+                "iterations": best.iterations or self.iterations,
+                "microbatch_size": self.microbatch_size,
+                "options": {k: self.options[k] for k in sorted(self.options)},
+                "config": best.config,
+                "stages": [s.to_json() for s in best.stages],
+                "predicted_samples_per_s": round_sig(self.predicted_samples_per_s),
+                "predicted_is_simulated": best.simulated,
+                "predicted_is_steady": best.steady,  # the cost model's figure is a steady state too
+                "analytic_samples_per_s": round_sig(best.analytic_samples_per_s),
+                "data_parallel_samples_per_s": None
+                if self.data_parallel_samples_per_s is None
+                else round_sig(self.data_parallel_samples_per_s),
+                "speedup_vs_dp": None if speedup is None else round_sig(speedup),
+                "peak_memory_bytes": int(best.peak_memory_bytes),
+                "memory_limit_bytes": None if math.isinf(self.memory_limit_bytes) else self.memory_limit_bytes,
+                "out_of_memory": bool(best.out_of_memory),
+                "bottleneck": best.bottleneck,
+                "planner_seconds": round(self.planner_seconds, 3),
+                "chosen": self.chosen,
+                "candidates": [c.to_json() for c in self.candidates],
+                "planner": self.planner,
+                "recompute": bool(self.recompute),
+                "recv_lookahead": self.recv_lookahead,
+            }
+            | ({} if self.hardware_spec is None else {"hardware_spec": self.hardware_spec})
+            | ({} if self.width is None else {"width": self.width})
+            | ({} if self.batch_size is None else {"batch_size": self.batch_size})
+            | ({} if self.held_to is None else {"held_to": self.held_to})
+        )
 
 
 #: The planners whose plans run ``width`` pipelines side by side (and say so).
@@ -361,13 +366,43 @@ WIDTH_PLANNERS = frozenset({"width-depth", "tuner"})
 
 #: Every field ``Plan.to_json`` writes: :func:`plan_file` refuses any other
 #: (a misspelt field would otherwise be ignored).
-PLAN_KEYS = frozenset({
-    "plan_version", "strategy", "model", "profile", "hardware", "hardware_spec", "gpus", "requested_microbatches",
-    "microbatches", "iterations", "microbatch_size", "options", "config", "stages", "predicted_samples_per_s",
-    "predicted_is_simulated", "predicted_is_steady", "analytic_samples_per_s", "data_parallel_samples_per_s", "speedup_vs_dp",
-    "peak_memory_bytes", "memory_limit_bytes", "out_of_memory", "bottleneck", "planner_seconds", "chosen",
-    "candidates", "planner", "recompute", "recv_lookahead", "width", "batch_size", "held_to",
-})
+PLAN_KEYS = frozenset(
+    {
+        "plan_version",
+        "strategy",
+        "model",
+        "profile",
+        "hardware",
+        "hardware_spec",
+        "gpus",
+        "requested_microbatches",
+        "microbatches",
+        "iterations",
+        "microbatch_size",
+        "options",
+        "config",
+        "stages",
+        "predicted_samples_per_s",
+        "predicted_is_simulated",
+        "predicted_is_steady",
+        "analytic_samples_per_s",
+        "data_parallel_samples_per_s",
+        "speedup_vs_dp",
+        "peak_memory_bytes",
+        "memory_limit_bytes",
+        "out_of_memory",
+        "bottleneck",
+        "planner_seconds",
+        "chosen",
+        "candidates",
+        "planner",
+        "recompute",
+        "recv_lookahead",
+        "width",
+        "batch_size",
+        "held_to",
+    }
+)
 
 
 def dumps(plan: Plan | dict) -> str:
@@ -426,8 +461,14 @@ class PlanFile:
         ``microbatches`` are per pipeline), else each stage's replicas."""
         shape = {"replicas": self.replicas} if self.width is None else {"width": self.width}
         try:
-            return ScheduleSpec(self.strategy, len(self.replicas), microbatches or self.microbatches,
-                                iterations=iterations or self.iterations, **shape, **self.options)
+            return ScheduleSpec(
+                self.strategy,
+                len(self.replicas),
+                microbatches or self.microbatches,
+                iterations=iterations or self.iterations,
+                **shape,
+                **self.options,
+            )
         except TypeError as e:  # an option no spec has
             raise PlanError(f"plan options {sorted(self.options)} are not all schedule options: {e}") from None
 
@@ -489,20 +530,29 @@ def plan_file(d: Any) -> PlanFile:
         raise PlanError(f"a plan of the {planner} planner runs pipelines side by side: its 'width' is missing")
     stages = d.get("stages")
     if not isinstance(stages, list) or not stages:
-        raise PlanError("'stages' must be a non-empty list of {\"layers\": [first, last], \"replicas\": r}")
+        raise PlanError('\'stages\' must be a non-empty list of {"layers": [first, last], "replicas": r}')
     starts, reps, expected = [], [], 0
     for k, st in enumerate(stages):
         layers = st.get("layers") if isinstance(st, dict) else None
         r = st.get("replicas") if isinstance(st, dict) else None
-        if (not isinstance(layers, list) or len(layers) != 2
-                or any(isinstance(x, bool) or not isinstance(x, int) for x in layers)
-                or isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise PlanError(f"stage {k} must be {{\"layers\": [first, last], \"replicas\": r}} with whole numbers "
-                            f"and r >= 1, got {st!r}")
+        if (
+            not isinstance(layers, list)
+            or len(layers) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in layers)
+            or isinstance(r, bool)
+            or not isinstance(r, int)
+            or r < 1
+        ):
+            raise PlanError(
+                f'stage {k} must be {{"layers": [first, last], "replicas": r}} with whole numbers '
+                f"and r >= 1, got {st!r}"
+            )
         first, last = layers
         if first != expected or last < first:
-            raise PlanError(f"stage {k} covers layers {first}..{last}, but must start at layer {expected} and end "
-                            f"at or after it (stages cover consecutive layers from 0)")
+            raise PlanError(
+                f"stage {k} covers layers {first}..{last}, but must start at layer {expected} and end "
+                f"at or after it (stages cover consecutive layers from 0)"
+            )
         starts.append(first)
         reps.append(r)
         expected = last + 1
@@ -542,15 +592,26 @@ def plan_file(d: Any) -> PlanFile:
         except InputError as e:
             raise PlanError(str(e)) from None
     return PlanFile(
-        strategy=strategy, starts=tuple(starts), replicas=tuple(reps), layers=expected,
+        strategy=strategy,
+        starts=tuple(starts),
+        replicas=tuple(reps),
+        layers=expected,
         microbatches=_field(d, "microbatches", int, "a whole number >= 1"),
         iterations=_field(d, "iterations", int, "a whole number >= 1"),
         microbatch_size=_field(d, "microbatch_size", int, "a whole number >= 1"),
-        options=dict(options), model=model, profile=profile,
+        options=dict(options),
+        model=model,
+        profile=profile,
         hardware=_field(d, "hardware", str, "a hardware preset or file"),
         predicted_samples_per_s=float(_field(d, "predicted_samples_per_s", float, "a number >= 0")),
-        width=width, recompute=recompute, name=name, hardware_spec=machine, recv_lookahead=lookahead, gpus=gpus,
-        predicted_is_simulated=simulated, predicted_is_steady=steady,
+        width=width,
+        recompute=recompute,
+        name=name,
+        hardware_spec=machine,
+        recv_lookahead=lookahead,
+        gpus=gpus,
+        predicted_is_simulated=simulated,
+        predicted_is_steady=steady,
     )
 
 
@@ -734,8 +795,10 @@ def check_request(req: PlanRequest) -> None:
     """One-line errors for a request that cannot be planned."""
     strategy = get_strategy(req.strategy)
     if "replicas" not in strategy.planners or "replicas" not in strategy.options:
-        raise PlanError(f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
-                        f"{', '.join(plannable('replicas'))}")
+        raise PlanError(
+            f"{req.strategy} takes no per-stage replicas, so there is nothing to plan; plannable: "
+            f"{', '.join(plannable('replicas'))}"
+        )
     check_counts(req, ("gpus", "iterations", "microbatches"))
     check_counts(req, ("confirm", "refine"), minimum=0)
     for flag in ("recompute", "straight"):
@@ -760,8 +823,10 @@ def check_plan_options(strategy: str, options: dict, chosen: set[str], why: str)
     takes = set(get_strategy(strategy).options)
     unknown = sorted(set(options) - takes)
     if unknown:
-        raise PlanError(f"{strategy} has no option {unknown[0]!r} to plan with (it takes: "
-                        f"{', '.join(sorted(takes - chosen)) or 'none'})")
+        raise PlanError(
+            f"{strategy} has no option {unknown[0]!r} to plan with (it takes: "
+            f"{', '.join(sorted(takes - chosen)) or 'none'})"
+        )
 
 
 def _check_run_size(req: PlanRequest) -> None:
@@ -776,9 +841,11 @@ def _check_held(req: PlanRequest) -> None:
     """One-line errors for a configuration the search cannot be held to."""
     if req.replicas is None:
         if req.straight and not 1 < req.gpus <= req.profile.num_layers:
-            raise PlanError(f"a straight pipeline on {req.gpus} devices needs 2 to {req.profile.num_layers} "
-                            f"devices (one stage of at least one layer each; {req.profile.name} has "
-                            f"{req.profile.num_layers} layers)")
+            raise PlanError(
+                f"a straight pipeline on {req.gpus} devices needs 2 to {req.profile.num_layers} "
+                f"devices (one stage of at least one layer each; {req.profile.name} has "
+                f"{req.profile.num_layers} layers)"
+            )
         return
     if req.straight:
         raise PlanError("give replicas or straight, not both (straight is one replica per stage)")
@@ -788,8 +855,10 @@ def _check_held(req: PlanRequest) -> None:
     if sum(reps) != req.gpus:
         raise PlanError(f"replicas {_listed(reps)} use {sum(reps)} devices, not the {req.gpus} planned for")
     if len(reps) > req.profile.num_layers:
-        raise PlanError(f"replicas {_listed(reps)} make {len(reps)} stages, but {req.profile.name} has "
-                        f"{req.profile.num_layers} layers")
+        raise PlanError(
+            f"replicas {_listed(reps)} make {len(reps)} stages, but {req.profile.name} has "
+            f"{req.profile.num_layers} layers"
+        )
 
 
 def _listed(replicas: tuple[int, ...]) -> str:
@@ -805,9 +874,15 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
     check_request(req)
     m = req.microbatches or req.gpus
     limit = memory_limit(req.hardware, req.memory_limit_bytes)
-    planner = Planner(tables=Tables(req.profile, req.recompute), traits=traits_of(req.strategy, req.recv_lookahead),
-                      microbatches=m, iterations=req.iterations, devices=req.gpus,
-                      setting=CostSetting.of(req.profile, req.hardware, limit), options=dict(req.options))
+    planner = Planner(
+        tables=Tables(req.profile, req.recompute),
+        traits=traits_of(req.strategy, req.recv_lookahead),
+        microbatches=m,
+        iterations=req.iterations,
+        devices=req.gpus,
+        setting=CostSetting.of(req.profile, req.hardware, limit),
+        options=dict(req.options),
+    )
     held = req.held
     say("searching splits and replicas" if held is None else f"searching splits of {notation(held)}")
     found = _candidates(planner) if held is None else _held_candidates(planner, held)
@@ -821,22 +896,39 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         out[i] = _confirm(out[i], req, m, planner)
         confirmed += out[i].simulated and i in others
     chosen = _best(out)
-    if (held is None and req.refine > 0 and out[chosen].simulated and not out[chosen].out_of_memory
-            and len(out[chosen].stages) > 1):
+    if (
+        held is None
+        and req.refine > 0
+        and out[chosen].simulated
+        and not out[chosen].out_of_memory
+        and len(out[chosen].stages) > 1
+    ):
         say(f"confirming other splits of {out[chosen].config}")
         out = sorted(out + _refinements(planner, out, chosen, req, m), key=_rank)
     chosen = _settled_choice(out, req, m, planner, say)
     chosen = _runnable_choice(out, req, m, planner)
     say("simulating data parallelism")
     dp = data_parallel_throughput(req)
-    return Plan(strategy=req.strategy, model=req.model or req.profile.name, hardware=req.hardware.name,
-                hardware_spec=req.hardware.to_json(), gpus=req.gpus,
-                microbatches=m, iterations=req.iterations, microbatch_size=req.profile.microbatch_size,
-                options=dict(req.options),
-                candidates=tuple(out), chosen=chosen, data_parallel_samples_per_s=dp, memory_limit_bytes=limit,
-                planner_seconds=time.perf_counter() - started, recv_lookahead=req.recv_lookahead,
-                profile=req.profile_path, recompute=req.recompute,
-                held_to=None if held is None else notation(held))
+    return Plan(
+        strategy=req.strategy,
+        model=req.model or req.profile.name,
+        hardware=req.hardware.name,
+        hardware_spec=req.hardware.to_json(),
+        gpus=req.gpus,
+        microbatches=m,
+        iterations=req.iterations,
+        microbatch_size=req.profile.microbatch_size,
+        options=dict(req.options),
+        candidates=tuple(out),
+        chosen=chosen,
+        data_parallel_samples_per_s=dp,
+        memory_limit_bytes=limit,
+        planner_seconds=time.perf_counter() - started,
+        recv_lookahead=req.recv_lookahead,
+        profile=req.profile_path,
+        recompute=req.recompute,
+        held_to=None if held is None else notation(held),
+    )
 
 
 def _rank(c: Candidate) -> tuple:
@@ -847,8 +939,10 @@ def _rank(c: Candidate) -> tuple:
 def _best(cands: list[Candidate]) -> int:
     """The index of the choice: the fastest confirmed candidate that fits
     and that the strategy can run."""
-    return max(range(len(cands)), key=lambda i: (not cands[i].refused, not cands[i].out_of_memory,
-                                                 cands[i].simulated, cands[i].samples_per_s))
+    return max(
+        range(len(cands)),
+        key=lambda i: (not cands[i].refused, not cands[i].out_of_memory, cands[i].simulated, cands[i].samples_per_s),
+    )
 
 
 def _settled_choice(out: list[Candidate], req: PlanRequest, m: int, planner: Planner, say) -> int:
@@ -879,9 +973,11 @@ def _runnable_choice(out: list[Candidate], req: PlanRequest, m: int, planner: Pl
         i = _best(out)
         c = out[i]
         if c.refused:
-            raise NothingRunsError(f"{req.strategy} runs none of the configurations found with {m} micro-batches "
-                                   f"per iteration (the best, {c.config}: {c.note.removeprefix('not simulated: ')}); "
-                                   "plan with more micro-batches")
+            raise NothingRunsError(
+                f"{req.strategy} runs none of the configurations found with {m} micro-batches "
+                f"per iteration (the best, {c.config}: {c.note.removeprefix('not simulated: ')}); "
+                "plan with more micro-batches"
+            )
         if c.simulated or c.microbatches is not None:
             return i
         spec, _, note = _run_for(c, req, m)
@@ -899,21 +995,33 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
     transfers, lock-step replicas) decides more than its ranking."""
     c = out[chosen]
     starts = [Config(c.starts, c.replicas), planner.best_split(c.replicas)]
-    met = _splits_met(planner, [s for s in starts if s is not None], skip={Config(x.starts, x.replicas) for x in out},
-                      limit=req.refine, floor=(1 - REFINE_WITHIN) * c.analytic_samples_per_s)
+    met = _splits_met(
+        planner,
+        [s for s in starts if s is not None],
+        skip={Config(x.starts, x.replicas) for x in out},
+        limit=req.refine,
+        floor=(1 - REFINE_WITHIN) * c.analytic_samples_per_s,
+    )
     return [_confirm(_candidate(planner, cfg, "refinement", est), req, m, planner) for cfg, est in met]
 
 
-def _splits_met(planner: Planner, starts: list[Config], *, skip, limit: int,
-                floor: float = 0.0) -> list[tuple[Config, Estimate]]:
+def _splits_met(
+    planner: Planner, starts: list[Config], *, skip, limit: int, floor: float = 0.0
+) -> list[tuple[Config, Estimate]]:
     """The ``limit`` best splits that local search moving only the cuts of
     ``starts`` meets, best first with their estimates: those that fit, are
     not in ``skip`` and are rated at ``floor`` samples/s or more."""
     visited: dict[Config, Estimate] = {}
     for start in starts:
         planner.improve(start, cache=visited, fixed_replicas=True)
-    met = sorted((x for x in visited if x not in skip and planner.setting.fits(visited[x])
-                  and visited[x].samples_per_s >= floor), key=lambda x: visited[x].iteration_s)
+    met = sorted(
+        (
+            x
+            for x in visited
+            if x not in skip and planner.setting.fits(visited[x]) and visited[x].samples_per_s >= floor
+        ),
+        key=lambda x: visited[x].iteration_s,
+    )
     return [(x, visited[x]) for x in met[:limit]]
 
 
@@ -942,8 +1050,10 @@ def _candidates(planner: Planner) -> list[Candidate]:
         planner.improve(seed, cache=visited)
     # the best configurations local search met, not only where it stopped:
     # the model's ranking of near neighbours is within its error
-    met = sorted((c for c in visited if c not in costed and planner.setting.fits(visited[c])),
-                 key=lambda c: visited[c].iteration_s)[:NEIGHBOURS]
+    met = sorted(
+        (c for c in visited if c not in costed and planner.setting.fits(visited[c])),
+        key=lambda c: visited[c].iteration_s,
+    )[:NEIGHBOURS]
     for cfg in met:
         proposals[cfg] = "local search"
         costed[cfg] = visited[cfg]
@@ -957,7 +1067,8 @@ def _held_candidates(planner: Planner, replicas: tuple[int, ...]) -> list[Candid
     start = planner.best_split(replicas) or planner.best_split(replicas, memory=False)
     met = _splits_met(planner, [start], skip={start}, limit=NEIGHBOURS)
     return [_candidate(planner, start, "held", planner.estimate(start))] + [
-        _candidate(planner, cfg, "local search", est) for cfg, est in met]
+        _candidate(planner, cfg, "local search", est) for cfg, est in met
+    ]
 
 
 def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
@@ -990,9 +1101,16 @@ def _candidate(planner: Planner, cfg: Config, source: str, est) -> Candidate:
     ends = [*cfg.starts[1:], n]
     stages = tuple(Stage(a, b - 1, r) for a, b, r in zip(cfg.starts, ends, cfg.replicas))
     cuts = int(sum(planner.tables.cut[a] for a in cfg.starts[1:]))
-    return Candidate(config=notation(cfg.replicas), stages=stages, source=source,
-                     analytic_samples_per_s=est.samples_per_s, peak_memory_bytes=est.peak_memory_bytes,
-                     out_of_memory=not planner.setting.fits(est), bottleneck=est.bottleneck, boundary_bytes=cuts)
+    return Candidate(
+        config=notation(cfg.replicas),
+        stages=stages,
+        source=source,
+        analytic_samples_per_s=est.samples_per_s,
+        peak_memory_bytes=est.peak_memory_bytes,
+        out_of_memory=not planner.setting.fits(est),
+        bottleneck=est.bottleneck,
+        boundary_bytes=cuts,
+    )
 
 
 def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits) -> list[tuple[int, int]]:
@@ -1032,8 +1150,14 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
                 check_size(probe)  # replicas of a huge least common multiple: not even that is built
                 build_schedule(probe)
             except SizeError:
-                return spec, None, (f"not simulated: a run that suits these replicas needs {mb * k} micro-batches, "
-                                    "more than this machine's memory holds")
+                return (
+                    spec,
+                    None,
+                    (
+                        f"not simulated: a run that suits these replicas needs {mb * k} micro-batches, "
+                        "more than this machine's memory holds"
+                    ),
+                )
             except StrategyError as e:
                 note = f"not simulated: {e}"
                 continue
@@ -1042,8 +1166,14 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
             check_size(spec)
             schedule = build_schedule(spec)
         except SizeError:
-            return spec, None, (f"not simulated: a run that suits these replicas ({mb * k} micro-batches) does not "
-                                "fit in this machine's memory")
+            return (
+                spec,
+                None,
+                (
+                    f"not simulated: a run that suits these replicas ({mb * k} micro-batches) does not "
+                    "fit in this machine's memory"
+                ),
+            )
         except StrategyError as e:
             note = f"not simulated: {e}"
             continue
@@ -1072,18 +1202,31 @@ def _confirm(cand: Candidate, req: PlanRequest, m: int, planner: Planner, *, set
     if schedule is None:
         return replace(_at_run(planner, cand, spec), note=note)
     while True:
-        result = simulate_schedule(schedule, req.profile, req.hardware, recv_lookahead=req.recv_lookahead,
-                                   starts=cand.starts, recompute=req.recompute)
+        result = simulate_schedule(
+            schedule,
+            req.profile,
+            req.hardware,
+            recv_lookahead=req.recv_lookahead,
+            starts=cand.starts,
+            recompute=req.recompute,
+        )
         rate, steady, settled = steady_measure(result)
         longer = _longer_run(spec, settled if settle else steady, cand, req, m)
         if longer is None:
             break
         spec, schedule = longer
     peak = max(t.peak_bytes for t in result.memory)
-    return replace(cand, simulated_samples_per_s=rate, steady=steady, settled=settled, microbatches=spec.microbatches,
-                   iterations=spec.iterations, peak_memory_bytes=peak,
-                   out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
-                   note="")
+    return replace(
+        cand,
+        simulated_samples_per_s=rate,
+        steady=steady,
+        settled=settled,
+        microbatches=spec.microbatches,
+        iterations=spec.iterations,
+        peak_memory_bytes=peak,
+        out_of_memory=out_of_memory(result, memory_limit(req.hardware, req.memory_limit_bytes)),
+        note="",
+    )
 
 
 def _at_run(planner: Planner, cand: Candidate, spec: ScheduleSpec) -> Candidate:
@@ -1093,9 +1236,14 @@ def _at_run(planner: Planner, cand: Candidate, spec: ScheduleSpec) -> Candidate:
     out of memory if that does not fit."""
     at = replace(planner, microbatches=spec.microbatches, iterations=spec.iterations)
     est = at.estimate(Config(cand.starts, cand.replicas))
-    return replace(cand, microbatches=spec.microbatches, iterations=spec.iterations,
-                   analytic_samples_per_s=est.samples_per_s, peak_memory_bytes=est.peak_memory_bytes,
-                   out_of_memory=not at.setting.fits(est))
+    return replace(
+        cand,
+        microbatches=spec.microbatches,
+        iterations=spec.iterations,
+        analytic_samples_per_s=est.samples_per_s,
+        peak_memory_bytes=est.peak_memory_bytes,
+        out_of_memory=not at.setting.fits(est),
+    )
 
 
 def _longer_run(spec: ScheduleSpec, enough: bool, cand: Candidate, req: PlanRequest, m: int):
@@ -1111,8 +1259,9 @@ def _longer_run(spec: ScheduleSpec, enough: bool, cand: Candidate, req: PlanRequ
     if enough or req.iterations < ITERATIONS:
         return None
     longer = replace(spec, iterations=spec.iterations * 2)
-    if longer.iterations > MAX_RUN_STRETCH * req.iterations or _too_long(longer.microbatches * longer.iterations,
-                                                                       cand, req, m):
+    if longer.iterations > MAX_RUN_STRETCH * req.iterations or _too_long(
+        longer.microbatches * longer.iterations, cand, req, m
+    ):
         return None
     try:
         check_size(longer)
@@ -1130,8 +1279,9 @@ def data_parallel_throughput(req: PlanRequest) -> float | None:
     n, m = req.gpus, req.microbatches or req.gpus
     spec = ScheduleSpec(DATA_PARALLEL, n, -(-m // n) * n, iterations=req.iterations)
     try:
-        result = simulate(spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead,
-                          recompute=req.recompute)
+        result = simulate(
+            spec, profile=req.profile, hardware=req.hardware, recv_lookahead=req.recv_lookahead, recompute=req.recompute
+        )
     except InputError:
         return None
     return steady_throughput(result)

@@ -4,7 +4,7 @@ AvgPipe (Chen, Xu, Qian, Zhou, PPoPP'23) picks the number of pipelines N and
 the micro-batches m per pipeline with a profiling-based tuner: it measures
 candidate (N, m), keeps those that fit in device memory and takes the
 fastest. pipesim's tuner does the same with the engine in place of
-profiling runs (docs/semantics.md; AvgPipe's full text was not available,
+profiling runs (docs/concepts/strategies.md; AvgPipe's full text was not available,
 so the strategy itself is pipesim's interpretation):
 
 * every N in ``pipelines`` and every m in ``microbatches`` (default: the
@@ -112,8 +112,9 @@ def schedule_on_gpus(req: TuneRequest, pipelines: int, microbatches: int):
     for depth in dict.fromkeys((req.gpus, req.gpus // pipelines)):
         if depth < 1:
             continue
-        spec = ScheduleSpec(req.strategy, depth, microbatches, iterations=req.iterations, width=pipelines,
-                            **req.options)
+        spec = ScheduleSpec(
+            req.strategy, depth, microbatches, iterations=req.iterations, width=pipelines, **req.options
+        )
         try:
             from pipesim.sim.engine.size import check_size
 
@@ -139,16 +140,26 @@ def measure(req: TuneRequest, pipelines: int, microbatches: int, profiles: dict)
     schedule, note = schedule_on_gpus(req, pipelines, microbatches)
     if schedule is None:
         return note
-    result = simulate_schedule(schedule, profiles[b], req.hardware, recv_lookahead=req.recv_lookahead,
-                               recompute=req.recompute)
+    result = simulate_schedule(
+        schedule, profiles[b], req.hardware, recv_lookahead=req.recv_lookahead, recompute=req.recompute
+    )
     rate, steady = steady_state(result)
     peak = max(t.peak_bytes for t in result.memory)
     stages = tuple(Stage(c.first_layer, c.last_layer, pipelines) for c in result.stage_costs)
-    return Candidate(config=name, stages=stages, source="tuner", analytic_samples_per_s=rate,
-                     simulated_samples_per_s=rate, steady=steady, microbatches=microbatches, iterations=req.iterations,
-                     peak_memory_bytes=peak, out_of_memory=out_of_memory(result, _limit(req)),
-                     bottleneck="measured by the engine",
-                     params=params | {"depth": schedule.num_stages})
+    return Candidate(
+        config=name,
+        stages=stages,
+        source="tuner",
+        analytic_samples_per_s=rate,
+        simulated_samples_per_s=rate,
+        steady=steady,
+        microbatches=microbatches,
+        iterations=req.iterations,
+        peak_memory_bytes=peak,
+        out_of_memory=out_of_memory(result, _limit(req)),
+        bottleneck="measured by the engine",
+        params=params | {"depth": schedule.num_stages},
+    )
 
 
 def _limit(req: TuneRequest) -> float:
@@ -174,12 +185,25 @@ def tune(req: TuneRequest, progress: Callable[[str], None] | None = None) -> Pla
         raise PlanError(f"no (pipelines, micro-batches) of the grid runs on {req.gpus} devices: {why}")
     chosen = max(range(len(found)), key=lambda i: (not found[i].out_of_memory, found[i].samples_per_s))
     best = found[chosen].params
-    return Plan(strategy=req.strategy, model=req.model or profiles[best["microbatch_size"]].name,
-                hardware=req.hardware.name, hardware_spec=req.hardware.to_json(), gpus=req.gpus,
-                microbatches=best["microbatches"],
-                iterations=req.iterations, microbatch_size=best["microbatch_size"], options=dict(req.options),
-                candidates=tuple(found), chosen=chosen, data_parallel_samples_per_s=None,
-                memory_limit_bytes=_limit(req), planner_seconds=time.perf_counter() - started,
-                recv_lookahead=req.recv_lookahead,
-                profile=req.profile_path, planner=PLANNER, width=best["pipelines"], recompute=req.recompute,
-                batch_size=req.batch_size)
+    return Plan(
+        strategy=req.strategy,
+        model=req.model or profiles[best["microbatch_size"]].name,
+        hardware=req.hardware.name,
+        hardware_spec=req.hardware.to_json(),
+        gpus=req.gpus,
+        microbatches=best["microbatches"],
+        iterations=req.iterations,
+        microbatch_size=best["microbatch_size"],
+        options=dict(req.options),
+        candidates=tuple(found),
+        chosen=chosen,
+        data_parallel_samples_per_s=None,
+        memory_limit_bytes=_limit(req),
+        planner_seconds=time.perf_counter() - started,
+        recv_lookahead=req.recv_lookahead,
+        profile=req.profile_path,
+        planner=PLANNER,
+        width=best["pipelines"],
+        recompute=req.recompute,
+        batch_size=req.batch_size,
+    )

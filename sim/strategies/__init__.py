@@ -37,8 +37,20 @@ from pipesim.sim.strategies._common import (
 from pipesim.sim.strategies.registry import find_strategy, get_strategy, register, strategies, strategy_names
 
 __all__ = [
-    "OPTION_DEFAULTS", "PLACEMENTS", "ScheduleSpec", "Strategy", "StrategyError", "build_schedule", "check_field",
-    "find_strategy", "get_strategy", "schedule_option", "spec_of", "strategies", "strategy_names", "strategy_options",
+    "OPTION_DEFAULTS",
+    "PLACEMENTS",
+    "ScheduleSpec",
+    "Strategy",
+    "StrategyError",
+    "build_schedule",
+    "check_field",
+    "find_strategy",
+    "get_strategy",
+    "schedule_option",
+    "spec_of",
+    "strategies",
+    "strategy_names",
+    "strategy_options",
 ]
 
 register(
@@ -89,6 +101,11 @@ def spec_of(schedule: Schedule) -> ScheduleSpec | None:
     if "replicas" in opts:
         opts["replicas"] = tuple(opts["replicas"])
     per_pipeline = 1 if "replicas" in opts else schedule.options.get("width", 1)
-    return ScheduleSpec(strategy=schedule.strategy, stages=schedule.num_stages,
-                        microbatches=schedule.num_microbatches // per_pipeline, iterations=schedule.num_iterations,
-                        optimizer=schedule.options.get("optimizer", "sgd"), **opts)
+    return ScheduleSpec(
+        strategy=schedule.strategy,
+        stages=schedule.num_stages,
+        microbatches=schedule.num_microbatches // per_pipeline,
+        iterations=schedule.num_iterations,
+        optimizer=schedule.options.get("optimizer", "sgd"),
+        **opts,
+    )

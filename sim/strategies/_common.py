@@ -98,7 +98,6 @@ class ScheduleSpec:
         if isinstance(self.replicas, list):
             object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.width is None:
-
             found = find_strategy(self.strategy)
             object.__setattr__(self, "width", found.default_width if found else 1)
 
@@ -108,7 +107,8 @@ class ScheduleSpec:
 #: so there is one definition). ``width`` is not among them: its default
 #: depends on the strategy (:attr:`Strategy.default_width`).
 OPTION_DEFAULTS: dict[str, object] = {
-    f.name: f.default for f in fields(ScheduleSpec)
+    f.name: f.default
+    for f in fields(ScheduleSpec)
     if f.name not in ("strategy", "stages", "microbatches", "iterations", "width", "optimizer")
 }
 
@@ -252,8 +252,10 @@ def check_executable(strategy_name: str, executor: str) -> None:
 
     found = find_strategy(strategy_name)
     if found is not None and not found.executable:
-        raise StrategyError(f"the {executor} cannot run {strategy_name}: it needs layers split across devices "
-                            f"on real tensors, which only the simulator models")
+        raise StrategyError(
+            f"the {executor} cannot run {strategy_name}: it needs layers split across devices "
+            f"on real tensors, which only the simulator models"
+        )
 
 
 def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
@@ -269,13 +271,14 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
         check_field(name, getattr(spec, name), stages=spec.stages)
     if spec.replicas is not None:
         if len(spec.replicas) != spec.stages:
-            raise StrategyError(f"replicas {','.join(map(str, spec.replicas))} name {len(spec.replicas)} "
-                                f"stage(s), but the schedule has {spec.stages}: give one count per stage")
+            raise StrategyError(
+                f"replicas {','.join(map(str, spec.replicas))} name {len(spec.replicas)} "
+                f"stage(s), but the schedule has {spec.stages}: give one count per stage"
+            )
         if spec.width != 1:
             raise StrategyError("give either width (whole pipelines side by side) or replicas (per stage), not both")
     uses = set(uses)
     if "width" not in uses and spec.width != 1:
-
         wide = [s.name for s in strategies() if "width" in s.options]
         raise StrategyError(
             f"{spec.strategy} does not support width > 1 (got {spec.width}); width applies to {', '.join(wide)}"
@@ -286,8 +289,20 @@ def check_spec(spec: ScheduleSpec, uses: Iterable[str] = ()) -> None:
 
 
 #: The spec fields whose values :func:`check_field` checks on their own.
-_CHECKED_FIELDS = ("stages", "microbatches", "iterations", "width", "chunks", "tau", "advance", "alpha", "stashing",
-                   "placement", "optimizer", "replicas")
+_CHECKED_FIELDS = (
+    "stages",
+    "microbatches",
+    "iterations",
+    "width",
+    "chunks",
+    "tau",
+    "advance",
+    "alpha",
+    "stashing",
+    "placement",
+    "optimizer",
+    "replicas",
+)
 
 
 def check_field(name: str, value, *, stages: int | None = None) -> None:
@@ -316,8 +331,11 @@ def check_field(name: str, value, *, stages: int | None = None) -> None:
         if value not in OPTIMIZERS:
             raise StrategyError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}")
     elif name == "replicas" and value is not None:
-        if not isinstance(value, tuple) or not value or any(
-                isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in value):
+        if (
+            not isinstance(value, tuple)
+            or not value
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in value)
+        ):
             each = "each stage" if stages is None else f"each of the {stages} stages"
             raise StrategyError(f"replicas must give {each} a count >= 1, got {value!r}")
 
@@ -376,8 +394,12 @@ def flush_iteration(
     n = len(order)
     ends: dict[int, tuple[int, int]] = {}
     for rs, pos in last.items():
-        while (pos + 1 < n and order[pos + 1].op not in COMPUTE_OPS and order[pos + 1].op is not OVERLAP_F_B
-               and (receives_ahead or order[pos + 1].op not in _RECV_OPS)):
+        while (
+            pos + 1 < n
+            and order[pos + 1].op not in COMPUTE_OPS
+            and order[pos + 1].op is not OVERLAP_F_B
+            and (receives_ahead or order[pos + 1].op not in _RECV_OPS)
+        ):
             pos += 1
         ends[pos] = rs
     out: list[Action] = []
@@ -396,8 +418,11 @@ def flush_iteration(
 def _update(stage: int, replica: int, t: int, reduce: bool, average: bool = False) -> list[Action]:
     """The end of iteration t of a (replica, stage): ``[REDUCE_GRAD]
     UPDATE@v(t+1) [AVERAGE]``."""
-    return ([Action(REDUCE_GRAD, stage, replica=replica)] * reduce + [Action(UPDATE, stage, version=t + 1, replica=replica)]
-            + [Action(AVERAGE, stage, replica=replica)] * average)
+    return (
+        [Action(REDUCE_GRAD, stage, replica=replica)] * reduce
+        + [Action(UPDATE, stage, version=t + 1, replica=replica)]
+        + [Action(AVERAGE, stage, replica=replica)] * average
+    )
 
 
 def flush_schedule(
@@ -427,8 +452,20 @@ def flush_schedule(
         for order in iteration_order:
             prog: list[Action] = []
             for t in range(spec.iterations):
-                mapped = [_new(Action, (a.op, a.stage, None if a.microbatch is None else (t * m + a.microbatch) * w + r,
-                                        a.version, a.distance, r)) for a in order]
+                mapped = [
+                    _new(
+                        Action,
+                        (
+                            a.op,
+                            a.stage,
+                            None if a.microbatch is None else (t * m + a.microbatch) * w + r,
+                            a.version,
+                            a.distance,
+                            r,
+                        ),
+                    )
+                    for a in order
+                ]
                 prog.extend(flush_iteration(mapped, t, reduce=w > 1))
             programs.append(tuple(prog))
     return schedule_of(spec, programs, num_stages=num_stages, num_microbatches=m * w, replicas=w, options=options)
@@ -456,8 +493,9 @@ def replicated_schedule(
         ids = [routed(t * per_iteration, per_iteration, reps[k], r) for t in range(spec.iterations)]
         programs.append(tuple(replica_program(k, r, ids, warmup(reps, k))))
     recorded = {"replicas": list(reps)} if spec.replicas is not None else {}
-    return schedule_of(spec, programs, num_microbatches=per_iteration, replicas=reps,
-                       options=recorded | (options or {}))
+    return schedule_of(
+        spec, programs, num_microbatches=per_iteration, replicas=reps, options=recorded | (options or {})
+    )
 
 
 def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], reps: Sequence[int]):
@@ -474,16 +512,24 @@ def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], re
                 out.extend(_update(stage, replica, t, reduce))  # so every replica stays at version t+1
                 continue
             # passes built with version t, so flush_iteration need not build them again
-            order = [_new(Action, (op, stage, batch[i], t, 0, replica))
-                     for op, i in stage_order(stage, len(batch), warm)]
+            order = [
+                _new(Action, (op, stage, batch[i], t, 0, replica)) for op, i in stage_order(stage, len(batch), warm)
+            ]
             out.extend(flush_iteration(order, t, reduce=reduce))
         return out
 
     return program
 
 
-def schedule_of(spec: ScheduleSpec, programs, *, num_stages: int | None = None, num_microbatches: int | None = None,
-                replicas: int | Sequence[int] = 1, options: dict | None = None) -> Schedule:
+def schedule_of(
+    spec: ScheduleSpec,
+    programs,
+    *,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    replicas: int | Sequence[int] = 1,
+    options: dict | None = None,
+) -> Schedule:
     """The :class:`Schedule` a strategy built for ``spec`` from per-device
     ``programs`` (by default ``spec.stages`` stages and ``spec.microbatches``
     micro-batches), recording the options every schedule records and the
@@ -513,5 +559,5 @@ def asynchronous_schedule(spec: ScheduleSpec, stage_program, options: dict | Non
     ``warm`` warm-up forwards.
     """
     return replicated_schedule(
-        spec, lambda k, r, ids, warm: stage_program(k, r, [i for batch in ids for i in batch], warm),
-        options=options)
+        spec, lambda k, r, ids, warm: stage_program(k, r, [i for batch in ids for i in batch], warm), options=options
+    )

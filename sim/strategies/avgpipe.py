@@ -1,7 +1,7 @@
 """AvgPipe (Chen, Xu, Qian, Zhou, PPoPP'23) -- pipesim's INTERPRETATION.
 
 The paper's full text was not available; this module encodes the reading in
-docs/semantics.md, not a verified reproduction:
+docs/concepts/strategies.md, not a verified reproduction:
 
 * ``N_p = width`` pipelines (default 2), each a full replica of the
   partitioned model with its own weights and version counter. Each replica
@@ -46,8 +46,7 @@ def shared_order(stage: int, p: int, m: int, n_p: int, advance: int, t: int) -> 
     j of the iteration's n_p*m micro-batches is id t*n_p*m + j, on replica
     j % n_p (the round-robin rule)."""
     first = t * n_p * m
-    return [Action(op, stage, first + j, replica=j % n_p)
-            for op, j in one_f_one_b(n_p * m, p - stage - 1 + advance)]
+    return [Action(op, stage, first + j, replica=j % n_p) for op, j in one_f_one_b(n_p * m, p - stage - 1 + advance)]
 
 
 def disjoint_order(stage: int, p: int, m: int, n_p: int, replica: int, advance: int, t: int) -> list[Action]:
@@ -63,22 +62,29 @@ def build(spec: ScheduleSpec) -> Schedule:
     if spec.placement == "shared":
         orders = [lambda t, k=k: shared_order(k, p, m, n_p, spec.advance, t) for k in range(p)]
     else:
-        orders = [lambda t, k=k, r=r: disjoint_order(k, p, m, n_p, r, spec.advance, t)
-                  for r in range(n_p) for k in range(p)]
+        orders = [
+            lambda t, k=k, r=r: disjoint_order(k, p, m, n_p, r, spec.advance, t) for r in range(n_p) for k in range(p)
+        ]
     programs = []
     for order in orders:
         prog: list[Action] = []
         for t in range(spec.iterations):
             prog.extend(flush_iteration(order(t), t, reduce=False, average=(t + 1) % spec.tau == 0))
         programs.append(tuple(prog))
-    return schedule_of(spec, programs, num_microbatches=n_p * m, replicas=n_p, options={
-        "pipelines": n_p,
-        "alpha": spec.alpha,
-        "tau": spec.tau,
-        "advance": spec.advance,
-        "placement": spec.placement,
-        "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
-    })
+    return schedule_of(
+        spec,
+        programs,
+        num_microbatches=n_p * m,
+        replicas=n_p,
+        options={
+            "pipelines": n_p,
+            "alpha": spec.alpha,
+            "tau": spec.tau,
+            "advance": spec.advance,
+            "placement": spec.placement,
+            "interpretation": "pipesim's reading of AvgPipe (full text unavailable); see docs/semantics.md",
+        },
+    )
 
 
 def ring_transfers(spec: ScheduleSpec) -> int:
@@ -90,7 +96,10 @@ def ring_transfers(spec: ScheduleSpec) -> int:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "alpha", "tau", "advance", "placement"), default_width=2,
+    name=NAME,
+    build=build,
+    options=("width", "alpha", "tau", "advance", "placement"),
+    default_width=2,
     ring_transfers=ring_transfers,
     summary="N_p pipelines with elastic averaging every tau iterations and advance forward propagation",
     planners=("tuner",),

@@ -29,7 +29,11 @@ def build(spec: ScheduleSpec) -> Schedule:
     local = m // n
     order = [Action(op, 0, i) for i in range(local) for op in (F, B)]
     return flush_schedule(
-        spec, 1, [order], num_microbatches=local, width=n,
+        spec,
+        1,
+        [order],
+        num_microbatches=local,
+        width=n,
         options={"devices": n, "global_microbatches": m, "width": n, "depth": 1},
     )
 
@@ -45,6 +49,10 @@ def ring_transfers(spec: ScheduleSpec) -> int:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), stage_passes=stage_passes, ring_transfers=ring_transfers,
+    name=NAME,
+    build=build,
+    options=("width",),
+    stage_passes=stage_passes,
+    ring_transfers=ring_transfers,
     summary="whole model per device, stages x width devices, all-reduce, update",
 )

@@ -35,7 +35,10 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "replicas"), torch_equivalent="ScheduleGPipe",
+    name=NAME,
+    build=build,
+    options=("width", "replicas"),
+    torch_equivalent="ScheduleGPipe",
     summary="all forwards, then all backwards (torch's order), flush, one update",
     planners=("replicas", "width-depth"),
 )

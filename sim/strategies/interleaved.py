@@ -80,9 +80,7 @@ def build(spec: ScheduleSpec) -> Schedule:
             f"interleaved-1f1b needs microbatches to be a multiple of max(1, m // stages) = {n_rounds} "
             f"(torch's rounds), got m={m} with stages={p}"
         )
-    return flush_schedule(
-        spec, v * p, [rank_order(r, p, v, m) for r in range(p)], options={"chunks": v}
-    )
+    return flush_schedule(spec, v * p, [rank_order(r, p, v, m) for r in range(p)], options={"chunks": v})
 
 
 def stage_passes(spec: ScheduleSpec) -> int:
@@ -96,7 +94,11 @@ def ring_transfers(spec: ScheduleSpec) -> int:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "chunks"), needs_m_ge_p=True, stage_passes=stage_passes,
+    name=NAME,
+    build=build,
+    options=("width", "chunks"),
+    needs_m_ge_p=True,
+    stage_passes=stage_passes,
     ring_transfers=ring_transfers,
     torch_equivalent="ScheduleInterleaved1F1B",
     summary="Megatron interleaving: v model chunks per device, stage c*p+r on rank r (torch's order)",

@@ -39,7 +39,10 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "replicas"), torch_equivalent="Schedule1F1B",
+    name=NAME,
+    build=build,
+    options=("width", "replicas"),
+    torch_equivalent="Schedule1F1B",
     summary="PipeDream-Flush / DAPPLE: p-k-1 warm-up forwards, 1F1B, flush (torch's order)",
     planners=("replicas", "width-depth"),
 )

@@ -38,8 +38,9 @@ from pipesim.sim.strategies._common import (
 NAME = "pipedream"
 
 
-def stage_program(stage: int, replica: int, ids: list[int], warm: int, stashing: bool,
-                  replicated: bool) -> list[Action]:
+def stage_program(
+    stage: int, replica: int, ids: list[int], warm: int, stashing: bool, replicated: bool
+) -> list[Action]:
     """One stage replica over its micro-batches ``ids``: 1F1B after ``warm``
     forwards, an update after every backward. A replicated stage reduces
     each step's gradients over its replicas first (PipeDream: every replica
@@ -68,11 +69,15 @@ def build(spec: ScheduleSpec) -> Schedule:
     total = spec.microbatches * spec.iterations
     uneven = [r for r in reps if total % r]
     if uneven:  # every step's all-reduce needs one gradient from every replica
-        raise StrategyError(f"pipedream with replicas {list(reps)} needs microbatches x iterations ({total}) to be a "
-                            f"multiple of every stage's replicas (not of {uneven[0]})")
+        raise StrategyError(
+            f"pipedream with replicas {list(reps)} needs microbatches x iterations ({total}) to be a "
+            f"multiple of every stage's replicas (not of {uneven[0]})"
+        )
     return asynchronous_schedule(
-        spec, lambda k, r, ids, warm: stage_program(k, r, ids, warm, spec.stashing, reps[k] > 1),
-        {"stashing": spec.stashing})
+        spec,
+        lambda k, r, ids, warm: stage_program(k, r, ids, warm, spec.stashing, reps[k] > 1),
+        {"stashing": spec.stashing},
+    )
 
 
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
@@ -94,7 +99,11 @@ def ring_transfers(spec: ScheduleSpec) -> int:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("stashing", "replicas"), asynchronous=True, weight_versions=weight_versions,
+    name=NAME,
+    build=build,
+    options=("stashing", "replicas"),
+    asynchronous=True,
+    weight_versions=weight_versions,
     ring_transfers=ring_transfers,
     summary="asynchronous 1F1B, an update after every backward; weight stashing, or vanilla without",
     planners=("replicas",),

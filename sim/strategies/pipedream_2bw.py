@@ -120,10 +120,13 @@ def build(spec: ScheduleSpec) -> Schedule:
         # warm-up: m >= p for a straight pipeline (the paper's condition)
         if per_window // r < warmup(reps, k) + 1:
             if spec.replicas is None:
-                raise StrategyError(f"pipedream-2bw needs microbatches >= stages (m={spec.microbatches} < "
-                                    f"p={spec.stages})")
-            raise StrategyError(f"pipedream-2bw needs at least {(warmup(reps, k) + 1) * r} micro-batches per "
-                                f"iteration for stage {k}'s {r} replicas (m={spec.microbatches})")
+                raise StrategyError(
+                    f"pipedream-2bw needs microbatches >= stages (m={spec.microbatches} < p={spec.stages})"
+                )
+            raise StrategyError(
+                f"pipedream-2bw needs at least {(warmup(reps, k) + 1) * r} micro-batches per "
+                f"iteration for stage {k}'s {r} replicas (m={spec.microbatches})"
+            )
     return replicated_schedule(spec, lambda k, r, ids, warm: stage_program(k, r, ids, warm, reps[k] > 1, per_window))
 
 
@@ -133,7 +136,11 @@ def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> i
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width", "replicas"), asynchronous=True, needs_m_ge_p=True,
+    name=NAME,
+    build=build,
+    options=("width", "replicas"),
+    asynchronous=True,
+    needs_m_ge_p=True,
     weight_versions=weight_versions,
     summary="1F1B without flush, one update per m micro-batches, double-buffered weights (staleness 1)",
     planners=("width-depth", "replicas"),

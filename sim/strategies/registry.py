@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from pipesim.sim.strategies._common import Strategy
 
 
-
 class StrategyError(InputError):
     """A schedule spec that no strategy can build (one-line message)."""
 

@@ -54,14 +54,20 @@ def stage_program(stage: int, p: int, ids: list[int], warm: int) -> list[Action]
 def build(spec: ScheduleSpec) -> Schedule:
     check_spec(spec, uses=STRATEGY.options)
     p = spec.stages
-    return asynchronous_schedule(spec, lambda k, r, ids, warm: stage_program(k, p, ids, warm), {
-        "s_fwd": [s_fwd(k, p) for k in range(p)],
-        "s_bwd": [s_bwd(k, p) for k in range(p)],
-        "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",
-    })
+    return asynchronous_schedule(
+        spec,
+        lambda k, r, ids, warm: stage_program(k, p, ids, warm),
+        {
+            "s_fwd": [s_fwd(k, p) for k in range(p)],
+            "s_bwd": [s_bwd(k, p) for k in range(p)],
+            "distance_formula": "s_fwd(k) = k//2 + N - k - 1; s_bwd(k) = k//2 (N stages, stage k 0-based)",
+        },
+    )
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, asynchronous=True,
+    name=NAME,
+    build=build,
+    asynchronous=True,
     summary="asynchronous 1F1B with weight prediction, s_fwd(k) = k//2+N-k-1, s_bwd(k) = k//2",
 )

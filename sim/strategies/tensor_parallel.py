@@ -60,12 +60,22 @@ def build(spec: ScheduleSpec) -> Schedule:
             order = []
             for local in range(m):
                 mb = (t * m + local) * d + r
-                order += [Action(F, 0, mb, replica=r), Action(ALLREDUCE, 0, replica=r),
-                          Action(B, 0, mb, replica=r), Action(ALLREDUCE, 0, replica=r)]
+                order += [
+                    Action(F, 0, mb, replica=r),
+                    Action(ALLREDUCE, 0, replica=r),
+                    Action(B, 0, mb, replica=r),
+                    Action(ALLREDUCE, 0, replica=r),
+                ]
             prog.extend(flush_iteration(order, t, reduce=False))
         programs.append(tuple(prog))
-    return schedule_of(spec, programs, num_stages=1, num_microbatches=m * d, replicas=d,
-                       options={"devices": d, "tensor_parallel": d, "width": 1, "depth": 1})
+    return schedule_of(
+        spec,
+        programs,
+        num_stages=1,
+        num_microbatches=m * d,
+        replicas=d,
+        options={"devices": d, "tensor_parallel": d, "width": 1, "depth": 1},
+    )
 
 
 def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
@@ -81,7 +91,7 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
     out = []
     for c in stage_costs:
         buffers = []
-        layers = profile.layers[c.first_layer:c.last_layer + 1]
+        layers = profile.layers[c.first_layer : c.last_layer + 1]
         for k in range(c.first_layer, c.last_layer + 1):
             hidden = max(profile.layers[k].activation_bytes, profile.layers[k - 1].activation_bytes if k else 0)
             buffers += [hidden] * ALLREDUCES_PER_LAYER
@@ -89,19 +99,27 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
         fixed_f = math.fsum(la.fixed_forward_s for la in layers) + profile.overhead_forward_s
         fixed_b = math.fsum(la.fixed_backward_s for la in layers) + o_b
         # a layer's fixed backward splits between the two halves as its backward does
-        fixed_bi = math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s)
-                             for la in layers if la.backward_s) + o_b
+        fixed_bi = (
+            math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s) for la in layers if la.backward_s) + o_b
+        )
         fixed_bw = fixed_b - fixed_bi + o_b
 
         def share(t: float, fixed: float) -> float:
             return (t - fixed) / d + fixed
 
-        out.append(replace(
-            c, forward_s=share(c.forward_s, fixed_f), backward_s=share(c.backward_s, fixed_b),
-            backward_input_s=share(c.backward_input_s, fixed_bi),
-            backward_weight_s=share(c.backward_weight_s, fixed_bw), param_bytes=-(-c.param_bytes // d),
-            stash_bytes=-(-c.stash_bytes // d), layer_stash_bytes=tuple(-(-x // d) for x in c.layer_stash_bytes),
-            allreduce_bytes=tuple(buffers) if d > 1 else ()))
+        out.append(
+            replace(
+                c,
+                forward_s=share(c.forward_s, fixed_f),
+                backward_s=share(c.backward_s, fixed_b),
+                backward_input_s=share(c.backward_input_s, fixed_bi),
+                backward_weight_s=share(c.backward_weight_s, fixed_bw),
+                param_bytes=-(-c.param_bytes // d),
+                stash_bytes=-(-c.stash_bytes // d),
+                layer_stash_bytes=tuple(-(-x // d) for x in c.layer_stash_bytes),
+                allreduce_bytes=tuple(buffers) if d > 1 else (),
+            )
+        )
     return out
 
 
@@ -122,7 +140,13 @@ def ring_transfers(spec: ScheduleSpec) -> int:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), stage_passes=stage_passes, ring_transfers=ring_transfers,
-    device_costs=device_costs, shards=shards, executable=False,
+    name=NAME,
+    build=build,
+    options=("width",),
+    stage_passes=stage_passes,
+    ring_transfers=ring_transfers,
+    device_costs=device_costs,
+    shards=shards,
+    executable=False,
     summary="every layer split over stages x width devices, 2+2 activation all-reduces per layer (Megatron)",
 )

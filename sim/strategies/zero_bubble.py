@@ -64,6 +64,9 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 
 STRATEGY = Strategy(
-    name=NAME, build=build, options=("width",), needs_m_ge_p=True,
+    name=NAME,
+    build=build,
+    options=("width",),
+    needs_m_ge_p=True,
     summary="zero bubble H1: backward split into I and W, W deferred (<= k pending on stage k)",
 )

@@ -364,8 +364,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
     h, v, s = _GNMT_HIDDEN, _GNMT_VOCAB, seq_len
     t = s  # target length = source length
     layers = [
-        ArchLayer("enc.embed", 0.0, v * h, s, s * h, 0.0, input_grad=False, param_traffic=False,
-                  kernels=LOOKUP_KERNELS)
+        ArchLayer("enc.embed", 0.0, v * h, s, s * h, 0.0, input_grad=False, param_traffic=False, kernels=LOOKUP_KERNELS)
     ]
     # Encoder. Per LSTM layer keep the input and, per direction, the four
     # gates and the cell state (5h per token).
@@ -387,8 +386,17 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
     # The decoder embedding is tied with the encoder's (MLPerf shares them);
     # on another stage it is a copy. It passes the encoder output along.
     layers.append(
-        ArchLayer("dec.embed", 0.0, v * h, enc_out, t * h + enc_out, 0.0, param_traffic=False, tied_params=v * h,
-                  kernels=LOOKUP_KERNELS)
+        ArchLayer(
+            "dec.embed",
+            0.0,
+            v * h,
+            enc_out,
+            t * h + enc_out,
+            0.0,
+            param_traffic=False,
+            tied_params=v * h,
+            kernels=LOOKUP_KERNELS,
+        )
     )
     # Bottom decoder layer with attention over the encoder output.
     attn_params = 2 * h * h + 2 * h
@@ -457,8 +465,15 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
     s = seq_len
     layers = [
         ArchLayer(
-            "embed", 0.0, (vocab + 512 + 2) * d + 2 * d, s, s * d, 1.5 * s * d,  # LN input + dropout mask
-            input_grad=False, param_traffic=False, kernels=BERT_EMBED_KERNELS,
+            "embed",
+            0.0,
+            (vocab + 512 + 2) * d + 2 * d,
+            s,
+            s * d,
+            1.5 * s * d,  # LN input + dropout mask
+            input_grad=False,
+            param_traffic=False,
+            kernels=BERT_EMBED_KERNELS,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=True) for i in range(blocks)]
@@ -482,8 +497,15 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
     s = seq_len
     layers = [
         ArchLayer(
-            "embed", 0.0, vocab * d + s * d, s, s * d, 0.5 * s * d,  # dropout mask
-            input_grad=False, param_traffic=False, kernels=GPT_EMBED_KERNELS,
+            "embed",
+            0.0,
+            vocab * d + s * d,
+            s,
+            s * d,
+            0.5 * s * d,  # dropout mask
+            input_grad=False,
+            param_traffic=False,
+            kernels=GPT_EMBED_KERNELS,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=False) for i in range(blocks)]
@@ -517,12 +539,28 @@ def _two_bw_models() -> list[_Model]:
     micro-batch defaults to 1 because 2BW's planner chooses it."""
     out = []
     for size, blocks, d, heads in TWO_BW_SIZES:
-        out.append(_Model(f"2bw-gpt-{size}", f"GPT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
-                          1, "adam", lambda seq_len, blocks, d=d, heads=heads: _gpt(seq_len, blocks, d, heads, 50257),
-                          seq_len=512, blocks=blocks))
-        out.append(_Model(f"2bw-bert-{size}", f"BERT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
-                          1, "adam", lambda seq_len, blocks, d=d, heads=heads: _bert(seq_len, blocks, d, heads, 30522),
-                          seq_len=512, blocks=blocks))
+        out.append(
+            _Model(
+                f"2bw-gpt-{size}",
+                f"GPT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
+                1,
+                "adam",
+                lambda seq_len, blocks, d=d, heads=heads: _gpt(seq_len, blocks, d, heads, 50257),
+                seq_len=512,
+                blocks=blocks,
+            )
+        )
+        out.append(
+            _Model(
+                f"2bw-bert-{size}",
+                f"BERT {size.upper()} as in PipeDream-2BW ({blocks} x {d}, {heads} heads)",
+                1,
+                "adam",
+                lambda seq_len, blocks, d=d, heads=heads: _bert(seq_len, blocks, d, heads, 30522),
+                seq_len=512,
+                blocks=blocks,
+            )
+        )
     return out
 
 
@@ -532,19 +570,54 @@ _MODELS: dict[str, _Model] = {
         _Model("vgg16", "VGG-16, 224x224 ImageNet", 32, "sgd", lambda: _vgg16(224, (4096, 4096, 1000))),
         _Model("vgg16-cifar", "VGG-16, 32x32 CIFAR-10", 128, "sgd", lambda: _vgg16(32, (10,))),
         _Model("resnet50", "ResNet-50 v1.5, 224x224 ImageNet", 32, "sgd", _resnet50),
-        _Model("gnmt", "GNMT-8 (4+4 LSTM layers, hidden 1024)", 64, "adam",
-               lambda seq_len: _gnmt(seq_len, 4), seq_len=50),
-        _Model("gnmt-16", "GNMT-16 (8+8 LSTM layers, hidden 1024)", 64, "adam",
-               lambda seq_len: _gnmt(seq_len, 8), seq_len=50),
-        _Model("bert-large", "BERT-large (24 x 1024, 16 heads)", 8, "adam",
-               lambda seq_len, blocks: _bert(seq_len, blocks), seq_len=512, blocks=24),
-        _Model("gpt-1.3b", "GPT 1.3B (24 x 2048, 16 heads)", 4, "adam",
-               lambda seq_len, blocks: _gpt(seq_len, blocks, 2048, 16, 50257), seq_len=2048, blocks=24),
+        _Model(
+            "gnmt", "GNMT-8 (4+4 LSTM layers, hidden 1024)", 64, "adam", lambda seq_len: _gnmt(seq_len, 4), seq_len=50
+        ),
+        _Model(
+            "gnmt-16",
+            "GNMT-16 (8+8 LSTM layers, hidden 1024)",
+            64,
+            "adam",
+            lambda seq_len: _gnmt(seq_len, 8),
+            seq_len=50,
+        ),
+        _Model(
+            "bert-large",
+            "BERT-large (24 x 1024, 16 heads)",
+            8,
+            "adam",
+            lambda seq_len, blocks: _bert(seq_len, blocks),
+            seq_len=512,
+            blocks=24,
+        ),
+        _Model(
+            "gpt-1.3b",
+            "GPT 1.3B (24 x 2048, 16 heads)",
+            4,
+            "adam",
+            lambda seq_len, blocks: _gpt(seq_len, blocks, 2048, 16, 50257),
+            seq_len=2048,
+            blocks=24,
+        ),
         *_two_bw_models(),
-        _Model("gpt-8.3b", "GPT 8.3B, Megatron-LM (72 x 3072, 32 heads)", 1, "adam",
-               lambda seq_len, blocks: _gpt(seq_len, blocks, 3072, 32, 51200), seq_len=1024, blocks=72),
-        _Model("gpt-13b", "GPT-3 13B (40 x 5120, 40 heads)", 1, "adam",
-               lambda seq_len, blocks: _gpt(seq_len, blocks, 5120, 40, 50257), seq_len=2048, blocks=40),
+        _Model(
+            "gpt-8.3b",
+            "GPT 8.3B, Megatron-LM (72 x 3072, 32 heads)",
+            1,
+            "adam",
+            lambda seq_len, blocks: _gpt(seq_len, blocks, 3072, 32, 51200),
+            seq_len=1024,
+            blocks=72,
+        ),
+        _Model(
+            "gpt-13b",
+            "GPT-3 13B (40 x 5120, 40 heads)",
+            1,
+            "adam",
+            lambda seq_len, blocks: _gpt(seq_len, blocks, 5120, 40, 50257),
+            seq_len=2048,
+            blocks=40,
+        ),
     )
 }
 
@@ -566,8 +639,7 @@ def _lookup(name: str) -> _Model:
         if name in pipedream_graph.CATALOG:
             raise WorkloadError(f"{name} is a measured profile: it has no architecture description") from None
         raise WorkloadError(
-            f"unknown model {name!r}; known: {', '.join(model_names())}; "
-            f"measured: {', '.join(measured_model_names())}"
+            f"unknown model {name!r}; known: {', '.join(model_names())}; measured: {', '.join(measured_model_names())}"
         ) from None
 
 
@@ -623,9 +695,7 @@ def model_profile(
     A measured model ignores ``device`` (see the module doc).
     """
     if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
-        raise WorkloadError(
-            f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}"
-        )
+        raise WorkloadError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
     if name in pipedream_graph.CATALOG:
         if layers is not None or seq_len is not None:
             raise WorkloadError(f"{name} is a measured profile: its depth and sequence length are fixed")

@@ -105,8 +105,10 @@ _NODE_RE = re.compile(
 )
 _EDGE_RE = re.compile(r"^\s+(?P<src>\S+) -- (?P<dst>\S+)$")
 _ID_RE = re.compile(r"^node(?P<number>\d{1,18})$")  # a bounded int: no digit-limit ValueError
-_NODE_FORM = ("'nodeN -- description -- forward_compute_time=MS, backward_compute_time=MS, "
-              "activation_size=BYTES, parameter_size=BYTES'")
+_NODE_FORM = (
+    "'nodeN -- description -- forward_compute_time=MS, backward_compute_time=MS, "
+    "activation_size=BYTES, parameter_size=BYTES'"
+)
 
 #: Bytes of one 3x224x224 fp32 ImageNet image: an input node of a whole
 #: multiple of this is that many images (all five image profiles).
@@ -157,8 +159,9 @@ def _ms(name: str, text: str) -> float:
     except ValueError:
         v = math.nan
     if not (0 <= v <= MAX_SECONDS * 1e3):
-        raise WorkloadError(f"{name} must be a number of milliseconds >= 0 and <= {MAX_SECONDS * 1e3:g}, "
-                            f"got {_shown(text)}")
+        raise WorkloadError(
+            f"{name} must be a number of milliseconds >= 0 and <= {MAX_SECONDS * 1e3:g}, got {_shown(text)}"
+        )
     return v
 
 
@@ -274,7 +277,7 @@ def _a_cycle(stuck: list[GraphNode], edges: list[tuple[str, str]]) -> list[Graph
     walk = [min(stuck, key=lambda n: n.number)]
     while back[walk[-1].id] not in walk:
         walk.append(back[walk[-1].id])
-    cycle = walk[walk.index(back[walk[-1].id]):][::-1]
+    cycle = walk[walk.index(back[walk[-1].id]) :][::-1]
     first = cycle.index(min(cycle, key=lambda n: n.number))
     return cycle[first:] + cycle[:first]
 
@@ -338,8 +341,9 @@ def inferred_batch(graph: Graph) -> int | None:
     return images if images and not rest else None
 
 
-def graph_profile(text: str, name: str, *, microbatch_size: int | None = None, optimizer: str = "sgd",
-                  notes: str = "") -> Profile:
+def graph_profile(
+    text: str, name: str, *, microbatch_size: int | None = None, optimizer: str = "sgd", notes: str = ""
+) -> Profile:
     """A :class:`Profile` of graph.txt ``text`` (see the module doc).
 
     ``microbatch_size`` is the batch the file was profiled at; when None it is
@@ -353,10 +357,17 @@ def graph_profile(text: str, name: str, *, microbatch_size: int | None = None, o
         batch, how = inferred_batch(graph), "batch inferred from the input node (3x224x224 fp32 images)"
     if batch is None:
         batch, how = 1, "batch not recorded in the file: 1 assumed (--microbatch-size sets the samples per micro-batch)"
-    summary = (f"PipeDream graph.txt: {len(graph.nodes)} nodes, {len(layers)} layers after dropping input nodes, "
-               f"linearised in topological order (ties to the smaller node number); {how}: {batch}")
-    return Profile(name=name, layers=layers, microbatch_size=batch, optimizer=optimizer,
-                   notes=f"{notes}; {summary}" if notes else summary)
+    summary = (
+        f"PipeDream graph.txt: {len(graph.nodes)} nodes, {len(layers)} layers after dropping input nodes, "
+        f"linearised in topological order (ties to the smaller node number); {how}: {batch}"
+    )
+    return Profile(
+        name=name,
+        layers=layers,
+        microbatch_size=batch,
+        optimizer=optimizer,
+        notes=f"{notes}; {summary}" if notes else summary,
+    )
 
 
 def looks_like_graph(path, text: str) -> bool:
@@ -428,10 +439,12 @@ def catalog_file(name: str):
 def _as_profiled(name: str) -> Profile:
     entry = CATALOG[name]
     return graph_profile(
-        catalog_file(name).read_text(encoding="utf-8"), name, microbatch_size=entry.batch,
+        catalog_file(name).read_text(encoding="utf-8"),
+        name,
+        microbatch_size=entry.batch,
         optimizer=entry.optimizer,
         notes=f"{entry.description}, measured by PipeDream's authors (profiles/pipedream/{entry.folder}/graph.txt, "
-              "MIT licence); device not recorded (the paper's clusters used V100s)",
+        "MIT licence); device not recorded (the paper's clusters used V100s)",
     )
 
 
@@ -448,4 +461,3 @@ def catalog_profile(name: str, microbatch_size: int | None = None, optimizer: st
     if microbatch_size is not None and microbatch_size != profile.microbatch_size:
         profile = rescaled(profile, microbatch_size)
     return profile
-

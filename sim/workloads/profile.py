@@ -317,8 +317,10 @@ def rescaled(profile: Profile, microbatch_size: int) -> Profile:
         )
         for la in profile.layers
     )
-    note = (f"rescaled linearly from the profiled batch of {profile.microbatch_size} to {microbatch_size}: "
-            "an approximation (kernel times are not linear in the batch size)")
+    note = (
+        f"rescaled linearly from the profiled batch of {profile.microbatch_size} to {microbatch_size}: "
+        "an approximation (kernel times are not linear in the batch size)"
+    )
     return replace(profile, layers=layers, microbatch_size=microbatch_size, notes=f"{profile.notes}; {note}")
 
 

@@ -151,9 +151,14 @@ def recomputed(costs: Sequence[StageCost]) -> list[StageCost]:
     micro-batches of a flush, fit fewer) and less during the backward (one
     layer's activations at a time). pipesim models the per-layer form only.
     """
-    return [c if c.recompute else replace(c, backward_s=c.backward_s + c.forward_s,
-                                          backward_input_s=c.backward_input_s + c.forward_s, recompute=True)
-            for c in costs]
+    return [
+        c
+        if c.recompute
+        else replace(
+            c, backward_s=c.backward_s + c.forward_s, backward_input_s=c.backward_input_s + c.forward_s, recompute=True
+        )
+        for c in costs
+    ]
 
 
 def split_at(profile: Profile, starts: Sequence[int]) -> list[StageCost]:
@@ -164,8 +169,6 @@ def split_at(profile: Profile, starts: Sequence[int]) -> list[StageCost]:
     starts = list(starts)
     n = len(profile.layers)
     if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= n:
-        raise WorkloadError(
-            f"stage starts {starts} must begin at 0 and strictly increase below {n} (the layer count)"
-        )
+        raise WorkloadError(f"stage starts {starts} must begin at 0 and strictly increase below {n} (the layer count)")
     bounds = [*starts, n]
     return [stage_cost(profile, a, b - 1) for a, b in itertools.pairwise(bounds)]
