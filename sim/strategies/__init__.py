@@ -9,6 +9,11 @@ runtime just execute them. Micro-batch ids are global across iterations
 (iteration t owns ``t*m .. t*m+m-1``); replica r of a p-device pipeline runs
 on devices ``r*p .. r*p+p-1`` (AvgPipe's shared placement and data
 parallelism excepted, see their modules).
+
+Layer 2 of :mod:`pipesim.sim`: it imports only the IR and the foundations,
+so a schedule is the same whichever executor runs it. Each module declares
+its :class:`Strategy` as ``STRATEGY``; :mod:`.registry` holds them by name,
+in the order this package registers them (listings and comparisons use it).
 """
 
 from __future__ import annotations
