@@ -159,6 +159,16 @@ def test_layer_order_is_what_it_claims() -> None:
     assert layer_of("pipesim.experiments.cli") > layer_of("pipesim.validate.harness") > layer_of("pipesim.sim.api")
 
 
+def test_imports_are_absolute() -> None:
+    # a module's import names the layer it reaches into; a relative import hides it
+    relative = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                relative.append(f"{name}:{node.lineno}")
+    assert not relative, "relative imports: " + ", ".join(relative)
+
+
 def test_sim_never_imports_torch() -> None:
     for name, path in module_files().items():
         if name.startswith("pipesim.sim"):

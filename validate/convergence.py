@@ -70,8 +70,8 @@ class ConvergeError(InputError):
 
 
 def strategy_names() -> list[str]:
-    """What a run may name: every registered strategy and :data:`VARIANTS`."""
-    return [s.name for s in strategies()] + list(VARIANTS)
+    """What a run may name: every strategy real tensors can run, and :data:`VARIANTS`."""
+    return [s.name for s in strategies() if s.executable] + list(VARIANTS)
 
 
 def resolve(name: str) -> tuple[str, dict]:

@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: image name -> (pipesim arguments, the PNG the command writes, relative to its --out)
-FIGURES = {
-    "timeline.png": (
+#: pipesim arguments -> {PNG the command writes (relative to its --out): image name}
+FIGURES = [
+    (
         [
             "simulate",
             "--strategy",
@@ -38,12 +38,13 @@ FIGURES = {
             "--iterations",
             "2",
         ],
-        "timeline.png",
+        {"timeline.png": "timeline.png"},
     ),
-    "comparison.png": (["compare"], "comparison.png"),
-    "2bw-figure6.png": (["reproduce", "2bw"], "2bw/figure6.png"),
-    "spectrain-speedup.png": (["reproduce", "spectrain"], "spectrain/speedup.png"),
-}
+    (["compare"], {"comparison.png": "comparison.png"}),
+    (["reproduce", "pipedream"], {"pipedream/table1.png": "pipedream-table1.png"}),
+    (["reproduce", "2bw"], {"2bw/figure6.png": "2bw-figure6.png", "2bw/figure10.png": "2bw-figure10.png"}),
+    (["reproduce", "spectrain"], {"spectrain/speedup.png": "spectrain-speedup.png"}),
+]
 
 
 def cpu_name() -> str:
@@ -71,8 +72,8 @@ def main() -> int:
         "|---|---|",
     ]
     with tempfile.TemporaryDirectory(prefix="pipesim-docs-") as tmp:
-        for name, (command, png) in FIGURES.items():
-            out = Path(tmp) / name.removesuffix(".png")
+        for k, (command, images) in enumerate(FIGURES):
+            out = Path(tmp) / str(k)
             print(f"pipesim {' '.join(command)}", file=sys.stderr, flush=True)
             subprocess.run(
                 [
@@ -86,12 +87,13 @@ def main() -> int:
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-            written = out / png
-            if not written.is_file():
-                print(f"error: {written} was not written (is Chromium installed?)", file=sys.stderr)
-                return 1
-            shutil.copyfile(written, args.out / name)
-            lines.append(f"| `{name}` | `pipesim {' '.join(command)}` |")
+            for png, name in images.items():
+                written = out / png
+                if not written.is_file():
+                    print(f"error: {written} was not written (is Chromium installed?)", file=sys.stderr)
+                    return 1
+                shutil.copyfile(written, args.out / name)
+                lines.append(f"| `{name}` | `pipesim {' '.join(command)}` |")
     (args.out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 

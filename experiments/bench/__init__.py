@@ -1,8 +1,10 @@
 """``pipesim bench {sim,plan,kernels,validate,torch,torch-dry-run,comm,sweep}``: every benchmark behind one command.
 
-Each benchmark lives in the layer it measures and keeps its ``python -m``
-entry point as an alias; this module only dispatches to it (importing it, and
-torch with it, only when it is asked for). Every one prints tables, or its
+Each benchmark is a module with a ``main(argv, prog)`` (most of them in this
+package; the sweep's and torch's dry run's beside the code they measure,
+:mod:`pipesim.experiments.sweep`, :mod:`pipesim.experiments.torchdry`), or a
+``main`` given in :data:`BENCHES`; this module only dispatches to it
+(importing it, and torch with it, only when it is asked for). Every one prints tables, or its
 report as JSON with ``--json``; ``pipesim bench NAME --help`` lists its
 options with their defaults.
 

@@ -62,6 +62,14 @@ def strategy_names() -> list[str]:
     return names()
 
 
+def executable_strategy_names() -> list[str]:
+    """The strategies real tensors can run (the emulator and the runtime): a
+    strategy says so itself (``Strategy.executable``)."""
+    from pipesim.sim.strategies import strategies
+
+    return [s.name for s in strategies() if s.executable]
+
+
 def catalog_models() -> list[str]:
     from pipesim.sim.workloads.catalog import measured_model_names, model_names
 
@@ -98,15 +106,21 @@ def add_schedule_args(
     iterations: int = 1,
     stages: int = DEFAULT_STAGES,
     imports_csv: bool = False,
+    executable: bool = False,
 ) -> None:
     """The flags that shape a schedule; ``one_strategy`` adds ``--strategy``
     (``compare`` names several with ``--strategies`` instead), ``iterations``
     and ``stages`` are the defaults the help states, ``imports_csv`` whether
-    the command also takes a schedule CSV (whose own sizes then apply)."""
+    the command also takes a schedule CSV (whose own sizes then apply),
+    ``executable`` whether it runs real tensors (its help then lists only the
+    strategies that can)."""
     from pipesim.sim.strategies import OPTION_DEFAULTS, PLACEMENTS
 
     if one_strategy:
-        list_choices(p.add_argument("--strategy", required=strategy_required, help="schedule to build"), strategy_names)
+        list_choices(
+            p.add_argument("--strategy", required=strategy_required, help="schedule to build"),
+            executable_strategy_names if executable else strategy_names,
+        )
     p.add_argument(
         "--stages",
         type=positive,

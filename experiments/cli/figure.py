@@ -7,8 +7,12 @@ from pipesim.experiments.cli.common import output_dir
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("figure", help="paper-style figures")
-    p.add_argument("name", choices=("bubbles",))
-    p.add_argument("--out", default="out/figures")
+    p.add_argument(
+        "name",
+        choices=("bubbles",),
+        help="bubbles: the bubble fraction of every strategy against micro-batches, simulated beside the closed forms",
+    )
+    p.add_argument("--out", default="out/figures", help="output folder")
     p.set_defaults(func=run)
 
 

@@ -41,8 +41,8 @@ def add_parser(subparsers) -> None:
         p.add_argument(
             "--strategy",
             default="pipedream",
-            help="a strategy some planner serves (its first planner by default: pipedream, "
-            "gpipe, 1f1b replicas; pipedream-2bw width-depth; avgpipe tuner)",
+            help="a strategy some planner serves (planned by its first planner unless --planner says otherwise: "
+            "pipedream, gpipe, 1f1b replicas; pipedream-2bw width-depth; avgpipe tuner)",
         ),
         _plannable,
     )

@@ -6,16 +6,23 @@ from __future__ import annotations
 import time
 
 from pipesim.experiments.cli.common import output_dir
+from pipesim.experiments.cliargs import list_choices
+
+
+def _papers() -> list[str]:
+    """The runner's papers (read when help is shown; a wrong name is the runner's one-line error)."""
+    from pipesim.experiments.reproduce.runner import PAPERS
+
+    return [*PAPERS, "all"]
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "reproduce", help="predict the papers' published figures and compare (PipeDream, PipeDream-2BW, SpecTrain)"
     )
-    p.add_argument(
-        "paper",
-        choices=("pipedream", "2bw", "spectrain", "all"),
-        help="the paper (all: every one this build reproduces)",
+    list_choices(
+        p.add_argument("paper", help="the paper (all: every one this build reproduces)"),
+        _papers,
     )
     p.add_argument("--out", default="out/reproduce", help="output folder (one subfolder per paper)")
     p.set_defaults(func=run)

@@ -16,7 +16,7 @@ from pipesim.experiments.cliargs import nonnegative, seconds
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("validate", help="run a schedule for real and reconcile it with the simulation")
-    add_schedule_args(p, strategy_required=True, iterations=4, stages=2)
+    add_schedule_args(p, strategy_required=True, iterations=4, stages=2, executable=True)
     p.set_defaults(stages=2, iterations=4)
     model_args(p)
     p.add_argument(

@@ -5,6 +5,8 @@ Layer 3 of :mod:`pipesim.sim`: it imports only the foundations
 
 * :mod:`.machines`: :class:`Hardware` (devices, interconnects, links and ring orders),
   the hardware file format and :func:`load_hardware`;
+* :mod:`.measured`: published measurements of collectives (``measurements/``:
+  nccl-tests all-reduce curves, each with its source) to hold the model against;
 * ``presets/``: the JSON presets (``pcie-4gpu``, ``dgx1-v100``, ``dgx-h100``, the
   papers' clusters), each with its sources.
 """
