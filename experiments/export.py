@@ -6,19 +6,30 @@ the browser comes from the system), so :func:`write_png` checks for both and
 returns ``False`` instead of raising when either is missing. It never
 downloads a browser (kaleido's ``get_chrome`` is not called).
 
-The export runs in a child Python process with a time limit, so a browser
-that hangs or crashes (sandboxing in containers, missing libraries) costs at
-most ``timeout`` seconds and never takes the caller down.
+The export runs in a child Python process, so a browser that hangs or
+crashes (sandboxing in containers, missing libraries) costs at most
+``timeout`` seconds a figure and never takes the caller down. Starting a
+headless browser costs about two seconds, rendering a figure in a running one
+a tenth of that, so the child is started once per process and keeps its
+browser (kaleido's sync server) for every figure the command writes: a
+``pipesim compare`` of ten strategies writes eleven PNGs for one start. It
+reads one job per line on its stdin and answers ``ok`` or ``error`` per job;
+it ends with its stdin, at the caller's exit or death, and a child that
+overruns a job's time limit is killed with whatever it started.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import json
 import os
+import selectors
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: Executable names looked up on PATH, in order.
@@ -31,10 +42,24 @@ BROWSER_NAMES = (
 )
 
 _CHILD = r"""
+import json
 import sys
+import warnings
+
+import kaleido
 import plotly.io as pio
-fig = pio.from_json(open(sys.argv[1], encoding="utf-8").read(), skip_invalid=True)
-fig.write_image(sys.argv[2], format="png", width=int(sys.argv[3]), height=int(sys.argv[4]), scale=float(sys.argv[5]))
+
+warnings.simplefilter("ignore")  # kaleido warns that a running server ignores per-call options
+kaleido.start_sync_server(silence_warnings=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        fig = pio.from_json(open(job["spec"], encoding="utf-8").read(), skip_invalid=True)
+        fig.write_image(job["out"], format="png", width=job["width"], height=job["height"], scale=job["scale"])
+        print("done", job["id"], "ok", flush=True)
+    except Exception as e:  # one figure failing is that figure's "False", not the next one's
+        print("done", job["id"], "error", type(e).__name__, flush=True)
+kaleido.stop_sync_server(silence_warnings=True)
 """
 
 
@@ -112,6 +137,86 @@ def png_skipped_reason() -> str:
     return "needs Chrome/Chromium for kaleido" if find_browser() is None else "the export failed or timed out"
 
 
+class _Renderer:
+    """The export child of this process (see the module doc), started on first use."""
+
+    proc: subprocess.Popen | None = None
+    owner: int | None = None  # the pid that started it: a forked child starts its own
+    jobs = 0  # jobs sent, so each answer names the job it answers
+
+    @classmethod
+    def running(cls) -> subprocess.Popen | None:
+        if cls.proc is not None and cls.owner == os.getpid() and cls.proc.poll() is None:
+            return cls.proc
+        if cls.owner == os.getpid():
+            cls.close()
+        try:
+            # Own session, so a hung browser it started can be ended with it.
+            cls.proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError:
+            cls.proc = None
+            return None
+        cls.owner = os.getpid()
+        return cls.proc
+
+    @classmethod
+    def render(cls, job: dict, timeout: float) -> bool:
+        """Send ``job`` and wait for its answer (``done ID ok``; anything else the
+        child or its libraries print is passed over); a child that overruns
+        ``timeout`` or dies is ended."""
+        proc = cls.running()
+        if proc is None:
+            return False
+        cls.jobs += 1
+        job = {**job, "id": cls.jobs}
+        try:
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            cls.close(wait=0)
+            return False
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while sel.select(max(0.0, deadline - time.monotonic())):
+                line = proc.stdout.readline()
+                if not line:  # died
+                    break
+                words = line.split()
+                if words[:2] == ["done", str(job["id"])]:
+                    return words[2:3] == ["ok"]
+        cls.close(wait=0)  # timed out or died: nothing it says later can be trusted
+        return False
+
+    @classmethod
+    def close(cls, wait: float = 10.0) -> None:
+        """End the child: it finishes with its stdin; one that does not within ``wait`` seconds is killed."""
+        proc, cls.proc = cls.proc, None
+        if proc is None or cls.owner != os.getpid():
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=wait)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        _kill_group(proc)  # a child that did not end, and anything of its session still running
+
+
+atexit.register(_Renderer.close)
+
+
+def close_renderer() -> None:
+    """End this process's export child now (the next PNG starts a new one)."""
+    _Renderer.close()
+
+
 def write_png(
     fig, path: str | Path, *, width: int = 1400, height: int | None = None, scale: float = 2.0, timeout: float = 180.0
 ) -> bool:
@@ -131,18 +236,8 @@ def write_png(
         spec = Path(tmp) / "fig.json"
         out = Path(tmp) / "fig.png"
         spec.write_text(fig.to_json(), encoding="utf-8")
-        cmd = [sys.executable, "-c", _CHILD, str(spec), str(out), str(int(width)), str(int(height)), str(scale)]
-        try:
-            # Own session, so a hung browser it started can be ended with it.
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        except OSError:
-            return False
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return False
-        if rc != 0 or not out.is_file() or out.stat().st_size == 0:
+        job = {"spec": str(spec), "out": str(out), "width": int(width), "height": int(height), "scale": scale}
+        if not _Renderer.render(job, timeout) or not out.is_file() or out.stat().st_size == 0:
             return False
         shutil.copyfile(out, path)
     return True

@@ -254,31 +254,76 @@ def test_find_browser_uses_path(tmp_path, monkeypatch):
     assert export.find_browser() == str(exe)
 
 
-def test_write_png_false_when_export_fails(tmp_path, monkeypatch):
-    # kaleido "present", a browser "present", but the child export fails
+@pytest.fixture
+def fake_renderer(monkeypatch):
+    """``write_png`` with a stand-in export child (no kaleido, no browser): ``use(script)``."""
     monkeypatch.setattr(export, "png_supported", lambda: True)
-    monkeypatch.setattr(export, "_CHILD", "import sys; sys.exit(3)")
+    export.close_renderer()
+
+    def use(script: str) -> None:
+        monkeypatch.setattr(export, "_CHILD", script)
+
+    yield use
+    export.close_renderer()
+
+
+#: A stand-in export child speaking the real one's protocol: a JSON job per
+#: line in, "done ID ok" per job out (after a line of noise, as a library might
+#: print); it writes the job's size and its own pid.
+FAKE_CHILD = (
+    "import json, os, sys\n"
+    "for line in sys.stdin:\n"
+    "    job = json.loads(line)\n"
+    "    print('noise a library printed', flush=True)\n"
+    "    open(job['out'], 'w').write(f\"{job['width']}x{job['height']} {os.getpid()}\")\n"
+    "    print('done', job['id'], 'ok', flush=True)\n"
+)
+
+
+def test_write_png_false_when_export_fails(tmp_path, fake_renderer):
+    # kaleido "present", a browser "present", but the child export fails
+    fake_renderer("import sys; sys.exit(3)")
     out = tmp_path / "x.png"
     assert export.write_png(timeline_figure(make_result()), out) is False
     assert not out.exists()
 
 
-def test_write_png_success_path_copies_the_child_output(tmp_path, monkeypatch):
-    monkeypatch.setattr(export, "png_supported", lambda: True)
-    child = "import sys; open(sys.argv[2], 'wb').write(b'PNG' + sys.argv[3].encode() + b'x' + sys.argv[4].encode())"
-    monkeypatch.setattr(export, "_CHILD", child)
+def test_write_png_false_when_the_child_reports_an_error(tmp_path, fake_renderer):
+    fake_renderer(
+        "import json, sys\nfor line in sys.stdin:\n    print('done', json.loads(line)['id'], 'error ValueError', flush=True)\n"
+    )
+    out = tmp_path / "x.png"
+    assert export.write_png(timeline_figure(make_result()), out) is False
+    assert not out.exists()
+
+
+def test_write_png_success_path_copies_the_child_output(tmp_path, fake_renderer):
+    fake_renderer(FAKE_CHILD)
     out = tmp_path / "sub" / "x.png"
     fig = timeline_figure(make_result())
     assert export.write_png(fig, out, width=800) is True
-    assert out.read_bytes() == b"PNG800x" + str(fig.layout.height).encode()
+    assert out.read_text().split()[0] == f"800x{fig.layout.height}"
 
 
-def test_write_png_times_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(export, "png_supported", lambda: True)
-    monkeypatch.setattr(export, "_CHILD", "import time; time.sleep(30)")
+def test_one_export_child_serves_every_figure(tmp_path, fake_renderer):
+    # a browser starts once per command, not once per figure
+    fake_renderer(FAKE_CHILD)
+    fig = timeline_figure(make_result())
+    paths = [tmp_path / f"{k}.png" for k in range(3)]
+    assert all(export.write_png(fig, p) for p in paths)
+    pids = {p.read_text().split()[1] for p in paths}
+    assert len(pids) == 1
+    child = export._Renderer.proc
+    export.close_renderer()
+    assert child.poll() is not None  # closed with the command: nothing left behind
+
+
+def test_write_png_times_out(tmp_path, fake_renderer):
+    fake_renderer("import time; time.sleep(30)")
     out = tmp_path / "x.png"
     assert export.write_png(timeline_figure(make_result()), out, timeout=1) is False
     assert not out.exists()
+    assert export._Renderer.proc is None  # the overrunning child was ended, the next figure starts a new one
 
 
 # ---------------------------------------------------------------------------

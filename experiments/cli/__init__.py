@@ -69,6 +69,7 @@ from pipesim.experiments.cli import (
 )
 from pipesim.experiments.cli.common import COMPARE_HARDWARE, COMPARE_MODEL, DEFAULT_STAGES
 from pipesim.experiments.cliargs import Parser, run_command
+from pipesim.experiments.export import close_renderer
 
 #: The sub-command modules, in the order ``pipesim --help`` lists them.
 SUBCOMMANDS = (simulate, compare, plan, schedule, profile, validate, sweep, bench, converge, reproduce, figure)
@@ -136,11 +137,13 @@ def console_main() -> None:
     collector stays off for this one-shot process (else its first pass after
     the run would scan every one of those objects), and once the streams are
     flushed the process exits without tearing down its heap. Every output
-    file is closed by then.
+    file is closed by then, and the PNG export child
+    (:mod:`pipesim.experiments.export`) has ended with its browser.
     """
     common.ONE_SHOT = True  # read where the run is simulated (common.simulate_one)
     gc.disable()
     code = main()
+    close_renderer()  # the PNG export child and its browser end with the command, not after it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
