@@ -143,6 +143,7 @@ class _Renderer:
     proc: subprocess.Popen | None = None
     owner: int | None = None  # the pid that started it: a forked child starts its own
     jobs = 0  # jobs sent, so each answer names the job it answers
+    pending = b""  # what the child wrote that is not yet a whole line
 
     @classmethod
     def running(cls) -> subprocess.Popen | None:
@@ -157,13 +158,12 @@ class _Renderer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
-                text=True,
                 start_new_session=True,
             )
         except OSError:
             cls.proc = None
             return None
-        cls.owner = os.getpid()
+        cls.owner, cls.pending = os.getpid(), b""
         return cls.proc
 
     @classmethod
@@ -177,22 +177,28 @@ class _Renderer:
         cls.jobs += 1
         job = {**job, "id": cls.jobs}
         try:
-            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
             cls.close(wait=0)
             return False
         deadline = time.monotonic() + timeout
+        answer = f"done {job['id']} ".encode()
+        fd = proc.stdout.fileno()
         with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while sel.select(max(0.0, deadline - time.monotonic())):
-                line = proc.stdout.readline()
-                if not line:  # died
-                    break
-                words = line.split()
-                if words[:2] == ["done", str(job["id"])]:
-                    return words[2:3] == ["ok"]
-        cls.close(wait=0)  # timed out or died: nothing it says later can be trusted
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                *lines, cls.pending = cls.pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(answer):
+                        return line[len(answer) :].split()[:1] == [b"ok"]
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    break  # timed out
+                chunk = os.read(fd, 65536)  # unbuffered: select sees everything not yet read
+                if not chunk:
+                    break  # died
+                cls.pending += chunk
+        cls.close(wait=0)  # nothing it says later can be trusted
         return False
 
     @classmethod

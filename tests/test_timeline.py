@@ -268,14 +268,14 @@ def fake_renderer(monkeypatch):
 
 
 #: A stand-in export child speaking the real one's protocol: a JSON job per
-#: line in, "done ID ok" per job out (after a line of noise, as a library might
-#: print); it writes the job's size and its own pid.
+#: line in, "done ID ok" per job out, in one write with a line of noise before
+#: it (as a library might print); it writes the job's size and its own pid.
 FAKE_CHILD = (
     "import json, os, sys\n"
     "for line in sys.stdin:\n"
     "    job = json.loads(line)\n"
-    "    print('noise a library printed', flush=True)\n"
     "    open(job['out'], 'w').write(f\"{job['width']}x{job['height']} {os.getpid()}\")\n"
+    "    print('noise a library printed', flush=False)\n"
     "    print('done', job['id'], 'ok', flush=True)\n"
 )
 
