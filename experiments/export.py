@@ -1,21 +1,24 @@
 """Static image export of plotly figures, when the machine can do it.
 
-PNG export needs kaleido and a Chrome/Chromium that kaleido can drive. Neither
-is a hard dependency of pipesim (``pip install pipesim[png]`` adds kaleido;
-the browser comes from the system), so :func:`write_png` checks for both and
-returns ``False`` instead of raising when either is missing. It never
+PNG export needs kaleido (a dependency of pipesim) and a Chrome/Chromium that
+kaleido can drive, which comes from the system, so :func:`write_png` checks
+for both and returns ``False`` instead of raising when either is missing. It never
 downloads a browser (kaleido's ``get_chrome`` is not called).
 
 The export runs in a child Python process, so a browser that hangs or
 crashes (sandboxing in containers, missing libraries) costs at most
-``timeout`` seconds a figure and never takes the caller down. Starting a
+``timeout`` seconds (once: after a child that hung or died without an
+answer, no further figure is tried) and never takes the caller down. Starting a
 headless browser costs about two seconds, rendering a figure in a running one
 a tenth of that, so the child is started once per process and keeps its
 browser (kaleido's sync server) for every figure the command writes: a
 ``pipesim compare`` of ten strategies writes eleven PNGs for one start. It
 reads one job per line on its stdin and answers ``ok`` or ``error`` per job;
 it ends with its stdin, at the caller's exit or death, and a child that
-overruns a job's time limit is killed with whatever it started.
+overruns a job's time limit is killed with every process below it (the
+browser driver starts the browser in sessions of its own, so they are found
+through ``/proc``). Its answers go to a private copy of its stdout, so nothing
+else it prints can be mistaken for one.
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ BROWSER_NAMES = (
 
 _CHILD = r"""
 import json
+import os
 import sys
 import warnings
+
+# answers go to a private copy of stdout; whatever kaleido, its browser driver
+# or anything else prints goes to stderr, so it cannot split an answer
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
 
 import kaleido
 import plotly.io as pio
@@ -56,9 +66,9 @@ for line in sys.stdin:
     try:
         fig = pio.from_json(open(job["spec"], encoding="utf-8").read(), skip_invalid=True)
         fig.write_image(job["out"], format="png", width=job["width"], height=job["height"], scale=job["scale"])
-        print("done", job["id"], "ok", flush=True)
+        print("done", job["id"], "ok", file=answers, flush=True)
     except Exception as e:  # one figure failing is that figure's "False", not the next one's
-        print("done", job["id"], "error", type(e).__name__, flush=True)
+        print("done", job["id"], "error", type(e).__name__, file=answers, flush=True)
 kaleido.stop_sync_server(silence_warnings=True)
 """
 
@@ -105,15 +115,42 @@ def find_browser() -> str | None:
     return None
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the export child and whatever it started (its own session)."""
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: read from /proc; elsewhere none).
+
+    The browser driver starts the browser in sessions of its own, so killing
+    the export child's process group does not reach it; its pids are collected
+    while the child is still their ancestor."""
+    children: dict[int, list[int]] = {}
     try:
-        if hasattr(os, "killpg"):
-            os.killpg(proc.pid, 9)
-        else:  # pragma: no cover - Windows
-            proc.kill()
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_group(proc: subprocess.Popen, tree: list[int] | None = None) -> None:
+    """End the export child, its session and ``tree`` (its descendants, see :func:`_descendants`)."""
+    for target in (proc.pid, *(tree or ())):
+        for kill in (os.killpg, os.kill) if hasattr(os, "killpg") else (os.kill,):
+            try:
+                kill(target, 9)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover
@@ -144,9 +181,12 @@ class _Renderer:
     owner: int | None = None  # the pid that started it: a forked child starts its own
     jobs = 0  # jobs sent, so each answer names the job it answers
     pending = b""  # what the child wrote that is not yet a whole line
+    failed: int | None = None  # the pid whose child timed out or died unanswered: no PNGs there
 
     @classmethod
     def running(cls) -> subprocess.Popen | None:
+        if cls.failed == os.getpid():  # one that hung or died unanswered is not tried again
+            return None
         if cls.proc is not None and cls.owner == os.getpid() and cls.proc.poll() is None:
             return cls.proc
         if cls.owner == os.getpid():
@@ -192,35 +232,41 @@ class _Renderer:
                 for line in lines:
                     if line.startswith(answer):
                         return line[len(answer) :].split()[:1] == [b"ok"]
-                if not sel.select(max(0.0, deadline - time.monotonic())):
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
                     break  # timed out
                 chunk = os.read(fd, 65536)  # unbuffered: select sees everything not yet read
                 if not chunk:
                     break  # died
                 cls.pending += chunk
         cls.close(wait=0)  # nothing it says later can be trusted
+        cls.failed = os.getpid()
         return False
 
     @classmethod
     def close(cls, wait: float = 10.0) -> None:
-        """End the child: it finishes with its stdin; one that does not within ``wait`` seconds is killed."""
+        """End the child: it finishes with its stdin; one that does not within
+        ``wait`` seconds is killed with everything it started."""
         proc, cls.proc = cls.proc, None
         if proc is None or cls.owner != os.getpid():
             return
+        tree = _descendants(proc.pid)  # before they outlive their parent and are lost to init
         try:
             proc.stdin.close()
             proc.wait(timeout=wait)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        _kill_group(proc)  # a child that did not end, and anything of its session still running
+        _kill_group(proc, tree)  # whatever has not ended by now
 
 
 atexit.register(_Renderer.close)
 
 
 def close_renderer() -> None:
-    """End this process's export child now (the next PNG starts a new one)."""
+    """End this process's export child now (the next PNG starts a new one,
+    even after one that failed)."""
     _Renderer.close()
+    _Renderer.failed = None
 
 
 def write_png(

@@ -1,7 +1,7 @@
 """The bounds every input file's numbers are held to, and how a bad value is shown.
 
-Profiles, hardware files and schedule files are read by different modules
-but answer to the same limits: durations and byte counts that keep every sum
+Profiles (pipesim's JSON and PipeDream's graph.txt) and hardware files are
+read by different modules but answer to the same limits: durations and byte counts that keep every sum
 the engine and the partitioner form finite and exact in float64.
 """
 

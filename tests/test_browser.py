@@ -34,7 +34,11 @@ PLOT_STATE = """() => {
   const plots = [...document.querySelectorAll('.js-plotly-plot')];
   return plots.map(p => ({
     traces: (p.data || []).length,
-    marks: p.querySelectorAll('.point, .scatterlayer path.js-line, .scatterlayer .point, .barlayer .point').length,
+    // drawn marks only: plotly keeps a zero-width bar for a value it cannot draw (a NaN)
+    marks: [...p.querySelectorAll('.barlayer .point path')]
+        .filter(el => { const b = el.getBBox(); return b.width > 0 && b.height > 0; }).length
+      + [...p.querySelectorAll('.scatterlayer path.js-line, .scatterlayer .point')]
+        .filter(el => { const b = el.getBBox(); return b.width > 0 || b.height > 0; }).length,
     yticks: [...p.querySelectorAll('.ytick text')].map(t => t.textContent),
   }));
 }"""
@@ -68,10 +72,16 @@ def open_page(browser, path: Path) -> list[dict]:
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
     page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
     page.route("http*://**", lambda route: route.abort())  # a self-contained page needs nothing from outside
-    page.goto(path.resolve().as_uri())
-    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .main-svg').length > 0", timeout=30_000)
-    state = page.evaluate(PLOT_STATE)
-    page.close()
+    try:
+        page.goto(path.resolve().as_uri())
+        page.wait_for_function(
+            "() => document.querySelectorAll('.js-plotly-plot .main-svg').length > 0", timeout=30_000
+        )
+        state = page.evaluate(PLOT_STATE)
+    except playwright_api.Error as e:
+        raise AssertionError(f"{path.name} did not draw: {e}; " + "; ".join(errors)) from None
+    finally:
+        page.close()
     assert not errors, f"{path.name}: " + "; ".join(errors)
     assert state, f"{path.name} draws no plot"
     for plot in state:
@@ -180,3 +190,9 @@ def test_the_checks_catch_a_script_error_and_an_empty_plot(browser, tmp_path) ->
     go.Figure().write_html(empty, include_plotlyjs=True)
     with pytest.raises(AssertionError, match="empty plot"):
         open_page(browser, empty)
+    undrawn = tmp_path / "undrawn.html"  # traces, but every bar NaN: nothing drawn
+    go.Figure(go.Bar(x=[float("nan")] * 3, y=["a", "b", "c"], orientation="h")).write_html(
+        undrawn, include_plotlyjs=True
+    )
+    with pytest.raises(AssertionError, match="empty plot"):
+        open_page(browser, undrawn)

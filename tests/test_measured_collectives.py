@@ -51,6 +51,8 @@ def test_the_comparison_covers_every_curve_with_a_preset(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["curves"][0]["name"] == "v100-x8"
 
 
-def test_against_refuses_options_of_a_local_measurement(capsys) -> None:
-    assert main(["bench", "comm", "--against", "nccl-tests", "--all-gather"]) == 2
-    assert "--against" in capsys.readouterr().err
+@pytest.mark.parametrize("flags", [["--all-gather"], ["--backend", "gloo"], ["--world-size", "4"], ["--repeats", "3"]])
+def test_against_refuses_options_of_a_local_measurement(capsys, flags) -> None:
+    # even given at their defaults: they would be ignored, and an ignored flag misleads
+    assert main(["bench", "comm", "--against", "nccl-tests", *flags]) == 2
+    assert flags[0] in capsys.readouterr().err

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import re
+import time
 from fractions import Fraction
 
 import pytest
@@ -318,12 +320,34 @@ def test_one_export_child_serves_every_figure(tmp_path, fake_renderer):
     assert child.poll() is not None  # closed with the command: nothing left behind
 
 
-def test_write_png_times_out(tmp_path, fake_renderer):
-    fake_renderer("import time; time.sleep(30)")
+def test_write_png_times_out_and_ends_everything_the_child_started(tmp_path, fake_renderer):
+    # a child that hangs for good, having started a process in a session of its own
+    # (as the browser driver starts the browser): the timeout fires, both end, and
+    # no later figure waits on a renderer that already hung
+    pid_file = tmp_path / "grandchild.pid"
+    fake_renderer(
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
     out = tmp_path / "x.png"
-    assert export.write_png(timeline_figure(make_result()), out, timeout=1) is False
+    started = time.monotonic()
+    assert export.write_png(timeline_figure(make_result()), out, timeout=2) is False
+    assert time.monotonic() - started < 8
     assert not out.exists()
-    assert export._Renderer.proc is None  # the overrunning child was ended, the next figure starts a new one
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and pathlib.Path(f"/proc/{grandchild}").exists():
+        state = pathlib.Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # dead, waiting to be reaped by init
+            break
+        time.sleep(0.1)
+    else:
+        assert not pathlib.Path(f"/proc/{grandchild}").exists(), "the child's own process outlived the timeout"
+    started = time.monotonic()
+    assert export.write_png(timeline_figure(make_result()), tmp_path / "y.png", timeout=2) is False
+    assert time.monotonic() - started < 1  # not tried again
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 
 MARKER = "<!-- cli-reference -->"
 
@@ -61,7 +62,23 @@ def _benchmarks(benches: dict) -> list[str]:
     return lines
 
 
+#: The width help is wrapped to, whatever the builder's terminal: the page is the same on every machine.
+COLUMNS = "100"
+
+
 def reference() -> str:
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = COLUMNS  # argparse wraps usage and help to it
+    try:
+        return _reference()
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
+
+
+def _reference() -> str:
     from pipesim.experiments.bench import BENCHES
     from pipesim.experiments.cli import build_parser
 

@@ -1,9 +1,10 @@
-"""`pipesim bench comm`: what communication and memory traffic cost on this
-machine's backend, set against the models the simulator prices them with;
-with ``--against nccl-tests``, the engine's all-reduce set against NCCL's
-own published measurements of GPU systems instead.
+"""Measure what communication costs against the simulator's models: on this machine's backend, or NCCL's published curves.
 
-The measurements of this machine and their report are
+``pipesim bench comm`` measures this machine's point-to-point transfers,
+all-reduces and memory bandwidth and sets each against the model the
+simulator would price it with; with ``--against nccl-tests`` it sets the
+engine's all-reduce against NCCL's own published measurements of GPU
+systems instead. The measurements of this machine and their report are
 :mod:`pipesim.validate.commprofile`'s; the published curves are
 :mod:`pipesim.sim.hardware.measured`'s. This module is their command line.
 """
@@ -19,9 +20,10 @@ AGAINST = ("nccl-tests",)
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="what the ranks talk over")
-    ap.add_argument("--world-size", type=int_at_least(2), default=2, help="ranks for the all-reduce timing")
-    ap.add_argument("--repeats", type=positive, default=20, help="timed repetitions per size (median)")
+    # no argparse defaults: --against must tell a flag given from one left out
+    ap.add_argument("--backend", choices=("gloo", "nccl"), help="what the ranks talk over (default: gloo)")
+    ap.add_argument("--world-size", type=int_at_least(2), help="ranks for the all-reduce timing (default: 2)")
+    ap.add_argument("--repeats", type=positive, help="timed repetitions per size, median (default: 20)")
     ap.add_argument("--all-gather", action="store_true", help="time all-gather as well")
     ap.add_argument(
         "--against",
@@ -56,6 +58,7 @@ def against_nccl_tests() -> dict:
     curves = []
     for curve in nccl_tests_curves():
         entry = {
+            "skipped": None,
             "name": curve.name,
             "system": curve.system,
             "source": curve.source,
@@ -63,7 +66,11 @@ def against_nccl_tests() -> dict:
             "gpus": curve.gpus,
             "points": [],
         }
-        if curve.preset is not None and curve.devices == tuple(range(curve.gpus)):
+        if curve.preset is None:
+            entry["skipped"] = "no pipesim preset of this system yet"
+        elif curve.devices != tuple(range(curve.gpus)):
+            entry["skipped"] = "measured on devices other than the first ones, which data parallelism runs on"
+        else:
             hardware = load_hardware(curve.preset)
             for point in curve.points:
                 predicted = engine_allreduce_seconds(hardware, curve.gpus, point.nbytes)
@@ -85,8 +92,8 @@ def render_against(report: dict) -> str:
     lines = []
     for curve in report["curves"]:
         lines.append(f"{curve['name']}: {curve['system']} ({curve['source']})")
-        if not curve["points"]:
-            lines += ["  no pipesim preset of this system yet", ""]
+        if curve["skipped"]:
+            lines += [f"  {curve['skipped']}", ""]
             continue
         lines.append(f"  pipesim: {curve['preset']}, devices 0-{curve['gpus'] - 1}")
         lines.append(
@@ -102,15 +109,20 @@ def render_against(report: dict) -> str:
 
 
 def run(opts) -> dict:
+    local = {"--backend": opts.backend, "--world-size": opts.world_size, "--repeats": opts.repeats}
     if opts.against is not None:
-        if opts.all_gather or opts.backend != "gloo":
+        given = [flag for flag, value in local.items() if value is not None] + (
+            ["--all-gather"] if opts.all_gather else []
+        )
+        if given:
             raise UsageError(
-                "--against sets the engine against published measurements: it takes no --backend or --all-gather"
+                f"--against sets the engine against published measurements: it takes no {', '.join(given)} "
+                "(those measure this machine)"
             )
         return against_nccl_tests()
     from pipesim.validate import commprofile
 
-    return commprofile.run_bench(opts.backend, opts.world_size, opts.repeats, opts.all_gather)
+    return commprofile.run_bench(opts.backend or "gloo", opts.world_size or 2, opts.repeats or 20, opts.all_gather)
 
 
 def render(report: dict) -> str:

@@ -215,7 +215,7 @@ def schedule_spec(args, strategy: str | None = None):
     from pipesim.sim.strategies import strategy_options as options_of
 
     name = strategy if strategy is not None else args.strategy
-    options = strategy_options(args, strategy)
+    options = given_strategy_options(args, strategy)
     if strategy is None:  # a flag given for an option the strategy ignores is a mistake, even at its default
         get_strategy(name)  # an unknown name first, naming the choices
         ignored = sorted(set(options) - set(options_of(name)))
@@ -230,7 +230,7 @@ def schedule_spec(args, strategy: str | None = None):
     )
 
 
-def strategy_options(args, strategy: str | None = None) -> dict:
+def given_strategy_options(args, strategy: str | None = None) -> dict:
     """The strategy options given on the command line (see :func:`schedule_spec`)."""
     from pipesim.sim.strategies import strategy_options as options_of
 

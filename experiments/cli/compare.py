@@ -15,6 +15,7 @@ from pipesim.experiments.cli.common import (
     add_machine_args,
     add_schedule_args,
     fmt_bytes,
+    given_strategy_options,
     output_dir,
     plan_profile,
     rate,
@@ -22,7 +23,6 @@ from pipesim.experiments.cli.common import (
     schedule_spec,
     simulate_one,
     strategy_names,
-    strategy_options,
     table,
 )
 from pipesim.experiments.cliargs import UsageError
@@ -206,7 +206,9 @@ def _without_time(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "planner_seconds"}
 
 
-def _compare_plans(args, strategies: list[str], out: Path, uniform_layers: int | None = None) -> dict:
+def _compare_plans(
+    args, strategies: list[str], out: Path, uniform_layers: int | None = None
+) -> tuple[dict, dict[str, str]]:
     """``compare --planned``: plan every strategy that takes per-stage replicas
     on the ``--stages`` devices (written to ``<out>/<strategy>/plan.json`` and
     ``pareto.html``): strategy -> (its PlanFile, its record), and strategy ->
@@ -227,7 +229,7 @@ def _compare_plans(args, strategies: list[str], out: Path, uniform_layers: int |
         if name not in plannable("replicas"):  # compare plans splits and replicas
             continue
         print(f"planning {name} on {args.stages} devices ...", file=sys.stderr, flush=True)
-        options = {k: v for k, v in strategy_options(args, name).items() if k not in ("replicas", "width")}
+        options = {k: v for k, v in given_strategy_options(args, name).items() if k not in ("replicas", "width")}
         try:
             record = plan(
                 PlanRequest(

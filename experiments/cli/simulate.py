@@ -12,10 +12,10 @@ from pipesim.experiments.cli.common import (
     add_schedule_args,
     flag_of,
     fmt_bytes,
+    given_strategy_options,
     output_dir,
     rate,
     simulate_one,
-    strategy_options,
     table,
 )
 from pipesim.experiments.cliargs import UsageError
@@ -42,7 +42,7 @@ def run(args) -> int:
     plan = _plan_arguments(args) if args.plan else None
     if not args.strategy and not args.schedule:
         raise UsageError("pipesim simulate: give --strategy NAME, --schedule FILE.csv or --plan FILE")
-    if args.schedule and (args.strategy or strategy_options(args)):
+    if args.schedule and (args.strategy or given_strategy_options(args)):
         given = ["--strategy"] * bool(args.strategy) + _option_flags(args)
         raise UsageError(
             f"pipesim simulate: {', '.join(given)} configure a strategy to build, but --schedule "
@@ -81,7 +81,7 @@ def run(args) -> int:
 
 def _option_flags(args) -> list[str]:
     """The flags that gave the command line's strategy options, as typed."""
-    return list(map(flag_of, strategy_options(args)))
+    return list(map(flag_of, given_strategy_options(args)))
 
 
 def _plan_arguments(args):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pipesim.experiments.cli.common import (
     add_schedule_args,
+    given_strategy_options,
     model_args,
     output_dir,
     progress,
-    strategy_options,
     table,
 )
 from pipesim.experiments.cliargs import nonnegative, seconds
@@ -54,7 +54,7 @@ def run(args) -> int:
     from pipesim.validate.stage import OptimizerConfig
 
     out = output_dir(args.out)
-    options = strategy_options(args)
+    options = given_strategy_options(args)
     options.pop("width", None)  # replicas, below
     cfg = ValidateConfig(
         strategy=args.strategy,

@@ -380,7 +380,7 @@ def _comm_buffers(events: _Events, result: SimResult) -> None:
 def _tracks(events: _Events, num_devices: int, capacity: float) -> list[MemoryTrack]:
     """Accumulate the events per device and category, in time order (frees
     before allocations at equal times, as a stream does), with numpy."""
-    dev_a, t_a, d_a, c_a = events.columns()  # each delta <= 4 * 2**53 (see workload.MAX_BYTES)
+    dev_a, t_a, d_a, c_a = events.columns()  # each delta <= 4 * 2**53 (see pipesim.sim.limits.MAX_BYTES)
     risky = _may_overflow(d_a)
     # By device, then time; frees before allocations at equal times; then
     # recording order (lexsort is stable).

@@ -67,7 +67,7 @@ from typing import Any
 
 from pipesim.sim.errors import InputError
 from pipesim.sim.files import parse_json, read_text
-from pipesim.sim.limits import MAX_SECONDS, shown
+from pipesim.sim.limits import MAX_SECONDS, is_number, shown
 
 
 class HardwareError(InputError):
@@ -133,7 +133,7 @@ class DeviceSpec:
                 f"got {shown(self.mem_bandwidth)}"
             )
         v = self.memory_bytes
-        if not _is_number(v) or not v > 0 or (isinstance(v, int) and v > sys.float_info.max):
+        if not is_number(v) or not v > 0 or (isinstance(v, int) and v > sys.float_info.max):
             raise HardwareError(
                 f'device {self.name!r}: memory_bytes must be a positive number or "inf", got {shown(v)}'
             )
@@ -146,7 +146,7 @@ class DeviceSpec:
                     f'device {self.name!r}: {name} must be a positive number >= 1 (bytes/s) or "inf", got {shown(v)}'
                 )
         k = self.kernel_overhead_s
-        if not _is_number(k) or not (0 <= k <= MAX_SECONDS):
+        if not is_number(k) or not (0 <= k <= MAX_SECONDS):
             raise HardwareError(
                 f"device {self.name!r}: kernel_overhead_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
                 f"(seconds), got {shown(k)}"
@@ -212,13 +212,9 @@ class NicSpec:
         _check_link_numbers("inter_node", self.bandwidth, self.latency)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _is_rate(v: Any) -> bool:
     """A per-second rate: at least 1, possibly infinite (so any amount / rate is finite or zero)."""
-    return _is_number(v) and v >= 1 and (isinstance(v, float) or v <= sys.float_info.max)
+    return is_number(v) and v >= 1 and (isinstance(v, float) or v <= sys.float_info.max)
 
 
 def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
@@ -226,7 +222,7 @@ def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
         raise HardwareError(
             f'{where}: bandwidth must be a positive number >= 1 (bytes/s) or "inf", got {shown(bandwidth)}'
         )
-    if not _is_number(latency) or not (0 <= latency <= MAX_SECONDS):
+    if not is_number(latency) or not (0 <= latency <= MAX_SECONDS):
         raise HardwareError(
             f"{where}: latency must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(latency)}"
         )
@@ -251,7 +247,7 @@ class CpuCost:
             raise HardwareError(
                 f'cpu transfer cost: bytes_per_s must be a positive number >= 1 or "inf", got {shown(self.bytes_per_s)}'
             )
-        if not _is_number(self.fixed_s) or not (0 <= self.fixed_s <= MAX_SECONDS):
+        if not is_number(self.fixed_s) or not (0 <= self.fixed_s <= MAX_SECONDS):
             raise HardwareError(
                 f"cpu transfer cost: fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
                 f"(seconds), got {shown(self.fixed_s)}"
@@ -704,7 +700,7 @@ def _num(d: dict, key: str, where: str, default: Any = None) -> float:
         return math.inf
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max:
         raise HardwareError(f'{where}.{key} must be a number or "inf", got an integer of {v.bit_length()} bits')
-    if not _is_number(v) or math.isnan(v):
+    if not is_number(v) or math.isnan(v):
         raise HardwareError(f'{where}.{key} must be a number or "inf", got {v!r}')
     return float(v)
 

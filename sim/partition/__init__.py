@@ -4,7 +4,9 @@ Layer 6 of :mod:`pipesim.sim`: above the engine (whose cost model it reuses),
 below :mod:`pipesim.sim.api` (which calls it to choose a split) and
 :mod:`pipesim.sim.planning` (which searches over configurations).
 
-* :mod:`.split`: the compute-only dynamic program and :func:`partition`, the entry point;
+* :mod:`.split`: :func:`partition`, the entry point, and the compute-only split;
+* :mod:`.balance`: the dynamic program both splits share (the bottleneck, then the
+  sum of squares, over contiguous stages);
 * :mod:`.layout`: what a schedule asks of each model stage (placement, passes, stash,
   steps, weight versions);
 * :mod:`.cost`: the analytic cost model (compute, transfers over the links they cross,

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-#: Relative tolerance under which two bottlenecks count as equal (rounding, not a real difference).
-_REL_TOL = 1e-9
+#: Relative tolerance under which two costs count as equal (rounding, not a real difference).
+REL_TOL = 1e-9
 
 
 def balanced(term: Callable[[int], np.ndarray], num_stages: int) -> list[int] | None:
@@ -39,7 +39,7 @@ def balanced(term: Callable[[int], np.ndarray], num_stages: int) -> list[int] | 
         return None
 
     # Pass 2: among splits within the bottleneck, the smallest sum of squares.
-    cap = bottleneck + _REL_TOL * abs(bottleneck)
+    cap = bottleneck + REL_TOL * abs(bottleneck)
 
     def squares(k: int) -> np.ndarray:
         t = term(k)
@@ -60,7 +60,7 @@ def balanced(term: Callable[[int], np.ndarray], num_stages: int) -> list[int] | 
     for k in range(num_stages - 1, 0, -1):
         col = tables[k - 1] + squares(k)[:, j]
         m = col.min()
-        i = int(np.flatnonzero(col <= m + _REL_TOL * abs(m))[0])
+        i = int(np.flatnonzero(col <= m + REL_TOL * abs(m))[0])
         starts[k] = i
         j = i
     return starts

@@ -48,13 +48,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipesim.sim.hardware.machines import Hardware
-from pipesim.sim.partition.balance import balanced
+from pipesim.sim.partition.balance import REL_TOL, balanced
 from pipesim.sim.partition.cost import Estimate, LinkModel, envelope, estimate, held_activations, update_seconds
 from pipesim.sim.partition.layout import Layout, Traits, layout_for
 from pipesim.sim.workloads.profile import Profile
 from pipesim.sim.workloads.stages import StageCost, recomputed, stage_cost
 
-_REL_TOL = 1e-9
 #: Rounds of local search at most (each takes the best neighbour).
 MAX_ROUNDS = 40
 #: Up to this many devices a stage may take any replica count in the
@@ -351,7 +350,7 @@ def _descend(start, cost: Callable, moves: Callable, rounds: int = MAX_ROUNDS):
         best, best_value = None, value
         for cand in moves(here):
             v = cost(cand)
-            if v is not None and (best_value is None or v < best_value * (1 - _REL_TOL)):
+            if v is not None and (best_value is None or v < best_value * (1 - REL_TOL)):
                 best, best_value = cand, v
         if best is None:
             break

@@ -26,11 +26,13 @@ _REGISTRY: dict[str, Strategy] = {}
 
 
 def register(*found: Strategy) -> None:
-    """Add strategies, in order; a name given twice is a bug, not input."""
+    """Add strategies, in order; registering the same one again changes nothing
+    (a reloaded package), another strategy under a taken name is a bug, not input."""
     for strategy in found:
-        if strategy.name in _REGISTRY:
-            raise RuntimeError(f"strategy {strategy.name!r} registered twice")
-        _REGISTRY[strategy.name] = strategy
+        known = _REGISTRY.get(strategy.name)
+        if known is not None and known != strategy:
+            raise RuntimeError(f"two strategies named {strategy.name!r}")
+        _REGISTRY.setdefault(strategy.name, strategy)
 
 
 def strategies() -> tuple[Strategy, ...]:

@@ -164,7 +164,7 @@ def recomputed(costs: Sequence[StageCost]) -> list[StageCost]:
 def split_at(profile: Profile, starts: Sequence[int]) -> list[StageCost]:
     """Stages beginning at the given layer indices (``starts[0]`` must be 0).
 
-    For hand-chosen or paper-given splits; :func:`partition` chooses one.
+    For hand-chosen or paper-given splits; :func:`pipesim.sim.partition.split.partition` chooses one.
     """
     starts = list(starts)
     n = len(profile.layers)
