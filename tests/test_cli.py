@@ -537,3 +537,20 @@ def test_every_benchmark_answers_help(name, capsys) -> None:
         main(["bench", name, "--help"])
     assert exit_info.value.code == 0
     assert f"pipesim bench {name}" in capsys.readouterr().out
+
+
+def test_compare_with_a_profile_runs_on_the_machine_its_help_names(tmp_path) -> None:
+    profile = tmp_path / "p.json"
+    layer = {
+        "forward_s": 0.001,
+        "backward_s": 0.002,
+        "param_bytes": 1 << 20,
+        "activation_bytes": 1 << 16,
+        "stash_bytes": 1 << 16,
+    }
+    profile.write_text(json.dumps({"name": "p", "layers": [{"name": f"l{i}", **layer} for i in range(2)]}))
+    out = tmp_path / "out"
+    assert (
+        main(["compare", "--profile", str(profile), "--stages", "2", "--strategies", "gpipe", "--out", str(out)]) == 0
+    )
+    assert json.loads((out / "gpipe" / "summary.json").read_text())["meta"]["hardware"] == "pcie-4gpu"

@@ -121,6 +121,8 @@ def _dispatch(argv: list[str] | None) -> int:
         args.model = COMPARE_MODEL  # the default model, unless a profile replaces it
         if args.hardware is None:
             args.hardware = COMPARE_HARDWARE
+    if args.command == "compare" and args.hardware is None:
+        args.hardware = COMPARE_HARDWARE  # the machine its help names, a profile's run included
     from pipesim.sim._gc import gc_paused
 
     with gc_paused():  # bulk construction of actions and spans: see pipesim.sim._gc
