@@ -181,14 +181,26 @@ def _step_by_step(monkeypatch):
     """Every ring simulated step by step, as before the skip existed."""
     from pipesim.sim.engine import core as engine
 
-    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges: False)
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges, shared_ok=False: False)
+
+
+def _links_only(name: str):
+    """Preset ``name`` with its collectives priced as rings over its links
+    (no NCCL model): the ring whose steps queue on shared links."""
+    import dataclasses
+
+    from pipesim.sim.hardware import load_hardware
+
+    return dataclasses.replace(load_hardware(name), collectives=None)
 
 
 def _counting_rings(monkeypatch) -> list:
     from pipesim.sim.engine import core as engine
 
     seen, real = [], engine._Run.ring_alone
-    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, *args: seen.append(real(self, *args)) or seen[-1])
+    monkeypatch.setattr(
+        engine._Run, "ring_alone", lambda self, *args, **kw: seen.append(real(self, *args, **kw)) or seen[-1]
+    )
     return seen
 
 
@@ -198,13 +210,18 @@ def _counting_rings(monkeypatch) -> list:
     m_per=st.integers(1, 2),
     iterations=st.integers(1, 2),
     model=st.sampled_from(["uniform", "vgg16", "gpt-1.3b"]),
+    nccl=st.booleans(),
 )
 @settings(max_examples=25, deadline=None)
-def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devices, m_per, iterations, model):
+def test_data_parallel_rings_skip_their_steps_to_the_same_result(hardware, devices, m_per, iterations, model, nccl):
     """Data parallelism has no other traffic: its gradient ring skips all
     but its last step, and every span and memory change is where the
-    step-by-step ring puts it, to the last bit."""
+    step-by-step ring puts it, to the last bit; with NCCL's model (and its
+    DDP buckets) or rings over the links alone."""
     from pipesim.sim.api import simulate
+    from pipesim.sim.hardware import load_hardware
+
+    hardware = load_hardware(hardware) if nccl else _links_only(hardware)
 
     spec = ScheduleSpec("data-parallel", devices, devices * m_per, iterations=iterations)
     with pytest.MonkeyPatch.context() as mp:
@@ -235,15 +252,16 @@ def test_pipelines_rings_beside_their_transfers_skip_to_the_same_result(spec, ha
     link byte is still the step-by-step ring's."""
     from pipesim.sim.api import simulate
 
-    with pytest.MonkeyPatch.context() as mp:
-        seen = _counting_rings(mp)
-        fast = simulate(spec, "vgg16", hardware)
-    assert seen and all(seen)
-    with pytest.MonkeyPatch.context() as mp:
-        _step_by_step(mp)
-        slow = simulate(spec, "vgg16", hardware)
-    assert _spans_and_memory(fast) == _spans_and_memory(slow)
-    assert fast.link_bytes == slow.link_bytes
+    for machine in (hardware, _links_only(hardware)):
+        with pytest.MonkeyPatch.context() as mp:
+            seen = _counting_rings(mp)
+            fast = simulate(spec, "vgg16", machine)
+        assert seen and all(seen)
+        with pytest.MonkeyPatch.context() as mp:
+            _step_by_step(mp)
+            slow = simulate(spec, "vgg16", machine)
+        assert _spans_and_memory(fast) == _spans_and_memory(slow)
+        assert fast.link_bytes == slow.link_bytes
 
 
 @pytest.mark.parametrize(
@@ -257,7 +275,7 @@ def test_a_ring_that_shares_its_links_is_simulated_step_by_step(spec, hardware, 
     from pipesim.sim.api import simulate
 
     seen = _counting_rings(monkeypatch)
-    simulate(spec, "vgg16", hardware)
+    simulate(spec, "vgg16", _links_only(hardware))
     assert seen and not any(seen), why
 
 
@@ -269,9 +287,10 @@ def test_skipping_a_ring_that_shares_its_links_would_be_wrong(monkeypatch):
     from pipesim.sim.engine import core as engine
 
     spec = ScheduleSpec("data-parallel", 4, 8)
-    right = simulate(spec, "vgg16", "pcie-4gpu").makespan
-    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges: True)
-    assert simulate(spec, "vgg16", "pcie-4gpu").makespan < right
+    bus = _links_only("pcie-4gpu")
+    right = simulate(spec, "vgg16", bus).makespan
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, stage, devices, edges, shared_ok=False: True)
+    assert simulate(spec, "vgg16", bus).makespan < right
 
 
 def test_collectives_posted_before_the_last_was_awaited_are_not_serial():

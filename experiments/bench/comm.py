@@ -74,6 +74,11 @@ def against_nccl_tests() -> dict:
             hardware = load_hardware(curve.preset)
             for point in curve.points:
                 predicted = engine_allreduce_seconds(hardware, curve.gpus, point.nbytes)
+                chosen = (
+                    hardware.allreduce_estimate(range(curve.gpus), point.nbytes)
+                    if hardware.collectives is not None
+                    else None
+                )
                 entry["points"].append(
                     {
                         "bytes": point.nbytes,
@@ -82,6 +87,9 @@ def against_nccl_tests() -> dict:
                         "error": predicted / point.seconds - 1,
                         "measured_busbw_GBps": point.busbw_GBps,
                         "predicted_busbw_GBps": bus_bandwidth(point.nbytes, predicted, curve.gpus) / 1e9,
+                        # what NCCL's model picks for the message (None: no collectives model)
+                        "algorithm": chosen.algorithm if chosen else None,
+                        "protocol": chosen.protocol if chosen else None,
                     }
                 )
         curves.append(entry)
@@ -98,11 +106,13 @@ def render_against(report: dict) -> str:
         lines.append(f"  pipesim: {curve['preset']}, devices 0-{curve['gpus'] - 1}")
         lines.append(
             f"  {'size':>8} {'measured ms':>12} {'pipesim ms':>11} {'error':>8} {'busbw GB/s':>11} {'pipesim':>8}"
+            f"  {'NCCL model picks'}"
         )
         for p in curve["points"]:
             lines.append(
                 f"  {p['bytes'] / 2**20:>6.0f} MiB {p['measured_s'] * 1e3:>12.3f} {p['predicted_s'] * 1e3:>11.3f} "
                 f"{p['error']:>+8.1%} {p['measured_busbw_GBps']:>11.1f} {p['predicted_busbw_GBps']:>8.1f}"
+                + (f"  {p['algorithm']}/{p['protocol']}" if p["algorithm"] else "")
             )
         lines.append("")
     return "\n".join(lines).rstrip()

@@ -163,7 +163,8 @@ def tensor(model: str, hardware: str, gpus: int, depth: int, batch: int) -> dict
         m = batch // (groups * b)
         reduce_s = 0.0
         if groups > 1:
-            shard = sum(layer.param_bytes for layer in _profile(model, hardware, b).layers) / depth
+            prof = _profile(model, hardware, b)
+            shard = prof.precision.gradients(prof.param_bytes) / depth  # the gradients, as REDUCE_GRAD moves them
             sharing = min(depth, hw.local_devices)
             reduce_s = LinkModel(hw).ring(tuple(g * depth for g in range(groups))).seconds(shard * sharing)
         return {

@@ -81,6 +81,20 @@ class CostModel:
       predicted copy: 3 |W| (Adam 4 |W|).
     * elastic averaging of n local replicas: read and write each replica and
       the centre: (2n + 2) |W|.
+
+    |W| is ``param_bytes``: the weights at the optimizer's width (the fp32
+    master in mixed precision, :class:`~pipesim.sim.workloads.profile.Precision`).
+    With 16-bit weights and gradients beside it an update also reads the
+    16-bit gradient and writes the 16-bit copy the passes read, the same
+    bytes in all (SGD: 4 + 2 + 4 read, 4 + 4 + 2 written per parameter,
+    20 = 5 x 4; Adam 28 = 7 x 4). Every precision pays these multiples of
+    |W| (a 16-bit prediction, written at the passes' width, moves a little less).
+    Collectives: REDUCE_GRAD all-reduces the gradients (``gradient_bytes``);
+    AVERAGE all-reduces the master weights (``param_bytes``), which each
+    replica's optimizer updates and elastic averaging must agree on
+    (averaging the passes' 16-bit copies would round away what the master
+    keeps), and its kernel and centre are at that width too; recasting the
+    passes' copy from the averaged master is not charged.
     """
 
     stage_costs: tuple
@@ -313,6 +327,19 @@ class _Run:
         self.traffic: tuple | None = None
         #: how a compute action runs when the device is a CPU core (_CpuRun)
         self.on_core = None
+        spec = hardware.collectives
+        #: REDUCE_GRAD tokens that run in buckets (gradient_passes)
+        self.bucketed: set = set()
+        #: the pass that ends each device's gradients for a REDUCE_GRAD, by
+        #: its token -> the REDUCE_GRAD's (token, action): its buckets start
+        #: during that pass (DDP's overlap); empty without a collectives model
+        self.gradsync: dict = self.gradient_passes() if spec is not None and spec.bucket_bytes else {}
+        #: per REDUCE_GRAD token, (device, pass start, pass seconds) of each replica's last pass
+        self.grad_started: dict = defaultdict(list)
+        #: per device, compute seconds owed to the collectives its passes overlapped
+        self.debt = [0.0] * schedule.num_devices
+        #: per device, (start, end) of the pass it runs now
+        self.running: list = [_IDLE] * schedule.num_devices
 
     # -- tokens -----------------------------------------------------------
     def fire(self, token) -> None:
@@ -349,6 +376,7 @@ class _Run:
         seconds = self.pass_seconds
         clock, wake = _Signal(env), _Signal(env)
         queue, eid = env._queue, env._eid
+        gradsync, debt, running = self.gradsync, self.debt, self.running
         for posts, a, waits, token in self.programs[dev]:
             for x, tok in posts:
                 if type(tok) is Arrival:  # the common case, inlined: runs per send and receive
@@ -370,6 +398,12 @@ class _Run:
                     yield ev
             dur = seconds[a.op][a.stage]  # a table, not a tuple-keyed cache: no key to build per action
             start = end = env._now  # the clock's attribute, not its property: read per action
+            if debt[dev]:  # collectives this device's compute overlapped slowed it: it pays here
+                dur += debt[dev]
+                debt[dev] = 0.0
+            if gradsync and token in gradsync:
+                self.start_buckets(dev, gradsync[token], start, dur)
+            running[dev] = (start, start + dur)
             if on_core is not None:  # a CPU core, perhaps shared, that transfers interrupt
                 start = yield from on_core(dev, dur)
                 end = env.now
@@ -383,6 +417,7 @@ class _Run:
                 # SimPy's clock is now exactly end, the float sum it was
                 # scheduled by: no second read of it
             spans.append(Span(dev, "compute", a, start, end))
+            running[dev] = _IDLE
             if token in awaited:
                 fire(token)
         self.blocked.pop(dev, None)
@@ -469,12 +504,77 @@ class _Run:
 
     # -- collectives ------------------------------------------------------
     def post_collective(self, dev: int, a: Action, token) -> None:
-        """Post a collective; it runs once every replica has posted it."""
+        """Post a collective; it runs once every replica has posted it (a
+        bucketed REDUCE_GRAD has already started: :meth:`start_buckets`)."""
+        if token in self.bucketed:
+            return
         posted = self.collectives[token]
         posted.append((dev, a))
         if len(posted) == self.schedule.replicas[token.stage]:
             del self.collectives[token]
             self.env.process(self.collective(posted, token))
+
+    def gradient_passes(self) -> dict:
+        """Per device program, the pass after which each REDUCE_GRAD is
+        posted that last produced its stage's weight gradients there (a B,
+        or the W of a split backward), by the pass's token: DDP's buckets
+        become ready while that pass runs. A REDUCE_GRAD with no such pass
+        before it runs unbucketed, after its post."""
+        found = {}
+        self.bucketed: set = set()
+        for program in self.programs:
+            last: dict[int, object] = {}
+            for posts, a, _, token in program:
+                for x, tok in posts:
+                    if x.op is REDUCE_GRAD and x.stage in last:
+                        found[last.pop(x.stage)] = (tok, x)
+                if a is not None and a.op in _GRADIENT_OPS and token is not None:
+                    last[a.stage] = token
+        # bucketed only where every replica's REDUCE_GRAD follows such a pass
+        posts_of: dict = defaultdict(int)
+        for tok, _ in found.values():
+            posts_of[tok] += 1
+        keep = {tok for tok, n in posts_of.items() if n == self.schedule.replicas[tok.stage]}
+        self.bucketed = keep
+        return {k: v for k, v in found.items() if v[0] in keep}
+
+    def start_buckets(self, dev: int, reduction: tuple, start: float, dur: float) -> None:
+        """The pass ending ``dev``'s gradients for ``reduction`` (REDUCE_GRAD's
+        token and action) starts: once every replica's has, run its buckets."""
+        token, a = reduction
+        started = self.grad_started[token]
+        started.append((dev, a, start, dur))
+        if len(started) == self.schedule.replicas[a.stage]:
+            del self.grad_started[token]
+            self.env.process(self.bucketed_reduce(started, token))
+
+    def bucketed_reduce(self, started: list, token):
+        """A stage's gradient all-reduce in DDP's buckets: bucket k is ready
+        when every replica's last backward has produced its layers'
+        gradients (its pass start plus the pass's share up to them); the
+        buckets all-reduce one after another on the communication stream,
+        each as soon as it is ready and the one before is done."""
+        a = started[0][1]
+        cost = self.costs.stage_costs[a.stage]
+        spec = self.hw.collectives
+        first: dict[int, Action] = {}
+        for d, act, _, _ in started:
+            first.setdefault(d, act)
+        devices = sorted(first)
+        begin = None
+        for share, nbytes in gradient_buckets(cost, spec.first_bucket_bytes, spec.bucket_bytes):
+            ready = max(s + share * dur for _, _, s, dur in started)
+            if ready > self.env.now:
+                yield self.env.timeout(ready - self.env.now)
+            if begin is None:
+                begin = self.env.now
+            if len(devices) > 1:
+                yield from self.ring_allreduce(devices, nbytes, stage=a.stage)
+        end = self.env.now
+        nbytes = cost.gradient_bytes if len(devices) > 1 else 0
+        for dev in devices:
+            self.spans.append(Span(dev, "collective", first[dev], begin, end, nbytes=nbytes))
+        self.fire(token)
 
     def post_shard(self, dev: int, a: Action, token) -> None:
         """UNSHARD gathers the stage's parameters and RESHARD frees them. No
@@ -499,7 +599,11 @@ class _Run:
         devices = sorted(first)
         cost = self.costs.stage_costs[stage]
         # ALLREDUCE: the stage's activation all-reduces of one pass, one after the other
-        buffers = cost.allreduce_bytes if op is ALLREDUCE else (cost.param_bytes,)
+        buffers = (
+            cost.allreduce_bytes
+            if op is ALLREDUCE
+            else (cost.gradient_bytes if op is REDUCE_GRAD else cost.param_bytes,)
+        )
         nbytes = sum(buffers)
         start = self.env.now
         if len(devices) > 1:
@@ -523,7 +627,73 @@ class _Run:
         ``stage``: whose collective it is, for :meth:`ring_steps`.)"""
         devices = list(self.hw.ring_order(devices))
         chunk = math.ceil(nbytes / len(devices))
-        yield from self.ring_steps(devices, chunk, 2 * (len(devices) - 1), stage=stage)
+        steps = 2 * (len(devices) - 1)
+        if self.hw.collectives is not None:
+            yield from self.nccl_steps(
+                devices, chunk, steps, self.hw.allreduce_estimate(devices, nbytes).seconds, stage
+            )
+        else:
+            yield from self.ring_steps(devices, chunk, steps, stage=stage)
+
+    def nccl_steps(self, devices: list[int], chunk: int, steps: int, seconds: float, stage: int | None):
+        """An all-reduce NCCL's model prices at ``seconds``, run as ``steps``
+        equal steps, each holding every link of the ring's edges (``devices``
+        in ring order) at once: NCCL's channels drive all of them together,
+        and the model's bandwidth already counts what they share, so the
+        collective's own edges do not queue on each other; other traffic on
+        those links (a pipeline's transfers, another stage's collective)
+        waits for a step to end and makes the collective wait in turn. A
+        collective whose links nothing else uses (:meth:`ring_alone`) runs
+        as one event."""
+        links: dict[str, object] = {}
+        for src, dst in _ring_pairs(devices):
+            for link in self.hw.route(src, dst):
+                self.link_bytes[link.name] += chunk * steps
+                links.setdefault(link.name, link)
+        if not links or not seconds:
+            return
+        route = tuple(links.values())
+        start = self.env.now
+        step = seconds / steps
+        if steps > 1 and stage is not None and self.ring_alone(stage, devices, [(route, step)], shared_ok=True):
+            # all steps but the last in one event, at the float sum the steps reach
+            at = start
+            for _ in range(steps - 1):
+                at += step
+            skip = simpy.Event(self.env)
+            skip._ok, skip._value = True, None
+            heappush(self.env._queue, (at, NORMAL, next(self.env._eid), skip))
+            yield skip
+            steps = 1
+        for _ in range(steps):
+            yield from self.occupy(route, step)
+        self.charge_overlap(devices, start, self.env.now)
+
+    def charge_overlap(self, devices: list[int], start: float, end: float) -> None:
+        """Compute that ran on ``devices`` while their collective did (from
+        ``start`` to ``end``) ran slower: NCCL's kernels take SMs and memory
+        bandwidth. Each device owes ``slowdown x overlap`` seconds, which
+        its next pass pays (:meth:`walk`); the slowdown is the collective's
+        link type's (:meth:`~pipesim.sim.hardware.collectives.CollectiveSpec.slowdown`)."""
+        group = self.hw.collective_group(devices)
+        factor = self.hw.collectives.slowdown("net" if group.nodes > 1 else group.intra_link)
+        if not factor or end <= start:
+            return
+        members = set(devices)
+        overlap = dict.fromkeys(devices, 0.0)
+        # spans are appended as they end, so the passes that ended after
+        # ``start`` are the last ones appended
+        for span in reversed(self.spans):
+            if span.end <= start:
+                break
+            if span.stream == "compute" and span.device in members:
+                overlap[span.device] += min(span.end, end) - max(span.start, start)
+        for dev in devices:
+            s, e = self.running[dev]  # the pass running now, not appended yet
+            if e > start:
+                overlap[dev] += min(e, end) - max(s, start)
+            if overlap[dev] > 0:
+                self.debt[dev] += factor * overlap[dev]
 
     def ring_steps(self, devices: list[int], chunk: int, steps: int, *, stage: int | None = None):
         """``steps`` steps of a ring (``devices`` in ring order), each moving
@@ -562,7 +732,7 @@ class _Run:
         for _ in range(steps):
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
 
-    def ring_alone(self, stage: int, devices: list[int], edges: list) -> bool:
+    def ring_alone(self, stage: int, devices: list[int], edges: list, shared_ok: bool = False) -> bool:
         """Whether ``stage``'s ring over ``devices`` (its timed ``edges``,
         ``(route, seconds)``) has its links to itself, step after step: no
         two of its edges share a link, no point-to-point transfer of the run
@@ -575,7 +745,7 @@ class _Run:
         if alone is None:
             names = [link.name for route, _ in edges for link in route]
             alone = (
-                len(set(names)) == len(names)
+                (shared_ok or len(set(names)) == len(names))
                 and set(names).isdisjoint(self.links_besides(stage))
                 and all(self.collectives_serial(stage, dev) for dev in devices)
             )
@@ -901,6 +1071,52 @@ class _CpuRun(_Run):
         left = work - (self.env.now - start)
         if left > 0:
             yield self.env.timeout(left)
+
+
+#: (start, end) of no pass: a device between passes.
+_IDLE = (0.0, 0.0)
+
+#: The passes that produce weight gradients (a whole backward, or its weight half).
+_GRADIENT_OPS = frozenset({B, W})
+
+
+def gradient_buckets(cost: StageCost, first_bytes: int, cap: int) -> list[tuple[float, int]]:
+    """DDP's buckets of a stage's gradients: (share of the backward done when
+    the bucket is ready, its bytes), in the order they all-reduce.
+
+    Layers fill buckets from the last (the backward's order); a bucket
+    closes once it holds at least its cap, ``first_bytes`` for the first
+    and ``cap`` after. A layer is never split between buckets (PyTorch
+    splits at parameter tensors, a layer's few). A stage with no per-layer
+    figures is one bucket, ready when its backward ends."""
+    if not cost.layer_gradient_bytes:
+        return [(1.0, cost.gradient_bytes)]
+    buckets: list[tuple[float, int]] = []
+    done, size = 0.0, 0
+    for nbytes, share in zip(reversed(cost.layer_gradient_bytes), reversed(cost.layer_backward_share), strict=True):
+        done += share
+        size += nbytes
+        if size >= (first_bytes if not buckets else cap):
+            buckets.append((min(done, 1.0), size))
+            size = 0
+    if size or not buckets:
+        buckets.append((1.0, size))
+    return [(share, nbytes) for share, nbytes in buckets if nbytes] or [(1.0, 0)]
+
+
+def bucketed_exposure(
+    buckets: Sequence[tuple[float, int]], backward_s: float, allreduce_s: Callable[[int], float]
+) -> float:
+    """Seconds a bucketed all-reduce runs past the end of the backward it
+    overlaps: the buckets (:func:`gradient_buckets`) all-reduce one after
+    another, each once ready (its share of ``backward_s``) and the one before
+    is done, ``allreduce_s(bytes)`` each. What the engine's
+    :meth:`_Run.bucketed_reduce` does, in closed form for the planners (no
+    contention, no overlap slowdown)."""
+    t = 0.0
+    for share, nbytes in buckets:
+        t = max(t, share * backward_s) + allreduce_s(nbytes)
+    return max(0.0, t - backward_s)
 
 
 #: The collectives that run as a ring over the stage's devices.

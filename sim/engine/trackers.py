@@ -9,14 +9,19 @@ real devices is accounted exactly like a simulated one.
 
 Memory of a device, per category (see :data:`~pipesim.sim.engine.results.MEMORY_CATEGORIES`):
 
-* weights: |W| per (replica, stage) it hosts, plus |W| for every older
-  version still awaiting a read (PipeDream stashing, 2BW's shadow copy): an
-  update keeps the old version alive only if a later pass reads it, and the
-  last such read frees it;
-* gradients |W| and optimizer state (1x for SGD momentum, 2x for Adam), held
-  throughout, and a second |W| of gradients while passes accumulate after a
-  REDUCE_GRAD closed the first for an UPDATE still to come (PipeDream-2BW's
-  deferred update);
+* weights: the weights the passes read (``StageCost.weight_bytes``, |W|
+  at the profile's :class:`~pipesim.sim.workloads.profile.Precision`) per
+  (replica, stage) it hosts, plus that again for every older version still
+  awaiting a read (PipeDream stashing, 2BW's shadow copy: a stashed version
+  is what a later pass reads, the passes' copy, while the master and the
+  optimizer state are updated in place): an update keeps the old version
+  alive only if a later pass reads it, and the last such read frees it;
+* gradients (``gradient_bytes``) and optimizer state, held throughout: the
+  master copy where it is kept apart (``master_copy_bytes``, mixed
+  precision's fp32 weights, counted as optimizer state as ZeRO counts it)
+  and 1x ``param_bytes`` for SGD momentum, 2x for Adam; and a second
+  ``gradient_bytes`` while passes accumulate after a REDUCE_GRAD closed the
+  first for an UPDATE still to come (PipeDream-2BW's deferred update);
 * activations: a micro-batch's stash from the start of its forward to the
   end of its backward (of W when that micro-batch's backward is split); with
   activation recomputation only its layers' inputs until its backward
@@ -24,8 +29,11 @@ Memory of a device, per category (see :data:`~pipesim.sim.engine.results.MEMORY_
   rematerialises layer after layer (``StageCost.full_stash_bytes``);
 * comm_buffers: a send buffer for the duration of the transfer, a receive
   buffer from the start of the transfer until its consumer starts;
-* prediction: one |W| buffer for the predicted weights of a stage that
-  predicts; averaging: the centre variable (|W|) on the device of replica 0.
+* prediction: one buffer of the passes' weights (``weight_bytes``) for the
+  predicted weights of a stage that predicts, since the passes read them;
+  averaging: the centre variable on the device of replica 0, at the
+  master's width (``param_bytes``), as elastic averaging averages the
+  master weights (:class:`~pipesim.sim.engine.core.CostModel`).
 
 Simultaneous changes free before they allocate, as a stream does.
 """
@@ -280,14 +288,18 @@ def _resident_state(events: _Events, schedule: Schedule, stage_costs, optimizer:
     predicting = {(a.replica, a.stage) for p in schedule.programs for a in p if a.op is PREDICT}
     averaging = {a.stage for p in schedule.programs for a in p if a.op is AVERAGE}
     for (rep, stage), dev in sorted(schedule.placement().items()):
-        w = stage_costs[stage].param_bytes
-        events.add([dev], [t0], [w], "weights")
-        events.add([dev], [t0], [w], "gradients")
-        events.add([dev], [t0], [opt_mult * w], "optimizer")
+        c = stage_costs[stage]
+        events.add([dev], [t0], [c.weight_bytes], "weights")
+        events.add([dev], [t0], [c.gradient_bytes], "gradients")
+        events.add([dev], [t0], [c.master_copy_bytes + opt_mult * c.param_bytes], "optimizer")
         if (rep, stage) in predicting:
-            events.add([dev], [t0], [w], "prediction")
+            events.add([dev], [t0], [c.weight_bytes], "prediction")
         if rep == 0 and stage in averaging:
-            events.add([dev], [t0], [w], "averaging")
+            events.add([dev], [t0], [c.param_bytes], "averaging")
+
+
+#: The size of an extra weight version (the passes' copy) and of a second gradient buffer.
+_VERSION_BYTES = {"weights": "weight_bytes", "gradients": "gradient_bytes"}
 
 
 def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: dict) -> None:
@@ -311,7 +323,7 @@ def _extra_versions(events: _Events, result: SimResult, stage_costs, changes: di
                     events.add(
                         [dev] * len(rows),
                         [at[pos].start if cat == "gradients" and d > 0 else at[pos].end for pos, d, _, _ in rows],
-                        [d * stage_costs[rs[1]].param_bytes for _, d, rs, _ in rows],
+                        [d * getattr(stage_costs[rs[1]], _VERSION_BYTES[cat]) for _, d, rs, _ in rows],
                         cat,
                     )
 

@@ -7,6 +7,9 @@ Layer 3 of :mod:`pipesim.sim`: it imports only the foundations
   the hardware file format and :func:`load_hardware`;
 * :mod:`.measured`: published measurements of collectives (``measurements/``:
   nccl-tests all-reduce curves, each with its source) to hold the model against;
+* :mod:`.gemm`: the time of one GEMM from its shape (tile and wave
+  quantisation over a device's SMs), or from a measured table
+  (``measurements/gemm-*.json``);
 * ``presets/``: the JSON presets (``pcie-4gpu``, ``dgx1-v100``, ``dgx-h100``, the
   papers' clusters), each with its sources.
 """

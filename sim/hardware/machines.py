@@ -67,6 +67,8 @@ from typing import Any
 
 from pipesim.sim.errors import InputError
 from pipesim.sim.files import parse_json, read_text
+from pipesim.sim.hardware import collectives, gemm
+from pipesim.sim.hardware.collectives import CollectiveSpec, Estimate, Group
 from pipesim.sim.limits import MAX_SECONDS, is_number, shown
 
 
@@ -79,8 +81,9 @@ class DeviceSpec:
     """One accelerator.
 
     ``flops`` is *sustained* FLOP/s for training kernels in the precision the
-    preset trains in, not the datasheet peak: compute times are FLOPs divided
-    by it. ``mem_bandwidth`` (bytes/s, sustained) prices memory-bound kernels:
+    preset trains in, not the datasheet peak: without the GEMM shape model
+    (below), compute times are FLOPs divided by it. ``mem_bandwidth``
+    (bytes/s, sustained) prices memory-bound kernels:
     optimizer steps, weight prediction, elementwise layers.
     ``dtype_bytes`` is the size of one activation element in that precision
     (4 for fp32, 2 for fp16/bf16 mixed precision).
@@ -97,9 +100,22 @@ class DeviceSpec:
     layer pass whatever its size (the launch latency between one kernel and
     the next): catalog profiles charge it once per kernel a layer launches
     (:mod:`pipesim.sim.workloads.catalog`), so a pass costs a fixed part plus a part
-    proportional to the micro-batch. 0 (the default) prices layers by the
-    roofline alone, as a preset whose ``flops`` is an average sustained rate
+    proportional to the micro-batch. 0 (the default) charges none, as a
+    preset whose ``flops`` is an average sustained rate (launches included)
     does; measured profiles never see it (their times include it).
+
+    The GEMM shape model (:mod:`pipesim.sim.hardware.gemm`), optional: with
+    ``peak_flops`` (the datasheet's dense tensor peak in the training
+    precision), ``sms`` (streaming multiprocessors) and
+    ``gemm_max_efficiency`` (the fraction of peak the best shapes reach), a
+    catalog layer's GEMMs are priced by their shapes, tile and wave
+    quantisation included, instead of at ``flops``. ``gemm_tile`` is the
+    output tile of one thread block (default 128 x 128), ``gemm_k_overhead``
+    the K elements of multiply a tile's prologue and epilogue cost (default
+    0), ``gemm_fixed_s`` the device time of any GEMM kernel (default 0).
+    ``gemm_table`` names a measured table (``measurements/<name>.json``) that
+    replaces the model within its range. The three first go together; the
+    others need them.
     """
 
     name: str
@@ -120,6 +136,29 @@ class DeviceSpec:
         return self.mem_bandwidth if own is None else own
 
     kernel_overhead_s: float = 0.0
+    peak_flops: float | None = None
+    sms: int | None = None
+    gemm_max_efficiency: float | None = None
+    gemm_tile: tuple[int, int] = gemm.DEFAULT_TILE
+    gemm_k_overhead: float = 0.0
+    gemm_fixed_s: float = 0.0
+    gemm_table: str | None = None
+
+    #: the GEMM shape model's fields, in their preset-file order; the first three go together
+    GEMM_FIELDS = (
+        "peak_flops",
+        "sms",
+        "gemm_max_efficiency",
+        "gemm_tile",
+        "gemm_k_overhead",
+        "gemm_fixed_s",
+        "gemm_table",
+    )
+
+    @property
+    def shape_model(self) -> bool:
+        """Whether GEMMs are priced by their shapes (:mod:`pipesim.sim.hardware.gemm`)."""
+        return self.peak_flops is not None
 
     def __post_init__(self) -> None:
         # a device of infinite FLOP/s would make every layer free (a zero makespan)
@@ -151,6 +190,60 @@ class DeviceSpec:
                 f"device {self.name!r}: kernel_overhead_s must be a finite number >= 0 and <= {MAX_SECONDS:g} "
                 f"(seconds), got {shown(k)}"
             )
+        self._check_gemm_model()
+
+    def _check_gemm_model(self) -> None:
+        where = f"device {self.name!r}"
+        p = self.peak_flops
+        if p is not None and (not _is_rate(p) or math.isinf(p)):
+            raise HardwareError(f"{where}: peak_flops must be a positive finite number >= 1 (FLOP/s), got {shown(p)}")
+        s = self.sms
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= _MAX_SMS):
+            raise HardwareError(f"{where}: sms must be an integer between 1 and {_MAX_SMS}, got {shown(s)}")
+        e = self.gemm_max_efficiency
+        if e is not None and (not is_number(e) or not 0 < e <= 1 or (p is not None and p * e < 1)):
+            raise HardwareError(f"{where}: gemm_max_efficiency must be a number in (0, 1], got {shown(e)}")
+        tile = self.gemm_tile
+        if (
+            not isinstance(tile, (tuple, list))
+            or len(tile) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_TILE for x in tile)
+        ):
+            raise HardwareError(
+                f"{where}: gemm_tile must be two integers between 1 and {_MAX_TILE} (rows, columns), got {tile!r}"
+            )
+        object.__setattr__(self, "gemm_tile", tuple(tile))
+        k = self.gemm_k_overhead
+        if not is_number(k) or not 0 <= k <= _MAX_K_OVERHEAD:
+            raise HardwareError(
+                f"{where}: gemm_k_overhead must be a number >= 0 and <= {_MAX_K_OVERHEAD:g} (elements of K), "
+                f"got {shown(k)}"
+            )
+        f = self.gemm_fixed_s
+        if not is_number(f) or not 0 <= f <= MAX_SECONDS:
+            raise HardwareError(
+                f"{where}: gemm_fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(f)}"
+            )
+        table = self.gemm_table
+        if table is not None and (not isinstance(table, str) or table not in gemm.table_names()):
+            known = ", ".join(gemm.table_names())
+            raise HardwareError(f"{where}: gemm_table must name a GEMM table ({known}), got {table!r}")
+        given = {name: getattr(self, name) is not None for name in self.GEMM_FIELDS[:3]}
+        if any(given.values()) and not all(given.values()):
+            missing = next(name for name, set_ in given.items() if not set_)
+            raise HardwareError(
+                f"{where}: {missing} is missing: the GEMM shape model needs peak_flops, sms and gemm_max_efficiency"
+            )
+        if not any(given.values()):
+            extra = [
+                name
+                for name, default in zip(self.GEMM_FIELDS[3:], (gemm.DEFAULT_TILE, 0.0, 0.0, None))
+                if getattr(self, name) != default
+            ]
+            if extra:
+                raise HardwareError(
+                    f"{where}: {extra[0]} needs the GEMM shape model (peak_flops, sms and gemm_max_efficiency)"
+                )
 
 
 @dataclass(frozen=True)
@@ -176,7 +269,10 @@ class Interconnect:
     ``mesh`` lists ``(a, b, lanes)`` with node-local indices; each listed pair
     is wired both ways. ``host_bandwidth``/``host_latency`` are the path for
     ``mesh`` pairs without NVLink. ``label`` names the links (``pcie``,
-    ``nvlink``) so reports read naturally.
+    ``nvlink``) so reports read naturally. ``lanes``: for ``switch``, the
+    NVLink lanes each GPU has into the switch (0: the switch is not NVLink);
+    NCCL's channels drive every one, so a collective's bandwidth counts them
+    (:meth:`Hardware.collective_group`).
     """
 
     kind: str = "ideal"
@@ -186,6 +282,7 @@ class Interconnect:
     mesh: tuple[tuple[int, int, int], ...] = ()
     host_bandwidth: float = math.inf
     host_latency: float = 0.0
+    lanes: int = 0
 
     KINDS = ("ideal", "bus", "switch", "mesh")
 
@@ -193,23 +290,44 @@ class Interconnect:
         if self.kind not in self.KINDS:
             raise HardwareError(f"intra_node.kind must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
         object.__setattr__(self, "mesh", tuple(tuple(int(x) for x in e) for e in self.mesh))
+        if isinstance(self.lanes, bool) or not isinstance(self.lanes, int) or not 0 <= self.lanes <= _MAX_LANES:
+            raise HardwareError(f"intra_node.lanes must be an integer between 0 and {_MAX_LANES}, got {self.lanes!r}")
         _check_link_numbers("intra_node", self.bandwidth, self.latency)
         _check_link_numbers("intra_node host path", self.host_bandwidth, self.host_latency)
 
 
 @dataclass(frozen=True)
 class NicSpec:
-    """A node's network adapters: ``count`` NICs, each full duplex."""
+    """A node's network adapters: ``count`` NICs, each full duplex.
+
+    ``bandwidth`` is the line rate per NIC and direction; ``efficiency`` the
+    fraction of it that transfers reach (TCP sockets over Ethernet lose
+    framing, copies and congestion control; InfiniBand's RDMA loses little),
+    so a NIC's links carry ``bandwidth * efficiency``. ``latency`` is the
+    NIC's own latency per message, which NCCL's model adds to every step
+    that crosses the network (twice for its Simple protocol, which flushes).
+    """
 
     count: int = 1
     bandwidth: float = math.inf  # bytes/s per NIC per direction
     latency: float = 0.0
     label: str = "nic"
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
             raise HardwareError(f"inter_node.count must be a positive integer, got {self.count!r}")
         _check_link_numbers("inter_node", self.bandwidth, self.latency)
+        e = self.efficiency
+        if not is_number(e) or not 0 < e <= 1 or self.bandwidth * e < 1:
+            raise HardwareError(
+                f"inter_node.efficiency must be a number in (0, 1] leaving at least 1 byte/s, got {shown(e)}"
+            )
+
+    @property
+    def achieved(self) -> float:
+        """Bytes/s one NIC carries per direction: line rate times efficiency."""
+        return self.bandwidth * self.efficiency
 
 
 def _is_rate(v: Any) -> bool:
@@ -231,6 +349,13 @@ def _check_link_numbers(where: str, bandwidth: float, latency: float) -> None:
 #: NVLink lanes of one mesh pair: far above any machine's (DGX-1: 1 or 2),
 #: and a bound keeps lanes x bandwidth a float.
 _MAX_LANES = 1024
+
+#: Bounds of the GEMM shape model's counts, far above any device's (an H100
+#: has 132 SMs, tiles are at most 256 x 256), so products of them stay exact.
+_MAX_SMS = 1 << 20
+_MAX_TILE = 1 << 16
+#: K elements a tile's fixed work may cost: far above a fitted value (118 on H100).
+_MAX_K_OVERHEAD = 1e9
 
 
 @dataclass(frozen=True)
@@ -312,7 +437,12 @@ class Hardware:
     inter_node: NicSpec | None = None
     notes: str = ""
     cpu: HostCpu | None = None
+    #: how collectives and transfers are priced: NCCL's model
+    #: (:mod:`~pipesim.sim.hardware.collectives`), or None for one ring at
+    #: the links' bandwidth and latency (CPU hosts, ``ideal``)
+    collectives: CollectiveSpec | None = None
     _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _lanes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _rings: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -398,8 +528,8 @@ class Hardware:
             i = self._nic_of(src)
             j = self._nic_of(dst)
             return (
-                self._link(f"node{n_src}.{nic.label}{i}.tx", nic.bandwidth, nic.latency),
-                self._link(f"node{n_dst}.{nic.label}{j}.rx", nic.bandwidth, 0.0),
+                self._link(f"node{n_src}.{nic.label}{i}.tx", nic.achieved, nic.latency),
+                self._link(f"node{n_dst}.{nic.label}{j}.rx", nic.achieved, 0.0),
             )
         ic = self.intra_node
         if ic.kind == "ideal":
@@ -434,19 +564,51 @@ class Hardware:
         return self._lanes
 
     def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
-        """Uncontended time to move ``nbytes`` from ``src`` to ``dst``.
+        """Uncontended time to move ``nbytes`` from ``src`` to ``dst``:
+        :meth:`transfer_line`'s latency plus the bytes at its rate.
 
         Zero bytes cost nothing, not even latency: a transfer that carries no
         data (the ``uniform`` model) is a modelling artefact, not a message.
         """
         if nbytes < 0:
             raise HardwareError(f"cannot transfer {nbytes} bytes")
-        route = self.route(src, dst)
-        if not route or nbytes == 0:
+        latency, per_byte = self.transfer_line(src, dst)
+        if nbytes == 0 or (latency == 0 and per_byte == 0):
             return 0.0
+        return latency + nbytes * per_byte
+
+    def transfer_line(self, src: int, dst: int) -> tuple[float, float]:
+        """(latency seconds, seconds per byte) of a ``src -> dst`` transfer.
+
+        The rate is the route's narrowest link. Without a collectives model
+        the latency is the sum of the route's link latencies; with NCCL's,
+        a transfer is one step of NCCL's send/receive in its Simple protocol
+        (every pipeline activation is far above the 16 KiB below which NCCL
+        switches to LL): the protocol's base latency, one step over the
+        route's link type, and across nodes the NIC's own latency.
+        """
+        route = self.route(src, dst)
+        if not route:
+            return (0.0, 0.0)
         bandwidth = min(link.bandwidth for link in route)
-        latency = math.fsum(link.latency for link in route)
-        return latency + (0.0 if math.isinf(bandwidth) else nbytes / bandwidth)
+        per_byte = 0.0 if math.isinf(bandwidth) else 1 / bandwidth
+        if self.collectives is None:
+            return (math.fsum(link.latency for link in route), per_byte)
+        extra = self.inter_node.latency if self.node_of(src) != self.node_of(dst) and self.inter_node else 0.0
+        return (collectives.p2p_latency(self.link_type(src, dst)) + extra, per_byte)
+
+    def link_type(self, src: int, dst: int) -> str:
+        """The link type NCCL prices a ``src -> dst`` step by: ``net`` across
+        nodes, ``nvlink`` over NVLink lanes or an NVLink switch, else ``pci``
+        (a PCIe bus, or a mesh pair without NVLink going through the host)."""
+        if self.node_of(src) != self.node_of(dst):
+            return "net"
+        ic = self.intra_node
+        if ic.kind == "mesh" and self._mesh_lanes().get((self._local(src), self._local(dst))):
+            return "nvlink"
+        if ic.kind == "switch" and ic.lanes:
+            return "nvlink"
+        return "pci"
 
     def ring_order(self, devices: Sequence[int]) -> tuple[int, ...]:
         """The order a ring all-reduce over ``devices`` visits them, as NCCL
@@ -490,14 +652,18 @@ class Hardware:
         return tuple(out)
 
     def ring_allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Estimate of a ring all-reduce of ``nbytes`` over ``devices``, in :meth:`ring_order`.
+        """Estimate of an all-reduce of ``nbytes`` over ``devices``.
 
-        2(n-1) steps; in each every device sends ``nbytes/n`` to its ring
-        successor. Transfers sharing a link serialise, so a step lasts as long
-        as its busiest link (sum of the transfer times through it) or its
-        slowest transfer. The engine simulates the same steps event by event;
-        this closed form is for planners and sanity checks.
+        With a collectives model, NCCL's prediction (:meth:`allreduce_estimate`).
+        Without one, a ring in :meth:`ring_order`: 2(n-1) steps; in each every
+        device sends ``nbytes/n`` to its ring successor. Transfers sharing a
+        link serialise, so a step lasts as long as its busiest link (sum of
+        the transfer times through it) or its slowest transfer. The engine
+        simulates the same steps event by event; this closed form is for
+        planners and sanity checks.
         """
+        if self.collectives is not None:
+            return self.allreduce_estimate(devices, nbytes).seconds
         devs = self.ring_order(devices)
         n = len(devs)
         if n < 2 or nbytes == 0:
@@ -513,6 +679,100 @@ class Hardware:
                 busy[link.name] = busy.get(link.name, 0.0) + t
         step = max([slowest, *busy.values()])
         return 2 * (n - 1) * step
+
+    # -- collectives (NCCL's model) -------------------------------------------
+    def allreduce_estimate(self, devices: Sequence[int], nbytes: float) -> Estimate:
+        """NCCL's algorithm, protocol and time for an all-reduce of ``nbytes``
+        over ``devices`` (:func:`pipesim.sim.hardware.collectives.allreduce`);
+        needs :attr:`collectives`."""
+        if self.collectives is None:
+            raise HardwareError(f"{self.name} has no collectives model")
+        return collectives.allreduce(self.collectives, self.collective_group(devices), nbytes)
+
+    def collective_group(self, devices: Sequence[int]) -> Group:
+        """What NCCL's model needs of a collective over ``devices``.
+
+        The bus bandwidth (bytes/s each rank sends) is the narrowest of:
+
+        * inside each node, every device's NVLink lanes to the group's other
+          devices of its node, each at the bandwidth NCCL credits a lane with
+          on this GPU generation (NCCL builds as many channels as the lanes
+          carry, so a DGX-1 V100 all-reduce over its 8 GPUs uses all 6 lanes
+          of each); an NVLink switch's lanes per GPU likewise; a PCIe bus
+          (or a mesh whose group has a device without NVLink to the others,
+          which then goes through the host) shared by the node's devices of
+          the group, so each gets its share;
+        * across nodes, the NICs the group's devices on a node use, each at
+          its achieved bandwidth (NCCL spreads its channels over them).
+
+        Channels: the lanes (or NICs) that carry it, for NCCL's per-channel
+        caps. Cached per device set.
+        """
+        devs = tuple(sorted(set(devices)))
+        found = self._groups.get(devs)
+        if found is None:
+            for d in devs:
+                self._check_index(d)
+            found = self._groups[devs] = self._group(devs)
+        return found
+
+    def _group(self, devs: tuple[int, ...]) -> Group:
+        assert self.collectives is not None
+        by_node: dict[int, list[int]] = {}
+        for d in devs:
+            by_node.setdefault(self.node_of(d), []).append(d)
+        lane = collectives.nvlink_lane_bandwidth(self.collectives.arch)
+        intra, lanes_used, link = math.inf, math.inf, "nvlink"
+        for members in by_node.values():
+            if len(members) < 2:
+                continue
+            bandwidth, lanes, kind = self._node_share(members, lane)
+            intra, lanes_used = min(intra, bandwidth), min(lanes_used, lanes)
+            link = kind if link == "nvlink" else link  # any PCIe segment prices the steps as PCIe
+        bus, channels = intra, lanes_used
+        inter_latency = 0.0
+        if len(by_node) > 1:
+            nic = self.inter_node
+            assert nic is not None
+            nics = min(len({self._nic_of(d) for d in members}) for members in by_node.values())
+            if nics * nic.achieved <= bus:
+                bus, channels = nics * nic.achieved, nics
+            inter_latency = nic.latency
+        if math.isinf(channels):
+            channels = 1
+        return Group(len(devs), len(by_node), bus, max(1, int(channels)), link, inter_latency)
+
+    def _node_share(self, members: list[int], lane: float) -> tuple[float, float, str]:
+        """(bytes/s each device of ``members`` sends, lanes that carry it,
+        link type) for the group's devices on one node."""
+        ic = self.intra_node
+        k = len(members)
+        if ic.kind == "ideal":
+            return (math.inf, math.inf, "nvlink")
+        if ic.kind == "switch":
+            if ic.lanes:
+                return (min(ic.lanes * lane, ic.bandwidth), ic.lanes, "nvlink")
+            return (ic.bandwidth, 1, "pci")
+        if ic.kind == "mesh":
+            lanes = self._mesh_lanes()
+            local = [self._local(d) for d in members]
+            own = [sum(lanes.get((a, b), 0) for b in local if b != a) for a in local]
+            if min(own) > 0 and self._nvlink_connected(local):
+                return (min(own) * lane, min(own), "nvlink")
+            return (ic.host_bandwidth / k, 1, "pci")
+        return (ic.bandwidth / k, 1, "pci")  # one bus, shared
+
+    def _nvlink_connected(self, local: list[int]) -> bool:
+        """Whether NVLink alone connects the node-local devices ``local``."""
+        lanes = self._mesh_lanes()
+        seen, todo = {local[0]}, [local[0]]
+        while todo:
+            a = todo.pop()
+            for b in local:
+                if b not in seen and lanes.get((a, b)):
+                    seen.add(b)
+                    todo.append(b)
+        return len(seen) == len(local)
 
     # -- serialisation ------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -534,6 +794,7 @@ class Hardware:
                 },
                 # only when set, so presets without it keep their exact form
                 **({"kernel_overhead_s": self.device.kernel_overhead_s} if self.device.kernel_overhead_s else {}),
+                **_gemm_model_out(self.device),
             },
             "num_devices": self.num_devices,
             "devices_per_node": self.devices_per_node,
@@ -544,6 +805,8 @@ class Hardware:
                 "label": ic.label,
             },
         }
+        if ic.lanes:
+            d["intra_node"]["lanes"] = ic.lanes
         if ic.kind == "mesh":
             d["intra_node"]["mesh"] = [list(e) for e in ic.mesh]
             d["intra_node"]["host_bandwidth"] = _num_out(ic.host_bandwidth)
@@ -555,7 +818,10 @@ class Hardware:
                 "bandwidth": _num_out(nic.bandwidth),
                 "latency": nic.latency,
                 "label": nic.label,
+                **({"efficiency": nic.efficiency} if nic.efficiency != 1 else {}),
             }
+        if self.collectives is not None:
+            d["collectives"] = self.collectives.to_json()
         if self.cpu is not None:
             d["cpu"] = {
                 "cores": list(self.cpu.cores),
@@ -590,6 +856,7 @@ class Hardware:
             intra_node=self.intra_node,
             inter_node=self.inter_node,
             notes=self.notes,
+            collectives=self.collectives,
         )
 
 
@@ -666,11 +933,43 @@ def _num_out(x: float) -> float | str:
     return "inf" if math.isinf(x) else x
 
 
+def _gemm_model_out(device: DeviceSpec) -> dict[str, Any]:
+    """The GEMM shape model's fields of the preset-file form: none without the
+    model (so presets without it keep their exact form), and of the optional
+    ones only those that differ from their defaults."""
+    if not device.shape_model:
+        return {}
+    out: dict[str, Any] = {
+        "peak_flops": device.peak_flops,
+        "sms": device.sms,
+        "gemm_max_efficiency": device.gemm_max_efficiency,
+        "gemm_tile": list(device.gemm_tile),
+    }
+    if device.gemm_k_overhead:
+        out["gemm_k_overhead"] = device.gemm_k_overhead
+    if device.gemm_fixed_s:
+        out["gemm_fixed_s"] = device.gemm_fixed_s
+    if device.gemm_table is not None:
+        out["gemm_table"] = device.gemm_table
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------
 
-_TOP_KEYS = {"name", "notes", "device", "num_devices", "devices_per_node", "intra_node", "inter_node", "cpu"}
+_TOP_KEYS = {
+    "name",
+    "notes",
+    "device",
+    "num_devices",
+    "devices_per_node",
+    "intra_node",
+    "inter_node",
+    "cpu",
+    "collectives",
+}
+_COLLECTIVES_KEYS = {"library", "arch", "first_bucket_bytes", "bucket_bytes", "processor_usage", "notes"}
 _CPU_KEYS = {"cores", "send", "recv", "wake_slice_s", "notes"}
 _CPU_COST_KEYS = {"fixed_s", "bytes_per_s", "notes"}
 _DEVICE_KEYS = {
@@ -684,9 +983,10 @@ _DEVICE_KEYS = {
     "update_bandwidth",
     "predict_bandwidth",
     "average_bandwidth",
+    *DeviceSpec.GEMM_FIELDS,
 }
-_INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "notes"}
-_NIC_KEYS = {"count", "bandwidth", "latency", "label", "notes"}
+_INTRA_KEYS = {"kind", "bandwidth", "latency", "label", "mesh", "host_bandwidth", "host_latency", "lanes", "notes"}
+_NIC_KEYS = {"count", "bandwidth", "latency", "label", "efficiency", "notes"}
 
 
 def _num(d: dict, key: str, where: str, default: Any = None) -> float:
@@ -712,6 +1012,13 @@ def _obj(d: Any, where: str, keys: set[str]) -> dict:
     if extra:
         raise HardwareError(f"{where}: unknown field {extra[0]!r} (known: {', '.join(sorted(keys))})")
     return d
+
+
+def _int(d: dict, key: str, where: str, default: int) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HardwareError(f"{where}.{key} must be an integer, got {v!r}")
+    return v
 
 
 def _opt_int(d: dict, key: str, where: str) -> int | None:
@@ -744,6 +1051,7 @@ def _hardware_from_json(d: Any) -> Hardware:
         dtype_bytes=dtype,
         **{name: _num(dev, name, "device") for name in DeviceSpec.KERNELS.values() if name in dev},
         kernel_overhead_s=_num(dev, "kernel_overhead_s", "device", 0.0),
+        **_gemm_model_in(dev),
     )
     intra = _obj(d.get("intra_node", {"kind": "ideal"}), "intra_node", _INTRA_KEYS)
     kind = intra.get("kind")
@@ -771,6 +1079,7 @@ def _hardware_from_json(d: Any) -> Hardware:
         mesh=tuple(tuple(e) for e in mesh),
         host_bandwidth=_num(intra, "host_bandwidth", "intra_node", None if kind == "mesh" else math.inf),
         host_latency=_num(intra, "host_latency", "intra_node", 0.0),
+        lanes=_int(intra, "lanes", "intra_node", 0),
     )
     nic = None
     if d.get("inter_node") is not None:
@@ -783,6 +1092,7 @@ def _hardware_from_json(d: Any) -> Hardware:
             bandwidth=_num(nd, "bandwidth", "inter_node"),
             latency=_num(nd, "latency", "inter_node", 0.0),
             label=str(nd.get("label", "nic")),
+            efficiency=_num(nd, "efficiency", "inter_node", 1.0),
         )
     notes = d.get("notes", "")
     if not isinstance(notes, str):
@@ -796,7 +1106,50 @@ def _hardware_from_json(d: Any) -> Hardware:
         inter_node=nic,
         notes=notes,
         cpu=_cpu_from_json(d["cpu"]) if d.get("cpu") is not None else None,
+        collectives=_collectives_from_json(d["collectives"]) if d.get("collectives") is not None else None,
     )
+
+
+def _collectives_from_json(d: Any) -> CollectiveSpec:
+    d = _obj(d, "collectives", _COLLECTIVES_KEYS)
+    try:
+        usage = d.get("processor_usage")
+        if usage is not None and not isinstance(usage, dict):
+            raise HardwareError("collectives.processor_usage must be an object of link type -> share")
+        return CollectiveSpec(
+            library=d.get("library", "nccl"),
+            arch=d.get("arch", "volta"),
+            first_bucket_bytes=d.get("first_bucket_bytes"),
+            bucket_bytes=d.get("bucket_bytes"),
+            processor_usage=tuple(usage.items()) if usage else None,
+        )
+    except InputError as e:
+        raise HardwareError(str(e)) from None
+
+
+def _gemm_model_in(dev: dict) -> dict[str, Any]:
+    """The GEMM shape model's fields of a device object, as DeviceSpec takes
+    them (absent fields keep their defaults; DeviceSpec checks the values)."""
+    out: dict[str, Any] = {}
+    for name in ("peak_flops", "gemm_max_efficiency", "gemm_k_overhead", "gemm_fixed_s"):
+        if name in dev:
+            out[name] = _num(dev, name, "device")
+    if "sms" in dev:
+        sms = dev["sms"]
+        if isinstance(sms, bool) or not isinstance(sms, int):
+            raise HardwareError(f"device.sms must be an integer, got {shown(sms)}")
+        out["sms"] = sms
+    if "gemm_tile" in dev:
+        tile = dev["gemm_tile"]
+        if not isinstance(tile, list):
+            raise HardwareError(f"device.gemm_tile must be a list of two integers [rows, columns], got {tile!r}")
+        out["gemm_tile"] = tuple(tile)
+    if "gemm_table" in dev:
+        table = dev["gemm_table"]
+        if not isinstance(table, str):
+            raise HardwareError(f"device.gemm_table must be the name of a GEMM table, got {table!r}")
+        out["gemm_table"] = table
+    return out
 
 
 def _cpu_from_json(d: Any) -> HostCpu:

@@ -14,7 +14,8 @@ Resources
       receive ``recv_lookahead`` compute actions ahead, and a send posted
       just before goes first on a link the two share), and its optimizer
       steps, each after a blocking all-reduce of the stage's gradients over
-      its replicas when it has several (the engine's UPDATE waits for its
+      its replicas when it has several (``StageCost.gradient_bytes``, the
+      bytes the engine's REDUCE_GRAD moves; the engine's UPDATE waits for its
       REDUCE_GRAD, so the device idles through it), except where the
       strategy hides the all-reduce behind the next window's passes (2BW:
       ``Layout.hidden_reduce``), where the device waits only for what of it
@@ -45,9 +46,12 @@ Fill and drain
     backward phase, each one micro-batch's path plus m - 1 passes of its
     slowest stage. A stream is ``m`` periods per iteration in steady state.
 Memory
-    Per device, for every stage replica it hosts: weights times the versions
-    the strategy keeps, gradients, optimizer state, the stash of the
-    micro-batches in flight, weight-sized buffers (prediction, averaging),
+    Per device, for every stage replica it hosts: the passes' weights times
+    the versions the strategy keeps, gradients, the master copy and
+    optimizer state, each at the profile's precision
+    (:class:`~pipesim.sim.workloads.profile.Precision`), the stash of the
+    micro-batches in flight, weight-sized buffers (prediction at the passes'
+    width, the averaging centre at the master's),
     and a send and a receive buffer for each boundary tensor in each
     direction. With activation recomputation a micro-batch in flight keeps
     only its layers' inputs, and one of them, while its backward recomputes
@@ -72,7 +76,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipesim.sim.engine.core import CostModel
+from pipesim.sim.engine.core import CostModel, bucketed_exposure, gradient_buckets
+from pipesim.sim.hardware import collectives
 from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.ir.core import INPUT_GRADIENT_OPS, UPDATE, Action, F
 from pipesim.sim.partition.layout import BACKWARD, FORWARD, Layout, Wait
@@ -131,12 +136,7 @@ class LinkModel:
         if found is None:
             route = self.hw.route(src, dst)
             if route:
-                bandwidth = min(link.bandwidth for link in route)
-                found = (
-                    math.fsum(link.latency for link in route),
-                    0.0 if math.isinf(bandwidth) else 1 / bandwidth,
-                    tuple(link.name for link in route),
-                )
+                found = (*self.hw.transfer_line(src, dst), tuple(link.name for link in route))
             else:
                 found = (0.0, 0.0, ())
             self._pairs[key] = found
@@ -177,6 +177,8 @@ class LinkModel:
         2(n-1) steps, each moving bytes/n over every ring edge."""
         key = tuple(sorted(set(devices)))
         found = self._rings.get(key)
+        if found is None and self.hw.collectives is not None and len(key) > 1:
+            found = self._rings[key] = self._nccl_ring(key)
         if found is None:
             devs = self.hw.ring_order(key)
             n = len(devs)
@@ -194,6 +196,20 @@ class LinkModel:
             time = tuple((steps * a, steps * b) for a, b in [*edges, *map(tuple, busy.values())])
             found = self._rings[key] = Ring(time, {k: (steps * v[0], steps * v[1]) for k, v in busy.items()})
         return found
+
+    def _nccl_ring(self, devices: tuple[int, ...]) -> Ring:
+        """An all-reduce priced by NCCL's model, as the engine runs it: one
+        line, the (algorithm, protocol) NCCL picks for large messages (the
+        highest bandwidth, then the lowest latency: gradient buffers are
+        megabytes), holding every link of the ring's edges for its whole
+        duration."""
+        group = self.hw.collective_group(devices)
+        options = collectives.allreduce_options(self.hw.collectives, group)
+        _, _, latency, bandwidth = min(options, key=lambda o: (-o[3], o[2]))
+        line = (latency, 0.0 if math.isinf(bandwidth) else 1 / bandwidth)
+        order = self.hw.ring_order(devices)
+        names = {link.name for i, src in enumerate(order) for link in self.hw.route(src, order[(i + 1) % len(order)])}
+        return Ring((line,), {name: line for name in sorted(names)})
 
 
 def envelope(lines) -> Line:
@@ -261,18 +277,33 @@ def held_activations(stash_bytes, inflight, checkpoint_bytes=None, peak_bytes=No
 
 
 def stage_memory(
-    cost: StageCost, inflight: int, versions: int, buffers: int, optimizer_multiplier: int, boundary_bytes: int
+    cost: StageCost,
+    inflight: int,
+    versions: int,
+    buffers: int,
+    optimizer_multiplier: int,
+    boundary_bytes: int,
+    centres: int = 0,
 ) -> int:
-    """One replica of a stage: weights x versions, gradients, optimizer state,
-    extra weight-sized buffers, stashed micro-batches, and a send and a receive
-    buffer for each tensor across its boundaries (``boundary_bytes``: the
-    activations in and out)."""
+    """One replica of a stage: the passes' weights x (versions + ``buffers``,
+    the predicted weights), gradients, the master copy where it is apart,
+    optimizer state and ``centres`` (averaging) at the master's width,
+    stashed micro-batches, and a send and a receive buffer for each tensor
+    across its boundaries (``boundary_bytes``: the activations in and out).
+    The sizes are the stage's at its profile's precision, as the engine's
+    tracker holds them (:mod:`pipesim.sim.engine.trackers`)."""
     held = (
         held_activations(cost.stash_bytes, inflight, cost.held_bytes, cost.full_stash_bytes)
         if cost.recompute
         else held_activations(cost.stash_bytes, inflight)
     )
-    return int(cost.param_bytes * (versions + 1 + optimizer_multiplier + buffers) + held + 2 * boundary_bytes)
+    weights = (
+        cost.weight_bytes * (versions + buffers)
+        + cost.gradient_bytes
+        + cost.master_copy_bytes
+        + cost.param_bytes * (optimizer_multiplier + centres)
+    )
+    return int(weights + held + 2 * boundary_bytes)
 
 
 def estimate(
@@ -298,9 +329,10 @@ def estimate(
     load: dict[str, float] = defaultdict(float)
     memory: dict[int, int] = defaultdict(int)
     step_s = []  # per stage: one step (all-reduce + update)
+    spec = hw.collectives
     for k, (c, devs) in enumerate(zip(costs, layout.devices, strict=True)):
         ring = links.ring(devs)
-        reduce_s = ring.seconds(c.param_bytes) if len(devs) > 1 else 0.0
+        reduce_s = ring.seconds(c.gradient_bytes) if len(devs) > 1 else 0.0
         update_s = engine_costs.compute(Action(UPDATE, k))
         exposed = sum(
             exposed_receive(k, kind, layout.waits[k][kind], boundaries, transfer, engine_costs)
@@ -311,16 +343,23 @@ def estimate(
             # the device waits only for what outlasts them
             window = layout.passes[k] / layout.updates[k] * (c.time_s + exposed)
             step = update_s + max(0.0, reduce_s - window)
+        elif reduce_s and spec is not None and spec.bucket_bytes:
+            # DDP's buckets: the update waits for what outlasts the last backward
+            buckets = gradient_buckets(c, spec.first_bucket_bytes, spec.bucket_bytes)
+            step = update_s + bucketed_exposure(buckets, c.backward_s, ring.seconds)
         else:  # the update waits for the all-reduce, and the device with it
             step = update_s + reduce_s
         step_s.append(step)
         for d in devs:
             busy[d] += layout.passes[k] * (c.time_s + exposed) + layout.updates[k] * step
-        if len(devs) > 1 and c.param_bytes:
+        if len(devs) > 1 and c.gradient_bytes:
             for name, (a, b) in ring.links.items():
-                load[name] += layout.updates[k] * (a + b * c.param_bytes)
+                load[name] += layout.updates[k] * (a + b * c.gradient_bytes)
         boundary = (costs[k - 1].activation_bytes if k else 0) + (c.activation_bytes if k + 1 < p else 0)
-        mem = stage_memory(c, layout.inflight[k], layout.versions[k], layout.buffers[k], optimizer_multiplier, boundary)
+        centres = layout.centres[k] if layout.centres else 0
+        mem = stage_memory(
+            c, layout.inflight[k], layout.versions[k], layout.buffers[k], optimizer_multiplier, boundary, centres
+        )
         for d in devs:
             memory[d] += mem
     # A stage that steps more than once an iteration on several replicas runs

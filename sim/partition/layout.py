@@ -79,8 +79,9 @@ class Layout:
     ``passes[k]``, ``updates[k]`` are the most forward passes and optimizer
     steps one replica of stage k runs per iteration; ``inflight[k]`` the most
     micro-batches one replica keeps stashed at once; ``versions[k]`` the
-    weight versions it keeps; ``buffers[k]`` weight-sized buffers besides
-    (SpecTrain's predicted weights, AvgPipe's centre). ``waits[k]``: the
+    weight versions it keeps; ``buffers[k]`` buffers of the passes' weights
+    besides (SpecTrain's predicted weights); ``centres[k]`` buffers of the
+    master weights (AvgPipe's centre; empty: none). ``waits[k]``: the
     :class:`Wait` of its forward's and its backward's receive. ``streamed``:
     the iterations run as one stream without a flush (``Strategy.asynchronous``).
     """
@@ -99,6 +100,8 @@ class Layout:
     #: (the UPDATE that waits for it comes after them: 2BW) instead of
     #: holding the device until the update
     hidden_reduce: tuple[bool, ...] = ()
+    #: per stage: buffers at the master weights' width (the averaging centre)
+    centres: tuple[int, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -165,14 +168,15 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
 
         held = version_plan(schedule)[1]
         versions = [max((n for (_, st), n in held.items() if st == k), default=1) for k in range(p)]
-    devices, per_pass, per_update, stashed, extra = [], [], [], [], []
+    devices, per_pass, per_update, stashed, extra, centres = [], [], [], [], [], []
     for k in range(p):
         reps = range(schedule.replicas[k])
         devices.append(tuple(placement[(r, k)] for r in reps))
         per_pass.append(max(passes[(r, k)] for r in reps) / k_iter)
         per_update.append(max(updates[(r, k)] for r in reps) / k_iter)
         stashed.append(max(peak[(r, k)] for r in reps))
-        extra.append(int(any((r, k) in predicts for r in reps)) + int((0, k) in averages))
+        extra.append(int(any((r, k) in predicts for r in reps)))
+        centres.append(int((0, k) in averages))
     return Layout(
         devices=tuple(devices),
         microbatches=schedule.num_microbatches,
@@ -185,6 +189,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
         buffers=tuple(extra),
         waits=_waits(schedule, recv_lookahead),
         hidden_reduce=tuple(k in hidden for k in range(p)),
+        centres=tuple(centres),
     )
 
 

@@ -94,6 +94,17 @@ class Tables:
             self.valid, ranges([again * la.forward_s + la.backward_s for la in layers]) + overhead, np.inf
         )
         self.params = np.where(self.valid, ranges([la.param_bytes for la in layers]), 0.0)
+        # the backward alone (with its recomputed forward), which DDP's buckets overlap
+        self.backward = np.where(
+            self.valid,
+            ranges([(again - 1) * la.forward_s + la.backward_s for la in layers]) + profile.overhead_backward_s,
+            0.0,
+        )
+        # The other copies of the weights per byte of ``params`` (the master's
+        # width) at the profile's precision: powers of two, so the products
+        # are exact and equal StageCost's sums (every layer holds whole
+        # parameters).
+        self.weight_ratio, self.gradient_ratio, self.master_ratio = profile.precision.ratios()
         self.stash = np.where(self.valid, ranges([la.stash_bytes for la in layers]), 0.0)
         # bytes crossing the cut before layer i (nothing before layer 0 or after the last)
         self.cut = np.array([0.0] + [float(la.activation_bytes) for la in layers[:-1]] + [0.0])
@@ -155,20 +166,36 @@ def stage_terms(
     hw = links.hw
     step = update_seconds(1.0, optimizer, hw.device.kernel_bandwidth("update")) * tables.params
     if len(devices) > 1:
-        reduce = line_of(envelope(links.ring(devices).time), tables.params)
+        ring = envelope(links.ring(devices).time)
+        gradients = tables.params * tables.gradient_ratio
+        reduce = line_of(ring, gradients)
+        spec = hw.collectives
         if hidden and steps:
             reduce = np.maximum(0.0, reduce - passes / steps * tables.time)
+        elif spec is not None and spec.bucket_bytes:
+            # DDP's buckets overlap the backward; at least the last bucket
+            # (at most a cap's bytes) runs after it (:func:`.cost.estimate`
+            # prices the chosen split's buckets exactly)
+            last = line_of(ring, np.minimum(gradients, spec.bucket_bytes))
+            reduce = np.maximum(last, reduce - tables.backward)
         step = step + reduce
     return (passes * tables.time + steps * step) / microbatches
 
 
 def memory_terms(
-    tables: Tables, *, inflight: int, versions: int, buffers: int, optimizer_multiplier: int
+    tables: Tables, *, inflight: int, versions: int, buffers: int, optimizer_multiplier: int, centres: int = 0
 ) -> np.ndarray:
     """Bytes one replica of a stage holds, for every layer range (see
     :func:`.cost.stage_memory`: the same terms, as arrays)."""
     boundary = tables.cut[:, None] + tables.cut[None, :]
-    return tables.params * (versions + 1 + optimizer_multiplier + buffers) + tables.held(inflight) + 2 * boundary
+    copies = (
+        tables.weight_ratio * (versions + buffers)
+        + tables.gradient_ratio
+        + tables.master_ratio
+        + optimizer_multiplier
+        + centres
+    )
+    return tables.params * copies + tables.held(inflight) + 2 * boundary
 
 
 # ---------------------------------------------------------------------------
@@ -313,6 +340,7 @@ def _layout_terms(
                 versions=layout.versions[k],
                 buffers=layout.buffers[k],
                 optimizer_multiplier=setting.optimizer_multiplier,
+                centres=layout.centres[k] if layout.centres else 0,
             )
             share = setting.memory_limit_bytes / max(hosted[d] for d in devs)
             term = np.where(mem <= share, term, np.inf)

@@ -19,10 +19,14 @@ transfers and all-reduces included.
 Memory: with ``memory_limit_bytes``, a stage k holding weights ``W`` and
 stashing ``A`` per micro-batch needs ``W * (2 + optimizer multiplier) +
 A * inflight(k)`` (weights, gradients, optimizer state, activations of the
-micro-batches in flight), and only splits where every stage fits are
-considered. If none fits, the unconstrained time-balanced split is returned
-anyway: the engine then reports the overflow as out-of-memory, which says
-more than an exception here would.
+micro-batches in flight; the weights, gradients and master copy at their
+widths of the profile's :class:`~pipesim.sim.workloads.profile.Precision`,
+as :meth:`~pipesim.sim.workloads.stages.StageCost.resident_bytes` counts
+them: the same total in fp32 and in 16-bit mixed precision), and only
+splits where every stage fits are considered. If none fits, the
+unconstrained time-balanced split is returned anyway: the engine then
+reports the overflow as out-of-memory, which says more than an exception
+here would.
 
 Times are compared with a relative tolerance of 1e-9, so splits whose
 bottlenecks differ only by floating-point rounding count as ties and the
@@ -111,7 +115,8 @@ def partition(
         inflight = inflight or (lambda k: num_stages - k)
         w = np.concatenate(([0.0], np.cumsum([float(la.param_bytes) for la in profile.layers])))
         a = np.concatenate(([0.0], np.cumsum([float(la.stash_bytes) for la in profile.layers])))
-        weights = (w[None, :] - w[:, None]) * (2 + profile.optimizer_state_multiplier)
+        # the passes' weights, gradients, master copy and optimizer state (StageCost.resident_bytes)
+        weights = (w[None, :] - w[:, None]) * (sum(profile.precision.ratios()) + profile.optimizer_state_multiplier)
         stash = a[None, :] - a[:, None]
 
         def fits(k: int) -> np.ndarray:
@@ -193,6 +198,8 @@ def stage_costs_uniform(
             stash_bytes=stash_bytes,
             layer_input_bytes=(0,),  # as input_bytes: nothing counted in
             layer_stash_bytes=(stash_bytes,),
+            layer_gradient_bytes=(param_bytes,),
+            layer_backward_share=(1.0,),
         )
         for k in range(num_stages)
     ]

@@ -22,7 +22,8 @@ Time (the paper's model, per micro-batch in steady state)
     stage k-1 and the gradient from stage k+1, over the links between the
     devices of pipeline 0), plus its optimizer step spread over the m
     micro-batches of an update; the data-parallel all-reduce of its
-    gradients over its w replicas (a ring over those devices) runs once per
+    gradients (``StageCost.gradient_bytes``, as the engine's REDUCE_GRAD
+    moves them) over its w replicas (a ring over those devices) runs once per
     update. 2BW never flushes, so the all-reduce overlaps the next
     micro-batches and counts only when it is longer, amortised over m:
     time per update = m x max over stages of max(compute + communication,
@@ -39,8 +40,11 @@ Memory (per device, stage k)
     its full stash or, with recomputation (checkpointed per layer), only
     its layers' inputs, and one of them its backward's peak while it
     recomputes layer after layer (:func:`.cost.held_activations`).
-    Byte counts are the profile's: weights at 4 bytes (fp32 master
-    weights), activations in the device's precision.
+    Byte counts are the profile's, each copy of the weights at its
+    :class:`~pipesim.sim.workloads.profile.Precision` (a catalog model on a
+    mixed-precision device: 16-bit weights for the passes and their
+    versions, 16-bit gradients, fp32 master weights and optimizer state),
+    activations in the device's precision.
 
 :data:`CONFIRM` configurations that fit are simulated with the engine, the
 model's best of every (width, depth, recompute) shape first
@@ -60,6 +64,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from pipesim.sim.engine.core import bucketed_exposure, gradient_buckets
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.partition.balance import balanced
@@ -254,15 +259,23 @@ class _Grid:
         hw = self.req.hardware
         w, d, m = shape.width, shape.depth, shape.microbatches
         profile = self.profile(shape.microbatch_size)
-        per_mb, reduce_s, memory = [], [], []
+        per_mb, reduce_s, exposed, memory = [], [], [], []
         for k, c in enumerate(costs):
             comm = (hw.transfer_time(k - 1, k, costs[k - 1].activation_bytes) if k else 0.0) + (
                 hw.transfer_time(k + 1, k, c.activation_bytes) if k + 1 < d else 0.0
             )
             step = update_seconds(c.param_bytes, profile.optimizer, hw.device.kernel_bandwidth("update"))
-            ring = self.links.ring(tuple(r * d + k for r in range(w))).seconds(c.param_bytes) if w > 1 else 0.0
+            group = self.links.ring(tuple(r * d + k for r in range(w)))
+            ring = group.seconds(c.gradient_bytes) if w > 1 else 0.0
             per_mb.append((c.forward_s + c.backward_s + comm, step))
             reduce_s.append(ring)
+            spec = hw.collectives
+            if ring and spec is not None and spec.bucket_bytes and not self.traits.streamed:
+                # a flush's all-reduce runs in DDP's buckets beside the last backward
+                buckets = gradient_buckets(c, spec.first_bucket_bytes, spec.bucket_bytes)
+                exposed.append(bucketed_exposure(buckets, c.backward_s, group.seconds))
+            else:
+                exposed.append(ring)
             boundary = c.input_bytes + (c.activation_bytes if k + 1 < d else 0)
             memory.append(
                 stage_memory(
@@ -276,7 +289,7 @@ class _Grid:
             what = "all-reduce" if reduce_s[slowest] / m > per_mb[slowest][0] + per_mb[slowest][1] / m else "compute"
         else:
             slowest = int(np.argmax([t for t, _ in per_mb]))
-            tail = max(ring + step for (_, step), ring in zip(per_mb, reduce_s))
+            tail = max(ring + step for (_, step), ring in zip(per_mb, exposed))
             update_s = (m + d - 1) * per_mb[slowest][0] + tail
             what = "compute"
         return Score(

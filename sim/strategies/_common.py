@@ -197,6 +197,7 @@ class Strategy:
       stage ``stage`` of a ``stages``-deep pipeline keeps at once in steady
       state (stashing p−k, double buffering 2, in place 1), given the
       schedule's ``options``; the trackers measure the same from the IR.
+      A version is the passes' copy of the weights (``StageCost.weight_bytes``).
     * ``torch_equivalent``: the torch.distributed.pipelining schedule class
       with the same per-rank compute order, if there is one.
     * ``stage_passes(spec)``: how many forward passes of a model stage the

@@ -11,7 +11,11 @@ docs/concepts/strategies.md, not a verified reproduction:
 * Elastic averaging (EASGD) replaces the all-reduce: after every ``tau``-th
   iteration each replica's stage posts an ``AVERAGE`` (a collective over the
   N_p replicas of the stage, x_r <- x_r - alpha (x_r - centre)) right after
-  its UPDATE; that replica's next pass on the stage waits for it.
+  its UPDATE; that replica's next pass on the stage waits for it. It
+  averages the master weights (``StageCost.param_bytes``, fp32 in mixed
+  precision), which the replicas' optimizers update, and keeps the centre
+  at that width, since averaging the passes' 16-bit copies would round away
+  what the master keeps.
 * Advance forward propagation (AFP): the 1F1B warm-up is lengthened by
   ``advance`` forwards (0 = plain 1F1B, >= the iteration's micro-batch count
   = GPipe-like all forwards first), so sends overlap compute while

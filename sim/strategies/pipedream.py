@@ -83,7 +83,10 @@ def build(spec: ScheduleSpec) -> Schedule:
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
     """Stashing keeps the versions read between a forward and its backward:
     p - k, or a replica's share of the micro-batches in flight at its stage
-    when stages are replicated (its warm-up plus one); vanilla updates in place."""
+    when stages are replicated (its warm-up plus one); vanilla updates in place.
+    A stashed version is the passes' copy of the weights (16-bit in mixed
+    precision: ``StageCost.weight_bytes``), since only a backward reads it;
+    the master weights and optimizer state are updated in place, one copy."""
     if not options.get("stashing", True):
         return 1
     reps = options.get("replicas") or [1] * stages

@@ -34,8 +34,10 @@ stage without warm-up; after the stream's last backward for the last two
 windows). Versions read and staleness are those of the update right after
 the window: the version an update makes is first read a window after it
 would have run. Memory is unchanged in total: while the update waits the
-stage holds the closed gradient instead of the second weight version
-(weights + gradients stay at 3|W|; :mod:`pipesim.sim.engine.trackers`). A stage
+stage holds the closed gradient (a second ``gradient_bytes``) instead of the
+second weight version (``weight_bytes``; the two are the same size in fp32
+and in 16-bit mixed precision, so weights + gradients stay at three copies:
+:mod:`pipesim.sim.engine.trackers`). A stage
 with one replica has no all-reduce to hide and keeps its update right
 after the window's last backward.
 """
@@ -131,7 +133,10 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 
 def weight_versions(options: Mapping[str, object], stage: int, stages: int) -> int:
-    """Double buffering: the version being read and the one being written."""
+    """Double buffering: the version being read and the one being written.
+    The second buffer is the passes' copy of the weights (16-bit in mixed
+    precision: ``StageCost.weight_bytes``), since the in-flight window's
+    passes read it; the optimizer updates one master copy."""
     return 2
 
 

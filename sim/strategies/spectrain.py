@@ -16,6 +16,11 @@ PREDICT is skipped when s = 0 (the pass reads the stored weights) and when
 the stage's previous PREDICT already materialised the same (version,
 distance) with no update since -- consecutive warm-up forwards, and the last
 stage, whose two distances coincide, share one.
+
+The predicted weights take one buffer of the passes' width
+(``StageCost.weight_bytes``, 16-bit in mixed precision), since only the
+passes read them; the master and the momentum they are predicted from stay
+one copy.
 """
 
 from __future__ import annotations

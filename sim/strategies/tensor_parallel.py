@@ -80,7 +80,9 @@ def build(spec: ScheduleSpec) -> Schedule:
 
 def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> list:
     """One device's share of the (single) stage: compute, weights and stash
-    divided by d (each layer's stash too), the fixed part of each pass
+    divided by d (each layer's stash too; every copy of the weights, the
+    passes', the gradients and the master, as the device holds a shard of
+    each at the profile's precision), the fixed part of each pass
     (kernel launches, the profile's per-pass overhead) not, since every
     device launches every kernel on its shard; its inputs whole (every rank
     holds the hidden state the all-reduce made); and the stage's activation
@@ -115,8 +117,12 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
                 backward_input_s=share(c.backward_input_s, fixed_bi),
                 backward_weight_s=share(c.backward_weight_s, fixed_bw),
                 param_bytes=-(-c.param_bytes // d),
+                weight_bytes=-(-c.weight_bytes // d),
+                gradient_bytes=-(-c.gradient_bytes // d),
+                master_copy_bytes=-(-c.master_copy_bytes // d),
                 stash_bytes=-(-c.stash_bytes // d),
                 layer_stash_bytes=tuple(-(-x // d) for x in c.layer_stash_bytes),
+                layer_gradient_bytes=tuple(-(-x // d) for x in c.layer_gradient_bytes),
                 allreduce_bytes=tuple(buffers) if d > 1 else (),
             )
         )

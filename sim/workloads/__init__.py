@@ -5,7 +5,8 @@ Layer 4 of :mod:`pipesim.sim`: it may import the foundations,
 architectures on a device).
 
 * :mod:`.profile`: :class:`~.profile.LayerCost` and :class:`~.profile.Profile`,
-  the per-layer costs a simulation runs on, and their JSON form;
+  the per-layer costs a simulation runs on, the widths of the weights'
+  copies (:class:`~.profile.Precision`), and their JSON form;
 * :mod:`.stages`: a contiguous run of layers as one pipeline stage
   (:class:`~.stages.StageCost`) and activation recomputation;
 * :mod:`.catalog`: analytic models (VGG-16, ResNet-50, GNMT, BERT, GPT sizes)

@@ -2,43 +2,66 @@
 
 Each model is written down layer by layer as per-sample FLOPs, parameter
 counts and tensor sizes taken from its published architecture; a
-:class:`~pipesim.sim.hardware.machines.DeviceSpec` turns them into times. Nothing is
-measured, so the profiles are only as good as two assumptions, stated here
-once:
+:class:`~pipesim.sim.hardware.machines.DeviceSpec` turns them into times. Nothing
+about the models is measured, so the profiles are only as good as the
+assumptions stated here once:
 
-Time (a roofline per layer and pass, plus its kernel launches)
-    ``time = kernels * device.kernel_overhead_s
-    + max(FLOPs / device.flops, bytes moved / device.mem_bandwidth)``.
-    ``device.flops`` is *sustained* throughput, which already prices the
-    elementwise work around big GEMMs, so GEMM-heavy layers are compute-bound
-    and layers without weights (pooling, embedding lookups) come out
-    memory-bound instead of free. Bytes moved in the forward: the weights
-    (not for embedding lookups, which read only the rows they gather) plus
-    the layer's input, output and stashed intermediates; the backward moves
-    twice that. ``kernels`` is what the pass launches (each layer's
-    :attr:`ArchLayer.kernels`; a Megatron transformer layer launches 15
-    kernels forward and 43 backward, :data:`TRANSFORMER_KERNELS`), and each
-    launch costs a fixed time whatever the micro-batch, so on a device with
-    ``kernel_overhead_s`` > 0 a pass costs ``fixed + b * per-sample``: the
-    per-sample rate is the same at every micro-batch size b, the fixed part
-    makes small micro-batches dearer per sample. A device without it (0,
-    every preset but ``p3.16xlarge``) prices the roofline alone.
-Backward FLOPs
-    The input gradient of a product with weights costs its forward FLOPs
-    again, and so does the weight gradient, so ``B ~= 2 F`` and the
-    zero-bubble split is about half and half. Products without weights
-    (attention scores, attention-weighted values) have only input gradients
-    (2x their forward). The first layer needs no input gradient: its input
-    is data.
+Time (per layer and pass: its kernel launches plus its work)
+    ``time = kernels * device.kernel_overhead_s + work``. ``kernels`` is what
+    the pass launches (each layer's :attr:`ArchLayer.kernels`; a Megatron
+    transformer layer launches 15 kernels forward and 43 backward,
+    :data:`TRANSFORMER_KERNELS`), and each launch costs a fixed time
+    whatever the micro-batch (0 on every preset but ``p3.16xlarge``).
+
+    On a device with the GEMM shape model (``device.peak_flops``, ``sms``,
+    ``gemm_max_efficiency``: the V100, A100 and H100 presets) the work is
+    ``sum of the layer's GEMM times + bytes moved / device.mem_bandwidth``.
+    Each GEMM of :attr:`ArchLayer.gemms`, at the micro-batch's shape (b
+    samples are b times the rows: ``M = b * s`` for a transformer's linear
+    layers, ``b * Ho * Wo`` for a convolution; b times the products for
+    attention's per-head ones), is priced by
+    :func:`~pipesim.sim.hardware.gemm.gemm_seconds`: tile and wave
+    quantisation over the device's SMs, or the device's measured table. So a
+    small micro-batch fills fewer waves and pads more of its tiles, and its
+    GEMMs run at a lower fraction of peak: the per-sample time falls with b
+    and levels off once the GEMMs fill the device. The bytes term is the
+    rest of the layer (elementwise kernels, softmax, normalisation, whose
+    traffic is taken as the layer's input, output and stashed
+    intermediates), memory-bound, one after the other with the GEMMs.
+
+    Elsewhere (devices without the shape model: the fp32 and CPU presets,
+    measured machines; layers without GEMMs) the work is the roofline
+    ``max(FLOPs / device.flops, bytes moved / device.mem_bandwidth)``, with
+    ``device.flops`` a *sustained* throughput that already prices the
+    elementwise work around big GEMMs, the same at every micro-batch size.
+    Bytes moved in the forward: the weights (not for embedding lookups,
+    which read only the rows they gather) plus the layer's input, output and
+    stashed intermediates; the backward moves twice that.
+Backward
+    A product with weights (M, N, K) has an input gradient (M, K, N), the
+    same FLOPs, and a weight gradient (K, N, M), the same FLOPs again,
+    one kernel summing over every row, so ``B ~= 2 F`` by FLOPs and the
+    zero-bubble split is about half and half (by shapes the two gradients
+    run at their own efficiencies, and the non-GEMM backward, twice the
+    forward's bytes, is part of the input gradient). Products without
+    weights (attention scores, attention-weighted values) have two input
+    gradients, (M, K, N) and (K, N, M): 2x their forward, all input
+    gradient. The first layer needs no input gradient: its input is data.
 
 Sizes
     Activations and stashes are in the device's precision
     (``device.dtype_bytes``: 4 on the fp32 ``pcie-4gpu``, 2 with mixed
-    precision on V100/H100). Parameters are counted at 4 bytes each: mixed
-    precision keeps fp32 master weights, and with gradients plus Adam's two
-    moments that gives the usual 16 bytes per parameter (12 for momentum SGD
-    in fp32). A layer's stash is its input plus its internal intermediates;
-    its output is stashed by the next layer as that layer's input.
+    precision on V100/H100). ``param_bytes`` counts parameters at 4 bytes
+    each, the fp32 master weights. On a device with 2-byte activations the
+    profile's :class:`~pipesim.sim.workloads.profile.Precision` is mixed
+    precision (:func:`catalog_precision`): the passes read 16-bit weights,
+    the gradients (what a replicated stage all-reduces) are 16-bit, the
+    master weights and the optimizer state fp32: 2 + 2 + 4 + 4 + 4 = 16
+    bytes per parameter with Adam, 2 + 2 + 4 + 4 = 12 with momentum SGD
+    (ZeRO's count), the same as fp32 training holds (4 + 4 + 8, 4 + 4 + 4)
+    on an fp32 device, where every copy is fp32. A layer's stash is its
+    input plus its internal intermediates; its output is stashed by the
+    next layer as that layer's input.
     Transformer stashes follow Korthikanti et al. 2022 ("Reducing Activation
     Recomputation in Large Transformer Models"): ``s*b*h*(34 + 5*a*s/h)`` bytes
     per layer at 2 bytes per element. BERT-large keeps the attention scores
@@ -102,15 +125,34 @@ formula does). Sequence models take ``seq_len``; transformers take
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipesim.sim.hardware.gemm import gemm_seconds
 from pipesim.sim.hardware.machines import DeviceSpec
 from pipesim.sim.workloads import pipedream_graph
-from pipesim.sim.workloads.profile import OPTIMIZER_STATE_MULTIPLIER, LayerCost, Profile, WorkloadError
+from pipesim.sim.workloads.profile import (
+    FP32,
+    MIXED_16BIT,
+    OPTIMIZER_STATE_MULTIPLIER,
+    LayerCost,
+    Precision,
+    Profile,
+    WorkloadError,
+)
 
-#: Bytes per parameter in every catalog profile (fp32 master weights).
+#: Bytes per parameter of every catalog profile's ``param_bytes`` (fp32 master weights).
 PARAM_BYTES = 4
+
+
+def catalog_precision(device: DeviceSpec) -> Precision:
+    """The precision a catalog model trains at on ``device``: mixed
+    precision (16-bit weights and gradients, fp32 master weights and
+    optimizer state, as Megatron-LM and apex's AMP keep them) where the
+    device computes in 2-byte elements, fp32 throughout otherwise."""
+    return MIXED_16BIT if device.dtype_bytes == 2 else FP32
+
 
 #: The ``uniform`` model's per-layer weights and stash: 1 MiB each, so memory
 #: results read as whole MiB while sends stay at zero bytes.
@@ -203,6 +245,42 @@ def _lstm_kernels(steps: int, directions: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
+class Gemm:
+    """One matrix product of a layer's forward, per sample: ``batch``
+    products (m x k) @ (k x n) in one kernel, launched ``steps`` times one
+    after another (an LSTM's time steps; 1 otherwise).
+
+    ``scale`` is the dimension a micro-batch of b samples multiplies:
+    ``"m"``, the rows (the tokens or output pixels of b samples stacked, as
+    linear layers and convolutions run them: M = b x m), or ``"batch"``, the
+    independent products (attention's per-head products: b x heads of
+    them). ``weights``: B is a weight matrix, so the backward is a data
+    gradient (M, K, N) and a weight gradient (K, N, M x batch x steps): one
+    kernel summing over every row; otherwise both operands are activations
+    (attention's scores and context) and the backward is two data gradients,
+    (M, K, N) and (K, N, M)."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    scale: str = "m"
+    steps: int = 1
+    weights: bool = True
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs per sample (a multiply-add is 2)."""
+        return 2.0 * self.m * self.n * self.k * self.batch * self.steps
+
+    def shape(self, microbatch_size: int) -> tuple[int, int, int, int]:
+        """(M, N, K, batch) of one launch at a micro-batch size."""
+        if self.scale == "batch":
+            return (self.m, self.n, self.k, self.batch * microbatch_size)
+        return (self.m * microbatch_size, self.n, self.k, self.batch)
+
+
+@dataclass(frozen=True)
 class ArchLayer:
     """One layer, per sample, independent of any device.
 
@@ -213,6 +291,11 @@ class ArchLayer:
     layer's (the pipeline copy of tied embeddings). ``kernels``: the kernels
     one pass launches, (forward, backward input gradient, backward weight
     gradient), whatever the micro-batch (see :data:`TRANSFORMER_KERNELS`).
+    ``gemms``: the layer's matrix products with their shapes, which a device
+    with the GEMM shape model prices one by one (see the module doc); their
+    FLOPs are the layer's ``gemm_flops + other_flops`` but for work that is
+    no GEMM (the additive attention scores of GNMT), which the memory term
+    prices. Empty: the layer is priced by the roofline at ``device.flops``.
     """
 
     name: str
@@ -226,6 +309,7 @@ class ArchLayer:
     param_traffic: bool = True
     tied_params: int = 0
     kernels: tuple[int, int, int] = (0, 0, 0)
+    gemms: tuple[Gemm, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -271,6 +355,8 @@ def _vgg16(image: int, classifier: tuple[int, ...]) -> list[ArchLayer]:
                 stash_elems=c * h * h + (conv_out if pooled else 0),
                 input_grad=bool(layers),
                 kernels=_conv_kernels(pooled, first=not layers),
+                # implicit GEMM: M = b x H x W output pixels, N = Cout, K = Cin x 3 x 3
+                gemms=(Gemm(h * h, cout, c * 9),),
             )
         )
         c, h = cout, ho
@@ -287,6 +373,7 @@ def _vgg16(image: int, classifier: tuple[int, ...]) -> list[ArchLayer]:
                 out_elems=0 if last else nout,  # the last layer ends in the loss
                 stash_elems=width + (nout if last else nout / 2),  # logits / dropout mask
                 kernels=FC_KERNELS,
+                gemms=(Gemm(1, nout, width),),
             )
         )
         width = nout
@@ -305,6 +392,7 @@ def _resnet50() -> list[ArchLayer]:
             stash_elems=3 * 224 * 224 + 2 * 64 * 112 * 112,
             input_grad=False,
             kernels=(4, 0, 7),  # conv, BN, ReLU, max-pool; their backwards, 3 accumulations
+            gemms=(Gemm(112 * 112, 64, 3 * 49),),  # the 7x7 stride-2 convolution
         )
     ]
     cin, h = 64, 56
@@ -317,10 +405,13 @@ def _resnet50() -> list[ArchLayer]:
             params = cin * mid + 9 * mid * mid + mid * out + 2 * (mid + mid + out)
             macs = h * h * cin * mid + ho * ho * 9 * mid * mid + ho * ho * mid * out
             stash = cin * h * h + 2 * mid * h * h + 2 * mid * ho * ho + out * ho * ho
+            # 1x1 reduce, 3x3 (with the stride, as v1.5 has it), 1x1 expand
+            gemms = [Gemm(h * h, mid, cin), Gemm(ho * ho, mid, 9 * mid), Gemm(ho * ho, out, mid)]
             if down:
                 params += cin * out + 2 * out
                 macs += ho * ho * cin * out
                 stash += out * ho * ho
+                gemms.append(Gemm(ho * ho, out, cin))  # the 1x1 projection shortcut
             layers.append(
                 ArchLayer(
                     name=f"layer{stage}.{b}",
@@ -330,6 +421,7 @@ def _resnet50() -> list[ArchLayer]:
                     out_elems=out * ho * ho,
                     stash_elems=stash,
                     kernels=BOTTLENECK_DOWN_KERNELS if down else BOTTLENECK_KERNELS,
+                    gemms=tuple(gemms),
                 )
             )
             cin, h = out, ho
@@ -342,6 +434,7 @@ def _resnet50() -> list[ArchLayer]:
             out_elems=0,
             stash_elems=2048 + 1000,
             kernels=(5, 4, 4),  # average pool, then the classifier (FC_KERNELS's)
+            gemms=(Gemm(1, 1000, 2048),),
         )
     )
     return layers
@@ -357,6 +450,14 @@ _GNMT_VOCAB = 32320
 
 def _lstm_params(inp: int, h: int) -> int:
     return 4 * h * (inp + h) + 8 * h  # PyTorch keeps two bias vectors
+
+
+def _lstm_gemms(steps: int, inp: int, h: int, directions: int = 1) -> tuple[Gemm, ...]:
+    """An LSTM layer's GEMMs, per direction, as cuDNN runs them: the input
+    projection of every time step at once (M = b x steps, N = 4h, K = inp),
+    then each step's recurrent product (M = b, N = 4h, K = h), ``steps``
+    launches one after another."""
+    return (Gemm(steps, 4 * h, inp), Gemm(1, 4 * h, h, steps=steps)) * directions
 
 
 def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
@@ -380,6 +481,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
                 out_elems=s * h * dirs,
                 stash_elems=s * (inp + dirs * 5 * h),
                 kernels=_lstm_kernels(s, dirs),
+                gemms=_lstm_gemms(s, inp, h, dirs),
             )
         )
     enc_out = s * h
@@ -412,6 +514,9 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
             # the LSTM, then attention: 2 GEMMs, add, tanh, score, mask, softmax,
             # context bmm, concatenation, and their backwards; 3 accumulations more
             kernels=tuple(k + a for k, a in zip(_lstm_kernels(t, 1), (10, 10, 5))),
+            # the LSTM, the keys' and the query's projections, the context bmm
+            # (t x s weights by s x h values); the additive scores are elementwise
+            gemms=(*_lstm_gemms(t, h, h), Gemm(s, h, h), Gemm(t, h, h), Gemm(t, h, s, weights=False)),
         )
     )
     for i in range(1, depth):
@@ -425,6 +530,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
                 out_elems=t * h if last else 2 * t * h,  # upper layers carry the context
                 stash_elems=t * (2 * h + 5 * h),
                 kernels=_lstm_kernels(t, 1),
+                gemms=_lstm_gemms(t, 2 * h, h),
             )
         )
     layers.append(
@@ -436,6 +542,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
             out_elems=0,
             stash_elems=t * h + t * v,  # input and logits for the softmax loss
             kernels=FC_KERNELS,
+            gemms=(Gemm(t, v, h),),
         )
     )
     return layers
@@ -449,6 +556,17 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
 def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLayer:
     # Korthikanti et al.: bytes per sample at 2 bytes/element; halve for elements.
     stash_bytes16 = s * d * 34 + (5 * heads * s * s if keep_scores else 0)
+    assert d % heads == 0, (d, heads)
+    dh = d // heads
+    # Megatron's products ([s, b, h] layout, so M = s x b), in their order
+    gemms = (
+        Gemm(s, 3 * d, d),  # QKV
+        Gemm(s, s, dh, batch=heads, scale="batch", weights=False),  # scores Q K^T, b x heads of them
+        Gemm(s, dh, s, batch=heads, scale="batch", weights=False),  # context: probabilities x V
+        Gemm(s, d, d),  # output projection
+        Gemm(s, 4 * d, d),  # h -> 4h
+        Gemm(s, d, 4 * d),  # 4h -> h
+    )
     return ArchLayer(
         name=name,
         gemm_flops=24.0 * s * d * d,
@@ -458,6 +576,7 @@ def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLaye
         out_elems=s * d,
         stash_elems=stash_bytes16 / 2,
         kernels=TRANSFORMER_KERNELS,
+        gemms=gemms,
     )
 
 
@@ -488,6 +607,8 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
             stash_elems=3 * s * d + s * vocab,
             tied_params=d * vocab,
             kernels=BERT_HEADS_KERNELS,
+            # the LM transform, the logits, the pooler (the [CLS] token only)
+            gemms=(Gemm(s, d, d), Gemm(s, vocab, d), Gemm(1, d, d)),
         )
     )
     return layers
@@ -519,6 +640,7 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
             stash_elems=2 * s * d + s * vocab,  # LN input/output and the logits
             tied_params=d * vocab,
             kernels=GPT_HEAD_KERNELS,
+            gemms=(Gemm(s, vocab, d),),  # the logits, against the tied embedding
         )
     )
     return layers
@@ -713,20 +835,91 @@ def model_profile(
     mb = _positive("microbatch_size", microbatch_size if microbatch_size is not None else m.microbatch_size)
     arch = architecture(name, seq_len=seq_len, layers=layers)
     costs = tuple(layer_cost(la, device, mb) for la in arch)
+    if device.shape_model:
+        rate = (
+            f"with GEMMs by shape ({device.peak_flops / 1e12:g} TFLOP/s peak, {device.sms} SMs, "
+            f"{device.gemm_table or f'at most {device.gemm_max_efficiency:g} of peak'})"
+        )
+    else:
+        rate = f"at {device.flops / 1e12:g} TFLOP/s sustained"
     notes = (
-        f"{m.description}; {device.name} at {device.flops / 1e12:g} TFLOP/s sustained, "
+        f"{m.description}; {device.name} {rate}, "
         f"{device.dtype_bytes}-byte activations, {PARAM_BYTES}-byte parameters; micro-batch {mb}"
     )
     if m.seq_len is not None:
         notes += f", sequence {seq_len if seq_len is not None else m.seq_len}"
-    return Profile(name=name, layers=costs, microbatch_size=mb, optimizer=optimizer or m.optimizer, notes=notes)
+    return Profile(
+        name=name,
+        layers=costs,
+        microbatch_size=mb,
+        optimizer=optimizer or m.optimizer,
+        notes=notes,
+        precision=catalog_precision(device),
+    )
 
 
 def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> LayerCost:
     """Times and sizes of one architecture layer for one micro-batch: each
     pass is its kernel launches (``kernels * device.kernel_overhead_s``,
-    the same at every micro-batch size) plus the roofline of its work."""
+    the same at every micro-batch size) plus its work: on a device with the
+    GEMM shape model, its GEMMs by their shapes and the rest of its traffic at
+    the memory bandwidth (:func:`shaped_passes`), else the roofline of its
+    FLOPs and bytes (see the module doc)."""
     mb = microbatch_size
+    dt = device.dtype_bytes
+    k_f, k_bi, k_bw = la.kernels
+    launch = device.kernel_overhead_s
+    fixed_f, fixed_bi, fixed_bw = k_f * launch, (k_bi if la.input_grad else 0) * launch, k_bw * launch
+    if device.shape_model and la.gemms:
+        forward_s, backward_input_s, backward_weight_s = shaped_passes(la, device, mb)
+        backward_s = backward_input_s + backward_weight_s
+    else:
+        forward_s, backward_s, backward_input_s = _roofline_passes(la, device, mb)
+    return LayerCost(
+        name=la.name,
+        forward_s=fixed_f + forward_s,
+        backward_s=fixed_bi + fixed_bw + backward_s,
+        param_bytes=PARAM_BYTES * la.params,
+        activation_bytes=round(dt * mb * la.out_elems),
+        stash_bytes=round(dt * mb * la.stash_elems),
+        backward_input_s=fixed_bi + backward_input_s,
+        fixed_forward_s=fixed_f,
+        fixed_backward_s=fixed_bi + fixed_bw,
+    )
+
+
+def shaped_passes(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> tuple[float, float, float]:
+    """(forward, backward input-gradient, backward weight-gradient) seconds of
+    a layer's work on a device with the GEMM shape model, launches aside.
+
+    Each of the layer's GEMMs at the micro-batch's shape
+    (:func:`~pipesim.sim.hardware.gemm.gemm_seconds`), times its launches;
+    its backward as :class:`Gemm` says (a layer whose input is data computes
+    no data gradient of its weight products). The rest of the layer's work
+    (elementwise kernels, softmax, normalisation) moves its input, output and
+    stashed intermediates at ``device.mem_bandwidth``, twice that in the
+    backward, which is part of the input gradient (of the weight gradient
+    where the layer has none)."""
+    mb = microbatch_size
+    forward, grad_in, grad_w = [], [], []
+    for g in la.gemms:
+        m, n, k, batch = g.shape(mb)
+        forward.append(g.steps * gemm_seconds(device, m, n, k, batch))
+        if g.weights:
+            if la.input_grad:
+                grad_in.append(g.steps * gemm_seconds(device, m, k, n, batch))
+            grad_w.append(gemm_seconds(device, k, n, m * batch * g.steps))
+        else:
+            both = g.steps * (gemm_seconds(device, m, k, n, batch) + gemm_seconds(device, k, n, m, batch))
+            (grad_in if la.input_grad else grad_w).append(both)
+    moved = device.dtype_bytes * mb * (la.in_elems + la.out_elems + la.stash_elems) / device.mem_bandwidth
+    (grad_in if la.input_grad else grad_w).append(2 * moved)
+    return math.fsum(forward) + moved, math.fsum(grad_in), math.fsum(grad_w)
+
+
+def _roofline_passes(la: ArchLayer, device: DeviceSpec, mb: int) -> tuple[float, float, float]:
+    """(forward, backward, backward input-gradient) seconds of a layer's work
+    by the roofline at ``device.flops`` and ``device.mem_bandwidth``."""
     dt = device.dtype_bytes
     fwd_flops = mb * (la.gemm_flops + la.other_flops)
     if la.input_grad:
@@ -743,20 +936,7 @@ def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> Layer
         backward_input_s = 0.0
     else:
         backward_input_s = backward_s if la.params == 0 else backward_s / 2
-    k_f, k_bi, k_bw = la.kernels
-    launch = device.kernel_overhead_s
-    fixed_f, fixed_bi, fixed_bw = k_f * launch, (k_bi if la.input_grad else 0) * launch, k_bw * launch
-    return LayerCost(
-        name=la.name,
-        forward_s=fixed_f + forward_s,
-        backward_s=fixed_bi + fixed_bw + backward_s,
-        param_bytes=PARAM_BYTES * la.params,
-        activation_bytes=round(dt * mb * la.out_elems),
-        stash_bytes=round(dt * mb * la.stash_elems),
-        backward_input_s=fixed_bi + backward_input_s,
-        fixed_forward_s=fixed_f,
-        fixed_backward_s=fixed_bi + fixed_bw,
-    )
+    return forward_s, backward_s, backward_input_s
 
 
 def uniform_profile(

@@ -27,6 +27,20 @@ JSON form (times in seconds, sizes in bytes, per micro-batch)::
     }
 
 ``backward_input_s`` is optional (see :attr:`LayerCost.backward_input`).
+An optional ``"precision"`` says how many bytes per parameter each copy of
+the weights takes (:class:`Precision`; each 1, 2, 4 or 8), for mixed
+precision::
+
+    "precision": {"weight_bytes": 2, "gradient_bytes": 2, "master_bytes": 4}
+
+``weight_bytes``: the weights the passes read (and a stashed version of
+them); ``gradient_bytes``: the gradients, which a replicated stage
+all-reduces; ``master_bytes``: the master weights the optimizer updates and
+each of its state buffers. A layer's ``param_bytes`` counts its weights at
+``master_bytes`` per parameter (a whole number of them), and the other
+copies are scaled from it. Without ``"precision"`` every copy has the width
+``param_bytes`` was counted at (one precision throughout, as in fp32
+training: :data:`FP32`), and any byte count is accepted.
 Numbers are checked where they enter (a file, or building a
 :class:`LayerCost` / :class:`Profile`): times are finite seconds in
 ``[0, MAX_SECONDS]``, sizes whole bytes in ``[0, MAX_BYTES]`` (a profile's
@@ -62,6 +76,102 @@ MAX_MICROBATCH_SIZE = 2**31
 
 class WorkloadError(InputError):
     """A profile, catalog name or partition request is invalid."""
+
+
+#: The widths a :class:`Precision` field may take, in bytes per parameter.
+PRECISION_WIDTHS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each copy of a model's weights.
+
+    ``weight_bytes``: the weights the forward and backward passes read, and
+    every older version a schedule keeps for a later pass (a stash);
+    ``gradient_bytes``: the gradients the backward makes, which a replicated
+    stage's REDUCE_GRAD all-reduces; ``master_bytes``: the master weights the
+    optimizer updates and each of its state buffers (momentum, Adam's two
+    moments).
+
+    A layer's ``param_bytes`` counts its weights at ``master_bytes`` each;
+    :meth:`weights` and :meth:`gradients` scale it to the other widths. Where
+    the passes read weights of another width than the master's, a separate
+    master copy is kept (:meth:`master_copy`); otherwise the passes read the
+    master itself. Mixed-precision Adam (:data:`MIXED_16BIT`) holds 2 + 2 + 4
+    + 4 + 4 = 16 bytes per parameter, momentum SGD 12 (Rajbhandari et al.
+    2020, "ZeRO", section 3.1): what one precision throughout holds at 4
+    bytes, so only what crosses a link and what a stash holds change.
+    """
+
+    weight_bytes: int = 4
+    gradient_bytes: int = 4
+    master_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for name in _PRECISION_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v not in PRECISION_WIDTHS:
+                raise WorkloadError(f"precision.{name} must be 1, 2, 4 or 8 (bytes per parameter), got {shown(v)}")
+
+    @property
+    def uniform(self) -> bool:
+        """Every copy at one width: the sizes are ``param_bytes`` whatever it was counted at."""
+        return self.weight_bytes == self.gradient_bytes == self.master_bytes
+
+    def weights(self, param_bytes: int) -> int:
+        """Bytes of the passes' weights of ``param_bytes`` counted at the master's width."""
+        return param_bytes * self.weight_bytes // self.master_bytes
+
+    def gradients(self, param_bytes: int) -> int:
+        """Bytes of the gradients of ``param_bytes`` counted at the master's width."""
+        return param_bytes * self.gradient_bytes // self.master_bytes
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether a master copy is kept beside the passes' weights (their widths differ)."""
+        return self.weight_bytes != self.master_bytes
+
+    def master_copy(self, param_bytes: int) -> int:
+        """Bytes of a master copy kept beside the passes' weights: ``param_bytes``
+        when the two widths differ, 0 when the passes read the master itself."""
+        return param_bytes if self.separate_master else 0
+
+    def ratios(self) -> tuple[float, float, float]:
+        """The passes' weights, the gradients and the separate master copy
+        per byte of ``param_bytes``, for sums over layer ranges (powers of
+        two, so the products are exact)."""
+        return (
+            self.weight_bytes / self.master_bytes,
+            self.gradient_bytes / self.master_bytes,
+            1.0 if self.separate_master else 0.0,
+        )
+
+    def to_json(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in _PRECISION_FIELDS}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Precision:
+        """Validate and build; :class:`WorkloadError` naming the field on bad input."""
+        if not isinstance(d, dict):
+            raise WorkloadError(f"'precision' must be an object with {', '.join(_PRECISION_FIELDS)}")
+        extra = sorted(set(d) - set(_PRECISION_FIELDS))
+        if extra:
+            raise WorkloadError(f"precision: unknown field {extra[0]!r} (known: {', '.join(_PRECISION_FIELDS)})")
+        missing = [k for k in _PRECISION_FIELDS if k not in d]
+        if missing:
+            raise WorkloadError(f"precision: missing field {missing[0]!r}")
+        return cls(**d)
+
+
+_PRECISION_FIELDS = ("weight_bytes", "gradient_bytes", "master_bytes")
+
+#: One precision throughout (every copy at the width ``param_bytes`` counts):
+#: a profile's default, and fp32 training.
+FP32 = Precision()
+#: Mixed precision as Megatron-LM and apex's AMP (O2) train: 16-bit (fp16
+#: or bf16) weights for the passes and 16-bit gradients, fp32 master weights
+#: and optimizer state.
+MIXED_16BIT = Precision(weight_bytes=2, gradient_bytes=2, master_bytes=4)
 
 
 @dataclass(frozen=True)
@@ -163,6 +273,8 @@ class Profile:
     ``microbatch_size`` is the samples per micro-batch the costs were taken
     at (for throughput; costs are not rescaled). ``optimizer`` decides the
     optimizer state held per weight (:data:`OPTIMIZER_STATE_MULTIPLIER`).
+    ``precision``: the width of each copy of the weights (:class:`Precision`;
+    by default one width throughout).
     """
 
     name: str
@@ -173,6 +285,7 @@ class Profile:
     #: fixed seconds per stage pass, on top of its layers (see the module doc)
     overhead_forward_s: float = 0.0
     overhead_backward_s: float = 0.0
+    precision: Precision = FP32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -198,6 +311,27 @@ class Profile:
             if total > MAX_BYTES:
                 raise WorkloadError(
                     f"profile {self.name!r}: the layers' {attr} add up to {total}, more than 2**53 bytes"
+                )
+        self._check_precision()
+
+    def _check_precision(self) -> None:
+        pr = self.precision
+        if not isinstance(pr, Precision):
+            raise WorkloadError(f"profile {self.name!r}: precision must be a Precision, got {type(pr).__name__}")
+        if pr.uniform:
+            return
+        for layer in self.layers:
+            if layer.param_bytes % pr.master_bytes:
+                raise WorkloadError(
+                    f"profile {self.name!r}: layer {layer.name!r}: param_bytes {layer.param_bytes} is not a whole "
+                    f"number of {pr.master_bytes}-byte parameters (precision.master_bytes)"
+                )
+        for what, size in (("weight", pr.weights), ("gradient", pr.gradients)):
+            total = size(self.param_bytes)
+            if total > MAX_BYTES:
+                raise WorkloadError(
+                    f"profile {self.name!r}: the layers' {what} bytes at this precision add up to {total}, "
+                    "more than 2**53 bytes"
                 )
 
     @property
@@ -230,6 +364,8 @@ class Profile:
             d["notes"] = self.notes
         if self.overhead_forward_s or self.overhead_backward_s:
             d["overhead"] = {"forward_s": self.overhead_forward_s, "backward_s": self.overhead_backward_s}
+        if self.precision != FP32:
+            d["precision"] = self.precision.to_json()
         d["layers"] = [layer.to_json() for layer in self.layers]
         return d
 
@@ -280,6 +416,7 @@ class Profile:
             problem = seconds_problem(f"overhead.{k}", v)
             if problem:
                 raise WorkloadError(problem)
+        precision = Precision.from_json(d["precision"]) if "precision" in d else FP32
         return cls(
             name=d["name"],
             layers=tuple(layers),
@@ -288,10 +425,11 @@ class Profile:
             notes=notes,
             overhead_forward_s=float(overhead.get("forward_s", 0.0)),
             overhead_backward_s=float(overhead.get("backward_s", 0.0)),
+            precision=precision,
         )
 
 
-_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead"}
+_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead", "precision"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
 _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s"}
 

@@ -59,6 +59,31 @@ class StageCost:
     #: backward) of the stage runs, in bytes each, in order (the
     #: strategy's costs set them; empty for every other strategy).
     allreduce_bytes: tuple[int, ...] = ()
+    #: The weights the passes read (one version of them; what a stashed
+    #: version holds), summed over the stage's layers at the profile's
+    #: :class:`~pipesim.sim.workloads.profile.Precision`; None: ``param_bytes``.
+    weight_bytes: int | None = None
+    #: The stage's gradients, what its REDUCE_GRAD all-reduces (16-bit in
+    #: mixed precision); None: ``param_bytes``.
+    gradient_bytes: int | None = None
+    #: A master copy of the weights kept beside the passes' copy (mixed
+    #: precision: the fp32 weights the optimizer updates); 0 when the passes
+    #: read the master itself. ``param_bytes`` is always the master's size,
+    #: and the optimizer state is counted in it.
+    master_copy_bytes: int = 0
+    #: Per layer of the stage, in order: its gradients' bytes and the share
+    #: of the stage's backward it takes (fractions summing to 1), so a
+    #: data-parallel all-reduce can start on the last layers' gradients
+    #: while the backward still runs on the first (DDP's buckets,
+    #: :mod:`pipesim.sim.engine.core`). Empty for a stage built by hand:
+    #: its gradients are one bucket, ready when its backward ends.
+    layer_gradient_bytes: tuple[int, ...] = ()
+    layer_backward_share: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bytes", "gradient_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.param_bytes)
 
     @property
     def held_bytes(self) -> int:
@@ -90,12 +115,25 @@ class StageCost:
         """Forward + backward: the quantity the partitioner balances."""
         return self.forward_s + self.backward_s
 
+    def resident_bytes(self, optimizer_state_multiplier: int = 1) -> int:
+        """What one replica holds throughout: one version of the passes'
+        weights, the gradients, the master copy (if apart) and the optimizer
+        state (``optimizer_state_multiplier`` buffers at the master's width).
+        One precision throughout: ``param_bytes * (2 + multiplier)``; mixed
+        precision holds the same total (see :class:`~pipesim.sim.workloads.profile.Precision`)."""
+        return (
+            self.weight_bytes
+            + self.gradient_bytes
+            + self.master_copy_bytes
+            + optimizer_state_multiplier * self.param_bytes
+        )
+
     def memory_bytes(self, inflight: int, optimizer_state_multiplier: int = 1) -> int:
-        """Weights, gradients, optimizer state and ``inflight`` micro-batches of
-        stash (with recomputation: their layers' inputs, one of them at its
-        backward's peak)."""
+        """Weights, gradients, optimizer state (:meth:`resident_bytes`) and
+        ``inflight`` micro-batches of stash (with recomputation: their layers'
+        inputs, one of them at its backward's peak)."""
         held = (inflight - 1) * self.held_bytes + self.full_stash_bytes if inflight > 0 else 0
-        return self.param_bytes * (2 + optimizer_state_multiplier) + held
+        return self.resident_bytes(optimizer_state_multiplier) + held
 
 
 def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
@@ -104,6 +142,7 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         raise WorkloadError(f"no layers {first}..{last} in a profile of {len(profile.layers)} layers")
     layers = profile.layers[first : last + 1]
     o_f, o_b = profile.overhead_forward_s, profile.overhead_backward_s
+    pr = profile.precision
     return StageCost(
         first_layer=first,
         last_layer=last,
@@ -118,7 +157,21 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         input_bytes=profile.layers[first - 1].activation_bytes if first else 0,
         layer_input_bytes=tuple(profile.layers[k - 1].activation_bytes if k else 0 for k in range(first, last + 1)),
         layer_stash_bytes=tuple(la.stash_bytes for la in layers),
+        weight_bytes=sum(pr.weights(la.param_bytes) for la in layers),
+        gradient_bytes=sum(pr.gradients(la.param_bytes) for la in layers),
+        master_copy_bytes=sum(pr.master_copy(la.param_bytes) for la in layers),
+        layer_gradient_bytes=tuple(pr.gradients(la.param_bytes) for la in layers),
+        layer_backward_share=backward_shares([la.backward_s for la in layers]),
     )
+
+
+def backward_shares(times: Sequence[float]) -> tuple[float, ...]:
+    """Each layer's share of the backward over ``times`` (equal shares when
+    every time is zero)."""
+    total = math.fsum(times)
+    if total <= 0:
+        return tuple(1 / len(times) for _ in times)
+    return tuple(t / total for t in times)
 
 
 def recompute_peak(inputs: Sequence[int], stashes: Sequence[int]) -> int:
