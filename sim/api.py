@@ -54,7 +54,9 @@ def model_for(
     layers = None
     if model == "uniform":
         layers = uniform_layers or (schedule.num_stages if schedule.num_stages > 1 else pipeline_depth)
-    return model_profile(model, hardware.device, microbatch_size, layers=layers)
+    # a tensor-parallel schedule gets one rank's shard, its GEMMs at the shard's shapes
+    shards = int(schedule.options.get("tensor_parallel", 1))
+    return model_profile(model, hardware.device, microbatch_size, layers=layers, tensor_parallel=shards)
 
 
 #: A simulation is small enough to confirm its split when this many runs of

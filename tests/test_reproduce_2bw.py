@@ -111,7 +111,9 @@ def test_predictions_do_not_read_published_values(small, monkeypatch):
 def uniform(monkeypatch):
     """Uniform layers (F = 1 ms, B = 2 ms, nothing sent) on the ideal machine."""
     monkeypatch.setattr(
-        twobw, "_profile", lambda model, hardware, b, layers=None: uniform_profile(8, microbatch_size=b)
+        twobw,
+        "_profile",
+        lambda model, hardware, b, layers=None, tensor_parallel=1: uniform_profile(8, microbatch_size=b),
     )
     monkeypatch.setattr(twobw, "MICROBATCH_SIZES", (1, 2))
 

@@ -120,3 +120,43 @@ def test_fixed_part_of_a_pass_is_not_split(d):
     # nothing fixed: exactly the old division
     (plain,) = get_strategy("tensor-parallel").device_costs(base, split_at(base, [0]), opts)
     assert (plain.forward_s, plain.backward_s) == (layers * 1e-3 / d, layers * 2e-3 / d)
+
+
+def test_a_shard_prices_its_gemms_at_the_shards_shapes():
+    """On a device with the GEMM shape model a tensor-parallel rank runs its
+    GEMMs at their shard's shapes (QKV and h -> 4h split by columns, the
+    projections by rows, attention by heads): eight ranks of GPT-2.2B at
+    b = 1 each take more than an eighth of one GPU's time, since 1/8 of a
+    GEMM fills fewer of the V100's waves; the engine runs that shard."""
+    from pipesim.sim.workloads.catalog import Gemm, model_profile
+
+    g = Gemm(512, 3 * 2304, 2304)
+    assert g.shard(8) == Gemm(512, 864, 2304)
+    assert Gemm(512, 2304, 9216, tp="k").shard(8).k == 1152
+    assert Gemm(512, 512, 72, batch=32, scale="batch", weights=False, tp="batch").shard(8).batch == 4
+    hw = load_hardware("p3.16xlarge")
+    whole = model_profile("2bw-gpt-2.2b", hw.device, 1)
+    shard = model_profile("2bw-gpt-2.2b", hw.device, 1, tensor_parallel=8)
+    assert shard.tensor_parallel == 8 and whole.tensor_parallel == 1
+    t_whole = sum(la.forward_s + la.backward_s for la in whole.layers)
+    t_shard = sum(la.forward_s + la.backward_s for la in shard.layers)
+    assert t_whole / 8 < t_shard < t_whole / 2
+    assert [la.activation_bytes for la in shard.layers] == [la.activation_bytes for la in whole.layers]
+    # simulate() hands the tensor-parallel schedule the shard, and the engine runs it as it is
+    result = simulate(ScheduleSpec("tensor-parallel", 8, 1), "2bw-gpt-2.2b", hw, microbatch_size=1)
+    forward = next(s for s in result.spans if s.stream == "compute" and s.action.op is F)
+    assert forward.end - forward.start == pytest.approx(sum(la.forward_s for la in shard.layers), rel=1e-9)
+    # a roofline device has no shapes to price: the whole model, divided by the strategy
+    pcie = load_hardware("pcie-4gpu")
+    assert model_profile("bert-large", pcie.device, 1, tensor_parallel=4).tensor_parallel == 1
+
+
+def test_a_shard_of_another_degree_is_refused():
+    from pipesim.sim.workloads.catalog import model_profile
+
+    hw = load_hardware("p3.16xlarge")
+    shard = model_profile("2bw-gpt-355m", hw.device, 1, tensor_parallel=4)
+    with pytest.raises(StrategyError, match="4-way"):
+        simulate(ScheduleSpec("tensor-parallel", 8, 1), hardware=hw, profile=shard)
+    again = Profile.from_json(shard.to_json())
+    assert again == shard and shard.to_json()["tensor_parallel"] == 4

@@ -96,8 +96,14 @@ def _hw(name: str) -> Hardware:
 
 
 @lru_cache(maxsize=64)
-def _profile(model: str, hardware: str, b: int, layers: int | None = None):
-    return model_profile(catalog(model) if layers is None else model, _hw(hardware).device, b, layers=layers)
+def _profile(model: str, hardware: str, b: int, layers: int | None = None, tensor_parallel: int = 1):
+    return model_profile(
+        catalog(model) if layers is None else model,
+        _hw(hardware).device,
+        b,
+        layers=layers,
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def _config(w: int, d: int, b: int, recompute: bool, replicas) -> dict:
@@ -139,7 +145,8 @@ def inter_layer(model: str, hardware: str, gpus: int, depth: int, batch: int) ->
 
 def _tensor_run(model: str, hardware: str, depth: int, b: int, m: int):
     spec = ScheduleSpec("tensor-parallel", depth, m)
-    return simulate_schedule(build_schedule(spec), _profile(model, hardware, b), _hw(hardware))
+    # one rank's shard: its GEMMs at their shard's shapes where the device prices shapes
+    return simulate_schedule(build_schedule(spec), _profile(model, hardware, b, tensor_parallel=depth), _hw(hardware))
 
 
 def tensor(model: str, hardware: str, gpus: int, depth: int, batch: int) -> dict:

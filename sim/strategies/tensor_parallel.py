@@ -23,8 +23,11 @@ device while charging every all-reduce, latency included. Within one pass
 the all-reduces follow all of its compute instead of sitting between
 layers; on one device the sum is the same.
 
-Simplifications: the compute, weights and stash of every layer are divided
-by d, except the fixed part of each pass (a layer's kernel launches,
+Simplifications: a catalog model on a device with the GEMM shape model is
+costed per shard, each GEMM at its shard's shape
+(:func:`pipesim.sim.workloads.catalog.model_profile`'s ``tensor_parallel``);
+for any other profile the compute, weights and stash of every layer are
+divided by d, except the fixed part of each pass (a layer's kernel launches,
 ``LayerCost.fixed_forward_s`` / ``fixed_backward_s``, and the profile's
 per-pass overhead), which every device pays in full (Megatron replicates LayerNorm and dropout inputs, so the real stash
 is somewhat larger); embedding and output layers all-reduce their hidden
@@ -41,7 +44,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from pipesim.sim.ir.core import ALLREDUCE, Action, B, F, Schedule
-from pipesim.sim.strategies._common import ScheduleSpec, Strategy, check_spec, flush_iteration, ring_steps, schedule_of
+from pipesim.sim.strategies._common import (
+    ScheduleSpec,
+    Strategy,
+    StrategyError,
+    check_spec,
+    flush_iteration,
+    ring_steps,
+    schedule_of,
+)
 
 NAME = "tensor-parallel"
 
@@ -88,8 +99,17 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
     holds the hidden state the all-reduce made); and the stage's activation
     all-reduces of one pass: two per layer, each of the layer's hidden state
     (the larger of its input and its output, so the loss layer, which
-    outputs nothing, still counts)."""
+    outputs nothing, still counts).
+
+    A profile that is already one rank's shard (``profile.tensor_parallel
+    == d``: a catalog model on a device with the GEMM shape model, its GEMMs
+    priced at the shard's shapes, where an 8-way split runs far below the
+    whole layer's efficiency) keeps its times and sizes; only the
+    all-reduces are added."""
     d = int(options.get("tensor_parallel", 1))
+    given = getattr(profile, "tensor_parallel", 1)
+    if given not in (1, d):
+        raise StrategyError(f"the profile is one shard of {given}-way tensor parallelism; this run is {d}-way")
     out = []
     for c in stage_costs:
         buffers = []
@@ -105,6 +125,10 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
             math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s) for la in layers if la.backward_s) + o_b
         )
         fixed_bw = fixed_b - fixed_bi + o_b
+
+        if given == d:  # already one rank's shard (its GEMMs priced at their shapes): only the all-reduces
+            out.append(replace(c, allreduce_bytes=tuple(buffers) if d > 1 else ()))
+            continue
 
         def share(t: float, fixed: float) -> float:
             return (t - fixed) / d + fixed

@@ -127,7 +127,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipesim.sim.hardware.gemm import gemm_seconds
 from pipesim.sim.hardware.machines import DeviceSpec
@@ -267,6 +267,21 @@ class Gemm:
     scale: str = "m"
     steps: int = 1
     weights: bool = True
+    #: how Megatron's tensor parallelism splits it over d ranks: ``"n"``
+    #: (column-parallel: QKV, h -> 4h, the vocabulary of the logits), ``"k"``
+    #: (row-parallel: the output projection, 4h -> h) or ``"batch"`` (the
+    #: attention products, by heads)
+    tp: str = "n"
+
+    def shard(self, d: int) -> Gemm:
+        """One rank's part of this product under d-way tensor parallelism."""
+        if d == 1:
+            return self
+        if self.tp == "k":
+            return replace(self, k=-(-self.k // d))
+        if self.tp == "batch":
+            return replace(self, batch=-(-self.batch // d))
+        return replace(self, n=-(-self.n // d))
 
     @property
     def flops(self) -> float:
@@ -561,11 +576,11 @@ def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLaye
     # Megatron's products ([s, b, h] layout, so M = s x b), in their order
     gemms = (
         Gemm(s, 3 * d, d),  # QKV
-        Gemm(s, s, dh, batch=heads, scale="batch", weights=False),  # scores Q K^T, b x heads of them
-        Gemm(s, dh, s, batch=heads, scale="batch", weights=False),  # context: probabilities x V
-        Gemm(s, d, d),  # output projection
+        Gemm(s, s, dh, batch=heads, scale="batch", weights=False, tp="batch"),  # scores Q K^T, b x heads
+        Gemm(s, dh, s, batch=heads, scale="batch", weights=False, tp="batch"),  # context: probabilities x V
+        Gemm(s, d, d, tp="k"),  # output projection
         Gemm(s, 4 * d, d),  # h -> 4h
-        Gemm(s, d, 4 * d),  # 4h -> h
+        Gemm(s, d, 4 * d, tp="k"),  # 4h -> h
     )
     return ArchLayer(
         name=name,
@@ -808,6 +823,7 @@ def model_profile(
     layers: int | None = None,
     seq_len: int | None = None,
     optimizer: str | None = None,
+    tensor_parallel: int = 1,
 ) -> Profile:
     """The profile of catalog model ``name`` on ``device`` (see the module doc).
 
@@ -815,7 +831,17 @@ def model_profile(
     transformer blocks (or of ``uniform`` layers); ``seq_len`` the sequence
     length of GNMT/BERT/GPT; ``optimizer`` overrides the model's default.
     A measured model ignores ``device`` (see the module doc).
+
+    ``tensor_parallel`` d > 1: one rank's shard of d-way tensor parallelism
+    (:attr:`Profile.tensor_parallel`), for an architecture model on a device
+    with the GEMM shape model: every GEMM at its shard's shape
+    (:meth:`Gemm.shard`), the rest of each layer's traffic, its weights and
+    its stash divided by d, its kernel launches whole. Elsewhere (measured
+    and ``uniform`` models, roofline devices) the whole model comes back and
+    tensor parallelism divides its times by d.
     """
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise WorkloadError(f"tensor_parallel must be an integer >= 1, got {tensor_parallel!r}")
     if optimizer is not None and optimizer not in OPTIMIZER_STATE_MULTIPLIER:
         raise WorkloadError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_MULTIPLIER)}, got {optimizer!r}")
     if name in pipedream_graph.CATALOG:
@@ -834,7 +860,8 @@ def model_profile(
     m = _lookup(name)
     mb = _positive("microbatch_size", microbatch_size if microbatch_size is not None else m.microbatch_size)
     arch = architecture(name, seq_len=seq_len, layers=layers)
-    costs = tuple(layer_cost(la, device, mb) for la in arch)
+    shards = tensor_parallel if device.shape_model else 1
+    costs = tuple(layer_cost(la, device, mb, shards) for la in arch)
     if device.shape_model:
         rate = (
             f"with GEMMs by shape ({device.peak_flops / 1e12:g} TFLOP/s peak, {device.sms} SMs, "
@@ -848,6 +875,8 @@ def model_profile(
     )
     if m.seq_len is not None:
         notes += f", sequence {seq_len if seq_len is not None else m.seq_len}"
+    if shards > 1:
+        notes += f"; one rank's shard of {shards}-way tensor parallelism, its GEMMs at their shard's shapes"
     return Profile(
         name=name,
         layers=costs,
@@ -855,40 +884,45 @@ def model_profile(
         optimizer=optimizer or m.optimizer,
         notes=notes,
         precision=catalog_precision(device),
+        tensor_parallel=shards,
     )
 
 
-def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> LayerCost:
+def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int, shards: int = 1) -> LayerCost:
     """Times and sizes of one architecture layer for one micro-batch: each
     pass is its kernel launches (``kernels * device.kernel_overhead_s``,
     the same at every micro-batch size) plus its work: on a device with the
     GEMM shape model, its GEMMs by their shapes and the rest of its traffic at
     the memory bandwidth (:func:`shaped_passes`), else the roofline of its
-    FLOPs and bytes (see the module doc)."""
+    FLOPs and bytes (see the module doc). ``shards`` > 1: one rank's part
+    under tensor parallelism (the GEMM shape model only; see
+    :func:`model_profile`)."""
     mb = microbatch_size
     dt = device.dtype_bytes
     k_f, k_bi, k_bw = la.kernels
     launch = device.kernel_overhead_s
     fixed_f, fixed_bi, fixed_bw = k_f * launch, (k_bi if la.input_grad else 0) * launch, k_bw * launch
     if device.shape_model and la.gemms:
-        forward_s, backward_input_s, backward_weight_s = shaped_passes(la, device, mb)
+        forward_s, backward_input_s, backward_weight_s = shaped_passes(la, device, mb, shards)
         backward_s = backward_input_s + backward_weight_s
     else:
-        forward_s, backward_s, backward_input_s = _roofline_passes(la, device, mb)
+        forward_s, backward_s, backward_input_s = (t / shards for t in _roofline_passes(la, device, mb))
     return LayerCost(
         name=la.name,
         forward_s=fixed_f + forward_s,
         backward_s=fixed_bi + fixed_bw + backward_s,
-        param_bytes=PARAM_BYTES * la.params,
+        param_bytes=PARAM_BYTES * -(-la.params // shards),
         activation_bytes=round(dt * mb * la.out_elems),
-        stash_bytes=round(dt * mb * la.stash_elems),
+        stash_bytes=round(dt * mb * la.stash_elems / shards),
         backward_input_s=fixed_bi + backward_input_s,
         fixed_forward_s=fixed_f,
         fixed_backward_s=fixed_bi + fixed_bw,
     )
 
 
-def shaped_passes(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> tuple[float, float, float]:
+def shaped_passes(
+    la: ArchLayer, device: DeviceSpec, microbatch_size: int, shards: int = 1
+) -> tuple[float, float, float]:
     """(forward, backward input-gradient, backward weight-gradient) seconds of
     a layer's work on a device with the GEMM shape model, launches aside.
 
@@ -899,10 +933,11 @@ def shaped_passes(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> tu
     (elementwise kernels, softmax, normalisation) moves its input, output and
     stashed intermediates at ``device.mem_bandwidth``, twice that in the
     backward, which is part of the input gradient (of the weight gradient
-    where the layer has none)."""
+    where the layer has none). ``shards``: one tensor-parallel rank's part,
+    each GEMM at its shard's shape and the rest of the traffic divided."""
     mb = microbatch_size
     forward, grad_in, grad_w = [], [], []
-    for g in la.gemms:
+    for g in (g.shard(shards) for g in la.gemms):
         m, n, k, batch = g.shape(mb)
         forward.append(g.steps * gemm_seconds(device, m, n, k, batch))
         if g.weights:
@@ -912,7 +947,7 @@ def shaped_passes(la: ArchLayer, device: DeviceSpec, microbatch_size: int) -> tu
         else:
             both = g.steps * (gemm_seconds(device, m, k, n, batch) + gemm_seconds(device, k, n, m, batch))
             (grad_in if la.input_grad else grad_w).append(both)
-    moved = device.dtype_bytes * mb * (la.in_elems + la.out_elems + la.stash_elems) / device.mem_bandwidth
+    moved = device.dtype_bytes * mb * (la.in_elems + la.out_elems + la.stash_elems) / device.mem_bandwidth / shards
     (grad_in if la.input_grad else grad_w).append(2 * moved)
     return math.fsum(forward) + moved, math.fsum(grad_in), math.fsum(grad_w)
 

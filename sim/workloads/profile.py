@@ -274,7 +274,12 @@ class Profile:
     at (for throughput; costs are not rescaled). ``optimizer`` decides the
     optimizer state held per weight (:data:`OPTIMIZER_STATE_MULTIPLIER`).
     ``precision``: the width of each copy of the weights (:class:`Precision`;
-    by default one width throughout).
+    by default one width throughout). ``tensor_parallel``: the layers are
+    one device's shard of d-way tensor parallelism (times, weights and
+    stashes per shard; activations whole, as the all-reduce leaves them on
+    every rank), as a catalog model on a device with the GEMM shape model
+    prices its sharded GEMMs; 1 (the default) is the whole model, which
+    tensor parallelism divides itself.
     """
 
     name: str
@@ -286,9 +291,13 @@ class Profile:
     overhead_forward_s: float = 0.0
     overhead_backward_s: float = 0.0
     precision: Precision = FP32
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 2**20:
+            raise WorkloadError(f"profile {self.name!r}: tensor_parallel must be an integer >= 1, got {tp!r}")
         for name in ("overhead_forward_s", "overhead_backward_s"):
             problem = seconds_problem(name, getattr(self, name))
             if problem:
@@ -366,6 +375,8 @@ class Profile:
             d["overhead"] = {"forward_s": self.overhead_forward_s, "backward_s": self.overhead_backward_s}
         if self.precision != FP32:
             d["precision"] = self.precision.to_json()
+        if self.tensor_parallel != 1:
+            d["tensor_parallel"] = self.tensor_parallel
         d["layers"] = [layer.to_json() for layer in self.layers]
         return d
 
@@ -426,10 +437,11 @@ class Profile:
             overhead_forward_s=float(overhead.get("forward_s", 0.0)),
             overhead_backward_s=float(overhead.get("backward_s", 0.0)),
             precision=precision,
+            tensor_parallel=d.get("tensor_parallel", 1),
         )
 
 
-_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead", "precision"}
+_PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead", "precision", "tensor_parallel"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
 _LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s"}
 

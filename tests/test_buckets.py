@@ -1,0 +1,97 @@
+"""DDP's gradient buckets and the compute a collective slows, held to
+analytic cases: what a bucketed all-reduce exposes after the backward, how
+buckets are cut, and what overlapped compute pays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipesim.sim.api import simulate
+from pipesim.sim.engine.core import bucketed_exposure, gradient_buckets
+from pipesim.sim.hardware import load_hardware
+from pipesim.sim.strategies import ScheduleSpec
+from pipesim.sim.workloads.profile import LayerCost, Profile
+from pipesim.sim.workloads.stages import stage_cost
+
+MIB = 1 << 20
+DGX1 = load_hardware("dgx1-v100")
+
+
+def machine(bucket_bytes: int = 25 * MIB, usage: float = 0.0):
+    """dgx1-v100 with the given bucket cap and processor usage on NVLink."""
+    spec = dataclasses.replace(DGX1.collectives, bucket_bytes=bucket_bytes, processor_usage=(("nvlink", usage),))
+    return dataclasses.replace(DGX1, collectives=spec)
+
+
+def profile(layers: int, grad_mib: int, backward_s: float) -> Profile:
+    return Profile("p", tuple(LayerCost(f"l{i}", 1e-3, backward_s, grad_mib * MIB, 0, 0) for i in range(layers)))
+
+
+def data_parallel(hw, prof: Profile, devices: int = 8):
+    result = simulate(ScheduleSpec("data-parallel", devices, devices), hardware=hw, profile=prof)
+    dev0 = [s for s in result.spans if s.device == 0]
+    backward = next(s for s in dev0 if s.stream == "compute" and s.action.op.name == "BACKWARD")
+    update = next(s for s in dev0 if s.stream == "compute" and s.action.op.name == "UPDATE")
+    reduce = next(s for s in dev0 if s.stream == "collective")
+    return backward, reduce, update
+
+
+def test_buckets_fill_from_the_last_layer() -> None:
+    cost = stage_cost(profile(4, 10, 1e-3), 0, 3)  # four 10 MiB layers, equal backward shares
+    # 1 MiB first cap: the last layer alone; then 25 MiB: the next three (30 MiB)
+    assert gradient_buckets(cost, MIB, 25 * MIB) == [(0.25, 10 * MIB), (1.0, 30 * MIB)]
+    assert gradient_buckets(cost, MIB, 15 * MIB) == [(0.25, 10 * MIB), (0.75, 20 * MIB), (1.0, 10 * MIB)]
+
+
+@given(st.lists(st.integers(0, 64 * MIB), min_size=1, max_size=12), st.integers(1, 64 * MIB))
+def test_buckets_hold_every_gradient_once_in_backward_order(sizes, cap) -> None:
+    prof = Profile("p", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, n, 0, 0) for i, n in enumerate(sizes)))
+    cost = stage_cost(prof, 0, len(sizes) - 1)
+    buckets = gradient_buckets(cost, MIB, cap)
+    assert sum(n for _, n in buckets) == sum(sizes)
+    shares = [s for s, _ in buckets]
+    assert shares == sorted(shares) and shares[-1] == pytest.approx(1.0) or sum(sizes) == 0
+    assert all(n >= cap for _, n in buckets[1:-1])  # only the first and the last may be short
+
+
+def test_exposure_in_closed_form() -> None:
+    # three buckets ready at 25%, 50%, 100% of a 10 ms backward, 1 ms each
+    buckets = [(0.25, 1), (0.5, 1), (1.0, 1)]
+    assert bucketed_exposure(buckets, 10e-3, lambda n: 1e-3) == pytest.approx(1e-3)  # only the last shows
+    # all-reduces longer than the backward: they queue, and the rest shows
+    assert bucketed_exposure(buckets, 10e-3, lambda n: 6e-3) == pytest.approx(2.5e-3 + 18e-3 - 10e-3)
+
+
+def test_a_long_backward_exposes_only_the_last_bucket() -> None:
+    """Eight 30 MiB layers, 10 ms of backward each: every bucket but the
+    last (the first layer's) all-reduces while the backward runs; the update
+    waits for the last bucket's all-reduce alone."""
+    hw = machine()
+    backward, reduce, update = data_parallel(hw, profile(8, 30, 10e-3))
+    last = hw.allreduce_estimate(range(8), 30 * MIB).seconds
+    assert reduce.start == pytest.approx(backward.start + 10e-3)  # the first bucket: the last layer's
+    assert reduce.end == pytest.approx(backward.end + last, rel=1e-9)
+    assert update.start == pytest.approx(reduce.end)
+    # unbucketed, the whole 240 MiB waits for the backward's end
+    _, whole, _ = data_parallel(machine(bucket_bytes=0), profile(8, 30, 10e-3))
+    assert whole.start == pytest.approx(backward.end)
+    assert whole.end - whole.start == pytest.approx(hw.allreduce_estimate(range(8), 240 * MIB).seconds)
+
+
+def test_overlapped_compute_pays_the_processor_usage() -> None:
+    """The backward under the buckets' all-reduces runs 1 / (1 - u) as long
+    while they run: the extra time, u / (1 - u) x the overlap, lands on the
+    device's next pass (its update)."""
+    prof = profile(8, 30, 10e-3)
+    free_b, free_r, free_u = data_parallel(machine(usage=0.0), prof)
+    slow_b, slow_r, slow_u = data_parallel(machine(usage=0.2), prof)
+    assert (slow_b.start, slow_b.end) == (free_b.start, free_b.end)
+    # one bucket a layer: seven all-reduce under the backward, the first layer's after it
+    busy = DGX1.allreduce_estimate(range(8), 30 * MIB).seconds * 7
+    assert busy < free_b.end - free_r.start
+    extra = (slow_u.end - slow_u.start) - (free_u.end - free_u.start)
+    assert extra == pytest.approx(0.2 / 0.8 * busy, rel=1e-6)
