@@ -3,6 +3,8 @@ writing the profile and hardware JSON that ``simulate`` takes."""
 
 from __future__ import annotations
 
+import argparse
+
 from pipesim.experiments.cli.common import fmt_bytes, model_args, output_dir, progress, table
 from pipesim.experiments.cliargs import positive
 
@@ -19,11 +21,42 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=positive, default=2, help="devices the hardware JSON describes")
     p.add_argument("--repeats", type=positive, default=15, help="timed repetitions per layer (median)")
     p.add_argument("--out", default="out/profile", help="output folder")
+    gemm = p.add_argument_group("GEMM table (instead of a model)")
+    gemm.add_argument(
+        "--gemm-table",
+        action="store_true",
+        help="measure this machine's GEMM throughput by shape (torch.matmul over a full grid of shapes) "
+        "and write gemm-table.json, which a hardware file's device names as its gemm_table",
+    )
+    gemm.add_argument(
+        "--gemm-sizes",
+        type=int_list,
+        default=None,
+        help="m, n and k values, comma-separated (default: 256-4096 on a GPU, as XLA's table; 64-1024 on a CPU)",
+    )
+    gemm.add_argument(
+        "--gemm-batches", type=int_list, default=None, help="b values, comma-separated (default: 1,2,4 on a GPU; 1,2)"
+    )
+    gemm.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the operands' type")
     p.set_defaults(func=run)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def run(args) -> int:
     import json
+
+    if args.gemm_table:
+        return run_gemm_table(args)
 
     from pipesim.sim.workloads.readers import save_profile
     from pipesim.validate.harness import ValidateConfig, check_fits, hardware_for, model_of, profile, torch_device
@@ -83,4 +116,38 @@ def run(args) -> int:
         ]
         print(table(rows, ["all-reduce size", "measured ms", "ring model ms"], limit=64))
     print(f"wrote {written} to {out} (pipesim simulate --profile {out}/profile.json --hardware {out}/hardware.json)")
+    return 0
+
+
+def run_gemm_table(args) -> int:
+    """``--gemm-table``: time the grid of GEMM shapes on the backend's device."""
+    import json
+    import sys
+
+    from tqdm import tqdm
+
+    from pipesim.sim.hardware.gemm import load_table
+    from pipesim.validate.gemmprofile import measure_table
+    from pipesim.validate.harness import torch_device
+
+    out = output_dir(args.out)
+    device = torch_device(args.backend)
+    with tqdm(total=None, file=sys.stderr, delay=1.0, leave=False, desc="GEMM shapes") as bar:
+
+        def step(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(1)
+
+        data = measure_table(
+            device, args.dtype, args.gemm_batches, args.gemm_sizes, repeats=args.repeats, on_point=step
+        )
+    path = out / "gemm-table.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    table_ = load_table(str(path))  # what the simulator will read, checked as it reads it
+    rates = [p[4] for p in data["points"]]
+    print(
+        f"{len(rates)} shapes on {data['device']} ({args.dtype}): {min(rates) / 1e9:.1f} to "
+        f"{max(rates) / 1e9:.1f} GFLOP/s; b {list(table_.axes[0])}, m n k {list(table_.axes[1])}"
+    )
+    print(f"wrote {path} (name it as the device's gemm_table in a hardware file)")
     return 0

@@ -73,12 +73,13 @@ import functools
 import importlib.resources
 import itertools
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipesim.sim.errors import InputError
-from pipesim.sim.files import parse_json
+from pipesim.sim.files import parse_json, read_text
 
 if TYPE_CHECKING:
     from pipesim.sim.hardware.machines import DeviceSpec
@@ -234,13 +235,26 @@ def table_names() -> list[str]:
     )
 
 
+def is_table(name: str) -> bool:
+    """Whether ``name`` names a committed table or a table file."""
+    return isinstance(name, str) and (name in table_names() or (name.endswith(".json") and os.path.isfile(name)))
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> GemmTable:
-    """A committed GEMM table by name (see :func:`table_names`)."""
-    if name not in table_names():
-        raise GemmError(f"unknown GEMM table {name!r}; known: {', '.join(table_names()) or 'none'}")
-    source = f"measurements/{name}.json"
-    data = parse_json(_measurements().joinpath(f"{name}.json").read_text(encoding="utf-8"), source, GemmError)
+    """A committed GEMM table by name (see :func:`table_names`), or a table
+    file's path (``pipesim profile --gemm-table`` writes one)."""
+    if name in table_names():
+        source = f"measurements/{name}.json"
+        text = _measurements().joinpath(f"{name}.json").read_text(encoding="utf-8")
+    elif is_table(name):
+        source = name
+        text = read_text(name, "GEMM table", GemmError)
+    else:
+        raise GemmError(
+            f"unknown GEMM table {name!r}; known: {', '.join(table_names()) or 'none'} (or a table file's path)"
+        )
+    data = parse_json(text, source, GemmError)
     if not isinstance(data, dict) or data.get("columns") != ["b", "m", "n", "k", "flops_per_s"]:
         raise GemmError(f"{source}: columns must be b, m, n, k, flops_per_s")
     values: dict[tuple[int, int, int, int], float] = {}

@@ -225,9 +225,11 @@ class DeviceSpec:
                 f"{where}: gemm_fixed_s must be a finite number >= 0 and <= {MAX_SECONDS:g} (seconds), got {shown(f)}"
             )
         table = self.gemm_table
-        if table is not None and (not isinstance(table, str) or table not in gemm.table_names()):
+        if table is not None and not gemm.is_table(table):
             known = ", ".join(gemm.table_names())
-            raise HardwareError(f"{where}: gemm_table must name a GEMM table ({known}), got {table!r}")
+            raise HardwareError(
+                f"{where}: gemm_table must name a GEMM table ({known}) or a table file's path, got {table!r}"
+            )
         given = {name: getattr(self, name) is not None for name in self.GEMM_FIELDS[:3]}
         if any(given.values()) and not all(given.values()):
             missing = next(name for name, set_ in given.items() if not set_)
