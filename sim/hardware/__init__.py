@@ -7,6 +7,10 @@ Layer 3 of :mod:`pipesim.sim`: it imports only the foundations
   the hardware file format and :func:`load_hardware`;
 * :mod:`.measured`: published measurements of collectives (``measurements/``:
   nccl-tests all-reduce curves, each with its source) to hold the model against;
+* :mod:`.collectives`: NCCL's cost model of an all-reduce and a transfer
+  (algorithms, protocols, latency per step, channels), with its constants in
+  ``constants/nccl-tuning.json`` and DDP's bucket sizes and the collectives'
+  processor usage in ``constants/overlap.json``, each with its source;
 * :mod:`.gemm`: the time of one GEMM from its shape (tile and wave
   quantisation over a device's SMs), or from a measured table
   (``measurements/gemm-*.json``);
