@@ -334,8 +334,12 @@ class _Run:
         #: its token -> the REDUCE_GRAD's (token, action): its buckets start
         #: during that pass (DDP's overlap); empty without a collectives model
         self.gradsync: dict = self.gradient_passes() if spec is not None and spec.bucket_bytes else {}
-        #: per REDUCE_GRAD token, (device, pass start, pass seconds) of each replica's last pass
+        #: per REDUCE_GRAD token, (device, REDUCE_GRAD action, pass start, pass
+        #: seconds) of each replica's last gradient pass
         self.grad_started: dict = defaultdict(list)
+        #: per stage, the end of its latest bucketed all-reduce: the next one's
+        #: buckets queue behind it on the stage's communication stream
+        self.reduced: dict[int, simpy.Event] = {}
         #: per device, compute seconds owed to the collectives its passes overlapped
         self.debt = [0.0] * schedule.num_devices
         #: per device, (start, end) of the pass it runs now
@@ -553,7 +557,9 @@ class _Run:
         when every replica's last backward has produced its layers'
         gradients (its pass start plus the pass's share up to them); the
         buckets all-reduce one after another on the communication stream,
-        each as soon as it is ready and the one before is done."""
+        each as soon as it is ready and the one before is done. The stage's
+        previous all-reduce comes first on that stream: a backward that ends
+        the next gradients (2BW's next window) can start before it is over."""
         a = started[0][1]
         cost = self.costs.stage_costs[a.stage]
         spec = self.hw.collectives
@@ -561,11 +567,17 @@ class _Run:
         for d, act, _, _ in started:
             first.setdefault(d, act)
         devices = sorted(first)
+        before = self.reduced.get(a.stage)
+        done = self.reduced[a.stage] = self.env.event()
         begin = None
         for share, nbytes in gradient_buckets(cost, spec.first_bucket_bytes, spec.bucket_bytes):
             ready = max(s + share * dur for _, _, s, dur in started)
             if ready > self.env.now:
                 yield self.env.timeout(ready - self.env.now)
+            if before is not None:
+                if not before.triggered:
+                    yield before
+                before = None
             if begin is None:
                 begin = self.env.now
             if len(devices) > 1:
@@ -574,6 +586,7 @@ class _Run:
         nbytes = cost.gradient_bytes if len(devices) > 1 else 0
         for dev in devices:
             self.spans.append(Span(dev, "collective", first[dev], begin, end, nbytes=nbytes))
+        done.succeed()
         self.fire(token)
 
     def post_shard(self, dev: int, a: Action, token) -> None:
@@ -1092,16 +1105,18 @@ def gradient_buckets(cost: StageCost, first_bytes: int, cap: int) -> list[tuple[
     if not cost.layer_gradient_bytes:
         return [(1.0, cost.gradient_bytes)]
     buckets: list[tuple[float, int]] = []
-    done, size = 0.0, 0
+    done, size, ready = 0.0, 0, 0.0
     for nbytes, share in zip(reversed(cost.layer_gradient_bytes), reversed(cost.layer_backward_share), strict=True):
         done += share
-        size += nbytes
-        if size >= (first_bytes if not buckets else cap):
-            buckets.append((min(done, 1.0), size))
+        if nbytes:  # a layer without gradients adds nothing to wait for
+            size += nbytes
+            ready = min(done, 1.0)
+        if size and size >= (first_bytes if not buckets else cap):
+            buckets.append((ready, size))
             size = 0
-    if size or not buckets:
-        buckets.append((1.0, size))
-    return [(share, nbytes) for share, nbytes in buckets if nbytes] or [(1.0, 0)]
+    if size:  # the last, short bucket: ready with its earliest layer's gradients
+        buckets.append((ready, size))
+    return buckets or [(1.0, 0)]
 
 
 def bucketed_exposure(
