@@ -127,6 +127,11 @@ def simulate_schedule(
 
     strategy = find_strategy(schedule.strategy)  # None for an imported schedule
     shard = strategy.device_costs if strategy is not None else None
+    if shard is None and profile.tensor_parallel != 1:
+        raise WorkloadError(
+            f"profile {profile.name!r} is one rank's shard of {profile.tensor_parallel}-way tensor parallelism; "
+            "only the tensor-parallel strategy of that degree runs it"
+        )
 
     def run(stage_costs: list[StageCost], on_spans=None) -> SimResult:
         if shard is not None:  # devices split each stage's layers (tensor parallelism)

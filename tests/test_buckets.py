@@ -100,3 +100,52 @@ def test_overlapped_compute_pays_the_processor_usage() -> None:
     assert busy < free_b.end - free_r.start
     extra = (slow_u.end - slow_u.start) - (free_u.end - free_u.start)
     assert extra == pytest.approx(0.2 / 0.8 * busy, rel=1e-6)
+
+
+def test_a_stage_all_reduces_one_window_after_another(monkeypatch) -> None:
+    """2BW's next window can end its gradients while the last window's
+    all-reduce still runs (2 GiB a layer): the stage's communication stream
+    runs them one after the other, never at once, and the ring that skips
+    its steps (no other traffic on its links) ends where the step-by-step
+    ring does."""
+    from pipesim.sim.api import simulate_schedule
+    from pipesim.sim.engine import core as engine
+    from pipesim.sim.strategies import build_schedule
+
+    prof = Profile("p", tuple(LayerCost(f"l{i}", 1e-3, 2e-3, 2048 * MIB, MIB, MIB) for i in range(4)))
+    schedule = build_schedule(ScheduleSpec("pipedream-2bw", 4, 4, iterations=4, width=2))
+    fast = simulate_schedule(schedule, prof, DGX1, starts=range(4))
+    for dev in range(schedule.num_devices):
+        spans = sorted((s.start, s.end) for s in fast.spans if s.device == dev and s.stream == "collective")
+        assert len(spans) == 4
+        assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
+    monkeypatch.setattr(engine._Run, "ring_alone", lambda self, *args, **kw: False)
+    slow = simulate_schedule(schedule, prof, DGX1, starts=range(4))
+    assert fast.makespan == slow.makespan
+
+
+def test_replicas_sharing_a_device_bucket_their_gradients() -> None:
+    """Four replicas of one stage on two devices, each device running both
+    its backwards before both REDUCE_GRADs: every REDUCE_GRAD pairs with its
+    own replica's backward, so the buckets start under the later backward
+    (its last layer's 10 ms in) instead of waiting for its end."""
+    from pipesim.sim.engine.core import simulate as run_engine
+    from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, Action, B, F, Schedule
+
+    cost = stage_cost(profile(8, 30, 10e-3), 0, 7)
+
+    def program(reps):
+        passes = [
+            x for r in reps for x in (Action(F, 0, r, version=0, replica=r), Action(B, 0, r, version=0, replica=r))
+        ]
+        reduces = [Action(REDUCE_GRAD, 0, replica=r) for r in reps]
+        return (*passes, *reduces, *(Action(UPDATE, 0, version=1, replica=r) for r in reps))
+
+    schedule = Schedule("shared", 1, 4, (program([0, 2]), program([1, 3])), replicas=4)
+    result = run_engine(schedule, [cost], machine())
+    later = max(
+        (s for s in result.spans if s.device == 0 and s.stream == "compute" and s.action.op is B), key=lambda s: s.start
+    )
+    reduce = next(s for s in result.spans if s.device == 0 and s.stream == "collective")
+    assert reduce.start == pytest.approx(later.start + 10e-3)
+    assert reduce.end < later.end + DGX1.allreduce_estimate(range(2), 240 * MIB).seconds

@@ -27,7 +27,7 @@ def test_latencies_and_bandwidths_are_tuning_cc_by_hand() -> None:
     assert options["ring", "LL128"] == pytest.approx((40.6e-6, 110.4e9 * 8 / 14))  # 14 + 14 x 1.9; x0.92
     assert options["ring", "Simple"] == pytest.approx((56.0e-6, 120e9 * 8 / 14))  # 8.4 + 14 x 3.4
     # tree on one node: base + 2 x 7 steps; bus x0.92 (under 6 x 26.5), then the protocol; alg = bus / 2
-    assert options["tree", "Simple"] == pytest.approx((56.0e-6, 110.4e9 / 2))
+    assert options["tree", "Simple"] == pytest.approx((64.4e-6, 110.4e9 / 2))  # 8.4 + 2 x 7 x 4.0
     assert options["tree", "LL"] == pytest.approx((15.2e-6, 110.4e9 / 3.8 / 2))
 
 
@@ -61,6 +61,22 @@ def test_more_bytes_never_take_less_time(ranks, nodes, nbytes) -> None:
     assert a.seconds == pytest.approx(a.latency_s + nbytes / a.bandwidth)
     # NCCL picks the fastest of its options: no option beats it
     assert all(a.seconds <= lat + nbytes / bw * (1 + 1e-12) for _, _, lat, bw in allreduce_options(VOLTA, group))
+
+
+def test_tree_latency_counts_whole_levels_across_nodes() -> None:
+    """NCCL's tree latency takes log2i(nodes), log2 rounded down: three
+    nodes cost one level of network steps, as two do, and four two."""
+
+    def tree_simple(nodes: int) -> float:
+        group = Group(ranks=2 * nodes, nodes=nodes, bus_bandwidth=50e9, channels=4, intra_link="nvlink")
+        return {(a, p): lat for a, p, lat, _ in allreduce_options(VOLTA, group)}["tree", "Simple"]
+
+    hw = constants()["hw_latency_us"]
+    base = constants()["base_latency_us"]["tree"]["Simple"]
+    step = 2 * (hw["nvlink"]["tree"]["Simple"] + hw["net"]["tree"]["Simple"])  # 2 x (1 intra + 1 level)
+    assert tree_simple(2) == pytest.approx((base + step) * 1e-6)
+    assert tree_simple(3) == pytest.approx((base + step) * 1e-6)
+    assert tree_simple(4) == pytest.approx((base + step + 2 * hw["net"]["tree"]["Simple"]) * 1e-6)
 
 
 def test_bus_bandwidth_counts_lanes_links_and_nics() -> None:

@@ -454,7 +454,10 @@ def test_a_settled_window_measures_the_same_rate_however_long_the_run(
         rate, windowed, settled = steady_measure(simulate_schedule(s, model_for(s, model, hw, None), hw, starts=starts))
         (rates.__setitem__(k, rate) if settled else unsettled.append(k))
     assert 3 in unsettled and 24 in rates
-    assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-9), rates
+    # 2BW's stage 1 is bound by its all-reduces, one after another on its
+    # stream, whose lengths alternate with the transfers sharing its NICs:
+    # runs of 12 to 48 windows measure one rate to 1e-8
+    assert max(rates.values()) == pytest.approx(min(rates.values()), rel=1e-8), rates
 
 
 def test_a_plan_settles_its_choice(tmp_path, capsys) -> None:

@@ -160,3 +160,12 @@ def test_a_shard_of_another_degree_is_refused():
         simulate(ScheduleSpec("tensor-parallel", 8, 1), hardware=hw, profile=shard)
     again = Profile.from_json(shard.to_json())
     assert again == shard and shard.to_json()["tensor_parallel"] == 4
+
+
+def test_a_shard_is_refused_by_every_other_strategy():
+    from pipesim.sim.workloads.catalog import model_profile
+    from pipesim.sim.workloads.profile import WorkloadError
+
+    shard = model_profile("2bw-gpt-355m", load_hardware("p3.16xlarge").device, 1, tensor_parallel=4)
+    with pytest.raises(WorkloadError, match="only the tensor-parallel strategy"):
+        simulate(ScheduleSpec("1f1b", 4, 4), hardware="p3.16xlarge", profile=shard)

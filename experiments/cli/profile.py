@@ -19,7 +19,9 @@ def add_parser(subparsers) -> None:
         help="what to measure links on (single: no links)",
     )
     p.add_argument("--devices", type=positive, default=2, help="devices the hardware JSON describes")
-    p.add_argument("--repeats", type=positive, default=15, help="timed repetitions per layer (median)")
+    p.add_argument(
+        "--repeats", type=positive, default=15, help="timed repetitions per layer or GEMM shape (their mean is taken)"
+    )
     p.add_argument("--out", default="out/profile", help="output folder")
     gemm = p.add_argument_group("GEMM table (instead of a model)")
     gemm.add_argument(
@@ -35,7 +37,10 @@ def add_parser(subparsers) -> None:
         help="m, n and k values, comma-separated (default: 256-4096 on a GPU, as XLA's table; 64-1024 on a CPU)",
     )
     gemm.add_argument(
-        "--gemm-batches", type=int_list, default=None, help="b values, comma-separated (default: 1,2,4 on a GPU; 1,2)"
+        "--gemm-batches",
+        type=int_list,
+        default=None,
+        help="b values, comma-separated (default: 1,2,4 on a GPU; 1,2 on a CPU)",
     )
     gemm.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the operands' type")
     p.set_defaults(func=run)

@@ -520,20 +520,21 @@ class _Run:
 
     def gradient_passes(self) -> dict:
         """Per device program, the pass after which each REDUCE_GRAD is
-        posted that last produced its stage's weight gradients there (a B,
-        or the W of a split backward), by the pass's token: DDP's buckets
-        become ready while that pass runs. A REDUCE_GRAD with no such pass
-        before it runs unbucketed, after its post."""
+        posted that last produced its replica's weight gradients there (a
+        B, or the W of a split backward), by the pass's token: DDP's buckets
+        become ready while that pass runs. Passes and REDUCE_GRADs pair by
+        (replica, stage), so replicas sharing a device each find their own.
+        A REDUCE_GRAD with no such pass before it runs unbucketed, after its
+        post."""
         found = {}
-        self.bucketed: set = set()
         for program in self.programs:
-            last: dict[int, object] = {}
+            last: dict[tuple[int, int], object] = {}
             for posts, a, _, token in program:
                 for x, tok in posts:
-                    if x.op is REDUCE_GRAD and x.stage in last:
-                        found[last.pop(x.stage)] = (tok, x)
+                    if x.op is REDUCE_GRAD and (x.replica, x.stage) in last:
+                        found[last.pop((x.replica, x.stage))] = (tok, x)
                 if a is not None and a.op in _GRADIENT_OPS and token is not None:
-                    last[a.stage] = token
+                    last[(a.replica, a.stage)] = token
         # bucketed only where every replica's REDUCE_GRAD follows such a pass
         posts_of: dict = defaultdict(int)
         for tok, _ in found.values():

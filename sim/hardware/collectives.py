@@ -10,7 +10,7 @@ says is fastest. That model (``ncclTopoTuneModel`` in NVIDIA/nccl
     time = latency + bytes / algorithm bandwidth
 
     ring latency = base[p] + (steps - inter_steps) * intra[p] + inter_steps * inter[p]
-    tree latency = base[p] + 2 * ((ranks_per_node - 1) * intra[p] + log2(nodes) * inter[p])
+    tree latency = base[p] + 2 * ((ranks_per_node - 1) * intra[p] + floor(log2(nodes)) * inter[p])
     ring bandwidth = bus bandwidth * ranks / steps           (steps = 2 (ranks - 1))
     tree bandwidth = bus bandwidth / 2
 
@@ -28,7 +28,13 @@ What pipesim does not take from NCCL: the topology search that finds the
 channels (the machine model gives the group's bus bandwidth from its lanes
 and NICs instead: :meth:`~pipesim.sim.hardware.machines.Hardware.collective_group`),
 NVLS, CollNet and PAT (none of the presets' machines has them enabled for the
-runs pipesim reproduces), and tuner plugins.
+runs pipesim reproduces), and tuner plugins; the refinements NCCL applies
+when it times one call (``ncclTopoGetAlgoTime``: the tree's bandwidth
+correction per message size, a multi-node Simple ring's latency x1.9 before
+Ampere and x1.4 from it) and the tree's x0.85 in NCCL's plain tree pattern;
+and LL128's dependence on the path: NCCL enables it only where the GPUs are
+NVLink-connected (and the NIC close), pipesim on every GPU from Volta on
+(:attr:`CollectiveSpec.ll128`), a PCIe machine included.
 """
 
 from __future__ import annotations
@@ -100,7 +106,9 @@ class CollectiveSpec:
 
     @property
     def ll128(self) -> bool:
-        """Whether NCCL enables LL128 by default (compute capability 7.0 and later)."""
+        """Whether LL128 is among the options: compute capability 7.0 and
+        later, as NCCL's default asks; NCCL also needs NVLink between the GPUs,
+        which pipesim does not check (see the module doc)."""
         return self.arch != "pascal"
 
     def slowdown(self, link: str) -> float:
@@ -204,7 +212,9 @@ def _latency(spec: CollectiveSpec, group: Group, algorithm: str, protocol: str) 
     inter = hw["net"]["tree" if per_node == 1 else algorithm][protocol]
     inter_s = inter * _US + group.inter_latency_s * (2 if protocol == "Simple" else 1)  # Simple adds a flush
     if algorithm == "tree":
-        return base * _US + 2 * ((per_node - 1) * intra * _US + math.log2(group.nodes) * inter_s)
+        # NCCL's log2i: the whole levels of the tree across nodes (log2 rounded down)
+        levels = group.nodes.bit_length() - 1
+        return base * _US + 2 * ((per_node - 1) * intra * _US + levels * inter_s)
     steps = 2 * (group.ranks - 1)
     inter_steps = 2 * (group.nodes - 1)
     if group.nodes > 1:  # a multi-node ring launches every step through the network proxy
