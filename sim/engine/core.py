@@ -328,12 +328,12 @@ class _Run:
         #: how a compute action runs when the device is a CPU core (_CpuRun)
         self.on_core = None
         spec = hardware.collectives
-        #: REDUCE_GRAD tokens that run in buckets (gradient_passes)
-        self.bucketed: set = set()
         #: the pass that ends each device's gradients for a REDUCE_GRAD, by
         #: its token -> the REDUCE_GRAD's (token, action): its buckets start
         #: during that pass (DDP's overlap); empty without a collectives model
         self.gradsync: dict = self.gradient_passes() if spec is not None and spec.bucket_bytes else {}
+        #: REDUCE_GRAD tokens that run in buckets, not when posted
+        self.bucketed: set = {tok for tok, _ in self.gradsync.values()}
         #: per REDUCE_GRAD token, (device, REDUCE_GRAD action, pass start, pass
         #: seconds) of each replica's last gradient pass
         self.grad_started: dict = defaultdict(list)
@@ -540,7 +540,6 @@ class _Run:
         for tok, _ in found.values():
             posts_of[tok] += 1
         keep = {tok for tok, n in posts_of.items() if n == self.schedule.replicas[tok.stage]}
-        self.bucketed = keep
         return {k: v for k, v in found.items() if v[0] in keep}
 
     def start_buckets(self, dev: int, reduction: tuple, start: float, dur: float) -> None:
