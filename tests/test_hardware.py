@@ -210,7 +210,9 @@ def test_pipedream_cluster_a_four_pcie_servers_on_10_gbps():
     assert [lk.name for lk in hw.route(3, 4)] == ["node0.eth0.tx", "node1.eth0.rx"]
     assert hw.route(0, 12)[0] is hw.route(3, 4)[0] and hw.route(7, 8)[1] is hw.route(0, 8)[1]
     assert [lk.name for lk in hw.route(12, 15)] == ["node3.pcie"]  # inside server 3: its own bus
-    assert hw.inter_node.achieved == 1.25e9 * 0.54  # NCCL over TCP: the efficiency measured at 25 GbE, as the preset says
+    assert (
+        hw.inter_node.achieved == 1.25e9 * 0.54
+    )  # NCCL over TCP: the efficiency measured at 25 GbE, as the preset says
     assert hw.transfer_time(3, 4, 1.25e7) == pytest.approx(_lat(hw, 3, 4) + 1.25e7 / hw.inter_node.achieved, rel=1e-12)
 
 

@@ -84,31 +84,32 @@ PUBLISHED_CLAIMS = {"pipedream-up-to": 5.3}
 NOTE_DP = (
     "the gap is in the baseline: pipesim's data parallelism all-reduces the fp32 gradients (PipeDream's profiles "
     "are fp32) by NCCL's model in DDP's buckets while the backward runs, through one 10 or 25 Gbps NIC per "
-    "server shared by its GPUs, at the presets' assumed 0.85 of line rate; for VGG-16 that is 1.04 GB through "
-    "each NIC per iteration, 0.98 s (Cluster-A) and 0.39 s (Cluster-B) of all-reduce beside 0.34 s of compute, "
-    "0.22 s of it hidden by the buckets, so data parallelism runs at 30% and 65% of the 16 GPUs' compute (26% "
-    "and 46% with one all-reduce after the backward, 35% and 73% at line rate). With pipesim's own pipeline "
-    "rate the published speedups mean data parallelism at 16% and 31%, as if its all-reduce ran unhidden at "
-    "about 45% of line rate; PipeDream's own model of data parallelism is slower than pipesim's too (4.97x one "
-    "GPU for VGG-16 at its profiled batch, against pipesim's simulated 8.77x: the planner page, side by side "
-    "with PipeDream's optimizer); a slower baseline inflates every speedup over it"
+    "server shared by its GPUs, at 0.54 of line rate (NCCL's socket transport as measured at 25 Gbps: busbw "
+    "1.7 GB/s of 3.125, NVIDIA/nccl-tests#83); for VGG-16 that is 1.04 GB through each NIC per iteration, "
+    "1.54 s (Cluster-A) and 0.62 s (Cluster-B) of all-reduce beside 0.34 s of compute, 0.22 s of it hidden by "
+    "the buckets, so data parallelism runs at 20% and 45% of the 16 GPUs' compute (18% and 35% with one "
+    "all-reduce after the backward, 35% and 73% at line rate); AlexNet's at 12% and 27%. With pipesim's own "
+    "pipeline rate the published speedups mean data parallelism at 15% (VGG-16) and 5% (AlexNet) on Cluster-A, "
+    "below pipesim's, and at 20% (VGG-16) and 34% (AlexNet) on Cluster-B, where pipesim's AlexNet baseline "
+    "(27%) is the slower; a slower baseline inflates every speedup over it, as PipeDream's own model of data "
+    "parallelism does (the planner page, side by side with PipeDream's optimizer)"
 )
 NOTE_PIPE = (
-    "pipesim's best configuration itself is slow here: a stage of one replica takes the activations of "
-    "the many replicas before it through its server's one NIC (AlexNet on Cluster-A, 14-1-1: the fourth "
-    "server's NIC carries 0.74 GB/s each way at 20235 samples/s, 70% of its 1.06, and its PCIe bus 0.98 GB/s), "
-    "and a replicated stage steps in lock-step with its slowest replica, which PipeDream's optimizer does not "
-    "charge (it ignores activation transfers)"
+    "pipesim's best configuration itself is slow here (AlexNet on Cluster-A: 12-2-1-1 at 27% of the 16 GPUs' "
+    "compute): a stage of one replica takes the activations of the many replicas before it through its "
+    "server's one NIC, and a replicated stage steps in lock-step with its slowest replica, which PipeDream's "
+    "optimizer does not charge (it ignores activation transfers)"
 )
 #: below this share of the GPUs' compute a configuration's own speed is named as a cause
 SLOW_PIPELINE = 0.6
 NOTE_CONFIG = (
     "where pipesim's configuration differs from the paper's, pipesim charges the activations each cut sends "
     "over the server's one NIC and makes a replicated stage wait for its slowest replica, which PipeDream's "
-    "optimizer does not (it ignores activation transfers); on Cluster-B pipesim's free plan takes 14-2 for "
-    "VGG-16 (2790 samples/s, 1.41x), ranked first by its cost model and refined, while the paper's 15-1, "
-    "held with --replicas and its cut moved by local search to after layer 27, runs 2876 (1.45x): the search "
-    "does not reach it, and neither closes the gap"
+    "optimizer does not (it ignores activation transfers); on Cluster-B pipesim's free plan takes 12-4 for "
+    "VGG-16 (1.33x), ranked first by its cost model and refined, while the paper's 15-1, held with --replicas "
+    "and its cut moved by local search, runs 1.99x: the search does not reach it, and neither closes the gap; "
+    "for AlexNet on Cluster-B the paper's 15-1, held, runs 1.57x (published 2.04x) and pipesim's free 13-3 "
+    "2.58x"
 )
 
 

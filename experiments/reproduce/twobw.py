@@ -556,15 +556,18 @@ _SMALL_MB = (
     "b = 1-4 and put every micro-batch of the "
     "batch in one flush, their bubble (d-1)/(m+d-1) 5-19% (10% at B = 64 on one server)."
 )
+_NIC = (
+    "each server's one 25 Gbps NIC carries 0.54 of its line rate, NCCL's socket transport as measured at 25 Gbps "
+    "(busbw 1.7 GB/s of 3.125, NVIDIA/nccl-tests#83)"
+)
 _PER_SAMPLE_64 = (
     "On 64 GPUs the published pipelines run their extra samples at about half their one-server rate per GPU "
     "(from B = 512 to 2048 the flush adds 1536 sequences at 162 seq/s against 8 x 38, 2BW at 171 against "
     "8 x 44; GPipe stays at 80 against 8 x 18), while the published tensor MP keeps its own (208 against "
     "8 x 25); pipesim's pipelines keep theirs. Unexplained; ruled out in pipesim: the overlap slowdown "
-    "(2BW at B = 2048 runs 423.7 seq/s without it, 418.4 with it), DDP's buckets (416.4 without them), "
-    "placing a stage's 8 replicas in one server so that the pipeline crosses the NICs (2BW 326 and 343 "
-    "seq/s at B = 512 and 2048) and the gradient all-reduce, 7.95 GB through each server's NIC an "
-    "update, 3.0 s at the assumed 0.85 of 25 Gbps even if nothing hid it."
+    "(2BW at B = 2048 runs 411.1 seq/s without it, 410.0 with it), DDP's buckets (401.1 without them) "
+    "and the gradient all-reduce, 7.95 GB through each server's NIC an update, 4.7 s by the planner's link "
+    "model even if nothing hid it, where " + _NIC + "."
 )
 _TENSOR_1_SERVER = (
     "Each of the 8 ranks runs its shard of every GEMM at the shard's own shape (48.6 TFLOP/s at b = 32, "
@@ -577,18 +580,16 @@ _TENSOR_1_SERVER = (
 )
 _TENSOR_64 = (
     "8 groups of 8-way tensor MP, each server's 8 ranks all-reducing their gradient shards across the groups "
-    "through its one 25 Gbps NIC after each update: 3.0 s by the planner's link model, about the fixed cost "
-    "per update the two published bars imply (3.4 s: their extra 1536 samples take 7.4 s). A group runs "
-    "44.0 seq/s at b = 32 (the 6a rows); at b = 1 pipesim gives 93.5 and 159.0 seq/s (published 88, 155): "
-    "the one-server gap, the micro-batch size, and nothing more."
+    "through its one 25 Gbps NIC after each update: 4.7 s by the planner's link model (" + _NIC + "), "
+    "against the fixed cost per update the two published bars imply (3.4 s: their extra 1536 samples take "
+    "7.4 s). A group runs 44.0 seq/s at b = 32 (the 6a rows), 83.0 and 195.1 seq/s on 64 GPUs (published 88, "
+    "155: -6% and +26%); at b = 1 pipesim gives 71.2 and 140.3."
 )
 _TENSOR_6C = (
-    "16-way tensor parallelism spans two servers: 95% of a 32-sequence micro-batch (9.70 of 10.16 s) is its "
-    "136 activation all-reduces, 100.7 MB each, 71 ms by NCCL's model through each server's 25 Gbps NIC at "
-    "the presets' assumed 0.85 of line rate, so the micro-batch size barely matters (10.5 and 10.9 seq/s at "
-    "b = 1). With the NICs at 0.5 of line rate pipesim gives 7.2 and 7.5 seq/s (published 8, 8): the "
-    "published bars mean cross-server all-reduces at about half the line rate; 0.85 is an assumption (no "
-    "nccl-tests table over TCP at 25 GbE was found)."
+    "16-way tensor parallelism spans two servers: 97% of a 32-sequence micro-batch (15.25 of 15.71 s) is its "
+    "136 activation all-reduces, 100.7 MB each, 112 ms by NCCL's model through each server's 25 Gbps NIC, "
+    "where " + _NIC + ", so the micro-batch size barely matters (7.1 and 7.4 seq/s at b = 1); pipesim gives "
+    "7.7 and 8.0 seq/s (published 8, 8)."
 )
 _GPIPE = (
     "The published GPipe bars do not grow with the batch (18/18, 80/80, 38/38 seq/s). " + _SMALL_MB + " Its "
@@ -596,7 +597,7 @@ _GPIPE = (
     "micro-batch (b = 8) and 8 micro-batches per flush pipesim's GPipe gives 23.1 seq/s on one server (its "
     "bubble 47%; published 18, the rest the compute rate), and a fixed number per flush with several flushes "
     "per batch would be flat as the published bars are; pipesim's GPipe runs one flush per update. At b = 8 on "
-    "64 GPUs it gives 107.6 and 219.0 (6b) and 75.9 and 125.8 seq/s (6c), each batch in one flush. " + _RATE
+    "64 GPUs it gives 79.0 and 185.7 (6b) and 63.7 and 116.5 seq/s (6c), each batch in one flush. " + _RATE
 )
 _FLUSH_6A = (
     _SMALL_MB + " pipesim's flush takes b = 1 (m = 64) at B = 64 and b = 2 (m = 128) at 256. At the paper's 2BW "
@@ -606,47 +607,51 @@ _FLUSH_6A = (
 )
 _FLUSH_6B = (
     "8 pipelines (b = 1 at B = 512, b = 2 at 2048): each stage's 8 replicas all-reduce their 16-bit gradients "
-    "across the 8 servers, 8 such rings sharing each server's 25 Gbps NIC, 7.95 GB through it per update, 2.5-2.9 s "
-    "of all-reduce on a device. DDP's buckets overlap only a replica's last backward, one micro-batch's, so 0.01 s of "
-    "it is hidden and the flush pays it whole (at B = 2048: 4.1-4.7 s of compute, 2.5-2.9 s of all-reduce, "
-    "248.9 seq/s; at b = 8 253.5). pipesim's extra 1536 samples from B = 512 to 2048 run at 401 seq/s. "
-    + _PER_SAMPLE_64
+    "across the 8 servers, 8 such rings sharing each server's 25 Gbps NIC, 7.95 GB through it per update, "
+    "4.1-4.7 s of all-reduce on a device, where " + _NIC + ". DDP's buckets overlap only a replica's last "
+    "backward, one micro-batch's, so 0.01-0.02 s of it is hidden and the flush pays it whole (at B = 512: "
+    "1.1-1.2 s of compute, 83.7 seq/s, -24%; at B = 2048: 4.1-4.7 s of compute, 205.9 seq/s). pipesim's extra "
+    "1536 samples from B = 512 to 2048 run at 401 seq/s. " + _PER_SAMPLE_64
 )
 _FLUSH_6C = (
     "4 pipelines of 16 stages (b = 2 at B = 512, 4 at 2048): 6.3-7.5 GB of 16-bit gradients through each "
-    "server's NIC per update, 1.5-2.1 s of all-reduce a device pays after the flush (its buckets overlap only "
-    "the last micro-batch's backward) beside 1.8-2.0 s (B = 512) and 6.5-7.4 s (2048) of compute; at b = 8 "
-    "92.1 and 160.7 seq/s. pipesim's extra samples from B = 512 to 2048 run at 210 seq/s, the published flush's "
+    "server's NIC per update, 2.7-3.4 s of all-reduce a device pays after the flush (its buckets overlap only "
+    "the last micro-batch's backward) beside 1.8-2.0 s (B = 512) and 6.5-7.4 s (2048) of compute: 79.2 and "
+    "148.9 seq/s. pipesim's extra samples from B = 512 to 2048 run at 211 seq/s, the published flush's "
     "at 140 (2BW's at 138). " + _PER_SAMPLE_64
 )
 _TWO_BW_6B = (
     "2BW's all-reduce (16-bit gradients in DDP's buckets, 7.95 GB through each server's NIC per update) runs "
-    "behind the passes before the new weights are read. At B = 512 a window of 8 micro-batches computes for "
-    "about 1 s, so the NIC bounds 2BW (142.3 seq/s: 3.6 s an update, each stage's all-reduce queued behind "
-    "its previous window's); at B = 2048 32 micro-batches (4.5-5.0 s of compute) hide it and 2BW runs at 8 "
-    "times its one-server rate (418.4 against 52.6). The published bar barely moves from B = 512 (160 to 168). "
-    + _PER_SAMPLE_64
+    "behind the passes before the new weights are read, where " + _NIC + ". At B = 512 a window of 8 "
+    "micro-batches computes for 1.1-1.6 s, so the NIC bounds 2BW (94.8 seq/s: 5.4 s an update, 4.6 s of it "
+    "all-reduce alone on a device, each stage's all-reduce queued behind its previous window's); the published "
+    "160 seq/s is 3.2 s an update, less than the all-reduce takes here (unexplained: the published tensor MP "
+    "rows fit this NIC rate). At B = 2048 32 micro-batches (4.5-4.8 s of compute) hide all but 0.9 s of it "
+    "and 2BW runs 410.0 seq/s against 52.6 on one server. The published bar barely moves from B = 512 (160 "
+    "to 168). " + _PER_SAMPLE_64
 )
 _TWO_BW_6C = (
     "4 pipelines of 16 stages spanning two servers, b = 8: the stage rings move 6.6-7.9 GB through a NIC per "
-    "update; at B = 512 the NIC bounds 2BW (114.5 seq/s, within), at 2048 64 micro-batches hide it and 2BW "
-    "runs near its compute rate (202.3); its extra samples from B = 512 to 2048 run at 272 seq/s, the "
+    "update, where " + _NIC + "; at B = 512 the NIC bounds 2BW (76.9 seq/s, 6.7 s an update, up to 4.5 s "
+    "of it all-reduce alone on a device; the published 127 is 4.0 s an update: unexplained, as on 6b), at 2048 "
+    "64 micro-batches hide more of it (189.7); its extra samples from B = 512 to 2048 run at 371 seq/s, the "
     "published 2BW's at 138 (the bar moves from 127 to 135). " + _PER_SAMPLE_64
 )
 _INTER_6B = (
     "pipesim's inter-layer MP on 64 GPUs is 8 data-parallel copies of the 8-deep pipeline, each running one "
     "32-sequence micro-batch (3.9 s of compute at 56.2 TFLOP/s) and all-reducing its 16-bit gradients in DDP's "
-    "buckets while the later stages' backward runs (7.95 GB through each server's NIC per update): 4.47 s an "
-    "update, 54.6 seq/s with one all-reduce after the backward instead, so it scales 7.1x from one server "
-    "(57.3 against 8.1). The published bar scales 1.6x (11 and 12 against 7), 23 s an update at B = 512's "
-    "rate, which the all-reduce (3.0 s at the NIC's rate if nothing hid it) cannot make: the paper's "
-    "configuration paid much more per sample than 'GPipe with m = 1' on 8 copies does here (unexplained)."
+    "buckets while the later stages' backward runs (7.95 GB through each server's NIC per update, where "
+    + _NIC
+    + "): 6.1 s an update, so it scales 5.1x from one server (41.7 against 8.1). The published bar "
+    "scales 1.6x (11 and 12 against 7), 23 s an update at B = 512's rate, which the all-reduce (4.7 s by the "
+    "planner's link model if nothing hid it) cannot make: the paper's configuration paid much more per sample "
+    "than 'GPipe with m = 1' on 8 copies does here (unexplained)."
 )
 _INTER_6C = (
     "4 data-parallel copies of the 16-deep pipeline (two servers each), each running one 32-sequence micro-batch "
     "(6.52 s of compute) with its all-reduce (6.0 GB through a NIC per update) mostly behind the backward: "
-    "7.0 s an update, 17.2 seq/s with one all-reduce after the backward instead. The published 10 and 12 mean "
-    "12.8 and 10.7 s an update (unexplained, as on 6b)."
+    "8.2 s an update (15.7 seq/s). The published 10 and 12 mean 12.8 and 10.7 s an update (unexplained, as on "
+    "6b)."
 )
 #: (figure, or figure without its panel letter; technique) -> why a gap over 20% is there.
 NOTES: dict[tuple[str, str], str] = {
@@ -667,20 +672,20 @@ NOTES: dict[tuple[str, str], str] = {
 CLAIM_NOTES: dict[str, str] = {
     "2bw-vs-gpipe": (
         "pipesim's GPipe fills one flush with every micro-batch of the batch (bubble 5-19%) and loses "
-        "to 2BW only recomputation's extra forward, so 2BW leads it by at most 1.95x (6b, B = 2048, where "
-        "pipesim's 2BW is also 2.5x the published bar); the published GPipe bars stay flat (18, 80, 38 seq/s) "
+        "to 2BW only recomputation's extra forward, so 2BW leads it by at most 2.24x (6b, B = 2048, where "
+        "pipesim's 2BW is also 2.4x the published bar); the published GPipe bars stay flat (18, 80, 38 seq/s) "
         "as if each flush held a fixed few micro-batches (the GPipe rows): " + _GPIPE
     ),
     "2bw-vs-flush-low-batch": (
         "At B = 64 pipesim's flush takes b = 1 (m = 64, bubble 10%) at 10% more per sample than b = 8, and "
-        "2BW on 64 GPUs at B = 512 is bound by its all-reduce through each server's NIC (142.3 against "
-        "116.4 seq/s): the largest ratio is 1.22. At the paper's b = 8 pipesim's flush gives 30.7 seq/s at "
+        "2BW on 64 GPUs at B = 512 is bound by its all-reduce through each server's NIC (94.8 against "
+        "83.7 seq/s on 6b, 76.9 against 79.2 on 6c): the largest ratio is 1.20, on one server (6a, B = 64). At the paper's b = 8 pipesim's flush gives 30.7 seq/s at "
         "B = 64 and the ratio 52.6 / 30.7 = 1.71 (published 43 / 26 = 1.65)."
     ),
     "2bw-vs-flush-2048": (
-        "At B = 2048 on 64 GPUs pipesim's 2BW hides its all-reduce behind 32 micro-batches and runs at 8 "
-        "times its one-server rate (418.4 seq/s), while the flush pays its 2.5-2.9 s all-reduce after each "
-        "flush (DDP's buckets overlap only the last micro-batch's backward): 418.4 / 248.9. The published "
+        "At B = 2048 on 64 GPUs pipesim's 2BW hides its all-reduce behind 32 micro-batches and runs at 410.0 "
+        "seq/s (52.6 on one server), while the flush pays its 4.1-4.6 s all-reduce after each "
+        "flush (DDP's buckets overlap only the last micro-batch's backward): 410.0 / 205.9. The published "
         "bars (168, 145) both run at about half their one-server rate per GPU, which no pipesim model has "
         "(the 6b rows)."
     ),
@@ -689,13 +694,13 @@ CLAIM_NOTES: dict[str, str] = {
         "inter-layer MP 16% fast (one 32-sequence micro-batch at 56.2 TFLOP/s): " + _FLUSH_6A
     ),
     "flush-vs-gpipe-low-batch": (
-        "On 6c at B = 512 pipesim's GPipe (b = 2, m = 64 in one flush, recomputed) runs 0.84 of the "
-        "flush's rate (83.4 against 99.2 seq/s): the same b, m and bubble (19%) and the same all-reduce, "
+        "On 6c at B = 512 pipesim's GPipe (b = 2, m = 64 in one flush, recomputed) runs 0.87 of the "
+        "flush's rate (68.9 against 79.2 seq/s): the same b, m and bubble (19%) and the same all-reduce, "
         "plus recomputation's extra forward; the published GPipe is half the published flush (38 against 75): " + _GPIPE
     ),
     "flush-vs-gpipe-high-batch": (
-        "On 6c at B = 2048 pipesim's GPipe (b = 4, m = 128 in one flush, recomputed) runs 0.79 of the "
-        "flush's rate (129.2 against 164.3 seq/s); the published GPipe stays at 38 while the flush reaches "
+        "On 6c at B = 2048 pipesim's GPipe (b = 4, m = 128 in one flush, recomputed) runs 0.80 of the "
+        "flush's rate (119.5 against 148.9 seq/s); the published GPipe stays at 38 while the flush reaches "
         "115: " + _GPIPE
     ),
     "recompute-cost": (
