@@ -334,6 +334,8 @@ class _Run:
         self.gradsync: dict = self.gradient_passes() if spec is not None and spec.bucket_bytes else {}
         #: REDUCE_GRAD tokens that run in buckets, not when posted
         self.bucketed: set = {tok for tok, _ in self.gradsync.values()}
+        #: per stage, its gradients' buckets (gradient_buckets), once cut
+        self.buckets: dict[int, list] = {}
         #: per REDUCE_GRAD token, (device, REDUCE_GRAD action, pass start, pass
         #: seconds) of each replica's last gradient pass
         self.grad_started: dict = defaultdict(list)
@@ -570,7 +572,10 @@ class _Run:
         before = self.reduced.get(a.stage)
         done = self.reduced[a.stage] = self.env.event()
         begin = None
-        for share, nbytes in gradient_buckets(cost, spec.first_bucket_bytes, spec.bucket_bytes):
+        buckets = self.buckets.get(a.stage)
+        if buckets is None:  # the same every update: cut once per stage
+            buckets = self.buckets[a.stage] = gradient_buckets(cost, spec.first_bucket_bytes, spec.bucket_bytes)
+        for share, nbytes in buckets:
             ready = max(s + share * dur for _, _, s, dur in started)
             if ready > self.env.now:
                 yield self.env.timeout(ready - self.env.now)
@@ -669,14 +674,7 @@ class _Run:
         start = self.env.now
         step = seconds / steps
         if steps > 1 and stage is not None and self.ring_alone(stage, devices, [(route, step)], shared_ok=True):
-            # all steps but the last in one event, at the float sum the steps reach
-            at = start
-            for _ in range(steps - 1):
-                at += step
-            skip = simpy.Event(self.env)
-            skip._ok, skip._value = True, None
-            heappush(self.env._queue, (at, NORMAL, next(self.env._eid), skip))
-            yield skip
+            yield self.skip_steps(steps - 1, step)
             steps = 1
         for _ in range(steps):
             yield from self.occupy(route, step)
@@ -733,17 +731,23 @@ class _Run:
         if not edges:  # free links: the all-reduce takes no time
             return
         if steps > 1 and stage is not None and self.ring_alone(stage, devices, edges):
-            longest = max(dur for _, dur in edges)
-            at = self.env.now
-            for _ in range(steps - 1):
-                at += longest  # as each step's all_of fires: its start plus its slowest edge
-            skip = simpy.Event(self.env)
-            skip._ok, skip._value = True, None
-            heappush(self.env._queue, (at, NORMAL, next(self.env._eid), skip))
-            yield skip
+            # each step's all_of fires at its start plus its slowest edge
+            yield self.skip_steps(steps - 1, max(dur for _, dur in edges))
             steps = 1
         for _ in range(steps):
             yield self.env.all_of([self.env.process(self.occupy(route, dur)) for route, dur in edges])
+
+    def skip_steps(self, count: int, step: float) -> simpy.Event:
+        """An event at the time ``count`` steps of ``step`` seconds reach
+        from now, by the same float sums the steps would make one after
+        another: the steps of a ring that has its links to itself, skipped."""
+        at = self.env.now
+        for _ in range(count):
+            at += step
+        skip = simpy.Event(self.env)
+        skip._ok, skip._value = True, None
+        heappush(self.env._queue, (at, NORMAL, next(self.env._eid), skip))
+        return skip
 
     def ring_alone(self, stage: int, devices: list[int], edges: list, shared_ok: bool = False) -> bool:
         """Whether ``stage``'s ring over ``devices`` (its timed ``edges``,

@@ -626,18 +626,25 @@ class Hardware:
         least per step (then the least latency): a Hamiltonian cycle over
         the node's devices when the ring stays in one node, a path when it
         chains nodes. Ties keep the earliest order in device order, so where
-        device order is already optimal nothing moves. One ring, one
-        direction: NCCL's parallel channels over the links this ring leaves
-        idle are not modelled. The search is exhaustive for up to
+        device order is already optimal nothing moves. Without a
+        collectives model the ring is the all-reduce (one ring, one
+        direction); with NCCL's (:meth:`collective_group`), whose channels
+        drive every lane at once, it only says which links the all-reduce
+        holds. The search is exhaustive for up to
         :data:`RING_SEARCH_MAX` devices of a node; larger mesh groups keep
         device order.
         """
+        return self._per_device_set(self._rings, devices, self._choose_ring)
+
+    def _per_device_set(self, cache: dict, devices: Sequence[int], build):
+        """``build(devs)`` for the sorted distinct valid ``devs`` of
+        ``devices``, computed once per set and kept in ``cache``."""
         devs = tuple(sorted(set(devices)))
-        found = self._rings.get(devs)
+        found = cache.get(devs)
         if found is None:
             for d in devs:
                 self._check_index(d)
-            found = self._rings[devs] = self._choose_ring(devs)
+            found = cache[devs] = build(devs)
         return found
 
     def _choose_ring(self, devs: tuple[int, ...]) -> tuple[int, ...]:
@@ -710,13 +717,7 @@ class Hardware:
         Channels: the lanes (or NICs) that carry it, for NCCL's per-channel
         caps. Cached per device set.
         """
-        devs = tuple(sorted(set(devices)))
-        found = self._groups.get(devs)
-        if found is None:
-            for d in devs:
-                self._check_index(d)
-            found = self._groups[devs] = self._group(devs)
-        return found
+        return self._per_device_set(self._groups, devices, self._group)
 
     def _group(self, devs: tuple[int, ...]) -> Group:
         assert self.collectives is not None
@@ -730,7 +731,8 @@ class Hardware:
                 continue
             bandwidth, lanes, kind = self._node_share(members, lane)
             intra, lanes_used = min(intra, bandwidth), min(lanes_used, lanes)
-            link = kind if link == "nvlink" else link  # any PCIe segment prices the steps as PCIe
+            if kind == "pci":  # any PCIe segment prices the steps as PCIe
+                link = "pci"
         bus, channels = intra, lanes_used
         inter_latency = 0.0
         if len(by_node) > 1:

@@ -107,7 +107,7 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
     whole layer's efficiency) keeps its times and sizes; only the
     all-reduces are added."""
     d = int(options.get("tensor_parallel", 1))
-    given = getattr(profile, "tensor_parallel", 1)
+    given = profile.tensor_parallel
     if given not in (1, d):
         raise StrategyError(f"the profile is one shard of {given}-way tensor parallelism; this run is {d}-way")
     out = []
