@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesim.experiments.cli import main
-from pipesim.sim.api import simulate
+from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.hardware.machines import load_hardware
-from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid
+from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid, shapes
 from pipesim.sim.planning.plan import PLAN_KEYS, PlanError, plan_file, steady_throughput
 from pipesim.sim.planning.tuner import TuneRequest, tune
-from pipesim.sim.strategies import ScheduleSpec, get_strategy, strategies
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from pipesim.sim.workloads.profile import LayerCost, Profile
 
 MIB = 1 << 20
@@ -303,3 +303,60 @@ def test_the_tuner_plans_avgpipes_disjoint_placement(tmp_path, capsys) -> None:
     assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
     assert main(["plan", "--strategy", "pipedream", "--placement", "disjoint", "--out", str(tmp_path / "x")]) == 2
     assert "pipedream has no option 'placement' to plan with" in capsys.readouterr().err
+
+
+TWO_SERVERS = load_hardware("p3.16xlarge-x8")
+
+
+def test_stage_grouping_is_offered_only_across_servers() -> None:
+    one = GridRequest("pipedream-2bw", model(8), load_hardware("p3.16xlarge"), 8, 64, microbatch_sizes=(1,))
+    two = GridRequest("pipedream-2bw", model(8), TWO_SERVERS, 16, 64, microbatch_sizes=(1,))
+    assert {s.grouping for s in shapes(one, 8)} == {"pipelines"}
+    found = {(s.width, s.depth, s.grouping) for s in shapes(two, 8)}
+    assert (8, 2, "stages") in found and (8, 2, "pipelines") in found
+    assert (1, 16, "stages") not in found and (16, 1, "stages") not in found  # nothing to regroup
+
+
+def test_stage_grouping_places_a_stages_replicas_on_one_server() -> None:
+    """8 x 2 on two servers: grouped by stage, stage k's 8 replicas fill
+    server k, so its all-reduce runs over NVLink and all 8 activations of a
+    boundary queue on the one NIC; side by side, the reverse."""
+    req = GridRequest("pipedream-2bw", model(8), TWO_SERVERS, 16, 64, microbatch_sizes=(1,), confirm=0)
+    grid = _Grid(req, float("inf"))
+    by_stage, side_by_side = Shape(8, 2, 1, 8, False, "stages"), Shape(8, 2, 1, 8, False)
+    assert [by_stage.device(r, 1) for r in range(8)] == list(range(8, 16))
+    assert [side_by_side.device(r, 1) for r in range(8)] == list(range(1, 16, 2))
+    nbytes = 4 * MIB
+    one = TWO_SERVERS.transfer_time(0, 8, nbytes)
+    assert grid.shared_transfer(by_stage, 0, 1, nbytes) == pytest.approx(8 * one)
+    assert grid.shared_transfer(side_by_side, 0, 1, nbytes) == pytest.approx(TWO_SERVERS.transfer_time(0, 1, nbytes))
+
+
+@pytest.mark.parametrize(
+    ("weights", "sent", "grouping"),
+    [(256 * MIB, 64 * 1024, "stages"), (64 * 1024, 64 * MIB, "pipelines")],
+)
+def test_the_grouping_keeps_the_heavier_traffic_inside_a_server(weights, sent, grouping) -> None:
+    """8 x 2 on two servers. Heavy gradients and light activations: each
+    stage's all-reduce inside a server wins; light gradients and heavy
+    activations: each pipeline inside one wins."""
+    req = GridRequest("1f1b", model(8, weights=weights, sent=sent), TWO_SERVERS, 16, 128, microbatch_sizes=(1,))
+    grid = _Grid(req, float("inf"))
+    rate = {g: grid.candidate(Shape(8, 2, 1, 16, False, g)).analytic_samples_per_s for g in ("stages", "pipelines")}
+    assert max(rate, key=rate.get) == grouping
+
+
+def test_a_plan_grouped_by_stage_runs_as_planned_from_its_file() -> None:
+    req = GridRequest(
+        "1f1b", model(8, weights=256 * MIB, sent=64 * 1024), TWO_SERVERS, 16, 128, microbatch_sizes=(1,), confirm=4
+    )
+    plan = plan_grid(req)
+    best = plan.candidates[plan.chosen]
+    assert best.params["grouping"] == "stages" and best.config.endswith("by stage")
+    doc = json.loads(json.dumps(plan.to_json()))
+    spec = plan_file(doc).spec()
+    w, d = best.params["width"], best.params["depth"]
+    assert "width" not in doc and spec.replicas == (w,) * d
+    assert spec.microbatches == best.params["microbatches"] * w
+    result = simulate_schedule(build_schedule(spec), req.profile_for(1), TWO_SERVERS, starts=list(best.starts))
+    assert steady_throughput(result) == pytest.approx(best.simulated_samples_per_s, rel=1e-9)

@@ -17,7 +17,12 @@ Figures (the issue's labels):
   ``pipedream-2bw``: the width x depth planner's configurations at depth D
   (every micro-batch size, recomputation on and off, w b m = B), ranked by
   its closed form, the best :data:`CONFIRM` that fit simulated with the
-  engine in steady state, the fastest that fits kept.
+  engine in steady state, the fastest that fits kept. The pipelines sit on
+  the devices as the authors' runtime puts them: it is Megatron-LM's, whose
+  ``initialize_model_parallel`` gives each stage's w data-parallel replicas
+  consecutive ranks and strides each pipeline across them (the planner's
+  "stages" grouping, :data:`RUNTIME_GROUPING`), so on 64 GPUs a stage's
+  all-reduce stays inside its server and the activations cross the NICs.
 * 7 / 11: worst-case memory per GPU on 8 GPUs, 8-deep, micro-batch size 1,
   no recomputation, m = B (the techniques' own footprints, not the planner's
   choices): the planner's memory model (held equal to the engine's peak by
@@ -49,12 +54,16 @@ from pipesim.experiments.reproduce.base import Claim, Paper, Progress, Row, bars
 from pipesim.sim.api import simulate_schedule
 from pipesim.sim.hardware.machines import Hardware, load_hardware
 from pipesim.sim.partition.cost import LinkModel
-from pipesim.sim.planning.grid import GridRequest, plan_grid
+from pipesim.sim.planning.grid import GridRequest, plan_grid, shape_spec
 from pipesim.sim.planning.plan import Candidate, steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workloads.catalog import model_profile
 
 NAME = "2bw"
+#: How the authors' runtime places w pipelines of depth d (see the module
+#: doc; ``msr-fiddle/pipedream``, branch ``pipedream_2bw``,
+#: ``megatron/megatron/mpu/initialize.py``).
+RUNTIME_GROUPING = "stages"
 GIB = 2**30
 #: Engine-confirmed configurations per (technique, model, batch).
 CONFIRM = 1
@@ -106,8 +115,11 @@ def _profile(model: str, hardware: str, b: int, layers: int | None = None, tenso
     )
 
 
-def _config(w: int, d: int, b: int, recompute: bool, replicas) -> dict:
-    return {"w": w, "d": d, "b": b, "recompute": recompute, "replicas": replicas}
+def _config(w: int, d: int, b: int, recompute: bool, replicas, grouping: str | None = None) -> dict:
+    """A row's configuration; ``grouping`` (pipelines side by side or grouped
+    by stage, :data:`~pipesim.sim.planning.grid.GROUPINGS`) where w > 1."""
+    found = {"w": w, "d": d, "b": b, "recompute": recompute, "replicas": replicas}
+    return found | ({"grouping": grouping} if grouping and w > 1 else {})
 
 
 # ---------------------------------------------------------------------------
@@ -122,19 +134,22 @@ def _peak(result) -> tuple[float, bool]:
 def inter_layer(model: str, hardware: str, gpus: int, depth: int, batch: int) -> dict:
     """GPipe with m = 1 on ``depth`` stages x w pipelines: one micro-batch in
     flight, an update (and on w > 1 the gradient all-reduce) after each; the
-    micro-batch size (dividing B / w) and recomputation the fastest that fit."""
+    micro-batch size (dividing B / w) and recomputation the fastest that fit;
+    the pipelines placed as the authors' runtime places them."""
     w = gpus // depth
     best = None
+    grouping = RUNTIME_GROUPING if w > 1 else "pipelines"
     for b in (b for b in MICROBATCH_SIZES if (batch // w) % b == 0):
         for rc in (False, True):
-            spec = ScheduleSpec("gpipe", depth, 1, iterations=ITERATIONS, width=w)
+            params = {"width": w, "depth": depth, "microbatches": 1, "grouping": grouping}
+            spec = shape_spec("gpipe", params, ITERATIONS, {})
             res = simulate_schedule(build_schedule(spec), _profile(model, hardware, b), _hw(hardware), recompute=rc)
             peak, oom = _peak(res)
             got = {
                 "throughput": steady_throughput(res),
                 "peak": peak,
                 "oom": oom,
-                "config": _config(w, depth, b, rc, [w] * depth),
+                "config": _config(w, depth, b, rc, [w] * depth, grouping),
             }
             if not oom and (best is None or got["throughput"] > best["throughput"]):
                 best = got
@@ -206,6 +221,8 @@ def planned(
         )
     )
     at_depth = [c for c in plan.candidates if c.params["depth"] == depth]
+    if any(c.params["grouping"] == RUNTIME_GROUPING for c in at_depth):  # several servers: as the runtime runs
+        at_depth = [c for c in at_depth if c.params["grouping"] == RUNTIME_GROUPING]
     ranked = sorted((c for c in at_depth if not c.out_of_memory), key=lambda c: -c.analytic_samples_per_s)
     best = None
     for cand in ranked[:confirm]:
@@ -219,7 +236,7 @@ def planned(
 
 def _confirm(strategy: str, model: str, hardware: str, cand: Candidate) -> dict:
     p = cand.params
-    spec = ScheduleSpec(strategy, p["depth"], p["microbatches"], iterations=ITERATIONS, width=p["width"])
+    spec = shape_spec(strategy, p, ITERATIONS, {})
     res = simulate_schedule(
         build_schedule(spec),
         _profile(model, hardware, p["microbatch_size"]),
@@ -233,7 +250,9 @@ def _confirm(strategy: str, model: str, hardware: str, cand: Candidate) -> dict:
         "analytic": cand.analytic_samples_per_s,
         "peak": peak,
         "oom": oom,
-        "config": _config(p["width"], p["depth"], p["microbatch_size"], p["recompute"], [p["width"]] * p["depth"]),
+        "config": _config(
+            p["width"], p["depth"], p["microbatch_size"], p["recompute"], [p["width"]] * p["depth"], p["grouping"]
+        ),
     }
 
 
@@ -560,14 +579,17 @@ _NIC = (
     "each server's one 25 Gbps NIC carries 0.54 of its line rate, NCCL's socket transport as measured at 25 Gbps "
     "(busbw 1.7 GB/s of 3.125, NVIDIA/nccl-tests#83)"
 )
+_LAYOUT_64 = (
+    "The authors' runtime is Megatron-LM's, whose initialize_model_parallel gives a stage's data-parallel "
+    "replicas consecutive ranks: each stage's replicas share a server, its all-reduce runs over NVLink "
+    "(2.2B: 0.57 GB of 16-bit gradients a stage, 8 ms by NCCL's model) and every sequence's activation and "
+    "gradient cross the NIC between two servers (2.36 MB each way a sequence at 2.2B's width, 1.45 ms at "
+    "0.54 of the 25 Gbps line rate)."
+)
 _PER_SAMPLE_64 = (
-    "On 64 GPUs the published pipelines run their extra samples at about half their one-server rate per GPU "
-    "(from B = 512 to 2048 the flush adds 1536 sequences at 162 seq/s against 8 x 38, 2BW at 171 against "
-    "8 x 44; GPipe stays at 80 against 8 x 18), while the published tensor MP keeps its own (208 against "
-    "8 x 25); pipesim's pipelines keep theirs. Unexplained; ruled out in pipesim: the overlap slowdown "
-    "(2BW at B = 2048 runs 411.1 seq/s without it, 410.0 with it), DDP's buckets (401.1 without them) "
-    "and the gradient all-reduce, 7.95 GB through each server's NIC an update, 4.7 s by the planner's link "
-    "model even if nothing hid it, where " + _NIC + "."
+    "The published pipelines on 64 GPUs run at about half their one-server rate per GPU (2BW 168 / 64 = 2.6 "
+    "seq/s a GPU against 44 / 8 = 5.5); so do pipesim's, because the activations queue on the NICs (2BW: "
+    "211.5 / 64 = 3.3 against 52.6 / 8 = 6.6, 50%; the published 48%). " + _LAYOUT_64
 )
 _TENSOR_1_SERVER = (
     "Each of the 8 ranks runs its shard of every GEMM at the shard's own shape (48.6 TFLOP/s at b = 32, "
@@ -597,7 +619,8 @@ _GPIPE = (
     "micro-batch (b = 8) and 8 micro-batches per flush pipesim's GPipe gives 23.1 seq/s on one server (its "
     "bubble 47%; published 18, the rest the compute rate), and a fixed number per flush with several flushes "
     "per batch would be flat as the published bars are; pipesim's GPipe runs one flush per update. At b = 8 on "
-    "64 GPUs it gives 79.0 and 185.7 (6b) and 63.7 and 116.5 seq/s (6c), each batch in one flush. " + _RATE
+    "64 GPUs, grouped by stage as the authors' runtime runs, it gives 155.6 and 226.1 (6b) and 90.7 and 130.7 "
+    "seq/s (6c), each batch in one flush. " + _RATE
 )
 _FLUSH_6A = (
     _SMALL_MB + " pipesim's flush takes b = 1 (m = 64) at B = 64 and b = 2 (m = 128) at 256. At the paper's 2BW "
@@ -606,52 +629,40 @@ _FLUSH_6A = (
     "compute rate. " + _RATE
 )
 _FLUSH_6B = (
-    "8 pipelines (b = 1 at B = 512, b = 2 at 2048): each stage's 8 replicas all-reduce their 16-bit gradients "
-    "across the 8 servers, 8 such rings sharing each server's 25 Gbps NIC, 7.95 GB through it per update, "
-    "4.1-4.7 s of all-reduce on a device, where " + _NIC + ". DDP's buckets overlap only a replica's last "
-    "backward, one micro-batch's, so 0.01-0.02 s of it is hidden and the flush pays it whole (at B = 512: "
-    "1.1-1.2 s of compute, 83.7 seq/s, -24%; at B = 2048: 4.1-4.7 s of compute, 205.9 seq/s). pipesim's extra "
-    "1536 samples from B = 512 to 2048 run at 401 seq/s. " + _PER_SAMPLE_64
+    "8 pipelines grouped by stage; the flush takes b = 1 at B = 512 (m = 64 a pipeline) and b = 2 at 2048 "
+    "(the small-b preference of the one-server rows), 200.8 and 209.7 seq/s. At the paper's 2BW micro-batch "
+    "(b = 8) it gives 164.8 and 202.2 (+50%, +39%): the compute rate (+20%) and a flush that pays its fill and "
+    "drain on a NIC-bound pipeline. " + _PER_SAMPLE_64
 )
 _FLUSH_6C = (
-    "4 pipelines of 16 stages (b = 2 at B = 512, 4 at 2048): 6.3-7.5 GB of 16-bit gradients through each "
-    "server's NIC per update, 2.7-3.4 s of all-reduce a device pays after the flush (its buckets overlap only "
-    "the last micro-batch's backward) beside 1.8-2.0 s (B = 512) and 6.5-7.4 s (2048) of compute: 79.2 and "
-    "148.9 seq/s. pipesim's extra samples from B = 512 to 2048 run at 211 seq/s, the published flush's "
-    "at 140 (2BW's at 138). " + _PER_SAMPLE_64
+    "4 pipelines of 16 stages grouped by stage (two stages a server), b = 2 at B = 512 and 4 at 2048: 146.0 "
+    "and 158.7 seq/s; at b = 8, 111.2 and 146.6 (+48%, +27%). The published flush at B = 512 (75) is half "
+    "its value at 2048 (115), more than its bubble explains (pipesim's b = 8 flush moves from 111.2 to "
+    "146.6). " + _PER_SAMPLE_64
 )
 _TWO_BW_6B = (
-    "2BW's all-reduce (16-bit gradients in DDP's buckets, 7.95 GB through each server's NIC per update) runs "
-    "behind the passes before the new weights are read, where " + _NIC + ". At B = 512 a window of 8 "
-    "micro-batches computes for 1.1-1.6 s, so the NIC bounds 2BW (94.8 seq/s: 5.4 s an update, 4.6 s of it "
-    "all-reduce alone on a device, each stage's all-reduce queued behind its previous window's); the published "
-    "160 seq/s is 3.2 s an update, less than the all-reduce takes here (unexplained: the published tensor MP "
-    "rows fit this NIC rate). At B = 2048 32 micro-batches (4.5-4.8 s of compute) hide all but 0.9 s of it "
-    "and 2BW runs 410.0 seq/s against 52.6 on one server. The published bar barely moves from B = 512 (160 "
-    "to 168). " + _PER_SAMPLE_64
+    "8 pipelines grouped by stage, b = 8: the all-reduce stays in a server and hides behind the passes, "
+    "so the bar barely moves with the batch (230.0 and 211.5 seq/s; published 160 and 168); the activations "
+    "crossing the NICs halve the rate per GPU against one server, and the rest is the compute rate (+20% "
+    "on one server). At B = 512 the planner's split gives 230.0 where the balanced default gives 201.9 "
+    "(+26%). " + _PER_SAMPLE_64 + " " + _RATE
 )
 _TWO_BW_6C = (
-    "4 pipelines of 16 stages spanning two servers, b = 8: the stage rings move 6.6-7.9 GB through a NIC per "
-    "update, where " + _NIC + "; at B = 512 the NIC bounds 2BW (76.9 seq/s, 6.7 s an update, up to 4.5 s "
-    "of it all-reduce alone on a device; the published 127 is 4.0 s an update: unexplained, as on 6b), at 2048 "
-    "64 micro-batches hide more of it (189.7); its extra samples from B = 512 to 2048 run at 371 seq/s, the "
-    "published 2BW's at 138 (the bar moves from 127 to 135). " + _PER_SAMPLE_64
+    "4 pipelines of 16 stages grouped by stage, b = 8: 164.3 and 164.5 seq/s (published 127, 135; +29%, "
+    "+22%), flat in the batch as published. " + _PER_SAMPLE_64
 )
 _INTER_6B = (
-    "pipesim's inter-layer MP on 64 GPUs is 8 data-parallel copies of the 8-deep pipeline, each running one "
-    "32-sequence micro-batch (3.9 s of compute at 56.2 TFLOP/s) and all-reducing its 16-bit gradients in DDP's "
-    "buckets while the later stages' backward runs (7.95 GB through each server's NIC per update, where "
-    + _NIC
-    + "): 6.1 s an update, so it scales 5.1x from one server (41.7 against 8.1). The published bar "
-    "scales 1.6x (11 and 12 against 7), 23 s an update at B = 512's rate, which the all-reduce (4.7 s by the "
-    "planner's link model if nothing hid it) cannot make: the paper's configuration paid much more per sample "
-    "than 'GPipe with m = 1' on 8 copies does here (unexplained)."
+    "pipesim's inter-layer MP on 64 GPUs is 8 copies of the 8-deep pipeline grouped by stage, each running "
+    "one 32-sequence micro-batch at a time (3.9 s of compute at 56.2 TFLOP/s); the copies drift apart, so "
+    "their activations take turns on the NICs and their all-reduces stay in a server: 52.8 seq/s, 6.5x its "
+    "one-server rate (8.1). Laid out side by side instead (each pipeline in a server, the all-reduces "
+    "through the NICs) it gives 41.7. The published bar scales 1.6x (11 and 12 against 7), 23 s an update at "
+    "B = 512, which neither layout's communication makes (unexplained). " + _LAYOUT_64
 )
 _INTER_6C = (
-    "4 data-parallel copies of the 16-deep pipeline (two servers each), each running one 32-sequence micro-batch "
-    "(6.52 s of compute) with its all-reduce (6.0 GB through a NIC per update) mostly behind the backward: "
-    "8.2 s an update (15.7 seq/s). The published 10 and 12 mean 12.8 and 10.7 s an update (unexplained, as on "
-    "6b)."
+    "4 copies of the 16-deep pipeline grouped by stage, one 32-sequence micro-batch at a time (6.52 s of "
+    "compute): 16.8 seq/s (side by side: 15.7). The published 10 and 12 mean 12.8 and 10.7 s an update "
+    "(unexplained, as on 6b)."
 )
 #: (figure, or figure without its panel letter; technique) -> why a gap over 20% is there.
 NOTES: dict[tuple[str, str], str] = {
@@ -672,35 +683,29 @@ NOTES: dict[tuple[str, str], str] = {
 CLAIM_NOTES: dict[str, str] = {
     "2bw-vs-gpipe": (
         "pipesim's GPipe fills one flush with every micro-batch of the batch (bubble 5-19%) and loses "
-        "to 2BW only recomputation's extra forward, so 2BW leads it by at most 2.24x (6b, B = 2048, where "
-        "pipesim's 2BW is also 2.4x the published bar); the published GPipe bars stay flat (18, 80, 38 seq/s) "
+        "to 2BW only recomputation's extra forward, so 2BW leads it by at most 1.59x (6a, B = 64; on 64 GPUs "
+        "0.87-1.36x, where both are bound by the NICs); the published GPipe bars stay flat (18, 80, 38 seq/s) "
         "as if each flush held a fixed few micro-batches (the GPipe rows): " + _GPIPE
     ),
     "2bw-vs-flush-low-batch": (
         "At B = 64 pipesim's flush takes b = 1 (m = 64, bubble 10%) at 10% more per sample than b = 8, and "
-        "2BW on 64 GPUs at B = 512 is bound by its all-reduce through each server's NIC (94.8 against "
-        "83.7 seq/s on 6b, 76.9 against 79.2 on 6c): the largest ratio is 1.20, on one server (6a, B = 64). At the paper's b = 8 pipesim's flush gives 30.7 seq/s at "
-        "B = 64 and the ratio 52.6 / 30.7 = 1.71 (published 43 / 26 = 1.65)."
-    ),
-    "2bw-vs-flush-2048": (
-        "At B = 2048 on 64 GPUs pipesim's 2BW hides its all-reduce behind 32 micro-batches and runs at 410.0 "
-        "seq/s (52.6 on one server), while the flush pays its 4.1-4.6 s all-reduce after each "
-        "flush (DDP's buckets overlap only the last micro-batch's backward): 410.0 / 205.9. The published "
-        "bars (168, 145) both run at about half their one-server rate per GPU, which no pipesim model has "
-        "(the 6b rows)."
+        "on 64 GPUs at B = 512 it takes b = 1-2 with 64-128 micro-batches a pipeline, so its bubble is small "
+        "where both are bound by the NICs (230.0 against 200.8 seq/s on 6b, 164.3 against 146.0 on 6c): the "
+        "largest ratio is 1.20, on one server (6a, B = 64). At the paper's b = 8 pipesim's flush gives 30.7 "
+        "seq/s at B = 64 and the ratio 52.6 / 30.7 = 1.71 (published 43 / 26 = 1.65)."
     ),
     "flush-vs-inter-small-batch": (
         "PipeDream-Flush at B = 64 is predicted 69% fast (b = 1, m = 64; at b = 8 it gives 30.7 seq/s) and "
         "inter-layer MP 16% fast (one 32-sequence micro-batch at 56.2 TFLOP/s): " + _FLUSH_6A
     ),
     "flush-vs-gpipe-low-batch": (
-        "On 6c at B = 512 pipesim's GPipe (b = 2, m = 64 in one flush, recomputed) runs 0.87 of the "
-        "flush's rate (68.9 against 79.2 seq/s): the same b, m and bubble (19%) and the same all-reduce, "
+        "On 6c at B = 512 pipesim's GPipe (b = 2, m = 64 in one flush, recomputed) runs 0.83 of the "
+        "flush's rate (120.5 against 146.0 seq/s): the same b, m and bubble and the same NIC-bound transfers, "
         "plus recomputation's extra forward; the published GPipe is half the published flush (38 against 75): " + _GPIPE
     ),
     "flush-vs-gpipe-high-batch": (
-        "On 6c at B = 2048 pipesim's GPipe (b = 4, m = 128 in one flush, recomputed) runs 0.80 of the "
-        "flush's rate (119.5 against 148.9 seq/s); the published GPipe stays at 38 while the flush reaches "
+        "On 6c at B = 2048 pipesim's GPipe (b = 4, m = 128 in one flush, recomputed) runs 0.88 of the "
+        "flush's rate (139.2 against 158.7 seq/s); the published GPipe stays at 38 while the flush reaches "
         "115: " + _GPIPE
     ),
     "recompute-cost": (

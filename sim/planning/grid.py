@@ -98,6 +98,15 @@ MAX_MICROBATCH_SIZE = 64
 #: confirming run holds iterations x m x GPUs passes (the grid's smallest b
 #: for a big B would otherwise ask for long simulations).
 MAX_MICROBATCHES = 512
+#: How w pipelines of depth d sit on the devices (:attr:`Shape.grouping`):
+#: "pipelines" puts pipeline r on devices r*d .. r*d+d-1 (a stage's
+#: replicas all-reduce across the pipelines' devices); "stages" puts stage
+#: k's w replicas on devices k*w .. k*w+w-1, the rank order of Megatron-LM's
+#: ``initialize_model_parallel`` (data-parallel groups of consecutive ranks,
+#: pipelines strided), which PipeDream-2BW's runtime uses: on a multi-server
+#: machine the all-reduces stay inside a server and the activations cross
+#: the network instead.
+GROUPINGS = ("pipelines", "stages")
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,7 @@ class Shape:
     microbatch_size: int
     microbatches: int
     recompute: bool
+    grouping: str = "pipelines"
 
     @property
     def params(self) -> dict:
@@ -144,11 +154,28 @@ class Shape:
             "microbatch_size": self.microbatch_size,
             "microbatches": self.microbatches,
             "recompute": self.recompute,
+            "grouping": self.grouping,
         }
 
     @property
     def name(self) -> str:
-        return f"{self.width}x{self.depth}"
+        return f"{self.width}x{self.depth}" + (" by stage" if self.grouping == "stages" else "")
+
+    def device(self, replica: int, stage: int) -> int:
+        """The device of ``replica`` of ``stage`` under the shape's grouping."""
+        if self.grouping == "stages":
+            return stage * self.width + replica
+        return replica * self.depth + stage
+
+
+def shape_spec(strategy: str, params: dict, iterations: int, options: dict) -> ScheduleSpec:
+    """The schedule of a grid configuration (``Shape.params``): w pipelines
+    side by side, or, grouped by stage, each stage's w replicas on
+    consecutive devices with the w pipelines' micro-batches in one count."""
+    w, d, m = params["width"], params["depth"], params["microbatches"]
+    if params.get("grouping", "pipelines") == "stages":
+        return ScheduleSpec(strategy, d, m * w, iterations=iterations, replicas=(w,) * d, **options)
+    return ScheduleSpec(strategy, d, m, iterations=iterations, width=w, **options)
 
 
 @dataclass(frozen=True)
@@ -192,7 +219,8 @@ def shapes(req: GridRequest, layers: int) -> list[Shape]:
             m = req.batch_size // (w * b)
             if (needs_m_ge_p and m < d) or m > MAX_MICROBATCHES:
                 continue
-            out.extend(Shape(w, d, b, m, r) for r in sorted(set(req.recompute)))
+            for grouping in groupings(req, w, d):
+                out.extend(Shape(w, d, b, m, r, grouping) for r in sorted(set(req.recompute)))
     if not out:
         raise PlanError(
             f"no width x depth configuration of {req.gpus} devices divides a batch of "
@@ -200,6 +228,15 @@ def shapes(req: GridRequest, layers: int) -> list[Shape]:
             + (" with at least as many micro-batches as stages" if needs_m_ge_p else "")
         )
     return out
+
+
+def groupings(req: GridRequest, width: int, depth: int) -> tuple[str, ...]:
+    """The groupings worth scoring: both where the devices span several
+    servers and neither dimension is 1 (elsewhere the two place the same
+    traffic on equivalent links)."""
+    if width > 1 and depth > 1 and req.gpus > req.hardware.local_devices:
+        return GROUPINGS
+    return GROUPINGS[:1]
 
 
 class _Grid:
@@ -261,13 +298,15 @@ class _Grid:
         profile = self.profile(shape.microbatch_size)
         per_mb, reduce_s, exposed, memory = [], [], [], []
         for k, c in enumerate(costs):
-            comm = (hw.transfer_time(k - 1, k, costs[k - 1].activation_bytes) if k else 0.0) + (
-                hw.transfer_time(k + 1, k, c.activation_bytes) if k + 1 < d else 0.0
-            )
+            inbound = [(k - 1, costs[k - 1].activation_bytes)] if k else []
+            inbound += [(k + 1, c.activation_bytes)] if k + 1 < d else []
+            comm = sum(hw.transfer_time(shape.device(0, j), shape.device(0, k), n) for j, n in inbound)
+            # the w replicas' transfers that share a link run one after another
+            link_bound = max((self.shared_transfer(shape, j, k, n) for j, n in inbound), default=0.0)
             step = update_seconds(c.param_bytes, profile.optimizer, hw.device.kernel_bandwidth("update"))
-            group = self.links.ring(tuple(r * d + k for r in range(w)))
+            group = self.links.ring(tuple(shape.device(r, k) for r in range(w)))
             ring = group.seconds(c.gradient_bytes) if w > 1 else 0.0
-            per_mb.append((c.forward_s + c.backward_s + comm, step))
+            per_mb.append((max(c.forward_s + c.backward_s + comm, link_bound), step))
             reduce_s.append(ring)
             spec = hw.collectives
             if ring and spec is not None and spec.bucket_bytes and not self.traits.streamed:
@@ -298,6 +337,20 @@ class _Grid:
             memory_bytes=tuple(memory),
         )
 
+    def shared_transfer(self, shape: Shape, src_stage: int, dst_stage: int, nbytes: float) -> float:
+        """Seconds the busiest link of a boundary spends on one micro-batch
+        of every replica: the replicas whose transfers cross replica 0's
+        links queue on them (one NIC carries all w when a stage's replicas
+        share a server and its neighbour sits on another)."""
+        hw = self.req.hardware
+        first = {link.name for link in hw.route(shape.device(0, src_stage), shape.device(0, dst_stage))}
+        sharing = sum(
+            1
+            for r in range(shape.width)
+            if first & {link.name for link in hw.route(shape.device(r, src_stage), shape.device(r, dst_stage))}
+        )
+        return sharing * hw.transfer_time(shape.device(0, src_stage), shape.device(0, dst_stage), nbytes)
+
     def candidate(self, shape: Shape) -> Candidate:
         starts, _ = self.split(shape)
         t = self.tables(shape.microbatch_size, shape.recompute)
@@ -324,9 +377,7 @@ class _Grid:
 
         p = cand.params
         req = self.req
-        spec = ScheduleSpec(
-            req.strategy, p["depth"], p["microbatches"], iterations=req.iterations, width=p["width"], **req.options
-        )
+        spec = shape_spec(req.strategy, p, req.iterations, req.options)
         try:
             check_size(spec)
             schedule = build_schedule(spec)
@@ -346,7 +397,7 @@ class _Grid:
             cand,
             simulated_samples_per_s=rate,
             steady=steady,
-            microbatches=p["microbatches"],
+            microbatches=spec.microbatches,
             iterations=req.iterations,
             peak_memory_bytes=peak,
             out_of_memory=out_of_memory(result, self.limit),
@@ -368,7 +419,7 @@ def confirmation_order(ranked: list[Candidate]) -> list[int]:
     first = []
     for i in fitting:
         p = ranked[i].params
-        shape = (p["width"], p["depth"], p["recompute"])
+        shape = (p["width"], p["depth"], p["recompute"], p["grouping"])
         if shape not in seen:
             seen.add(shape)
             first.append(i)
@@ -400,7 +451,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
         hardware=req.hardware.name,
         hardware_spec=req.hardware.to_json(),
         gpus=req.gpus,
-        microbatches=best["microbatches"],
+        microbatches=best["microbatches"] * (best["width"] if best["grouping"] == "stages" else 1),
         iterations=req.iterations,
         microbatch_size=best["microbatch_size"],
         options=dict(req.options),
@@ -412,7 +463,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
         recv_lookahead=req.recv_lookahead,
         profile=req.profile_path,
         planner=PLANNER,
-        width=best["width"],
+        width=None if best["grouping"] == "stages" else best["width"],
         recompute=best["recompute"],
         batch_size=req.batch_size,
     )

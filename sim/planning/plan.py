@@ -361,7 +361,9 @@ class Plan:
         )
 
 
-#: The planners whose plans run ``width`` pipelines side by side (and say so).
+#: The planners whose plans run w pipelines of one depth: side by side when
+#: the plan has a ``width``, grouped by stage (each stage's w replicas on
+#: consecutive devices) when it has none.
 WIDTH_PLANNERS = frozenset({"width-depth", "tuner"})
 
 #: Every field ``Plan.to_json`` writes: :func:`plan_file` refuses any other
@@ -526,8 +528,6 @@ def plan_file(d: Any) -> PlanFile:
     strategy = _field(d, "strategy", str, "a strategy name")
     get_strategy(strategy)  # a one-line StrategyError naming the choices
     check_served(strategy, planner, f"the {planner} planner this plan names")
-    if planner in WIDTH_PLANNERS and "width" not in d:
-        raise PlanError(f"a plan of the {planner} planner runs pipelines side by side: its 'width' is missing")
     stages = d.get("stages")
     if not isinstance(stages, list) or not stages:
         raise PlanError('\'stages\' must be a non-empty list of {"layers": [first, last], "replicas": r}')
@@ -569,6 +569,9 @@ def plan_file(d: Any) -> PlanFile:
         raise PlanError(f"'gpus' is {gpus}, but the stages' replicas use {sum(reps)} devices")
     if width is not None and any(r != width for r in reps):
         raise PlanError(f"a plan of width {width} runs every stage on {width} replicas, got {reps}")
+    if planner in WIDTH_PLANNERS and width is None and len(set(reps)) != 1:
+        # without a width, a width x depth plan groups each stage's replicas (every stage has w)
+        raise PlanError(f"a plan of the {planner} planner runs every stage on as many replicas, got {reps}")
     recompute = d.get("recompute", False)
     if not isinstance(recompute, bool):
         raise PlanError(f"'recompute' must be true or false, got {recompute!r}")
