@@ -9,5 +9,7 @@ simulating them.
   (:class:`~.plan.Plan`, ``plan.json``) and PipeDream's notation;
 * :mod:`.grid`: width × depth planning (PipeDream-2BW's planner);
 * :mod:`.tuner`: AvgPipe's tuner (the number of parallel pipelines and of
-  micro-batches, by simulation).
+  micro-batches, by simulation);
+* :mod:`.whatif`: a measured run's own costs, its reconciliation with them,
+  and other schedules priced with them.
 """
