@@ -9,7 +9,7 @@ processes) or :func:`~pipesim.validate.convergence.train_distributed`
 
 * ``curves.json``: ``{"runs": [...], "summary": {...}, "settings": {...},
   "published": {...}}``; each run ``{"model", "strategy", "stages", "lr",
-  "seed", "updates", "final_heldout_accuracy", "final_heldout_loss",
+  "optimizer", "warmup_steps", "seed", "updates", "final_heldout_accuracy", "final_heldout_loss",
   "diverged", "curve": [{"samples", "heldout_accuracy", "heldout_loss",
   "train_loss"}]}`` (a non-finite loss is ``null``); ``summary`` holds, per
   depth, the *reference learning rate* (the largest at which data
@@ -30,6 +30,11 @@ processes) or :func:`~pipesim.validate.convergence.train_distributed`
   with the number that did;
 * the PNGs of the three figures when a browser is present
   (:mod:`pipesim.experiments.export`).
+
+Every stage runs ``optimizer`` (SGD with momentum, or Adam) with one
+learning rate for every strategy, warmed up linearly over ``warmup_steps``
+updates (:meth:`pipesim.validate.stage.OptimizerConfig.lr_at`); both are in
+``settings``, in every run's record and in the figures' titles.
 
 Same inputs, byte-identical files. :data:`PUBLISHED` holds the accuracies
 the papers report, for drawing beside these.
@@ -78,6 +83,16 @@ PUBLISHED: dict[str, dict] = {
 
 DEFAULT_STRATEGIES = ("data-parallel", "1f1b", "pipedream-2bw", "pipedream", "pipedream-nostash", "spectrain")
 DEFAULT_LRS = (0.01, 0.02, 0.05)
+#: The optimizers a run may use (:data:`pipesim.validate.stage.OPTIMIZERS`, named
+#: here so that the command line parses without importing torch).
+OPTIMIZERS = ("sgd", "adam")
+#: The learning rates swept when none are given, per optimizer: Adam's step is
+#: about lr per coordinate whatever the gradient's scale, so its rates are
+#: ten times smaller than SGD's (1e-3 is torch's and Kingma and Ba's default).
+DEFAULT_LRS_BY_OPTIMIZER = {"sgd": DEFAULT_LRS, "adam": (0.0005, 0.001, 0.002)}
+#: The warm-up when none is given, as a fraction of the updates, per optimizer:
+#: none for SGD (as before), a tenth of the run for Adam.
+DEFAULT_WARMUP_FRACTION = {"sgd": 0.0, "adam": 0.1}
 #: The strategy whose stability sets each depth's reference learning rate.
 BASELINE = "data-parallel"
 
@@ -89,7 +104,7 @@ class ConvergeConfig:
     model: str = "mlp"
     stages: tuple[int, ...] = (4, 8)
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
-    lrs: tuple[float, ...] = DEFAULT_LRS
+    lrs: tuple[float, ...] | None = None  # None: DEFAULT_LRS_BY_OPTIMIZER
     seeds: tuple[int, ...] = (0, 1)
     updates: int = 400
     update_batch: int = 32
@@ -100,6 +115,36 @@ class ConvergeConfig:
     backend: str = "emulator"
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
     timeout_s: float = 600.0
+    optimizer: str = "sgd"
+    warmup_steps: int | None = None  # None: DEFAULT_WARMUP_FRACTION of the updates
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # pipesim.validate.convergence.ADAM_BETAS
+    adam_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        # the optimizer's defaults; an unknown optimizer is left for runs_of to refuse
+        if self.lrs is None:
+            object.__setattr__(self, "lrs", DEFAULT_LRS_BY_OPTIMIZER.get(self.optimizer, DEFAULT_LRS))
+        if self.warmup_steps is None and isinstance(self.updates, int):
+            fraction = DEFAULT_WARMUP_FRACTION.get(self.optimizer, 0.0)
+            object.__setattr__(self, "warmup_steps", int(fraction * self.updates))
+
+    def setup(self):
+        """The :class:`~pipesim.validate.convergence.Setup` every run shares."""
+        from pipesim.validate.convergence import Setup
+
+        return Setup(
+            model=self.model,
+            updates=self.updates,
+            update_batch=self.update_batch,
+            eval_every=self.eval_every,
+            momentum=self.momentum,
+            model_width=self.model_width,
+            model_depth=self.model_depth,
+            optimizer=self.optimizer,
+            warmup_steps=self.warmup_steps,
+            betas=tuple(self.adam_betas),
+            eps=self.adam_eps,
+        )
 
 
 BACKENDS = ("emulator", "gloo")
@@ -107,12 +152,19 @@ BACKENDS = ("emulator", "gloo")
 
 def runs_of(cfg: ConvergeConfig) -> list:
     """Every run, each checked (sizes, fairness) before anything trains."""
-    from pipesim.validate.convergence import Run, Setup, plan, resolve, stage_starts
-    from pipesim.validate.models import build_model
-    from pipesim.validate.stage import OptimizerConfig
+    from pipesim.validate.convergence import Run, build_run_model, plan, resolve, stage_starts
 
     if cfg.backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    w = cfg.warmup_steps
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        raise InputError(f"--warmup-steps must be a whole number >= 0, got {w!r}")
+    if isinstance(cfg.updates, int) and w > cfg.updates:
+        raise InputError(
+            f"--warmup-steps {w} is longer than --updates {cfg.updates}: the learning rate would never reach --lr"
+        )
     for name, values in (("stages", cfg.stages), ("seeds", cfg.seeds), ("strategies", cfg.strategies), ("lr", cfg.lrs)):
         if not values:
             raise InputError(f"give at least one value for {name}")
@@ -123,19 +175,10 @@ def runs_of(cfg: ConvergeConfig) -> list:
             raise InputError(f"learning rates must be finite numbers > 0, got {lr}")
     for name in cfg.strategies:
         resolve(name)
-    for lr in cfg.lrs:  # the optimizer's own checks (momentum in [0, 1)) before anything trains
-        OptimizerConfig(lr=float(lr), momentum=cfg.momentum)
-    setup = Setup(
-        model=cfg.model,
-        updates=cfg.updates,
-        update_batch=cfg.update_batch,
-        eval_every=cfg.eval_every,
-        momentum=cfg.momentum,
-        model_width=cfg.model_width,
-        model_depth=cfg.model_depth,
-    )
-    width, depth = setup.size()
-    layers = build_model(cfg.model, width=width, depth=depth).num_layers  # ModelError for a bad model
+    setup = cfg.setup()
+    for lr in cfg.lrs:  # the optimizer's own checks (momentum in [0, 1), Adam's betas) before anything trains
+        setup.optimizer_config(float(lr))
+    layers = build_run_model(setup).num_layers  # ModelError for a bad model
     runs = []
     for p in cfg.stages:
         stage_starts(layers, p)
@@ -247,10 +290,14 @@ def _rounded(x):
     return x
 
 
-def quadratic_stability(strategies: Sequence[str], stages: Sequence[int], momentum: float) -> dict:
+def quadratic_stability(
+    strategies: Sequence[str], stages: Sequence[int], momentum: float, optimizer: str = "sgd"
+) -> dict:
     """Per depth and strategy, each stage's (delay, distance) of its update
     rule and the largest lr·h that rule survives on a quadratic
-    (:func:`~pipesim.validate.convergence.stability_threshold`)."""
+    (:func:`~pipesim.validate.convergence.stability_threshold`). The
+    threshold is SGD with momentum's; under Adam, whose step is not linear
+    in the gradient, it is ``None``."""
     from pipesim.validate.convergence import stability_threshold, update_rule
 
     out: dict = {}
@@ -258,24 +305,28 @@ def quadratic_stability(strategies: Sequence[str], stages: Sequence[int], moment
         for name in strategies:
             rule = update_rule(name, p)
             out.setdefault(str(p), {})[name] = [
-                {"delay": d, "distance": s, "max_lr_h": stability_threshold(d, s, momentum)} for d, s in rule
+                {
+                    "delay": d,
+                    "distance": s,
+                    "max_lr_h": stability_threshold(d, s, momentum) if optimizer == "sgd" else None,
+                }
+                for d, s in rule
             ]
     return out
 
 
+def lr_schedule(cfg: ConvergeConfig) -> str:
+    """The learning-rate schedule in words, for the record."""
+    if not cfg.warmup_steps:
+        return "constant"
+    return f"linear warm-up: update u (from 0) uses lr * min(1, u / {cfg.warmup_steps}), then constant"
+
+
 def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
     """The content of ``curves.json``."""
-    from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, Setup, describe
+    from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, describe
 
-    setup = Setup(
-        model=cfg.model,
-        updates=cfg.updates,
-        update_batch=cfg.update_batch,
-        eval_every=cfg.eval_every,
-        momentum=cfg.momentum,
-        model_width=cfg.model_width,
-        model_depth=cfg.model_depth,
-    )
+    setup = cfg.setup()
     width, depth = setup.size()
     layouts = [describe(Run(setup, name, p, cfg.lrs[0], cfg.seeds[0])) for p in cfg.stages for name in cfg.strategies]
     return _rounded(
@@ -286,8 +337,11 @@ def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
                 "model": cfg.model,
                 "model_width": width,
                 "model_depth": depth,
-                "optimizer": "sgd",
-                "momentum": cfg.momentum,
+                "optimizer": cfg.optimizer,
+                "momentum": cfg.momentum,  # SGD's; unused under Adam
+                "warmup_steps": cfg.warmup_steps,
+                "lr_schedule": lr_schedule(cfg),
+                **({"adam_betas": list(cfg.adam_betas), "adam_eps": cfg.adam_eps} if cfg.optimizer == "adam" else {}),
                 "update_batch": cfg.update_batch,
                 "updates": cfg.updates,
                 "eval_every": cfg.eval_every,
@@ -305,7 +359,7 @@ def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
                 ],
             },
             "published": PUBLISHED,
-            "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum),
+            "quadratic_stability": quadratic_stability(cfg.strategies, cfg.stages, cfg.momentum, cfg.optimizer),
         }
     )
 
@@ -335,6 +389,18 @@ def _color(names: list[str], name: str) -> str:
 def _band_color(hex_color: str, alpha: float = 0.15) -> str:
     r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"
+
+
+def optimizer_label(doc: dict) -> str:
+    """The optimizer and its warm-up in a few words, for the figures' titles."""
+    st = doc.get("settings", {})
+    if st.get("optimizer", "sgd") == "adam":
+        b1, b2 = st.get("adam_betas", (0.9, 0.999))
+        label = f"Adam (betas {b1:g}, {b2:g}, eps {st.get('adam_eps', 1e-8):g})"
+    else:
+        label = f"SGD, momentum {st.get('momentum', 0.9):g}"
+    warmup = st.get("warmup_steps")
+    return label + (f", lr warm-up {warmup} updates" if warmup else "")
 
 
 def learning_curves_figure(doc: dict):
@@ -402,7 +468,9 @@ def learning_curves_figure(doc: dict):
     fig.update_xaxes(title_text="training samples", row=len(rows))
     model = runs[0]["model"] if runs else ""
     fig.update_layout(
-        title={"text": f"{model}: held-out accuracy and loss (mean over seeds, band: worst to best)"},
+        title={
+            "text": f"{model}, {optimizer_label(doc)}: held-out accuracy and loss (mean over seeds, band: worst to best)"
+        },
         template="plotly_white",
         height=300 * len(rows) + 120,
         width=1300,
@@ -445,8 +513,8 @@ def final_accuracy_figure(doc: dict):
         height=520,
         yaxis={"title": "final held-out accuracy", "range": [0, 1]},
         title={
-            "text": "Final held-out accuracy at the largest learning rate where data parallelism "
-            "converges in every seed (whiskers: worst and best seed)"
+            "text": f"{optimizer_label(doc)}: final held-out accuracy at the largest learning rate where data "
+            "parallelism converges in every seed (whiskers: worst and best seed)"
         },
     )
     return fig
@@ -505,7 +573,9 @@ def stability_figure(doc: dict):
         template="plotly_white",
         width=1300,
         height=280 * nrows + 120,
-        title={"text": "Stability: mean final held-out accuracy; × k/n: k of n seeds diverged"},
+        title={
+            "text": f"Stability, {optimizer_label(doc)}: mean final held-out accuracy; × k/n: k of n seeds diverged"
+        },
     )
     return fig
 

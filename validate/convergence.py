@@ -21,7 +21,10 @@ update batch, and evaluates the held-out split at regular intervals
   which keeps B samples per update step in all;
 * the same model split into p contiguous stages (layers dealt evenly in
   order, the remainder to the last stages), the same optimizer (SGD with
-  momentum, one learning rate for every strategy).
+  momentum, or Adam), one learning rate and one warm-up for every strategy:
+  a stage's update u uses ``lr·min(1, u/N)`` with N the warm-up updates
+  (:meth:`~pipesim.validate.stage.OptimizerConfig.lr_at`), read where every
+  strategy reads its rate, the optimizer step and SpecTrain's prediction.
 
 What is evaluated: between steps every stage holds its latest weights
 (replica 0's where there are replicas, AvgPipe included); in an
@@ -62,7 +65,13 @@ DIVERGENCE_FACTOR = 2.0
 #: Strategies under another name than their registry's: option values of a registered strategy.
 VARIANTS: dict[str, tuple[str, dict]] = {"pipedream-nostash": ("pipedream", {"stashing": False})}
 #: Width and depth of each catalog model in convergence runs: deep enough for 8 stages, quick on a CPU.
+#: A catalog model not named here runs at the catalog's size unless
+#: ``--model-width``/``--model-depth`` say otherwise (:func:`build_run_model`).
 MODEL_SIZES = {"mlp": (128, 8), "vgg-small": (16, 6), "gpt-small": (64, 6), "lstm": (64, 6)}
+#: Adam's (beta1, beta2) and eps unless a run says otherwise: torch.optim.Adam's
+#: defaults, which are also Megatron-LM's ``--adam-beta1/--adam-beta2/--adam-eps``.
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
 
 
 class ConvergeError(InputError):
@@ -90,13 +99,33 @@ class Setup:
     updates: int = 400
     update_batch: int = 32
     eval_every: int = 40
-    momentum: float = 0.9
+    momentum: float = 0.9  # SGD's; Adam's first moment is betas[0]
     model_width: int | None = None  # None: MODEL_SIZES
     model_depth: int | None = None
+    optimizer: str = "sgd"  # or "adam" (pipesim.validate.stage.OPTIMIZERS)
+    warmup_steps: int = 0  # linear warm-up of the lr over this many updates
+    betas: tuple[float, float] = ADAM_BETAS  # Adam's
+    eps: float = ADAM_EPS  # Adam's
 
     def size(self) -> tuple[int | None, int | None]:
         width, depth = MODEL_SIZES.get(self.model, (None, None))
         return (self.model_width or width, self.model_depth or depth)
+
+    def optimizer_config(self, lr: float) -> OptimizerConfig:
+        """What every stage of a run at ``lr`` runs (its checks raise OptimizerError)."""
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ConvergeError(f"Adam's betas must be in [0, 1), got {b1} {b2}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ConvergeError(f"Adam's eps must be a finite number > 0, got {self.eps}")
+        return OptimizerConfig(
+            kind=self.optimizer,
+            lr=lr,
+            momentum=self.momentum,
+            betas=tuple(self.betas),
+            eps=self.eps,
+            warmup_steps=self.warmup_steps,
+        )
 
 
 @dataclass(frozen=True)
@@ -161,6 +190,17 @@ def plan(run: Run) -> Plan:
     return Plan(spec, b, setup.eval_every, setup.updates // setup.eval_every)
 
 
+def build_run_model(setup: Setup, seed: int = 0):
+    """The model every run of ``setup`` trains, from ``seed``'s weights: the
+    one place a convergence run builds its model. Catalog models today;
+    ``hf:`` models (a 4-layer ``hf:gpt2``, say) plug in here once the
+    catalog builds them with a training stream and a held-out split of real
+    data (``data(b, seed=, split="train")`` and ``heldout()``, as the
+    character models have), which is all a run asks of a model."""
+    width, depth = setup.size()
+    return build_model(setup.model, width=width, depth=depth, seed=seed)
+
+
 def stage_starts(layers: int, stages: int) -> list[int]:
     """First layer of each of ``stages`` contiguous stages, layers dealt
     evenly in order, the remainder to the last stages."""
@@ -201,8 +241,7 @@ class _Trainer:
 
     def __init__(self, run: Run, keys=None, device: torch.device | str = "cpu"):
         self.run, self.plan = run, plan(run)
-        width, depth = run.setup.size()
-        model = build_model(run.setup.model, width=width, depth=depth, seed=run.seed)
+        model = build_run_model(run.setup, run.seed)
         self.model = model
         sched = build_schedule(self.plan.spec)
         modules = split(model, stage_starts(model.num_layers, sched.num_stages))
@@ -214,7 +253,7 @@ class _Trainer:
             for r, k in keys
         }
         self.data = model.data(self.plan.microbatch_size, seed=run.seed, split="train")
-        self.optimizer = OptimizerConfig(lr=run.lr, momentum=run.setup.momentum)
+        self.optimizer = run.setup.optimizer_config(run.lr)
         self.runner = PipelineSchedule(sched, self.stages.values(), self.optimizer, steps=self.plan.steps)
         self.num_stages = sched.num_stages
 
@@ -259,6 +298,8 @@ class _Curve:
             "strategy": self.run.strategy,
             "stages": self.run.stages,
             "lr": self.run.lr,
+            "optimizer": self.run.setup.optimizer,
+            "warmup_steps": self.run.setup.warmup_steps,
             "seed": self.run.seed,
             "updates": self.plan.updates,
             "final_heldout_accuracy": last["heldout_accuracy"],
@@ -435,8 +476,7 @@ def layer_curvature(
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    width, depth = setup.size()
-    model = build_model(setup.model, width=width, depth=depth, seed=seed)
+    model = build_run_model(setup, seed)
     net = model.sequential()
     src = model.data(setup.update_batch, seed=seed, split="train")
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=setup.momentum)

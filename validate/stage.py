@@ -65,6 +65,13 @@ class OptimizerConfig:
     1 for PipeDream), so the learning rate means the same for every
     strategy; torch.distributed.pipelining's ``scale_grads`` does the same.
     Gradients all-reduced across replicas are always averaged.
+
+    ``warmup_steps`` N warms the learning rate up linearly: a stage's update
+    u (counted from 0) uses :meth:`lr_at` ``(u) = lr·min(1, u/N)``, so update
+    0 applies nothing (it only feeds the optimizer's state), update N/2
+    half the rate and update N on the full one (Megatron-LM's and Hugging
+    Face's linear warm-up). N = 0: ``lr`` throughout, the same bits as
+    without the field.
     """
 
     kind: str = "sgd"
@@ -73,6 +80,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     scale_grads: bool = True
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
@@ -81,6 +89,26 @@ class OptimizerConfig:
             raise OptimizerError(f"lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise OptimizerError(f"momentum must be in [0, 1), got {self.momentum}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise OptimizerError(f"warm-up steps must be a whole number >= 0, got {self.warmup_steps!r}")
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of update ``update`` (counted from 0): ``lr``
+        once the warm-up is over, ``lr·update/warmup_steps`` before."""
+        if update >= self.warmup_steps:
+            return self.lr
+        return self.lr * max(update, 0) / self.warmup_steps
+
+    def lr_ahead(self, done: int, distance: int) -> float:
+        """The learning rate a prediction ``distance`` updates ahead uses after
+        ``done`` updates: the mean of the next ``distance`` updates' rates,
+        so that distance·lr_ahead is the sum of the rates those updates
+        apply (SpecTrain's Ŵ = W − s·lr·v with the schedule's lr). ``lr``
+        once the warm-up is over, bit for bit."""
+        if done >= self.warmup_steps or distance < 1 or distance != int(distance):
+            return self.lr_at(done)
+        n = int(distance)
+        return math.fsum(self.lr_at(done + j) for j in range(n)) / n
 
 
 def _reads_stored(a: Action) -> bool:
@@ -439,15 +467,16 @@ class PipelineStage:
         if self.scratch is None:
             self.scratch = [torch.empty_like(t) for t in src]
         opt = self.optim
+        lr = opt.lr_ahead(self.steps, distance)  # the rates of the updates predicted, warm-up included
         if opt.kind == "sgd" and "momentum" in self.state:
-            predict_sgd(src, self.state["momentum"], opt.lr, distance, out=self.scratch)
+            predict_sgd(src, self.state["momentum"], lr, distance, out=self.scratch)
         elif opt.kind == "adam" and self.steps:
             predict_adam(
                 src,
                 self.state["exp_avg"],
                 self.state["exp_avg_sq"],
                 self.steps,
-                opt.lr,
+                lr,
                 opt.betas,
                 opt.eps,
                 distance,
@@ -521,7 +550,7 @@ class PipelineStage:
             step = self.state["momentum"]
         else:
             step = grads
-        self._pending = (step, -opt.lr)
+        self._pending = (step, -opt.lr_at(self.steps - 1))  # self.steps counts this update
 
     def _adam(self, grads: list[Tensor]) -> None:
         opt = self.optim
@@ -533,7 +562,8 @@ class PipelineStage:
         torch._foreach_lerp_(m, grads, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        self._pending = ("adam",) + adam_coefficients(self.steps, opt.lr, opt.betas, opt.eps, 1.0)
+        lr = opt.lr_at(self.steps - 1)  # self.steps counts this update
+        self._pending = ("adam",) + adam_coefficients(self.steps, lr, opt.betas, opt.eps, 1.0)
 
     def _write(self, dst: list[Tensor], src: list[Tensor]) -> None:
         pending = self._pending

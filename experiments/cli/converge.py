@@ -33,7 +33,12 @@ def _positive_float(text: str) -> float:
 
 
 def add_parser(subparsers) -> None:
-    from pipesim.experiments.converge import ConvergeConfig
+    from pipesim.experiments.converge import (
+        DEFAULT_LRS_BY_OPTIMIZER,
+        DEFAULT_WARMUP_FRACTION,
+        OPTIMIZERS,
+        ConvergeConfig,
+    )
 
     d = ConvergeConfig()
     p = subparsers.add_parser("converge", help="train every strategy on the same samples and compare held-out accuracy")
@@ -54,7 +59,31 @@ def add_parser(subparsers) -> None:
         _converge_strategies,
     )
     p.add_argument(
-        "--lr", type=_positive_float, nargs="+", default=list(d.lrs), help="learning rates (every strategy runs each)"
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help="every stage's optimizer: sgd (with --momentum) or adam (betas --adam-betas, eps --adam-eps)",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive_float,
+        nargs="+",
+        default=None,
+        help="learning rates, every strategy runs each (default: "
+        + "; ".join(f"{' '.join(f'{x:g}' for x in lrs)} for {name}" for name, lrs in DEFAULT_LRS_BY_OPTIMIZER.items())
+        + ")",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=nonnegative,
+        default=None,
+        help="linear learning-rate warm-up: update u (from 0) uses lr*min(1, u/N), then lr, in every strategy "
+        "(default: "
+        + "; ".join(
+            f"{f'{round(100 * f)}%% of --updates' if f else 'none'} for {name}"
+            for name, f in DEFAULT_WARMUP_FRACTION.items()
+        )
+        + ")",
     )
     p.add_argument(
         "--seeds", type=nonnegative, nargs="+", default=list(d.seeds), help="seeds of the weights and the data order"
@@ -70,7 +99,16 @@ def add_parser(subparsers) -> None:
         help="updates between held-out evaluations (a multiple of the depth for pipedream and spectrain, "
         "which update p times per iteration; --updates a multiple of it)",
     )
-    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1) (unused by adam)")
+    p.add_argument(
+        "--adam-betas",
+        type=float,
+        nargs=2,
+        default=list(d.adam_betas),
+        metavar=("BETA1", "BETA2"),
+        help="Adam's moment decays, each in [0, 1) (torch's and Megatron-LM's defaults)",
+    )
+    p.add_argument("--adam-eps", type=_positive_float, default=d.adam_eps, help="Adam's epsilon")
     p.add_argument("--model-width", type=positive, default=None, help="model width (default: the model's for converge)")
     p.add_argument(
         "--model-depth",
@@ -99,7 +137,7 @@ def run(args) -> int:
         model=args.model,
         stages=tuple(args.stages),
         strategies=tuple(args.strategies),
-        lrs=tuple(args.lr),
+        lrs=None if args.lr is None else tuple(args.lr),
         seeds=tuple(args.seeds),
         updates=args.updates,
         update_batch=args.update_batch,
@@ -110,6 +148,10 @@ def run(args) -> int:
         backend=args.backend,
         jobs=args.jobs,
         timeout_s=args.timeout,
+        optimizer=args.optimizer,
+        warmup_steps=args.warmup_steps,
+        adam_betas=tuple(args.adam_betas),
+        adam_eps=args.adam_eps,
     )
     total = len(runs_of(cfg))  # every run checked before any trains
     from tqdm import tqdm
