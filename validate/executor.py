@@ -24,6 +24,7 @@ backend's own reduction order would be.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from pipesim.kernels import elastic_average
 from pipesim.sim.ir.core import (
@@ -46,6 +48,7 @@ from pipesim.sim.ir.core import (
     REDUCE_GRAD,
     SEND_B,
     SEND_F,
+    TORCH_OPS,
     UPDATE,
     Action,
     B,
@@ -54,6 +57,7 @@ from pipesim.sim.ir.core import (
     Schedule,
     ScheduleError,
     W,
+    format_action,
 )
 from pipesim.sim.ir.dataflow import Arrival, CollectiveDone, PassDone, compile_plan
 from pipesim.sim.ir.lowering import plan
@@ -286,6 +290,41 @@ def run_collective(action: Action, stages: list[PipelineStage], centres: dict[in
         write_back(action, s, r)
 
 
+# ---------------------------------------------------------------- profiler labels
+
+
+def profiler_label(a: Action) -> str:
+    """The ``torch.profiler.record_function`` label of one executed action.
+
+    ``PP:<torch spelling>`` for an op torch.distributed.pipelining has (what
+    its own runtime writes), followed by `` pipesim:<pipesim spelling>`` when
+    that says more (a replica, a weight version or a prediction distance);
+    ``pipesim:<pipesim spelling>`` alone for pipesim's own ops. The grammar is
+    in :mod:`pipesim.validate.runtime`'s docstring.
+    """
+    full = format_action(a)
+    if a.op not in TORCH_OPS:
+        return f"pipesim:{full}"
+    short = format_action(a, torch_only=True)
+    return f"PP:{short}" if full == short else f"PP:{short} pipesim:{full}"
+
+
+def entry_labels(entries: list) -> dict[Action, str]:
+    """:func:`profiler_label` of every action of one device's compiled entries
+    (spelt once, before the walk)."""
+    out: dict[Action, str] = {}
+    for posts, a, _, _ in entries:
+        for x, _ in posts:
+            out[x] = profiler_label(x)
+        if a is not None:
+            out[a] = profiler_label(a)
+    return out
+
+
+#: What an action runs under when the walk is not annotated.
+_UNANNOTATED = contextlib.nullcontext()
+
+
 # ---------------------------------------------------------------- the walker
 
 
@@ -315,9 +354,13 @@ class DeviceExecutor:
         *,
         clock: Clock | None = None,
         peers: dict[tuple, int] | None = None,
+        annotate: bool = False,
     ):
         self.device = device
         self.entries = entries
+        # with ``annotate``, every action runs inside a record_function of its
+        # profiler_label, for a torch.profiler session around the walk
+        self.labels: dict[Action, str] | None = entry_labels(entries) if annotate else None
         self.stages = stages
         self.data = data
         self.comm = comm
@@ -338,8 +381,10 @@ class DeviceExecutor:
     # -- posts -------------------------------------------------------------
     def post(self, posts) -> None:
         clock = self.clock
+        labels = self.labels
         for x, tok in posts:
-            record = _POST[x.op](self, x, tok, clock.now() if clock else None)
+            with record_function(labels[x]) if labels is not None else _UNANNOTATED:
+                record = _POST[x.op](self, x, tok, clock.now() if clock else None)
             if record is not None:
                 self.records.append(record)
 
@@ -392,12 +437,16 @@ class DeviceExecutor:
         run = _COMPUTE[a.op]
         inputs = self._forward_inputs(a, stage, data) if a.op is F else data
         clock = self.clock
-        t0 = clock.now() if clock else None
-        out = run(stage, a, inputs)
+        labels = self.labels
+        # the label's span holds the timed one: entering and leaving it is not the action's time
+        with record_function(labels[a]) if labels is not None else _UNANNOTATED:
+            t0 = clock.now() if clock else None
+            out = run(stage, a, inputs)
+            t1 = clock.now() if clock else None
         if out is not None:
             self.local[token] = out  # for a consumer on this device, or the send
         if clock:
-            self.records.append(Record(self.device, "compute", a, t0, clock.now()))
+            self.records.append(Record(self.device, "compute", a, t0, t1))
         self.comm.poll()
 
     def _forward_inputs(self, a: Action, stage: PipelineStage, received: Tensor | None):
@@ -585,6 +634,7 @@ def emulate(
     progress=None,
     centres: dict[int, Tensor] | None = None,
     threads: int | None = EXECUTOR_THREADS,
+    annotate: bool = False,
 ) -> RunOutput:
     """Run every device's program in one process, in ``timeline``'s order.
 
@@ -595,6 +645,8 @@ def emulate(
     ``threads`` is the intra-op thread count to compute with: the default
     is the distributed workers', which makes the result bit-identical to
     theirs (:mod:`pipesim.validate.numerics`); ``None`` keeps torch's setting.
+    With ``annotate`` every action runs inside a ``record_function`` of its
+    :func:`profiler_label`, for a torch.profiler session around the call.
     """
     with intra_op_threads(threads):
         return _emulate(
@@ -607,10 +659,13 @@ def emulate(
             timed=timed,
             progress=progress,
             centres=centres,
+            annotate=annotate,
         )
 
 
-def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres) -> RunOutput:
+def _emulate(
+    schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres, annotate=False
+) -> RunOutput:
     missing = sorted(set(schedule.placement()) - set(stages))
     if missing:
         raise ValueError(f"no PipelineStage for (replica, stage) {missing[0]}")
@@ -623,7 +678,14 @@ def _emulate(schedule, stages, data, optim, timeline, *, recv_lookahead, timed, 
     placement = schedule.placement()
     executors = [
         DeviceExecutor(
-            d, entries[d], {k: s for k, s in stages.items() if placement[k] == d}, data, schedule, comm, clock=clock
+            d,
+            entries[d],
+            {k: s for k, s in stages.items() if placement[k] == d},
+            data,
+            schedule,
+            comm,
+            clock=clock,
+            annotate=annotate,
         )
         for d in range(schedule.num_devices)
     ]

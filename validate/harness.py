@@ -13,6 +13,11 @@
    (``backend="single"``);
 5. reconciles the two timelines (:mod:`pipesim.validate.reconcile`).
 
+With ``profiler_trace`` (a folder), step 4 also runs under torch.profiler
+and writes a Kineto trace per rank there, ``rank<R>.json.gz``, each action
+labelled (grammar and cost: :mod:`pipesim.validate.runtime`); the
+reconciliation still reads pipesim's own records.
+
 Single-device mode runs the devices' programs one after another on one
 device, in simulated-time order. It measures what every action costs on
 that device (the compute model: per-layer times, overheads, the optimizer),
@@ -85,6 +90,7 @@ class ValidateConfig:
     profile_repeats: int = 15
     oversubscribe: bool = False
     strategy_options: tuple = ()  # extra ScheduleSpec fields as (name, value) pairs
+    profiler_trace: str | None = None  # a folder for torch.profiler traces, rank<R>.json.gz (runtime's doc)
 
 
 def torch_device(backend: str) -> torch.device:
@@ -353,6 +359,7 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         seed=cfg.seed,
         synthetic=cfg.synthetic,
         recv_lookahead=cfg.recv_lookahead,
+        profiler_trace=_profiler_folder(cfg.profiler_trace),
     )
     out = _execute(cfg, job, device, predicted, say)
     measured = measured_result(
@@ -394,7 +401,24 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
             "predicted the peak of every simulated device's memory summed over time"
         )
     report["unscheduled_predictions"] = out.unscheduled_predictions
+    if cfg.profiler_trace is not None:
+        report["profiler_trace"] = str(cfg.profiler_trace)
     return Validation(report, reference, measured, prof, hw)
+
+
+def _profiler_folder(folder: str | None) -> str | None:
+    """``--profiler-trace``'s folder, made and emptied of an earlier run's
+    traces (so every trace in it is this run's); absolute, for the workers."""
+    if folder is None:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name in os.listdir(folder):
+            if re.fullmatch(r"\.?rank\d+(\.part)?\.json\.gz", name):
+                os.remove(os.path.join(folder, name))
+    except OSError as e:
+        raise ValidateError(f"cannot write profiler traces to {folder}: {e.strerror or e}") from None
+    return os.path.abspath(folder)
 
 
 def _measurements(
@@ -476,22 +500,25 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    from pipesim.validate.runtime import boundary_specs, warm_up
+    from pipesim.validate.runtime import boundary_specs, profiled, warm_up
 
     say(f"running every stage in this process on {device} ...")
     with intra_op_threads(_executor_threads(device)):
         _, modules, stages, data = build_stages(job, schedule.placement(), device)
         warm_up(stages, data, boundary_specs(modules, data), device)
-        out = emulate(
-            schedule,
-            stages,
-            data,
-            cfg.optimizer,
-            predicted,
-            recv_lookahead=cfg.recv_lookahead,
-            timed=True,
-            threads=None,
-        )
+        info = {"devices": list(range(schedule.num_devices)), "clock_offset_ns": 0}
+        with profiled(job.profiler_trace, 0, device, info):
+            out = emulate(
+                schedule,
+                stages,
+                data,
+                cfg.optimizer,
+                predicted,
+                recv_lookahead=cfg.recv_lookahead,
+                timed=True,
+                threads=None,
+                annotate=job.profiler_trace is not None,
+            )  # synchronises a GPU before it returns
     if device.type == "cuda":
         out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}
     return out
