@@ -16,12 +16,15 @@ durations back into the engine's inputs, so the same run can be
 How the costs are read (:func:`measured_costs`):
 
 * a stage's forward, backward, input-gradient and weight-gradient passes: the
-  median of their spans (a full backward ``B`` where the run had one, else
-  ``I + W``); an update: the median ``UPDATE``;
+  mean of their spans after the first iteration (where there are later
+  ones: the first pays for warm-up) (a full backward ``B`` where the run had one, else
+  ``I + W``); an update: the mean ``UPDATE``. The mean, not the median: an
+  iteration takes the sum of its passes, and a run's slow passes are part
+  of what it took;
 * a boundary's transfer: for every matched send and receive, the time from
   when both ends were posted to when the receive completed (``recv.end -
   max(send.start, recv.start)``): the wait for a late sender is not
-  transfer; the median over both directions (an activation and its gradient
+  transfer; the mean over both directions (an activation and its gradient
   have the same size).
 
 How they are fed to the engine (:func:`stage_costs`, :func:`measured_hardware`):
@@ -87,7 +90,7 @@ class MeasuredCosts:
     microbatch_size: int = 1
     #: bytes a micro-batch stashes on each stage, where the trace says
     stash_bytes: tuple[int, ...] | None = None
-    #: how many spans each figure is the median of: (op, stage) -> count
+    #: how many spans each figure is the mean of: "F0" (op and stage) -> count
     samples: dict = field(default_factory=dict, compare=False)
     assumptions: tuple[str, ...] = ()
 
@@ -126,13 +129,43 @@ class MeasuredCosts:
             raise WhatIfError(f"measured costs are malformed ({type(e).__name__}: {e})") from None
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values) if values else 0.0
+
+
+def _first_version(result: SimResult) -> int | None:
+    """The weight version the first iteration's passes read, where later
+    passes read others (else None: the run is one iteration, keep it all).
+    The first iteration also pays for warm-up, and the iteration time a
+    reconciliation compares leaves it out too."""
+    versions = {s.action.version for s in result.by_stream().get("compute", ()) if s.action.op in (F, B, I, W)}
+    return min(versions) if len(versions) > 1 else None
+
+
+def _steady_passes(result: SimResult) -> list[Span]:
+    compute = result.by_stream().get("compute", ())
+    first = _first_version(result)
+    if first is None:
+        return list(compute)
+    # an UPDATE names the version it produces: the first iteration's makes first + 1
+    return [s for s in compute if s.action.version is not None and s.action.version > first + (s.action.op is UPDATE)]
+
+
+def _steady_transfers(result: SimResult, spans: Sequence[Span]) -> list[Span]:
+    first = _first_version(result)
+    if first is None:
+        return list(spans)
+    later = {
+        s.action.microbatch
+        for s in result.by_stream().get("compute", ())
+        if s.action.op is F and s.action.version is not None and s.action.version > first
+    }
+    return [s for s in spans if s.action.microbatch in later]
 
 
 def _pass_times(result: SimResult) -> dict[tuple, list[float]]:
     times: dict[tuple, list[float]] = defaultdict(list)
-    for s in result.by_stream().get("compute", ()):
+    for s in _steady_passes(result):
         times[(s.action.op, s.action.stage)].append(s.duration)
     return times
 
@@ -149,7 +182,8 @@ def transfer_times(result: SimResult) -> dict[int, list[float]]:
     ``flow`` id where the executor set one, else by boundary, micro-batch,
     replica and direction, in order."""
     streams = result.by_stream()
-    sends, recvs = streams.get("send", ()), streams.get("recv", ())
+    sends = _steady_transfers(result, streams.get("send", ()))
+    recvs = _steady_transfers(result, streams.get("recv", ()))
     out: dict[int, list[float]] = defaultdict(list)
     by_flow = {s.flow: s for s in sends if s.flow is not None}
     unmatched: dict[tuple, list[Span]] = defaultdict(list)
@@ -180,23 +214,23 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
         i, w = times.get((I, k)), times.get((W, k))
         if not f or not (full or i):
             raise WhatIfError(f"stage {k} has no measured forward or backward: nothing to calibrate it with")
-        fwd.append(_median(f))
+        fwd.append(_mean(f))
         if full:
-            bwd.append(_median(full))
+            bwd.append(_mean(full))
         else:
-            bwd.append(_median(i) + _median(w or []))
-        bin_.append(_median(i) if i else None)
-        bw_.append(_median(w) if w else None)
+            bwd.append(_mean(i) + _mean(w or []))
+        bin_.append(_mean(i) if i else None)
+        bw_.append(_mean(w) if w else None)
     moved = transfer_times(result)
     transfer = []
     for k in range(n - 1):
         if moved.get(k):
-            transfer.append(_median(moved[k]))
+            transfer.append(_mean(moved[k]))
         else:
             transfer.append(0.0)
             if result.schedule.num_devices > 1:
                 assumptions.append(f"boundary {k}: no matched transfer measured, taken as free")
-    update = [_median(times.get((UPDATE, k), [])) for k in range(n)]
+    update = [_mean(times.get((UPDATE, k), [])) for k in range(n)]
     samples = {
         f"{op.value}{k}": len(v) for (op, k), v in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0].value))
     }
