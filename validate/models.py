@@ -2,11 +2,23 @@
 
 A :class:`RealModel` is a *flat* list of layers, because that is the unit the
 simulator's partitioner works in: a profile has one entry per layer and a
-stage is a contiguous range of them. Every layer maps one tensor to one
-tensor, so stage ``k`` is just ``nn.Sequential(*layers[first:last + 1])`` and
-a pipeline runtime only ever sends one activation (and one gradient) across a
+stage is a contiguous range of them. Every catalog layer maps one tensor to
+one tensor, so stage ``k`` is the chain ``layers[first:last + 1]`` and a
+pipeline runtime only ever sends one activation (and one gradient) across a
 stage boundary. Residual connections therefore live *inside* a layer (a whole
 transformer block is one layer), never across layers.
+
+**Boundaries of several tensors.** Models from elsewhere
+(:mod:`pipesim.validate.usermodels`: ``hf:``, ``torchvision:``, a factory)
+may pass more than one tensor from layer to layer, as Hugging Face's
+decoders pass the hidden states with the rotary cos and sin. A layer then
+returns a tuple of tensors, and the next layer is called with them as
+positional arguments, ``layer(*boundary)``; a layer that returns one tensor
+is called ``layer(x)`` as before (:class:`LayerChain`, :func:`call_layer`).
+The boundary after a layer is every tensor it returns, and its
+``activation_bytes`` counts every one of them (:func:`boundary_tensors`).
+A tensor that crosses a cut carries a gradient back exactly when it
+requires one where it was made (the rotary tables do not).
 
 The models are deliberately boring so that measured behaviour depends on the
 schedule, not on the model:
@@ -45,10 +57,13 @@ from pipesim.sim.errors import InputError
 from pipesim.validate import data as _data
 
 __all__ = [
+    "LayerChain",
     "LayerStats",
     "ModelError",
     "RealModel",
+    "boundary_tensors",
     "build_model",
+    "call_layer",
     "cross_entropy",
     "layer_stats",
     "model_names",
@@ -63,6 +78,32 @@ class ModelError(InputError):
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every prediction: samples, and positions for sequences."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def boundary_tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors a layer's output sends across a cut after it: the tensor
+    itself, or every tensor of a tuple, in order."""
+    return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+def call_layer(layer: nn.Module, x: Any) -> Any:
+    """Call ``layer`` on the boundary ``x``: one tensor as it is, a tuple as
+    positional arguments."""
+    return layer(*x) if isinstance(x, tuple) else layer(x)
+
+
+class LayerChain(nn.Sequential):
+    """An ``nn.Sequential`` whose layers may pass tuples: each layer is called
+    on the previous one's output as :func:`call_layer` does. On layers that
+    map one tensor to one tensor it computes exactly what ``nn.Sequential``
+    does. Called with several arguments (or one tuple), the first layer gets
+    them all."""
+
+    def forward(self, *inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            x = call_layer(layer, x)
+        return x
 
 
 @dataclass
@@ -82,14 +123,18 @@ class RealModel:
     # not a lambda, so a RealModel can be sent to worker processes.
     source_fn: Callable[[int, int, str], _data.MicroBatchSource] = field(repr=False)
     description: str = ""
+    #: where the model comes from: "catalog" (this module), "hf", "torchvision"
+    #: or "factory" (:mod:`pipesim.validate.usermodels`)
+    origin: str = "catalog"
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def sequential(self) -> nn.Sequential:
-        """The whole model as one module (shares parameters with ``layers``)."""
-        return nn.Sequential(*self.layers)
+        """The whole model as one module (shares parameters with ``layers``),
+        a :class:`LayerChain`."""
+        return LayerChain(*self.layers)
 
     def num_params(self) -> int:
         return sum(p.numel() for layer in self.layers for p in layer.parameters())
@@ -404,8 +449,11 @@ class LayerStats:
     param_bytes: int
     activation_bytes: int
     stash_bytes: int
-    output_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]  # of the first tensor the layer returns
     output_dtype: torch.dtype
+    #: (shape, dtype, requires_grad) of every tensor the layer returns, in
+    #: order: what a cut after it carries (one entry for a catalog layer)
+    outputs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...] = ()
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -418,16 +466,59 @@ def layer_param_bytes(layer: torch.nn.Module) -> int:
     return sum(p.nbytes for p in layer.parameters())
 
 
-def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.device = "cpu") -> list[LayerStats]:
+def _describe(x: Any) -> str:
+    return ", ".join(
+        f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in boundary_tensors(x)
+    )
+
+
+def _user_code(model: RealModel, what: str, on: Any, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``; for a model from elsewhere (``origin`` not the catalog),
+    an exception it raises is bad input: one line naming the model, ``what``
+    failed and ``on`` what (the catalog's own code failing is a bug, and
+    keeps its traceback)."""
+    if model.origin == "catalog":
+        return fn(*args)
+    try:
+        return fn(*args)
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise ModelError(f"{model.name}: {what} failed on {_describe(on)}: {reason}") from None
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """A boundary (a tensor or a tuple of tensors) on ``device``."""
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
+def layer_stats(
+    model: RealModel,
+    microbatch_size: int,
+    *,
+    device: str | torch.device = "cpu",
+    copy_layers: bool = True,
+    backward: bool = True,
+) -> list[LayerStats]:
     """Measure each layer's bytes with one forward + backward of a real micro-batch.
 
     Runs on a copy of the layers so the model's ``.grad`` fields and device
-    placement are untouched.
+    placement are untouched (``copy_layers=False`` runs on the layers
+    themselves, already on ``device``: for a model too big to copy, whose
+    ``.grad`` fields stay untouched all the same).
+
+    ``backward=False`` leaves out the backward (the counts come from the
+    forward alone; it only proves the graph runs), for callers that run one
+    next anyway.
+
+    A layer that returns a tuple (see the module doc) sends all of it:
+    its ``activation_bytes`` is the sum of every tensor's bytes, and each
+    of them, saved again by the next layer, is counted with that one.
     """
     device = torch.device(device)
-    layers = [copy.deepcopy(layer).to(device) for layer in model.layers]
+    layers = [copy.deepcopy(layer).to(device) for layer in model.layers] if copy_layers else list(model.layers)
     inputs, targets = model.data(microbatch_size).batch(0)
-    x, targets = inputs.to(device), targets.to(device)
+    x, targets = to_device(inputs, device), targets.to(device)
     params = [p for layer in layers for p in layer.parameters()]
     param_keys = {_storage_key(p) for p in params}
 
@@ -442,24 +533,37 @@ def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.d
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x)
-        saved.pop(_storage_key(out), None)  # counted by the next layer
+            out = _user_code(model, f"layer {i} ({model.layer_names[i]})", x, call_layer, layer, x)
+        sent = boundary_tensors(out)
+        if not sent or not all(isinstance(t, torch.Tensor) for t in sent):
+            kinds = ", ".join(sorted({type(t).__name__ for t in sent})) or "an empty tuple"
+            raise ModelError(
+                f"{model.name}: layer {i} ({model.layer_names[i]}) returned {kinds}; a layer must return "
+                "a tensor or a tuple of tensors"
+            )
+        for t in sent:
+            saved.pop(_storage_key(t), None)  # counted by the next layer
         stats.append(
             LayerStats(
                 index=i,
                 name=model.layer_names[i],
                 param_bytes=layer_param_bytes(layer),
-                activation_bytes=out.nbytes,
+                activation_bytes=sum(t.nbytes for t in sent),
                 stash_bytes=sum(saved.values()),
-                output_shape=tuple(out.shape),
-                output_dtype=out.dtype,
+                output_shape=tuple(sent[0].shape),
+                output_dtype=sent[0].dtype,
+                outputs=tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in sent),
             )
         )
         x = out
-    loss = model.loss_fn(x, targets)
-    # autograd.grad rather than backward(): a real backward pass through
-    # every saved tensor, without accumulating into anyone's .grad.
-    torch.autograd.grad(loss, params)
+    loss = _user_code(model, "its loss_fn", x, model.loss_fn, x, targets)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        raise ModelError(f"{model.name}: its loss_fn returned {got}, not a scalar tensor")
+    if backward:
+        # autograd.grad rather than backward(): a real backward pass through
+        # every saved tensor, without accumulating into anyone's .grad.
+        torch.autograd.grad(loss, [p for p in params if p.requires_grad], allow_unused=True)
     return stats
 
 
@@ -467,7 +571,8 @@ def layer_stats(model: RealModel, microbatch_size: int, *, device: str | torch.d
 
 
 def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Sequential]:
-    """Cut the layers into contiguous stages (sharing parameters with the model).
+    """Cut the layers into contiguous stages (sharing parameters with the model),
+    each a :class:`LayerChain` (an ``nn.Sequential`` that passes tuples on).
 
     ``stages`` is either the start layer of each stage (``[0, 3, 5]``) or the
     partitioner's output (objects with ``first_layer``/``last_layer``, e.g.
@@ -506,4 +611,4 @@ def split(model: RealModel, stages: Sequence[int] | Sequence[Any]) -> list[nn.Se
             "split takes a list of stage start indices or of objects with first_layer/last_layer "
             f"(such as StageCost), got {items!r}"
         )
-    return [nn.Sequential(*model.layers[a:b]) for a, b in bounds]
+    return [LayerChain(*model.layers[a:b]) for a, b in bounds]

@@ -28,6 +28,16 @@ and not an idealised kernel timeline:
 Every time is the mean (:func:`expected`) over repeated training steps after
 a warm-up, measured with the code path the runtime executes, on one thread when the
 device is a CPU (as each gloo worker runs).
+
+:func:`profile_layers` measures the layers alone (``pipesim profile
+--device``, and every model that is not a catalog name: ``hf:``,
+``torchvision:``, a factory): the same chained steps, on the model's own
+layers (no copies, for models of billions of parameters), in the run's
+optimizer and dtype; it also measures each layer's optimizer state after
+the updates. No links, no kernel bandwidths. A model that is not a catalog
+model runs in :class:`~pipesim.validate.boundary.TupleStage` stages
+(:func:`stage_class_for`), in every measurement here, so that a boundary
+may carry several tensors.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from torch import nn
 from pipesim.sim.ir.core import UPDATE, Action, B, F, I
 from pipesim.sim.workloads.profile import LayerCost, Profile
 from pipesim.validate.allocator import keep_freed_memory
-from pipesim.validate.models import RealModel, layer_stats
+from pipesim.validate.models import LayerChain, RealModel, layer_stats, to_device
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
 
 
@@ -124,13 +134,25 @@ def time_stage(
     return t_f, max(t_fb - t_f, 0.0), max(t_fi - t_f, 0.0)
 
 
-def _stage(module, first, last, loss_fn, device, optimizer=OptimizerConfig()):
+def _stage(module, first, last, loss_fn, device, optimizer=OptimizerConfig(), stage_class=PipelineStage, reads=10**9):
     k = 0 if first else 1
     n = k + 1 if last else k + 2
-    stage = PipelineStage(module, k, n, device, loss_fn=loss_fn if last else None)
+    stage = stage_class(module, k, n, device, loss_fn=loss_fn if last else None)
     stage.optim = optimizer
-    stage.pool.expect(0, 10**9)  # profiling reads version 0 forever
+    if reads:
+        stage.pool.expect(0, reads)  # a tight loop reads version 0 forever
     return stage
+
+
+def stage_class_for(model: RealModel) -> type[PipelineStage]:
+    """The stage the runtime runs ``model``'s layers in: ``PipelineStage``
+    for the catalog's one-tensor boundaries, :class:`~pipesim.validate.boundary.TupleStage`
+    (the same passes on tuples) for models from elsewhere."""
+    if model.origin == "catalog":
+        return PipelineStage
+    from pipesim.validate.boundary import TupleStage
+
+    return TupleStage
 
 
 def _now(device: torch.device) -> int:
@@ -138,27 +160,74 @@ def _now(device: torch.device) -> int:
     return time.perf_counter_ns()
 
 
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per layer, mean seconds of each pass inside whole training steps
+    (:func:`time_layers`), and the optimizer state each stage held after
+    its updates, in bytes."""
+
+    forward: list[float]
+    backward: list[float]
+    backward_input: list[float]
+    update: list[float]
+    optimizer_state_bytes: list[int]
+
+
 def time_in_model_order(
     model: RealModel, device: torch.device, settings: ProfileSettings, optimizer: OptimizerConfig = OptimizerConfig()
 ):
     """Per layer: mean forward, backward, backward-input and update seconds,
     each timed inside whole training steps of single-layer stages."""
+    t = time_layers(model, device, settings, optimizer)
+    return [t.forward, t.backward, t.backward_input, t.update]
+
+
+def time_layers(
+    model: RealModel,
+    device: torch.device,
+    settings: ProfileSettings,
+    optimizer: OptimizerConfig = OptimizerConfig(),
+    *,
+    stage_class=PipelineStage,
+    progress=None,
+    in_place: bool | None = None,
+) -> LayerTimes:
+    """:func:`time_in_model_order`, with each stage's optimizer state;
+    ``stage_class`` :class:`~pipesim.validate.boundary.TupleStage` for
+    boundaries of several tensors. ``progress(done, total)`` after each step.
+
+    ``in_place`` (default: for every model but the catalog's): each step
+    announces the reads it makes (a forward and a backward, or I), so an
+    update finds no reader left and writes in place, as a flush schedule's
+    does, and the next step reads the new weights: one buffer of weights per
+    stage, however many steps. Without it (the catalog's models, whose
+    validated accuracy was measured so), every pass reads version 0, held
+    for good, and every update writes a fresh buffer that is never freed:
+    a copy of the weights per step, which a model of billions of
+    parameters cannot afford."""
     n = model.num_layers
+    if in_place is None:
+        in_place = model.origin != "catalog"
     stages = [
-        _stage(layer, i == 0, i == n - 1, model.loss_fn, device, optimizer) for i, layer in enumerate(model.layers)
+        _stage(layer, i == 0, i == n - 1, model.loss_fn, device, optimizer, stage_class, reads=0 if in_place else 10**9)
+        for i, layer in enumerate(model.layers)
     ]
     data = model.data(settings.microbatch_size)
     fwd, bwd, inp, upd = ([[] for _ in range(n)] for _ in range(4))
     steps = settings.warmup + settings.repeats
     for step in range(2 * steps):
+        if progress is not None and step:
+            progress(step, 2 * steps)
         split = step % 2 == 1  # odd steps time the input-gradient half (zero-bubble's I)
         x, y = data.batch(step)
-        h, target = x.to(device), y.to(device)
+        h, target = to_device(x, device), y.to(device)
         timed = step // 2 >= settings.warmup
+        # read by F, then by B (or I); else version 0, held for good
+        version = [st.pool.expect(st.pool.version, 2) if in_place else 0 for st in stages]
         for i, st in enumerate(stages):
             st.split_backward = split  # I as the runtime splits it (its forward keeps what W needs)
             t0 = _now(device)
-            h = st.forward(Action(F, st.stage_index, 0, 0), h, target if st.is_last else None)
+            h = st.forward(Action(F, st.stage_index, 0, version[i]), h, target if st.is_last else None)
             if timed and not split:
                 fwd[i].append(_now(device) - t0)
         g = None
@@ -166,7 +235,7 @@ def time_in_model_order(
             st = stages[i]
             op = I if split else B
             t0 = _now(device)
-            g = st.backward(Action(op, st.stage_index, 0, 0), g)
+            g = st.backward(Action(op, st.stage_index, 0, version[i]), g)
             if timed:
                 (inp if split else bwd)[i].append(_now(device) - t0)
         if split:
@@ -179,8 +248,13 @@ def time_in_model_order(
             st.update(Action(UPDATE, st.stage_index, None, st.pool.version + 1))
             if timed:
                 upd[i].append(_now(device) - t0)
-            st.pool.expect(st.pool.version, 10**9)
-    return [[expected(v) / 1e9 for v in lst] for lst in (fwd, bwd, inp, upd)]
+            if not in_place:
+                st.pool.expect(st.pool.version, 10**9)
+    if progress is not None:
+        progress(2 * steps, 2 * steps)
+    means = [[expected(v) / 1e9 for v in lst] for lst in (fwd, bwd, inp, upd)]
+    state = [sum(t.nbytes for ts in st.state.values() for t in ts) for st in stages]
+    return LayerTimes(*means, optimizer_state_bytes=state)
 
 
 def profile_model(
@@ -200,7 +274,8 @@ def profile_model(
     o_f, o_b, o_i = time_stage(
         nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=settings
     )
-    fwd, bwd, inp, _ = time_in_model_order(_fresh(model), device, settings)
+    t = time_layers(_fresh(model), device, settings, stage_class=stage_class_for(model))
+    fwd, bwd, inp = t.forward, t.backward, t.backward_input
     layers = []
     for i, s in enumerate(stats):
         t_b = max(bwd[i] - o_b, 1e-7)
@@ -231,6 +306,105 @@ def profile_model(
             f"freed memory {allocator}"
         ),
     )
+
+
+#: Timed passes of the empty stage whose cost is the per-pass overhead, at least.
+OVERHEAD_REPEATS = 50
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """What :func:`profile_layers` measured of one layer beyond its
+    :class:`~pipesim.sim.workloads.profile.LayerCost`."""
+
+    name: str
+    weight_s: float  # backward less its input-gradient part: zero-bubble's W
+    optimizer_state_bytes: int
+    outputs: tuple  # (shape, dtype, carries a gradient) of each tensor a cut after it carries
+
+
+def device_name(device: torch.device) -> str:
+    """The device in words: the GPU's name, or the CPU's."""
+    import platform
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def profile_layers(
+    model: RealModel,
+    *,
+    device: torch.device | str = "cpu",
+    settings: ProfileSettings = ProfileSettings(warmup=1, repeats=3),
+    optimizer: OptimizerConfig = OptimizerConfig(),
+    dtype: str = "fp32",
+    progress=None,
+) -> tuple[Profile, list[LayerMeasure]]:
+    """The layers of ``model`` on ``device`` as a simulator Profile, and
+    what else was measured of each (module doc).
+
+    Trains the model's own layers (moved to ``device``; nothing is
+    copied): build it for this. The profile's ``optimizer`` is
+    ``optimizer.kind``; its notes say what was measured, on what and how,
+    and are the same for the same model, settings and machine (only the
+    times vary from run to run)."""
+    device = torch.device(device)
+    allocator = keep_freed_memory()
+    b = settings.microbatch_size
+    for layer in model.layers:
+        layer.to(device)
+    stats = layer_stats(model, b, device=device, copy_layers=False, backward=False)  # the steps run backwards
+    probe = torch.randn(b, 8)
+    # tens of microseconds a pass: cheap to time well, whatever the layers' repeats
+    empty = ProfileSettings(b, warmup=max(settings.warmup, 3), repeats=max(settings.repeats, OVERHEAD_REPEATS))
+    o_f, o_b, o_i = time_stage(
+        nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=empty
+    )
+    t = time_layers(model, device, settings, optimizer, stage_class=stage_class_for(model), progress=progress)
+    layers, extra = [], []
+    for i, s in enumerate(stats):
+        t_b = max(t.backward[i] - o_b, 1e-7)
+        t_i = min(max(t.backward_input[i] - o_i, 0.0), t_b)
+        layers.append(
+            LayerCost(
+                name=s.name,
+                forward_s=max(t.forward[i] - o_f, 1e-7),
+                backward_s=t_b,
+                backward_input_s=t_i,
+                param_bytes=s.param_bytes,
+                activation_bytes=s.activation_bytes,
+                stash_bytes=s.stash_bytes,
+            )
+        )
+        extra.append(LayerMeasure(s.name, t_b - t_i, t.optimizer_state_bytes[i], s.outputs))
+    params = sum(s.param_bytes for s in stats)
+    state = sum(t.optimizer_state_bytes)
+    several = [s.name for s in stats if len(s.outputs) > 1]
+    threads = f", {torch.get_num_threads()} intra-op thread(s)" if device.type == "cpu" else ""
+    notes = (
+        f"measured by pipesim profile, layers only, on {device} ({device_name(device)}{threads}), {dtype}, "
+        f"torch {torch.__version__}; {model.description}; micro-batch {b}. Per layer, the mean of "
+        f"{settings.repeats} training steps after {settings.warmup} warm-up, every layer its own stage, chained "
+        "in model order (forwards, backwards, updates); backward_input_s (zero-bubble's I) timed in steps of "
+        "its own, W = backward_s - backward_input_s; pass overheads measured on an empty stage and charged "
+        "once per stage. Bytes from one forward and backward: param_bytes the weights, activation_bytes every "
+        "tensor a cut after the layer carries, stash_bytes what autograd saves (a tensor the next layer "
+        f"saves too counted there). Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
+        f"updates, {state / params if params else 0:.2f}x the {params:,} bytes of weights"
+        + (f"; cuts after {', '.join(several)} carry several tensors (counted in activation_bytes)" if several else "")
+        + f"; freed memory {allocator}"
+    )
+    prof = Profile(
+        name=f"{model.name}-measured",
+        layers=tuple(layers),
+        microbatch_size=b,
+        optimizer=optimizer.kind,
+        overhead_forward_s=o_f,
+        overhead_backward_s=o_b,
+        notes=notes,
+    )
+    return prof, extra
 
 
 def _fresh(model: RealModel) -> RealModel:
@@ -287,7 +461,7 @@ def kernel_bandwidths(
         for st in replicas:
             x, y = data.batch(step)
             v = st.pool.expect(st.pool.version, 2)  # the forward and backward read it, then let it go
-            st.forward(Action(F, 0, 0, v), x.to(device), y.to(device))
+            st.forward(Action(F, 0, 0, v), to_device(x, device), y.to(device))
             st.backward(Action(B, 0, 0, v), None)
             st.accumulated = 4  # as after a mini-batch of micro-batches: scaled once
         t0 = _now(device)
@@ -318,7 +492,7 @@ def kernel_bandwidths(
 def _whole(model: RealModel, device: torch.device, optimizer: OptimizerConfig) -> PipelineStage:
     """The whole model as one stage whose updates are in place (no reader
     holds an old version)."""
-    stage = PipelineStage(nn.Sequential(*copy.deepcopy(model.layers)), 0, 1, device, loss_fn=model.loss_fn)
+    stage = stage_class_for(model)(LayerChain(*copy.deepcopy(model.layers)), 0, 1, device, loss_fn=model.loss_fn)
     stage.optim = optimizer
     return stage
 
