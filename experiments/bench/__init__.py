@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,plan,kernels,validate,torch,torch-dry-run,comm,sweep}``: every benchmark behind one command.
+"""``pipesim bench {sim,plan,kernels,validate,torch,torch-dry-run,comm,trace,sweep}``: every benchmark behind one command.
 
 Each benchmark is a module with a ``main(argv, prog)`` (most of them in this
 package; the sweep's and torch's dry run's beside the code they measure,
@@ -210,6 +210,7 @@ BENCHES: dict[str, Bench] = {
         "pipesim.experiments.torchdry", "simulating a torch schedule: pipesim against torch's own dry run"
     ),
     "comm": Bench("pipesim.experiments.bench.comm", "point-to-point and all-reduce times against their models"),
+    "trace": Bench("pipesim.experiments.traceimport", "importing a synthetic 8-rank set of Kineto traces: MB/s"),
     "sweep": Bench(
         "pipesim.experiments.sweep",
         "a 1,000-point sweep on 1 and 2 local workers and on Ray: speedups",

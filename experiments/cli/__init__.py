@@ -16,6 +16,9 @@ and ``run``), in the order ``pipesim --help`` lists them:
   machine's links, writing the profile and hardware JSON that ``simulate`` takes;
 * :mod:`~pipesim.experiments.cli.validate`: profile, simulate, run for real
   (gloo, NCCL or one device) and reconcile: report.json, overlay.html, trace.json;
+* :mod:`~pipesim.experiments.cli.trace`: import a run's torch.profiler
+  traces (``pipesim trace import``) and account for them as for a
+  simulation: summary.json, timeline.html, trace.json, imported.json;
 * :mod:`~pipesim.experiments.cli.sweep`: a grid of configurations (strategy x
   stages x micro-batches x hardware x model x options) on local workers or
   Ray; sweep.json, sweep.csv, sweep.html (:mod:`pipesim.experiments.sweep`);
@@ -65,6 +68,7 @@ from pipesim.experiments.cli import (
     schedule,
     simulate,
     sweep,
+    trace,
     validate,
 )
 from pipesim.experiments.cli.common import COMPARE_HARDWARE, COMPARE_MODEL, DEFAULT_STAGES
@@ -72,7 +76,7 @@ from pipesim.experiments.cliargs import Parser, run_command
 from pipesim.experiments.export import close_renderer
 
 #: The sub-command modules, in the order ``pipesim --help`` lists them.
-SUBCOMMANDS = (simulate, compare, plan, schedule, profile, validate, sweep, bench, converge, reproduce, figure)
+SUBCOMMANDS = (simulate, compare, plan, schedule, profile, validate, trace, sweep, bench, converge, reproduce, figure)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,11 @@ How the costs are read (:func:`measured_costs`):
   transfer; the mean over both directions (an activation and its gradient
   have the same size).
 
+* a stage's **host overhead**: the mean gap before its passes that no input
+  held up (:func:`host_overhead`), the runtime's own time between passes,
+  added to each pass; such a gap after an update (the training loop's own
+  step between iterations) is added to the update instead.
+
 How they are fed to the engine (:func:`stage_costs`, :func:`measured_hardware`):
 a machine of ``switch``-connected devices at a nominal
 :data:`NOMINAL_BANDWIDTH`, with no latency and no collective model, where a
@@ -48,6 +53,7 @@ the mean measured transfer (an assumption, listed in
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict
@@ -59,7 +65,7 @@ from pipesim.sim.engine.metrics import bubble_fractions, round_sig
 from pipesim.sim.engine.results import SimResult, Span
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import DeviceSpec, Hardware, Interconnect
-from pipesim.sim.ir.core import UPDATE, B, F, I, Schedule, W, boundary_stage
+from pipesim.sim.ir.core import RECV_B, RECV_F, UPDATE, B, F, I, Schedule, W, boundary_stage
 from pipesim.sim.planning.plan import steady_state
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
 from pipesim.sim.workloads.stages import StageCost
@@ -87,6 +93,9 @@ class MeasuredCosts:
     #: boundary k sits between stage k and stage k + 1
     transfer_s: tuple[float, ...]
     update_s: tuple[float, ...]
+    #: per stage, the host's own time before each pass whose inputs were
+    #: there (:func:`host_overhead`): a runtime's per-pass cost
+    overhead_s: tuple[float, ...] | None = None
     microbatch_size: int = 1
     #: bytes a micro-batch stashes on each stage, where the trace says
     stash_bytes: tuple[int, ...] | None = None
@@ -106,6 +115,7 @@ class MeasuredCosts:
             "backward_weight_s": [None if x is None else round_sig(x) for x in self.backward_weight_s],
             "transfer_s": [round_sig(x) for x in self.transfer_s],
             "update_s": [round_sig(x) for x in self.update_s],
+            "overhead_s": None if self.overhead_s is None else [round_sig(x) for x in self.overhead_s],
             "microbatch_size": self.microbatch_size,
             "stash_bytes": None if self.stash_bytes is None else list(self.stash_bytes),
             "assumptions": list(self.assumptions),
@@ -121,6 +131,7 @@ class MeasuredCosts:
                 backward_weight_s=tuple(None if x is None else float(x) for x in d["backward_weight_s"]),
                 transfer_s=tuple(float(x) for x in d["transfer_s"]),
                 update_s=tuple(float(x) for x in d["update_s"]),
+                overhead_s=None if d.get("overhead_s") is None else tuple(float(x) for x in d["overhead_s"]),
                 microbatch_size=int(d.get("microbatch_size", 1)),
                 stash_bytes=None if d.get("stash_bytes") is None else tuple(int(x) for x in d["stash_bytes"]),
                 assumptions=tuple(str(x) for x in d.get("assumptions", ())),
@@ -201,6 +212,76 @@ def transfer_times(result: SimResult) -> dict[int, list[float]]:
     return out
 
 
+def host_overhead(result: SimResult) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Per stage, the gaps before its passes that no input held up: a
+    device's pass starting after its previous compute ended although the
+    receive it consumes (if any) had already completed and none of the
+    device's transfers or collectives ran in the gap (a blocking send
+    holds a rank's thread until its receiver takes it). That time is the
+    runtime's own (Python, the schedule's bookkeeping, posting the
+    communication), which a pass's span does not hold and the engine would
+    otherwise not charge. Returned apart: the gaps after an ``UPDATE``
+    (between two iterations: the training loop's own step, its optimizer
+    and loss bookkeeping, once an iteration) and the others (once a pass)."""
+    streams = result.by_stream()
+    arrived: dict[tuple, float] = {}
+    for r in streams.get("recv", ()):
+        a = r.action
+        arrived[(r.device, a.op, a.stage, a.microbatch, a.replica)] = r.end
+    busy = _merged_intervals(
+        (s.device, s.start, s.end) for name in ("send", "recv", "collective") for s in streams.get(name, ())
+    )
+    per_pass: dict[int, list[float]] = defaultdict(list)
+    per_step: dict[int, list[float]] = defaultdict(list)
+    by_device: dict[int, list[Span]] = defaultdict(list)
+    for sp in _steady_passes(result):
+        by_device[sp.device].append(sp)
+    for dev, spans in by_device.items():
+        spans.sort(key=lambda x: x.start)
+        for prev, nxt in zip(spans, spans[1:]):
+            a = nxt.action
+            if a.op not in (F, B, I, W):
+                continue
+            needs = RECV_F if a.op is F else RECV_B
+            ready = arrived.get((dev, needs, a.stage, a.microbatch, a.replica), 0.0)
+            if ready <= prev.end and nxt.start >= prev.end and not _overlaps(busy.get(dev), prev.end, nxt.start):
+                if prev.action.op is UPDATE:
+                    per_step[prev.action.stage].append(nxt.start - prev.end)
+                else:
+                    per_pass[a.stage].append(nxt.start - prev.end)
+    return per_pass, per_step
+
+
+def _merged_intervals(items) -> dict[int, tuple[list[float], list[float]]]:
+    """Per device, its communication's time ranges merged into disjoint
+    ones: (starts, ends), sorted."""
+    raw: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for dev, start, end in items:
+        if end > start:
+            raw[dev].append((start, end))
+    out = {}
+    for dev, spans in raw.items():
+        spans.sort()
+        starts, ends = [spans[0][0]], [spans[0][1]]
+        for a, b in spans[1:]:
+            if a <= ends[-1]:
+                ends[-1] = max(ends[-1], b)
+            else:
+                starts.append(a)
+                ends.append(b)
+        out[dev] = (starts, ends)
+    return out
+
+
+def _overlaps(merged: tuple[list[float], list[float]] | None, start: float, end: float) -> bool:
+    """Whether ``(start, end)`` meets one of the merged ranges."""
+    if merged is None or end <= start:
+        return False
+    starts, ends = merged
+    i = bisect.bisect_left(starts, end)  # ranges starting before the gap ends
+    return i > 0 and ends[i - 1] > start
+
+
 def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) -> MeasuredCosts:
     """The costs a measured run shows (see the module doc); a
     :class:`WhatIfError` when a stage has no forward or no backward."""
@@ -230,7 +311,10 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
             transfer.append(0.0)
             if result.schedule.num_devices > 1:
                 assumptions.append(f"boundary {k}: no matched transfer measured, taken as free")
-    update = [_mean(times.get((UPDATE, k), [])) for k in range(n)]
+    per_pass, per_step = host_overhead(result)
+    # an update carries the loop's own time before the next iteration's first pass
+    update = [_mean(times.get((UPDATE, k), [])) + _mean(per_step.get(k, [])) for k in range(n)]
+    overhead = tuple(_mean(per_pass.get(k, [])) for k in range(n))
     samples = {
         f"{op.value}{k}": len(v) for (op, k), v in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0].value))
     }
@@ -241,6 +325,7 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
         tuple(bw_),
         tuple(transfer),
         tuple(update),
+        overhead_s=overhead,
         microbatch_size=result.microbatch_size,
         stash_bytes=None if stash_bytes is None else tuple(int(x) for x in stash_bytes),
         samples=samples,
@@ -281,6 +366,9 @@ def _merged(c: MeasuredCosts, r: int) -> MeasuredCosts:
         backward_weight_s=tuple(_opt_sum(c.backward_weight_s[k] for k in g) for g in groups),
         transfer_s=tuple(c.transfer_s[g[-1]] for g in groups[:-1]),
         update_s=tuple(sum(c.update_s[k] for k in g) for g in groups),
+        overhead_s=None
+        if c.overhead_s is None
+        else tuple(statistics.fmean(c.overhead_s[k] for k in g) for g in groups),
         stash_bytes=None if c.stash_bytes is None else tuple(sum(c.stash_bytes[k] for k in g) for g in groups),
         assumptions=c.assumptions + (f"stages merged {r} to 1: their passes summed",),
     )
@@ -305,6 +393,7 @@ def _split(c: MeasuredCosts, r: int) -> MeasuredCosts:
         backward_weight_s=parts(c.backward_weight_s),
         transfer_s=tuple(transfer),
         update_s=parts(c.update_s),
+        overhead_s=None if c.overhead_s is None else parts(c.overhead_s, scale=False),
         stash_bytes=None if c.stash_bytes is None else tuple(int(s // r) for s in c.stash_bytes for _ in range(r)),
         assumptions=c.assumptions
         + (
@@ -322,17 +411,19 @@ def stage_costs(costs: MeasuredCosts, *, split_backward: bool = False) -> list[S
     :func:`what_if`)."""
     out = []
     for k in range(costs.num_stages):
-        back = costs.backward_s[k]
+        extra = 0.0 if costs.overhead_s is None else costs.overhead_s[k]  # the runtime's own, per pass
+        back = costs.backward_s[k] + extra
         bin_, bw_ = costs.backward_input_s[k], costs.backward_weight_s[k]
         if bin_ is None or bw_ is None:
-            bin_, bw_ = back / 2, back / 2
+            bin_, bw_ = (back - extra) / 2, (back - extra) / 2
+        bin_, bw_ = bin_ + extra, bw_ + extra
         sent = costs.transfer_s[k] if k + 1 < costs.num_stages else 0.0
         stash = 1 if costs.stash_bytes is None else costs.stash_bytes[k]
         out.append(
             StageCost(
                 first_layer=k,
                 last_layer=k,
-                forward_s=costs.forward_s[k],
+                forward_s=costs.forward_s[k] + extra,
                 backward_s=bin_ + bw_ if split_backward else back,
                 backward_input_s=bin_,
                 backward_weight_s=bw_,
