@@ -141,9 +141,13 @@ def report(run, summary: dict | None = None) -> str:
         f"{summary['stages']} stages, {run.microbatches} micro-batches x {run.steps} profiled step(s)"
     )
     per_dev = "  ".join(f"{d['id']}: {d['bubble_fraction']:.3f}" for d in summary["devices"])
+    from pipesim.validate.reconcile import iteration_time
+
+    steady = iteration_time(res) if run.steps > 1 else None
     lines.append(
-        f"iteration {_ms(summary['iteration_time_s'])} ms (makespan {_ms(summary['makespan_s'])} ms), "
-        f"bubble {summary['bubble_fraction']:.3f} (per device {per_dev})"
+        f"iteration {_ms(summary['iteration_time_s'])} ms (makespan {_ms(summary['makespan_s'])} ms / {run.steps} steps"
+        + ("" if steady is None else f"; {_ms(steady)} ms after the first, as `pipesim trace reconcile` counts")
+        + f"), bubble {summary['bubble_fraction']:.3f} (per device {per_dev})"
     )
     rows = [
         [str(r.rank), _ms(r.compute_s), _ms(r.communication_s), _ms(r.wait_s), _ms(r.idle_s), _ms(r.span_s)]

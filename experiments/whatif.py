@@ -91,7 +91,9 @@ def format_whatif(rows: Sequence[WhatIf], measured: dict) -> str:
     lines = [head, "-" * len(head)]
 
     def cell(v, fmt):
-        return "-" if v is None else format(v, fmt)
+        """``v`` formatted, or a dash as wide (``fmt`` starts ">WIDTH")."""
+        width = fmt[1:].split(".")[0].rstrip("gd%")
+        return format("-", f">{width}") if v is None else format(v, fmt)
 
     lines.append(
         f"{'measured ' + str(measured.get('strategy') or ''):<18} {cell(measured.get('microbatches'), '>4')} "
