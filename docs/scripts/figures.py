@@ -74,6 +74,15 @@ FIGURES = [
     (["reproduce", "pipedream"], {"pipedream/table1.png": "pipedream-table1.png"}),
     (["reproduce", "2bw"], {"2bw/figure6.png": "2bw-figure6.png", "2bw/figure10.png": "2bw-figure10.png"}),
     (["reproduce", "spectrain"], {"spectrain/speedup.png": "spectrain-speedup.png"}),
+    # several commands share one --out; "{out}" stands for it
+    (
+        [
+            ["trace", "import", "tests/data/torch-pipelining-traces/1f1b", "--schedule", "1f1b", "--microbatches", "4"],
+            ["trace", "reconcile", "{out}"],
+            ["trace", "whatif", "{out}", "--strategies", "1f1b,interleaved-1f1b,zb-h1,pipedream-2bw"],
+        ],
+        {"overlay.png": "trace-overlay.png", "whatif.png": "trace-whatif.png"},
+    ),
 ]
 
 
@@ -104,26 +113,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pipesim-docs-") as tmp:
         for k, (command, images) in enumerate(FIGURES):
             out = Path(tmp) / str(k)
-            print(f"pipesim {' '.join(command)}", file=sys.stderr, flush=True)
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    "from pipesim.experiments.cli import console_main; console_main()",
-                    *command,
-                    "--out",
-                    str(out),
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
+            commands = command if isinstance(command[0], list) else [command]
+            for one in commands:
+                argv = [str(out) if a == "{out}" else a for a in one]
+                print(f"pipesim {' '.join(argv)}", file=sys.stderr, flush=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        "from pipesim.experiments.cli import console_main; console_main()",
+                        *argv,
+                        "--out",
+                        str(out),
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+            shown = " && ".join("pipesim " + " ".join("OUT" if a == "{out}" else a for a in one) for one in commands)
             for png, name in images.items():
                 written = out / png
                 if not written.is_file():
                     print(f"error: {written} was not written (is Chromium installed?)", file=sys.stderr)
                     return 1
                 shutil.copyfile(written, args.out / name)
-                lines.append(f"| `{name}` | `pipesim {' '.join(command)}` |")
+                lines.append(f"| `{name}` | `{shown}` |")
     (args.out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 
