@@ -98,3 +98,22 @@ def test_whatif_names_an_unknown_strategy(imported, capsys) -> None:
     assert main(["trace", "whatif", str(imported / "gpipe"), "--strategies", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "nosuch" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_public_trace_without_a_pipeline_imports(tmp_path, capsys) -> None:
+    """facebookresearch/param's 8-rank DLRM trace (CUDA, data parallel):
+    per-rank compute and communication, and a warning, not a failure."""
+    import tarfile
+
+    from pipesim.validate.traceimport import import_run
+
+    with tarfile.open(Path(__file__).parent / "data" / "param-dlrm-kineto" / "dlrm_kineto.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    paths = sorted((tmp_path / "dlrm_kineto").glob("*.json"))
+    run = import_run(paths)
+    assert len(paths) == 8 and not run.found_pipeline and run.result is None and run.device == "cuda"
+    assert sorted(r.rank for r in run.per_rank) == list(range(8))
+    assert all(r.compute_s > 0 and r.communication_s > 0 and r.span_s >= r.compute_s for r in run.per_rank)
+    assert any("no pipeline actions" in w for w in run.warnings)
+    assert main(["trace", "import", str(tmp_path / "dlrm_kineto"), "--out", str(tmp_path / "o")]) == 0
+    assert "no pipeline actions found" in capsys.readouterr().out
