@@ -119,15 +119,17 @@ def measured_point(run: ImportedRun, costs: MeasuredCosts) -> dict:
 def whatif_dir(
     folder: str | Path,
     strategies: Sequence[str],
-    microbatches: Sequence[int],
+    microbatches: Sequence[int] | None,
     *,
     devices: int | None = None,
     out: str | Path | None = None,
 ) -> tuple[list[WhatIf], dict]:
-    """Price ``strategies`` x ``microbatches`` with the imported run's costs
-    on its devices (or ``devices``); write ``whatif.json`` and
-    ``whatif.html`` to ``out`` (default ``folder``)."""
+    """Price ``strategies`` x ``microbatches`` (default: the run's m, 2m
+    and 4m) with the imported run's costs on its devices (or ``devices``);
+    write ``whatif.json`` and ``whatif.html`` to ``out`` (default ``folder``)."""
     run = imported_run(folder)
+    if microbatches is None:
+        microbatches = [run.microbatches * k for k in (1, 2, 4)]
     out = Path(out or folder)
     costs = measured_costs(run.result, _stash_bytes(run))
     rows = what_if(costs, strategies, microbatches, devices or run.result.schedule.num_devices)

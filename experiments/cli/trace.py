@@ -79,7 +79,11 @@ def add_parser(subparsers) -> None:
         help="strategies to price, space- or comma-separated",
     )
     wi.add_argument(
-        "--microbatches", nargs="+", type=_counts, default=[[8, 16, 32]], help="micro-batches per step to try"
+        "--microbatches",
+        nargs="+",
+        type=_counts,
+        default=None,
+        help="micro-batches per step to try (default: the run's m, 2m and 4m)",
     )
     wi.add_argument("--devices", type=positive, default=None, help="devices of the pipeline (default: the run's)")
     wi.add_argument("--out", default=None, help="output folder (default: DIR)")
@@ -187,7 +191,11 @@ def run_whatif(args) -> int:
 
     out = args.out or args.folder
     rows, measured = whatif_dir(
-        args.folder, _flat(args.strategies), _flat(args.microbatches), devices=args.devices, out=out
+        args.folder,
+        _flat(args.strategies),
+        None if args.microbatches is None else _flat(args.microbatches),
+        devices=args.devices,
+        out=out,
     )
     print(format_whatif(rows, measured))
     print(f"wrote whatif.json, whatif.html to {out}")
