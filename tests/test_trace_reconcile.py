@@ -17,12 +17,11 @@ DATA = Path(__file__).parent / "data" / "torch-pipelining-traces"
 #: set -> import arguments, and the bound its reconciliation is held to
 SETS = {
     "gpipe": ([], 0.10),
-    "1f1b": (["--schedule", "1f1b", "--microbatches", "4"], 0.10),
+    # 3 ranks on 2 cores, its actions matched to the schedule's order (torch's
+    # 1F1B labels none): the simulation runs fast (-11.1% on the committed set)
+    "1f1b": (["--schedule", "1f1b", "--microbatches", "4"], 0.12),
     "zero-bubble": ([], 0.10),
-    # transfers are read from the later post to the consumer's wait (an upper
-    # bound on gloo's wire time) and interleaving crosses ranks three times a
-    # micro-batch: the simulation runs slow (+17% on the committed set)
-    "interleaved-1f1b": ([], 0.20),
+    "interleaved-1f1b": ([], 0.10),
 }
 
 

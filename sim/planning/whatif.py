@@ -24,8 +24,11 @@ How the costs are read (:func:`measured_costs`):
 * a boundary's transfer: for every matched send and receive, the time from
   when both ends were posted to when the receive completed (``recv.end -
   max(send.start, recv.start)``): the wait for a late sender is not
-  transfer; the mean over both directions (an activation and its gradient
-  have the same size).
+  transfer. The median over both directions (an activation and its
+  gradient have the same size), not the mean: where a runtime only learns
+  of an arrival when the consumer waits for it (torch's on gloo), a
+  measured transfer also holds whatever the consumer did first, an upper
+  bound sometimes far above the wire time, and the median resists those.
 
 * a stage's **host overhead**: the mean gap before its passes that no input
   held up (:func:`host_overhead`), the runtime's own time between passes,
@@ -306,7 +309,7 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
     transfer = []
     for k in range(n - 1):
         if moved.get(k):
-            transfer.append(_mean(moved[k]))
+            transfer.append(statistics.median(moved[k]))
         else:
             transfer.append(0.0)
             if result.schedule.num_devices > 1:
