@@ -29,8 +29,9 @@ On one-tensor boundaries it computes exactly what ``PipelineStage`` does,
 bit for bit (a float input always carries a gradient there, as
 ``PipelineStage`` assumes). The profiler runs every model that is not a
 catalog model in it (:func:`pipesim.validate.profiler.stage_class_for`).
-The emulator and the distributed runtime do not use it yet: they build
-``PipelineStage`` and send one tensor per transfer.
+So do the emulator and the distributed runtime
+(:func:`pipesim.validate.runtime.build_stages`), which sends a tuple as one
+packed transfer (:class:`~pipesim.validate.runtime.DistComm`).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from pipesim.sim.ir.dataflow import Arrival, CollectiveDone, PassDone, compile_p
 from pipesim.sim.ir.lowering import plan
 from pipesim.sim.strategies import schedule_option
 from pipesim.sim.strategies._common import check_executable
+from pipesim.validate.models import boundary_tensors, to_device
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
@@ -340,6 +341,11 @@ class RunOutput:
     peak_memory: dict[int, int] = field(default_factory=dict)  # device -> bytes (CUDA only)
 
 
+def _boundary_bytes(value) -> int:
+    """Bytes a transfer of ``value`` (a tensor, or a tuple whose Nones carry nothing) moves."""
+    return sum(t.numel() * t.element_size() for t in boundary_tensors(value) if t is not None)
+
+
 class DeviceExecutor:
     """Walks one device's compiled entries, doing the tensor work of each action."""
 
@@ -376,7 +382,7 @@ class DeviceExecutor:
     def _batch(self, replica: int, mb: int) -> tuple[Tensor, Tensor]:
         x, y = self.data.batch(mb)  # micro-batch ids name the data, whichever replica runs them
         dev = next(iter(self.stages.values())).device
-        return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        return to_device(x, dev), y.to(dev, non_blocking=True)
 
     # -- posts -------------------------------------------------------------
     def post(self, posts) -> None:
@@ -399,7 +405,7 @@ class DeviceExecutor:
         else:
             raise RuntimeSemanticsError(f"{x} on device {self.device}: no pass here made its data")
         rec = (
-            Record(self.device, "send", x, t0, None, self.peers.get(tok), tensor.numel() * tensor.element_size())
+            Record(self.device, "send", x, t0, None, self.peers.get(tok), _boundary_bytes(tensor))
             if self.clock
             else None
         )

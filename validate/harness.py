@@ -51,7 +51,7 @@ from pipesim.sim.workloads.readers import load_profile
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.launch import core_assignment, measure_wake_slice
-from pipesim.validate.models import RealModel, build_model, layer_param_bytes, layer_stats
+from pipesim.validate.models import ModelError, RealModel, layer_param_bytes, layer_stats
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.profiler import ProfileSettings, kernel_bandwidths, profile_model
 from pipesim.validate.reconcile import compare, iteration_time, measured_result
@@ -134,6 +134,14 @@ def check_fits(cfg: ValidateConfig, model: RealModel) -> None:
     what it refuses cannot run; it keeps a typo from building the batch."""
     from pipesim.sim.engine.size import available_memory_bytes
 
+    if model.origin != "catalog":  # several tensors across a cut; a factory's batch is fixed
+        from pipesim.validate.usermodels import check_activations
+
+        try:
+            check_activations(model, cfg.microbatch_size)
+        except ModelError as e:
+            raise ValidateError(str(e)) from None
+        return
     per_sample = sum(s.activation_bytes + s.stash_bytes for s in layer_stats(model, 1))
     need, available = per_sample * cfg.microbatch_size, available_memory_bytes()
     if available is not None and need > available:
@@ -162,8 +170,19 @@ def _executor_threads(device: torch.device) -> int | None:
 
 
 def model_of(cfg: ValidateConfig) -> RealModel:
-    """The real model ``cfg`` names (a one-line :class:`ModelError` if it cannot be built)."""
-    return build_model(cfg.model, width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+    """The real model ``cfg`` names: a catalog model, or ``hf:``,
+    ``torchvision:``, ``module:factory`` (:func:`~pipesim.validate.usermodels.resolve_model`;
+    a one-line :class:`ModelError` if it cannot be built)."""
+    from pipesim.validate.usermodels import resolve_model
+
+    return resolve_model(
+        cfg.model,
+        width=cfg.model_width,
+        depth=cfg.model_depth,
+        seed=cfg.seed,
+        microbatch_size=cfg.microbatch_size,
+        memory_check=False,
+    )
 
 
 def profile(

@@ -532,7 +532,7 @@ def _dispatch_worker(ctx, numel: int, microbatches: int, iterations: int):
     sched = build_schedule(ScheduleSpec(strategy="gpipe", stages=2, microbatches=microbatches, iterations=iterations))
     k = ctx.rank
     stages = {(0, k): PipelineStage(_Relay(), k, 2, ctx.device, loss_fn=_relay_loss if k == 1 else None)}
-    specs = [((numel,), torch.float32)] * 2
+    specs = [(((numel,), torch.float32, True),)] * 2  # runtime.boundary_specs: one tensor a cut
     return execute(ctx, sched, stages, _RelayData(numel), specs, OptimizerConfig())
 
 

@@ -15,6 +15,14 @@ communication onto torch.distributed:
   unique to it (gloo matches on it); NCCL ignores tags and matches in
   order per pair of ranks, so for NCCL :func:`check_pair_order` proves the
   lowering posts both ends in the same order first.
+* A cut that carries several tensors (a model from elsewhere, whose stages
+  are :class:`~pipesim.validate.boundary.TupleStage`; its
+  :func:`boundary_specs` entry lists them) is still one transfer: the
+  tensors packed into one uint8 buffer, each at an offset aligned to its
+  dtype (:func:`pack`), unpacked by the receiver. Forward carries every
+  tensor; backward only the gradients carried back (flagged in the spec),
+  and the receiver rebuilds a tuple aligned with the producer's outputs,
+  None elsewhere. A one-tensor cut (every catalog model) travels as before.
 * ``REDUCE_GRAD``/``AVERAGE`` across devices → every replica's flat tensor
   gathered on every device, posted when the IR posts it and finished by the
   action that waits for it; the reduction itself is
@@ -138,6 +146,7 @@ profiled runs with profiled runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import socket
@@ -230,15 +239,77 @@ def check_pair_order(entries: list[list], peers: dict[int, dict[tuple, int]]) ->
                 )
 
 
-def boundary_specs(stage_modules, data) -> list[tuple[torch.Size, torch.dtype]]:
-    """(shape, dtype) of every stage's output for one micro-batch: what transfers carry."""
+def boundary_specs(stage_modules, data) -> list[tuple[tuple[torch.Size, torch.dtype, bool], ...]]:
+    """Per stage, what its output's transfer carries for one micro-batch:
+    ``(shape, dtype, carries_gradient)`` of every tensor of the boundary (one
+    entry for a one-tensor boundary, one per tensor of a tuple; see
+    :func:`~pipesim.validate.models.boundary_tensors`). A tensor carries a
+    gradient back when it is floating point and the graph reaches it
+    (:class:`~pipesim.validate.boundary.TupleStage`'s rule); a one-tensor
+    boundary's float output always does, as ``PipelineStage`` assumes."""
+    from pipesim.validate.boundary import detach_boundary
+    from pipesim.validate.models import boundary_tensors, call_layer
+
     x = data.batch(0)[0]
     specs = []
-    with torch.no_grad():
+    with torch.enable_grad():
         for mod in stage_modules:
-            x = mod(x)
-            specs.append((x.shape, x.dtype))
+            x = call_layer(mod, x)
+            ts = boundary_tensors(x)
+            alone = len(ts) == 1
+            specs.append(tuple((t.shape, t.dtype, t.is_floating_point() and (alone or t.requires_grad)) for t in ts))
+            x = detach_boundary(x)
     return specs
+
+
+def _aligned(offset: int, dtype: torch.dtype) -> int:
+    """``offset`` rounded up to a multiple of ``dtype``'s size."""
+    size = dtype.itemsize
+    return (offset + size - 1) // size * size
+
+
+def pack_layout(shapes_dtypes) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed transfer, each aligned to its
+    dtype's size, and the total bytes."""
+    offsets, end = [], 0
+    for shape, dtype in shapes_dtypes:
+        end = _aligned(end, dtype)
+        offsets.append(end)
+        end += math.prod(shape) * dtype.itemsize
+    return offsets, end
+
+
+def unpack_boundary(buf: torch.Tensor, spec, *, forward: bool) -> tuple:
+    """The tuple a packed transfer of a several-tensor boundary carried
+    (``spec``: its :func:`boundary_specs` entry). Forward: every tensor, each
+    that carries a gradient marked ``requires_grad``. Backward: a tuple
+    aligned with the boundary, the carried gradients where the flag is set
+    and None elsewhere."""
+    if forward:
+        ts = unpack(buf, [(sh, dt) for sh, dt, _ in spec])
+        return tuple(t.requires_grad_() if g else t for t, (_, _, g) in zip(ts, spec))
+    got = iter(unpack(buf, [(sh, dt) for sh, dt, g in spec if g]))
+    return tuple(next(got) if g else None for _, _, g in spec)
+
+
+def pack(tensors) -> torch.Tensor:
+    """The tensors' bytes in one uint8 buffer, laid out by :func:`pack_layout`."""
+    offsets, total = pack_layout([(t.shape, t.dtype) for t in tensors])
+    buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device if tensors else None)
+    for t, o in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        buf[o : o + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unpack(buf: torch.Tensor, shapes_dtypes) -> list[torch.Tensor]:
+    """Views of ``buf`` as the tensors :func:`pack` packed."""
+    offsets, _ = pack_layout(shapes_dtypes)
+    out = []
+    for (shape, dtype), o in zip(shapes_dtypes, offsets):
+        n = math.prod(shape) * dtype.itemsize
+        out.append(buf[o : o + n].view(dtype).view(shape))
+    return out
 
 
 class DistComm:
@@ -271,7 +342,7 @@ class DistComm:
         self.local = LocalComm(schedule, self.centres)
         self.local.clock = clock
         self.sends: list[tuple] = []  # (work, tensor, record)
-        self.recvs: dict[tuple, tuple] = {}  # token -> (work, buffer, record)
+        self.recvs: dict[tuple, tuple] = {}  # token -> (work, buffer, record, boundary spec)
         self.gathers: dict[tuple, tuple] = {}  # token -> (work, outs, action, stage, record)
         self.records: list[Record] = []
         self.members = members  # stage -> devices of its collectives (stage_groups)
@@ -300,7 +371,14 @@ class DistComm:
             record.end = self.clock.now()
 
     def send(self, token, action, tensor, record=None):
-        tensor = tensor.contiguous()
+        if isinstance(tensor, tuple) and len(tensor) == 1:
+            tensor = tensor[0].contiguous()  # a one-tensor boundary travels as it is (see recv)
+        elif isinstance(tensor, tuple):
+            # several tensors cross this cut: one packed buffer, one transfer (forward:
+            # every tensor; backward: the gradients that are carried, in order)
+            tensor = pack([t for t in tensor if t is not None])
+        else:
+            tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=self.peers[token], tag=self._tag(token), group=self.p2p[token.send])
         if self.reaper is not None:
             self.reap.put((work, tensor, record))
@@ -308,10 +386,17 @@ class DistComm:
             self.sends.append((work, tensor, record))
 
     def recv(self, token, action, record=None):
-        shape, dtype = self.specs[boundary_stage(action)]
-        buf = torch.empty(shape, dtype=dtype, device=self.torch_device)
+        spec = self.specs[boundary_stage(action)]
+        if len(spec) == 1:  # one tensor crosses the cut: received as it is
+            shape, dtype, _ = spec[0]
+            buf = torch.empty(shape, dtype=dtype, device=self.torch_device)
+        else:  # a tuple, packed (see send): its bytes, unpacked when taken
+            carried = spec if token.send is SEND_F else [e for e in spec if e[2]]
+            buf = torch.empty(
+                pack_layout([(sh, dt) for sh, dt, _ in carried])[1], dtype=torch.uint8, device=self.torch_device
+            )
         work = dist.irecv(buf, src=self.peers[token], tag=self._tag(token), group=self.p2p[token.send])
-        self.recvs[token] = (work, buf, record)
+        self.recvs[token] = (work, buf, record, spec)
 
     def _reaper_loop(self):
         """Waits for sends in the order they were posted, stamps their end
@@ -345,12 +430,14 @@ class DistComm:
 
     def take(self, token):
         try:
-            work, buf, record = self.recvs.pop(token)
+            work, buf, record, spec = self.recvs.pop(token)
         except KeyError:
             raise RuntimeSemanticsError(f"data of {token} awaited without a posted receive") from None
         self._wait(work)
         self._stamp(record)
-        return buf
+        if len(spec) == 1:
+            return buf
+        return unpack_boundary(buf, spec, forward=token.send is SEND_F)
 
     def collective(self, token, action, stage, record=None):
         group = self.groups.get(action.stage)
@@ -549,17 +636,29 @@ def profiled(folder: str | None, rank: int, device: torch.device, info: dict):
 
 def build_stages(job: Job, keys, device: torch.device):
     """The model's stage modules and a PipelineStage for every (replica, stage) in ``keys``."""
-    from pipesim.validate.models import build_model, split
+    from pipesim.validate.boundary import TupleStage
+    from pipesim.validate.models import split
+    from pipesim.validate.usermodels import resolve_model
 
-    model = build_model(job.model, width=job.width, depth=job.depth, seed=job.seed)
+    model = resolve_model(
+        job.model,
+        width=job.width,
+        depth=job.depth,
+        seed=job.seed,
+        microbatch_size=job.microbatch_size,
+        memory_check=False,
+    )
     modules = split(model, list(job.starts))
+    # profiler.stage_class_for's choice (imported from there it would be an import circle):
+    # TupleStage where a cut may carry several tensors
+    stage_class = PipelineStage if model.origin == "catalog" else TupleStage
     if len(modules) != job.schedule.num_stages:
         raise ValueError(f"{len(job.starts)} stage starts for a {job.schedule.num_stages}-stage schedule")
     import copy
 
     stages = {}
     for rep, k in sorted(keys):
-        stages[(rep, k)] = PipelineStage(
+        stages[(rep, k)] = stage_class(
             copy.deepcopy(modules[k]), k, job.schedule.num_stages, device, replica=rep, loss_fn=model.loss_fn
         )
     data = model.data(job.microbatch_size, seed=job.seed, synthetic=job.synthetic)
@@ -586,7 +685,13 @@ def warm_up(stages: dict[tuple[int, int], PipelineStage], data, specs, device: t
     """An untimed pass through every local stage (see :meth:`PipelineStage.warm_up`)."""
     x0, y0 = data.batch(0)
     for (_, k), st in sorted(stages.items()):
-        x = x0 if k == 0 else torch.zeros(specs[k - 1][0], dtype=specs[k - 1][1])
+        if k == 0:
+            x = x0
+        elif len(specs[k - 1]) == 1:
+            shape, dtype, _ = specs[k - 1][0]
+            x = torch.zeros(shape, dtype=dtype)
+        else:
+            x = tuple(torch.zeros(shape, dtype=dtype).requires_grad_(g) for shape, dtype, g in specs[k - 1])
         st.warm_up(x, y0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -650,7 +755,7 @@ def execute(
 ) -> RunOutput | None:
     """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
 
-    ``stages`` are this rank's; ``specs`` the (shape, dtype) of every stage's output.
+    ``stages`` are this rank's; ``specs`` what every stage's output carries (:func:`boundary_specs`).
     With ``profiler_trace`` (a folder) the walk runs under torch.profiler and
     writes this rank's trace there (see the module doc).
     """

@@ -218,8 +218,10 @@ class PipelineSchedule:
         )
 
     def _infer_specs(self, sched: Schedule, data) -> list:
-        """Every stage's output (shape, dtype), found by running replica 0's
-        stages in order, each on the rank that holds it, on the first batch."""
+        """Every stage's output as :func:`~pipesim.validate.runtime.boundary_specs`
+        gives it (one ``(shape, dtype, carries_gradient)``: these stages pass one
+        tensor), found by running replica 0's stages in order, each on the rank
+        that holds it, on the first batch."""
         where = sched.placement()
         specs = []
         for k in range(sched.num_stages):
@@ -227,12 +229,12 @@ class PipelineSchedule:
             box = [None]
             if dist.get_rank() == owner:
                 st = self.stages[(0, k)]
-                inp = data.batch(0)[0] if k == 0 else torch.zeros(specs[-1][0], dtype=specs[-1][1])
+                inp = data.batch(0)[0] if k == 0 else torch.zeros(specs[-1][0][0], dtype=specs[-1][0][1])
                 with torch.no_grad():
                     out = st.module(inp.to(st.device))
                 box = [(tuple(out.shape), out.dtype)]
             dist.broadcast_object_list(box, src=owner)
-            specs.append((torch.Size(box[0][0]), box[0][1]))
+            specs.append(((torch.Size(box[0][0]), box[0][1], box[0][1].is_floating_point),))
         return specs
 
 

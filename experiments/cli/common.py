@@ -197,7 +197,13 @@ def add_machine_args(
 
 def model_args(p: argparse.ArgumentParser) -> None:
     """The real model's flags (``profile`` and ``validate``)."""
-    p.add_argument("--model", default="mlp", help="real model: mlp, gpt-small, vgg-small or lstm")
+    p.add_argument(
+        "--model",
+        default="mlp",
+        help="real model: mlp, gpt-small, vgg-small or lstm; or hf:MODEL_TYPE[?field=value&...] "
+        "(e.g. hf:gpt2?n_layer=4), torchvision:NAME, module:factory or path/to/file.py:factory "
+        "(docs/how-to/bring-your-own-model.md)",
+    )
     p.add_argument("--model-width", type=positive, default=None, help="model width (hidden size / channels)")
     p.add_argument("--model-depth", type=positive, default=None, help="model depth (hidden layers / blocks)")
     p.add_argument("--microbatch-size", type=positive, default=32, help="samples per micro-batch")
