@@ -82,24 +82,10 @@ class TupleStage(PipelineStage):
 
         return tuple(leaf(t) for t in x) if isinstance(x, tuple) else leaf(x)
 
-    def forward(self, a, x: Any, target: Tensor | None = None) -> Any:
-        buffer = self._read(a)
-        x = self._inputs(x)
-        captured = self._start_capture() if self.split_backward else None
-        try:
-            with torch.enable_grad():
-                leaves = self._bind(buffer)
-                out = call_layer(self.module, x)
-                if self.is_last:
-                    out = self.loss_fn(out, target)
-        finally:
-            self._capture = None
-        self._done_reading(a)
-        self.inflight[a.microbatch] = _InFlight(x, out, leaves, buffer, a.version, a.distance, captured=captured)
-        self.versions_used.append(("F", a.microbatch, a.version, a.distance))
-        if self.is_last:
-            self.losses[a.microbatch] = out.detach()
-            return out.detach()
+    def _call(self, x: Any) -> Any:
+        return call_layer(self.module, x)
+
+    def _handoff(self, out: Any) -> Any:
         return detach_boundary(out)
 
     # ------------------------------------------------------------ backward

@@ -301,16 +301,31 @@ class PipelineStage:
             self.pending.discard(a)
             self.pool.release(a.version)
 
-    def forward(self, a: Action, x: Tensor, target: Tensor | None = None) -> Tensor:
-        """Run F; returns the output to send on (detached), or the loss on the last stage."""
-        buffer = self._read(a)
+    def _inputs(self, x: Tensor) -> Tensor:
+        """The stage's input as its module receives it: a leaf that requires
+        a gradient where one is sent back (every stage but the first)."""
         if x.is_floating_point() and not self.is_first:
-            x = x.detach().requires_grad_()
+            return x.detach().requires_grad_()
+        return x
+
+    def _call(self, x: Tensor) -> Tensor:
+        return self.module(x)
+
+    def _handoff(self, out: Tensor) -> Tensor:
+        """What the next stage receives: the output, detached."""
+        return out.detach()
+
+    def forward(self, a: Action, x: Tensor, target: Tensor | None = None) -> Tensor:
+        """Run F; returns the output to send on (detached), or the loss on the last stage.
+        (:class:`~pipesim.validate.boundary.TupleStage` passes tuples through
+        :meth:`_inputs`, :meth:`_call` and :meth:`_handoff`.)"""
+        buffer = self._read(a)
+        x = self._inputs(x)
         captured = self._start_capture() if self.split_backward else None
         try:
             with torch.enable_grad():
                 leaves = self._bind(buffer)
-                out = self.module(x)
+                out = self._call(x)
                 if self.is_last:
                     out = self.loss_fn(out, target)
         finally:
@@ -320,7 +335,8 @@ class PipelineStage:
         self.versions_used.append(("F", a.microbatch, a.version, a.distance))
         if self.is_last:
             self.losses[a.microbatch] = out.detach()
-        return out.detach()
+            return out.detach()
+        return self._handoff(out)
 
     def _graph_reads(self, a: Action, rec: _InFlight) -> None:
         """Make the storage the forward's graph points at hold ``a``'s weights."""
