@@ -182,6 +182,13 @@ def resolve_model(
     )
 
 
+def _real_model(spec, layers, loss_fn, config, names, source, origin: str, dtype: str) -> RealModel:
+    """The :class:`RealModel` of a model from elsewhere, in ``dtype``."""
+    model = RealModel(spec, layers, loss_fn, config, names, source, origin=origin)
+    _to_dtype(model, dtype)
+    return model
+
+
 def _to_dtype(model: RealModel, dtype: str) -> RealModel:
     if dtype != "fp32":
         for layer in model.layers:
@@ -436,16 +443,9 @@ def from_factory(
     if dtype != "fp32":
         inputs = tuple(_cast(t, dtype) for t in inputs) if isinstance(inputs, tuple) else _cast(inputs, dtype)
     config = {"source": "factory", "factory": spec, "seed": seed, "dtype": dtype, "microbatch_size": microbatch_size}
-    model = RealModel(
-        spec,
-        layers,
-        loss_fn,
-        config,
-        names,
-        functools.partial(_example_source, inputs, targets),
-        origin="factory",
+    model = _real_model(
+        spec, layers, loss_fn, config, names, functools.partial(_example_source, inputs, targets), "factory", dtype
     )
-    _to_dtype(model, dtype)
     model.description = (
         f"{spec}: a factory's {len(layers)} layers; {model.num_params():,} parameters; data: its example "
         f"batch of {microbatch_size}"
@@ -926,16 +926,9 @@ def _hf_model(spec, rest, seed, dtype, device, optimizer, memory_check) -> RealM
         "dtype": dtype,
         "transformers": transformers.__version__,
     }
-    model = RealModel(
-        spec,
-        layers,
-        cross_entropy,
-        cfg,
-        names,
-        functools.partial(_random_source, inputs, targets),
-        origin="hf",
+    model = _real_model(
+        spec, layers, cross_entropy, cfg, names, functools.partial(_random_source, inputs, targets), "hf", dtype
     )
-    _to_dtype(model, dtype)
     shape = ", ".join(f"{k} {v}" for k, v in size.items())
     model.description = (
         f"{spec}: transformers {transformers.__version__} {type(whole).__name__} from "
@@ -1048,16 +1041,16 @@ def _torchvision_model(spec, rest, seed, dtype, device, optimizer, memory_check)
     inputs = _data.TensorSpec((3, side, side), DTYPES[dtype])
     targets = _data.TensorSpec((), torch.int64, classes)
     cfg = {"source": "torchvision", "name": name, "kwargs": kwargs, "image_size": side, "seed": seed, "dtype": dtype}
-    model = RealModel(
+    model = _real_model(
         spec,
         layers,
         cross_entropy,
         cfg,
         names,
         functools.partial(_random_source, inputs, targets),
-        origin="torchvision",
+        "torchvision",
+        dtype,
     )
-    _to_dtype(model, dtype)
     model.description = (
         f"{spec}: torchvision {torchvision.__version__} {type(whole).__name__}, random weights (seed {seed}), "
         f"{dtype}; {model.num_params():,} parameters; {len(layers)} layers; image_size {side}; random data"
