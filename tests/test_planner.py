@@ -749,7 +749,10 @@ def test_plan_bad_input_is_one_line(argv, message, tmp_path, capsys) -> None:
         (lambda d: d.update(recv_lookahead=-1), "'recv_lookahead' must be a whole number >= 0"),
         (lambda d: d.update(hardware_spec={"name": "x"}), "'hardware_spec'"),
         (lambda d: d.update(strategy="zb-h1"), "zb-h1 is not planned by the replicas planner this plan names"),
-        (lambda d: d.update(planner="width-depth", strategy="pipedream-2bw"), "a plan of the width-depth planner runs every stage on as many replicas, got [15, 1]"),
+        (
+            lambda d: d.update(planner="width-depth", strategy="pipedream-2bw"),
+            "a plan of the width-depth planner runs every stage on as many replicas, got [15, 1]",
+        ),
         (lambda d: d.update(config="8-8"), "'config' is '8-8', but the stages' replicas are 15-1"),
         (lambda d: d.update(predicted_is_steady="yes"), "'predicted_is_steady' must be true or false"),
     ],
