@@ -31,7 +31,7 @@ DATA = Path(__file__).parent / "data" / "torch-pipelining-traces"
 #: set -> (import keywords, ranks, stages, passes per (stage, micro-batch))
 SETS = {
     "gpipe": ({}, 2, 2, "FB"),
-    "1f1b": ({"schedule": "1f1b", "microbatches": 4}, 3, 3, "FB"),
+    "1f1b": ({"schedule": "1f1b", "microbatches": 4}, 2, 2, "FB"),
     "interleaved-1f1b": ({}, 2, 4, "FB"),
     "zero-bubble": ({}, 2, 4, "FIW"),
 }

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 #: schedule folder -> (torch class, ranks, stages per rank, micro-batches)
 SCHEDULES: dict[str, tuple[str, int, int, int]] = {
     "gpipe": ("ScheduleGPipe", 2, 1, 4),
-    "1f1b": ("Schedule1F1B", 3, 1, 4),
+    "1f1b": ("Schedule1F1B", 2, 1, 4),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, 2, 4),
     "zero-bubble": ("ScheduleInterleavedZeroBubble", 2, 2, 4),
 }
