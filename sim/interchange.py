@@ -31,6 +31,7 @@ from pipesim.sim.ir.core import (
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
+    UPDATE,
     Action,
     B,
     F,
@@ -44,7 +45,7 @@ from pipesim.sim.ir.core import (
 from pipesim.sim.strategies._common import flush_iteration
 from pipesim.sim.workloads.profile import OPTIMIZER_STATE_MULTIPLIER
 
-__all__ = ["schedule_from_csv", "to_csv", "load_schedule_csv"]
+__all__ = ["schedule_from_csv", "schedule_from_runs", "to_csv", "load_schedule_csv"]
 
 
 def schedule_from_csv(
@@ -237,3 +238,43 @@ def _check_torch_1f1b_numbering(actions: list[Action], num_stages: int) -> None:
 def load_schedule_csv(path, **kwargs) -> Schedule:
     """Read a schedule CSV file; a missing or unreadable file is a ScheduleError."""
     return schedule_from_csv(read_text(path, "schedule", ScheduleError), **kwargs)
+
+
+def schedule_from_runs(programs, *, microbatches: int, iterations: int, strategy: str = "imported") -> Schedule:
+    """The schedule pipesim's own runtime executed, from each device's
+    actions in the order it ran them (read from a trace, where a label may
+    leave a version out): an ``UPDATE`` without a version makes the next
+    one of its (replica, stage); a forward without one reads the versions
+    its (replica, stage) has made so far on that device, and a backward the
+    version its forward read (weight stashing), which is what every pipesim
+    strategy without prediction does."""
+    out = []
+    stages = 0
+    reps: dict[int, int] = {}
+    for acts in programs:
+        made: dict[tuple[int, int], int] = {}
+        read: dict[tuple, int] = {}
+        prog = []
+        for a in acts:
+            stages = max(stages, a.stage + 1)
+            reps[a.stage] = max(reps.get(a.stage, 1), a.replica + 1)
+            key = (a.replica, a.stage)
+            version = a.version
+            if a.op is UPDATE:
+                made[key] = version if version is not None else made.get(key, 0) + 1
+                version = made[key]
+            elif a.op in PASS_OPS and version is None:
+                if a.op is F:
+                    version = read[key + (a.microbatch,)] = made.get(key, 0)
+                else:
+                    version = read.get(key + (a.microbatch,), made.get(key, 0))
+            prog.append(a._replace(version=version))
+        out.append(tuple(prog))
+    return Schedule(
+        strategy=strategy,
+        num_stages=stages,
+        num_microbatches=microbatches,
+        programs=tuple(out),
+        num_iterations=max(1, iterations),
+        replicas=tuple(reps.get(k, 1) for k in range(stages)),
+    )

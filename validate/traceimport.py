@@ -1206,7 +1206,10 @@ def _schedule(traces, actions, m: int, iterations: int, source: str, warnings) -
     from pipesim.sim.ir.checks import validate
 
     if source == "pipesim":
-        schedule = _pipesim_schedule(actions, m, iterations)
+        from pipesim.sim.interchange import schedule_from_runs
+
+        runs = [[Action(a.op, a.stage, a.gmb, a.version, a.distance, a.replica) for a in acts] for acts in actions]
+        schedule = schedule_from_runs(runs, microbatches=m, iterations=iterations)
     else:
         rows = []
         for acts in actions:
@@ -1244,43 +1247,6 @@ def _schedule(traces, actions, m: int, iterations: int, source: str, warnings) -
 #: of Python heap and the structure check at 27 MB, a third of the import's.
 DEADLOCK_CHECK_MAX = 20_000
 STRUCTURE_CHECK_MAX = 60_000
-
-
-def _pipesim_schedule(actions, m: int, iterations: int) -> Schedule:
-    """pipesim's own runtime: its labels carry the updates (and their
-    versions); a pass reads the number of updates its (replica, stage) has
-    made so far on that device, and a backward the version its forward read
-    (weight stashing), which is what every pipesim strategy without
-    prediction does."""
-    programs = []
-    stages = 0
-    reps: dict[int, int] = defaultdict(lambda: 1)
-    for acts in actions:
-        made: dict[tuple[int, int], int] = defaultdict(int)
-        read: dict[tuple, int] = {}
-        prog = []
-        for a in acts:
-            stages = max(stages, a.stage + 1)
-            reps[a.stage] = max(reps[a.stage], a.replica + 1)
-            version = a.version
-            if a.op is UPDATE:
-                made[(a.replica, a.stage)] = version if version is not None else made[(a.replica, a.stage)] + 1
-                version = made[(a.replica, a.stage)]
-            elif a.op in PASS_OPS and version is None:
-                if a.op is F:
-                    version = read[(a.replica, a.stage, a.gmb)] = made[(a.replica, a.stage)]
-                else:
-                    version = read.get((a.replica, a.stage, a.gmb), made[(a.replica, a.stage)])
-            prog.append(Action(a.op, a.stage, a.gmb, version, a.distance, a.replica))
-        programs.append(prog)
-    return Schedule(
-        strategy="imported",
-        num_stages=stages,
-        num_microbatches=m,
-        programs=programs,
-        num_iterations=max(1, iterations),
-        replicas=tuple(reps[k] for k in range(stages)),
-    )
 
 
 def _stream_of(op: Op) -> str:
@@ -1335,7 +1301,6 @@ def _result(traces, schedule: Schedule, actions, updates, offsets, source, devic
     """The measured SimResult, and the blocking ranges. ``actions`` is
     emptied as its spans are made, so that the found actions and the spans
     are not all held at once."""
-    from pipesim.sim.engine.trackers import version_plan
 
     # the compute window, on the common clock: where the spans start from, and what bounds the others
     lo, hi = math.inf, -math.inf
@@ -1388,26 +1353,34 @@ def _result(traces, schedule: Schedule, actions, updates, offsets, source, devic
         actions[dev] = []
     spans.sort(key=lambda sp: (sp.start, sp.device, sp.stream, sp.end))
     blocking.sort()
+    meta = {
+        "source": source,
+        "measured_on": device,
+        "files": [t.path.name for t in traces],
+        "backend": traces[0].run.backend,
+    }
+    return _measured(schedule, spans, _memory(traces, t0, offsets, len(schedule.programs)), meta), blocking
+
+
+def _measured(schedule: Schedule, spans: list, memory: list, meta: dict) -> SimResult:
+    """A measured timeline as a SimResult, with the weight versions its
+    schedule implies where pipesim can plan them (none otherwise)."""
+    from pipesim.sim.engine.trackers import version_plan
+
     try:
         versions, held, _ = version_plan(schedule)
     except (ScheduleError, KeyError, ValueError):
         versions, held = [], {}
-    result = SimResult(
+    return SimResult(
         schedule=schedule,
         spans=spans,
-        memory=_memory(traces, t0, offsets, len(schedule.programs)),
+        memory=memory,
         versions=versions,
         max_versions_held=held,
         link_bytes={},
         microbatch_size=1,
-        meta={
-            "source": source,
-            "measured_on": device,
-            "files": [t.path.name for t in traces],
-            "backend": traces[0].run.backend,
-        },
+        meta=meta,
     )
-    return result, blocking
 
 
 def _overlap_parts(trace: RankTrace, a: _Found, walk: _Program) -> list[tuple[Action, float, float]]:
@@ -1669,8 +1642,6 @@ def load_imported(path) -> ImportedRun:
         raise TraceImportError(f"{path}: not an imported.json of version {IMPORTED_VERSION}")
     result = None
     if doc.get("found_pipeline") and "schedule_csv" in doc:
-        from pipesim.sim.engine.trackers import version_plan
-
         schedule = schedule_from_csv(doc["schedule_csv"], check=False)
         spans = [
             Span(dev, stream, parse_action(act), start, end, peer, flow)
@@ -1688,20 +1659,7 @@ def load_imported(path) -> ImportedRun:
             )
             for m in doc.get("memory", [])
         ]
-        try:
-            versions, held, _ = version_plan(schedule)
-        except (ScheduleError, KeyError, ValueError):
-            versions, held = [], {}
-        result = SimResult(
-            schedule=schedule,
-            spans=spans,
-            memory=memory,
-            versions=versions,
-            max_versions_held=held,
-            link_bytes={},
-            microbatch_size=1,
-            meta=dict(doc.get("meta", {})),
-        )
+        result = _measured(schedule, spans, memory, dict(doc.get("meta", {})))
     return ImportedRun(
         result=result,
         per_rank=[RankStats(**r) for r in doc.get("per_rank", [])],

@@ -156,30 +156,36 @@ def _first_version(result: SimResult) -> int | None:
     return min(versions) if len(versions) > 1 else None
 
 
-def _steady_passes(result: SimResult) -> list[Span]:
-    compute = result.by_stream().get("compute", ())
-    first = _first_version(result)
-    if first is None:
-        return list(compute)
-    # an UPDATE names the version it produces: the first iteration's makes first + 1
-    return [s for s in compute if s.action.version is not None and s.action.version > first + (s.action.op is UPDATE)]
+@dataclass(frozen=True)
+class _Steady:
+    """What a calibration reads, the first iteration left out (computed
+    once per run): the compute spans, and the micro-batches whose transfers
+    count (None: all of them)."""
+
+    passes: list
+    microbatches: frozenset | None
+
+    @classmethod
+    def of(cls, result: SimResult) -> _Steady:
+        compute = result.by_stream().get("compute", ())
+        first = _first_version(result)
+        if first is None:
+            return cls(list(compute), None)
+        # an UPDATE names the version it produces: the first iteration's makes first + 1
+        passes = [
+            s for s in compute if s.action.version is not None and s.action.version > first + (s.action.op is UPDATE)
+        ]
+        return cls(passes, frozenset(s.action.microbatch for s in passes if s.action.op is F))
+
+    def transfers(self, spans: Sequence[Span]) -> list[Span]:
+        if self.microbatches is None:
+            return list(spans)
+        return [s for s in spans if s.action.microbatch in self.microbatches]
 
 
-def _steady_transfers(result: SimResult, spans: Sequence[Span]) -> list[Span]:
-    first = _first_version(result)
-    if first is None:
-        return list(spans)
-    later = {
-        s.action.microbatch
-        for s in result.by_stream().get("compute", ())
-        if s.action.op is F and s.action.version is not None and s.action.version > first
-    }
-    return [s for s in spans if s.action.microbatch in later]
-
-
-def _pass_times(result: SimResult) -> dict[tuple, list[float]]:
+def _pass_times(steady: _Steady) -> dict[tuple, list[float]]:
     times: dict[tuple, list[float]] = defaultdict(list)
-    for s in _steady_passes(result):
+    for s in steady.passes:
         times[(s.action.op, s.action.stage)].append(s.duration)
     return times
 
@@ -189,15 +195,16 @@ def _transfer_key(s: Span) -> tuple:
     return (boundary_stage(a), a.microbatch, a.replica, a.op.value.split("_")[1])
 
 
-def transfer_times(result: SimResult) -> dict[int, list[float]]:
+def transfer_times(result: SimResult, steady: _Steady | None = None) -> dict[int, list[float]]:
     """Per boundary, the pure transfer time of every matched send/receive
     pair: from when both ends were posted to the receive's end (a
     receive's wait for a late sender left out). Pairs match by their
     ``flow`` id where the executor set one, else by boundary, micro-batch,
     replica and direction, in order."""
     streams = result.by_stream()
-    sends = _steady_transfers(result, streams.get("send", ()))
-    recvs = _steady_transfers(result, streams.get("recv", ()))
+    steady = steady or _Steady.of(result)
+    sends = steady.transfers(streams.get("send", ()))
+    recvs = steady.transfers(streams.get("recv", ()))
     out: dict[int, list[float]] = defaultdict(list)
     by_flow = {s.flow: s for s in sends if s.flow is not None}
     unmatched: dict[tuple, list[Span]] = defaultdict(list)
@@ -215,7 +222,9 @@ def transfer_times(result: SimResult) -> dict[int, list[float]]:
     return out
 
 
-def host_overhead(result: SimResult) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+def host_overhead(
+    result: SimResult, steady: _Steady | None = None
+) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
     """Per stage, the gaps before its passes that no input held up: a
     device's pass starting after its previous compute ended although the
     receive it consumes (if any) had already completed and none of the
@@ -237,7 +246,7 @@ def host_overhead(result: SimResult) -> tuple[dict[int, list[float]], dict[int, 
     per_pass: dict[int, list[float]] = defaultdict(list)
     per_step: dict[int, list[float]] = defaultdict(list)
     by_device: dict[int, list[Span]] = defaultdict(list)
-    for sp in _steady_passes(result):
+    for sp in (steady or _Steady.of(result)).passes:
         by_device[sp.device].append(sp)
     for dev, spans in by_device.items():
         spans.sort(key=lambda x: x.start)
@@ -289,7 +298,8 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
     """The costs a measured run shows (see the module doc); a
     :class:`WhatIfError` when a stage has no forward or no backward."""
     n = result.schedule.num_stages
-    times = _pass_times(result)
+    steady = _Steady.of(result)
+    times = _pass_times(steady)
     assumptions = []
     fwd, bwd, bin_, bw_ = [], [], [], []
     for k in range(n):
@@ -305,7 +315,7 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
             bwd.append(_mean(i) + _mean(w or []))
         bin_.append(_mean(i) if i else None)
         bw_.append(_mean(w) if w else None)
-    moved = transfer_times(result)
+    moved = transfer_times(result, steady)
     transfer = []
     for k in range(n - 1):
         if moved.get(k):
@@ -314,7 +324,7 @@ def measured_costs(result: SimResult, stash_bytes: Sequence[int] | None = None) 
             transfer.append(0.0)
             if result.schedule.num_devices > 1:
                 assumptions.append(f"boundary {k}: no matched transfer measured, taken as free")
-    per_pass, per_step = host_overhead(result)
+    per_pass, per_step = host_overhead(result, steady)
     # an update carries the loop's own time before the next iteration's first pass
     update = [_mean(times.get((UPDATE, k), [])) + _mean(per_step.get(k, [])) for k in range(n)]
     overhead = tuple(_mean(per_pass.get(k, [])) for k in range(n))
