@@ -6,6 +6,7 @@ one test runs the full gloo path through the CLI.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import replace
@@ -531,3 +532,58 @@ def test_bench_validate_refuses_before_measuring(argv, message, capsys, monkeypa
     code = main(["bench", "validate", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_validate_takes_models_from_elsewhere_whole():
+    """A model from elsewhere is one --model (its query holds commas); catalog names stay a list."""
+    from pipesim.experiments.bench.validate import _models
+
+    assert _models("mlp,gpt-small") == ["mlp", "gpt-small"]
+    hf = "hf:resnet?depths=2,2,2,2&layer_type=basic"
+    assert _models(hf) == [hf]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown model"):
+        _models("mlp,resnet")
+
+
+def test_bench_validate_reports_the_run_to_run_spread_and_what_moved():
+    """--fresh repeats are separate measurements: the row says how far its
+    error moved and whether the prediction or the measurement moved it, and
+    a model from elsewhere is held to its own targets (10%, 20%)."""
+    from pipesim.experiments.bench.validate import TARGETS, _row, render
+
+    def report(measured, predicted):
+        return {
+            "iteration_time_error": (predicted - measured) / measured,
+            "iteration_time_measured_s": measured,
+            "iteration_time_predicted_s": predicted,
+            "action_errors": {"start_error_fraction_of_makespan": {"p90": 0.03}},
+            "bubble_fraction_measured": 0.1,
+            "bubble_fraction_predicted": 0.1,
+        }
+
+    steady = _row("1f1b", [report(1.0, 1.0), report(1.0, 1.03), report(1.0, 0.99)])
+    assert steady["spread"] == pytest.approx(0.04) and steady["measured_spread"] == 0
+    assert steady["predicted_spread"] == pytest.approx(0.04)
+    jumpy = _row("gpipe", [report(1.0, 1.0), report(1.2, 1.0), report(1.0, 1.0)])
+    assert jumpy["predicted_spread"] == 0 and jumpy["measured_spread"] == pytest.approx(0.2)
+    model = "hf:gpt2?n_layer=4&seq_len=64"
+    config = {
+        "model": model,
+        "model_depth": None,
+        "stages": 2,
+        "microbatch_size": 8,
+        "microbatches": 8,
+        "iterations": 8,
+        "backend": "gloo",
+        "fresh": True,
+        "target_median": TARGETS["elsewhere"][0],
+        "target_each": TARGETS["elsewhere"][1],
+        "link_latency_s": 1e-4,
+        "link_bandwidth_Bps": 4e9,
+        "update_bandwidth_Bps": 1e10,
+        "rows": [steady, jumpy],
+    }
+    text = render({"configs": [config], "median_abs_error": 0.0, "seconds": 1})
+    assert f"#1 = {model}, 2 stages" in text and "measured afresh every run" in text
+    assert "(target 10%)" in text and "within 20%" in text
+    assert "widest spread 16.7 points (gpipe: prediction moved 0.0%, measurement 20.0%), 1 of 2 within 5 points" in text

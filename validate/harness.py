@@ -75,7 +75,7 @@ class ValidateConfig:
     microbatches: int = 8
     model: str = "mlp"
     backend: str = "gloo"
-    iterations: int = 4
+    iterations: int = 8  # the CLI's default (experiments/cli/validate.py ITERATIONS)
     microbatch_size: int = 32
     replicas: int = 1
     model_width: int | None = None

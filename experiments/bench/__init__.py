@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,plan,kernels,validate,torch,torch-dry-run,comm,trace,sweep}``: every benchmark behind one command.
+"""``pipesim bench {sim,plan,kernels,validate,profile,torch,torch-dry-run,comm,trace,sweep}``: every benchmark behind one command.
 
 Each benchmark is a module with a ``main(argv, prog)`` (most of them in this
 package; the sweep's and torch's dry run's beside the code they measure,
@@ -205,6 +205,9 @@ BENCHES: dict[str, Bench] = {
     ),
     "kernels": Bench("pipesim.experiments.bench.kernels", "kernel bandwidth against a plain copy and a Python loop"),
     "validate": Bench("pipesim.experiments.bench.validate", "prediction error of every strategy on this machine"),
+    "profile": Bench(
+        "pipesim.experiments.bench.profile", "seconds `pipesim profile --model` takes, and its determinism"
+    ),
     "torch": Bench("pipesim.experiments.bench.torchbench", "runtime throughput against torch.distributed.pipelining"),
     "torch-dry-run": Bench(
         "pipesim.experiments.torchdry", "simulating a torch schedule: pipesim against torch's own dry run"

@@ -18,6 +18,20 @@ runs made in this one invocation.
 mlp,gpt-small --stages 2,4``, the issue's whole grid): each model and stage
 count is profiled and validated in turn, and everything is printed as one
 table, with the median and worst error per configuration and over all rows.
+``--model`` may also be given several times, and takes any model ``pipesim
+validate`` takes (``hf:gpt2?n_layer=4``, ``path/to/file.py:factory``; one
+per ``--model``, since their queries hold commas).
+
+Targets: a catalog model's median |error| <= 5% and every strategy <= 15%; a
+model from elsewhere (``hf:``, a factory), whose layers pipesim did not
+write, <= 10% and <= 20% (``--target-median``, ``--target-each`` set both).
+
+Run to run: ``--fresh`` makes every run measure its own profile and
+hardware, as separate ``pipesim validate`` invocations do, so the spread of a
+strategy's errors over ``--repeats`` is the spread a user sees between
+invocations (target: 5 points). Each row also gives how far the predicted
+and the measured iteration times moved over the repeats, which says whether
+the spread came from the profile, the run or both.
 """
 
 from __future__ import annotations
@@ -46,13 +60,14 @@ def run(
     model: str = "mlp",
     microbatch_size: int = 64,
     microbatches: int = 8,
-    iterations: int = 4,
+    iterations: int = 8,
     repeats: int = 2,
     backend: str = "gloo",
     strategies=None,
     model_width=None,
     model_depth=None,
     stages: int = 2,
+    fresh: bool = False,
 ) -> dict:
     from pipesim.validate.harness import (
         ValidateConfig,
@@ -68,7 +83,7 @@ def run(
     for name in chosen:  # before any measuring: one line, as `pipesim validate` refuses them
         check_executable(name, "real-tensor executors")
     schedules = [build_schedule(ScheduleSpec(name, stages, microbatches)) for name in chosen]
-    if model_depth is None:
+    if model_depth is None and model in model_names():
         model_depth = _depth_for(model, max(s.num_stages for s in schedules))
     base = ValidateConfig(
         strategy="1f1b",
@@ -90,25 +105,21 @@ def run(
                 f"{name}: {schedule.num_stages} stages need at least that many layers; {model} has "
                 f"{real.num_layers} (raise --model-depth)"
             )
-    _say(f"profiling {model} (micro-batch {microbatch_size}, depth {model_depth}) on {device} ...")
     rows = []
-    # the most devices any chosen strategy needs (AvgPipe's pipelines, data
-    # parallelism's replicas), each pinned to its core
-    devices = max(s.num_devices for s in schedules)
-    hw = hardware_for(base, device, devices, model=real)
     with tempfile.TemporaryDirectory(prefix="pipesim-bench-") as tmp:
-        # every strategy is predicted from the same measurements
-        save_profile(profile(base, device, model=real, hardware=hw), Path(tmp) / "profile.json")
-        (Path(tmp) / "hardware.json").write_text(json.dumps(hw.to_json()))
-        measured = replace(
-            base, profile_path=str(Path(tmp) / "profile.json"), hardware_path=str(Path(tmp) / "hardware.json")
-        )
+        if fresh:  # every run measures its own, as an invocation of `pipesim validate` does
+            measured, hw = base, None
+        else:
+            measured, hw = _measure_once(base, schedules, device, real, Path(tmp), hardware_for, profile)
         for i, name in enumerate(chosen, 1):
             reports = []
             for r in range(repeats):
-                _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats} ...")
+                _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats}{' (measuring afresh)' if fresh else ''} ...")
                 reports.append(run_validation(replace(measured, strategy=name)).report)
             rows.append(_row(name, reports))
+    # the links measured (fresh: by the last run; each run's own are in its report)
+    link = reports[-1]["hardware"]
+    median_target, each_target = TARGETS["catalog" if real.origin == "catalog" else "elsewhere"]
     return {
         "model": model,
         "model_depth": model_depth,
@@ -117,14 +128,35 @@ def run(
         "microbatches": microbatches,
         "iterations": iterations,
         "backend": backend,
+        "fresh": fresh,
+        "target_median": median_target,
+        "target_each": each_target,
         "rows": rows,
-        "cores": list(hw.cpu.cores) if hw.cpu else None,
-        "transfer_cpu": hw.to_json().get("cpu"),
+        "cores": list(hw.cpu.cores) if hw is not None and hw.cpu else None,
+        "transfer_cpu": hw.to_json().get("cpu") if hw is not None else None,
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
-        "link_latency_s": hw.intra_node.latency,
-        "link_bandwidth_Bps": hw.intra_node.bandwidth,
-        "update_bandwidth_Bps": hw.device.mem_bandwidth,
+        "link_latency_s": link["link_latency_s"],
+        "link_bandwidth_Bps": link["link_bandwidth_Bps"] or float("inf"),
+        "update_bandwidth_Bps": link["mem_bandwidth_Bps"],
     }
+
+
+#: (median |error|, every strategy's |error|) a configuration is held to: the
+#: catalog's models, and models from elsewhere (issue 26's targets).
+TARGETS = {"catalog": (0.05, 0.15), "elsewhere": (0.10, 0.20)}
+#: Points of error two runs of one strategy may differ by (``--fresh``: two invocations).
+SPREAD_TARGET = 0.05
+
+
+def _measure_once(base, schedules, device, real, tmp: Path, hardware_for, profile):
+    """Profile the model and measure the links once, for every strategy's runs
+    (the most devices any chosen strategy needs, AvgPipe's pipelines and data
+    parallelism's replicas, each pinned to its core)."""
+    _say(f"profiling {base.model} (micro-batch {base.microbatch_size}, depth {base.model_depth}) on {device} ...")
+    hw = hardware_for(base, device, max(s.num_devices for s in schedules), model=real)
+    save_profile(profile(base, device, model=real, hardware=hw), tmp / "profile.json")
+    (tmp / "hardware.json").write_text(json.dumps(hw.to_json()))
+    return replace(base, profile_path=str(tmp / "profile.json"), hardware_path=str(tmp / "hardware.json")), hw
 
 
 def _depth_for(model: str, stages: int) -> int:
@@ -142,27 +174,40 @@ def default_strategies() -> list[str]:
 
 
 def _row(strategy: str, reports: list[dict]) -> dict:
-    """One strategy's medians over its repeats (bubbles from the last)."""
+    """One strategy's medians over its repeats (bubbles from the last), and
+    how far its error, prediction and measurement moved between them."""
     errors = [r["iteration_time_error"] for r in reports]
     plain = [
         r["iteration_time_error_without_cpu_model"] for r in reports if "iteration_time_error_without_cpu_model" in r
     ]
     starts = [r["action_errors"]["start_error_fraction_of_makespan"]["p90"] for r in reports]
+    predicted = [r["iteration_time_predicted_s"] for r in reports]
+    measured = [r["iteration_time_measured_s"] for r in reports]
     return {
         "strategy": strategy,
         "errors": errors,
         "error": statistics.median(errors),
+        "spread": max(errors) - min(errors),
+        "predicted_spread": _relative_range(predicted),
+        "measured_spread": _relative_range(measured),
         "error_without_cpu_model": statistics.median(plain) if plain else None,
         "start_error_p90": statistics.median(starts),
-        "measured_s": statistics.median(r["iteration_time_measured_s"] for r in reports),
-        "predicted_s": statistics.median(r["iteration_time_predicted_s"] for r in reports),
+        "measured_s": statistics.median(measured),
+        "predicted_s": statistics.median(predicted),
         "bubble_measured": reports[-1]["bubble_fraction_measured"],
         "bubble_predicted": reports[-1]["bubble_fraction_predicted"],
     }
 
 
-#: Micro-batch size per model when none is given: gpt-small's passes are long enough at 32.
+def _relative_range(values: list[float]) -> float:
+    """(max - min) / median: how far a figure moved over the repeats."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+#: Micro-batch size per catalog model when none is given: gpt-small's passes are long enough at 32.
 DEFAULT_MICROBATCH_SIZE = {"gpt-small": 32}
+#: ... and for a model from elsewhere (the issue's targets are stated at 8).
+ELSEWHERE_MICROBATCH_SIZE = 8
 
 
 def _names_of(what: str, known):
@@ -180,6 +225,18 @@ def _names_of(what: str, known):
     return parse
 
 
+def _models(text: str) -> list[str]:
+    """An argparse type: catalog model names, comma-separated, or one model
+    from elsewhere (``hf:...``, ``torchvision:...``, ``module:factory``),
+    which ``pipesim validate`` resolves (and refuses in one line)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names and all(n in model_names() for n in names):
+        return names
+    if ":" in text:
+        return [text]
+    return _names_of("model", model_names)(text)
+
+
 def _positive_list(text: str) -> list[int]:
     return [positive(v) for v in text.split(",")]
 
@@ -187,15 +244,18 @@ def _positive_list(text: str) -> list[int]:
 def add_arguments(p) -> None:
     p.add_argument(
         "--model",
-        type=_names_of("model", model_names),
-        default="mlp",
-        help="real model(s) to validate, comma-separated (mlp, gpt-small, lstm, vgg-small)",
+        type=_models,
+        action="append",
+        default=None,
+        help="real model(s) to validate: catalog names comma-separated (mlp, gpt-small, lstm, vgg-small), or "
+        "any model `pipesim validate --model` takes, one per --model (repeat it); default mlp",
     )
     p.add_argument(
         "--microbatch-size",
         type=positive,
         default=None,
-        help="samples per micro-batch (default: 32 for gpt-small, 64 otherwise)",
+        help=f"samples per micro-batch (default: 32 for gpt-small, {ELSEWHERE_MICROBATCH_SIZE} for models from "
+        "elsewhere, 64 otherwise)",
     )
     p.add_argument(
         "--model-width", type=positive, default=None, help="hidden width of the model (its default if unset)"
@@ -213,8 +273,14 @@ def add_arguments(p) -> None:
         help="pipeline stages, comma-separated (more devices than cores share them, as the simulator models)",
     )
     p.add_argument("--microbatches", type=positive, default=8, help="micro-batches per iteration")
-    p.add_argument("--iterations", type=positive, default=4, help="iterations per run")
+    p.add_argument("--iterations", type=positive, default=8, help="iterations per run (pipesim validate's default)")
     p.add_argument("--repeats", type=positive, default=2, help="runs per strategy (the median is reported)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="every run measures its own profile and links, as separate `pipesim validate` invocations do "
+        "(the spread over --repeats is then the run-to-run spread)",
+    )
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "single"), help="how the devices run")
     p.add_argument(
         "--strategies",
@@ -227,8 +293,10 @@ def add_arguments(p) -> None:
 def run_bench(args) -> dict:
     started = time.perf_counter()
     configs = []
-    for model in args.model:
-        b = args.microbatch_size or DEFAULT_MICROBATCH_SIZE.get(model, 64)
+    for model in [m for given in args.model or [["mlp"]] for m in given]:
+        b = args.microbatch_size or (
+            DEFAULT_MICROBATCH_SIZE.get(model, 64) if model in model_names() else ELSEWHERE_MICROBATCH_SIZE
+        )
         for stages in args.stages:
             configs.append(
                 run(
@@ -242,6 +310,7 @@ def run_bench(args) -> dict:
                     args.model_width,
                     args.model_depth,
                     stages=stages,
+                    fresh=args.fresh,
                 )
             )
     rows = [r for c in configs for r in c["rows"]]
@@ -254,46 +323,74 @@ def run_bench(args) -> dict:
 
 def render(res: dict) -> str:
     """Every configuration's rows in one table, a verdict per configuration and over all."""
-    lines = [_measured_line(c) for c in res["configs"]]
+    labels = [_label(c["model"], i) for i, c in enumerate(res["configs"])]
+    lines = [_measured_line(c, label) for c, label in zip(res["configs"], labels, strict=True)]
     lines.append(
         f"{'model':10} {'p':>2} {'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  "
-        f"{'runs':24} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"
+        f"{'runs':24} {'spread':>7} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"
     )
-    for c in res["configs"]:
+    for c, label in zip(res["configs"], labels, strict=True):
         for r in c["rows"]:
             runs = " ".join(f"{e:+.1%}" for e in r["errors"])
             plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
+            spread = f"{r['spread'] * 100:.1f}" if len(r["errors"]) > 1 else ""
             lines.append(
-                f"{c['model']:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
-                f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {plain:>12} "
+                f"{label:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
+                f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {spread:>7} {plain:>12} "
                 f"{r['start_error_p90']:9.1%} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}"
             )
-    for c in res["configs"]:
-        lines.append(f"{c['model']}, {c['stages']} stages: " + _verdict(c["rows"]))
+    for c, label in zip(res["configs"], labels, strict=True):
+        targets = (c.get("target_median", TARGETS["catalog"][0]), c.get("target_each", TARGETS["catalog"][1]))
+        lines.append(f"{label}, {c['stages']} stages: " + _verdict(c["rows"], *targets))
+        if any(len(r["errors"]) > 1 for r in c["rows"]):
+            lines.append(f"{label}, {c['stages']} stages, run to run: " + _spread_verdict(c))
     if len(res["configs"]) > 1:
-        lines.append("all: " + _verdict([r for c in res["configs"] for r in c["rows"]]))
+        kinds = {(c.get("target_median", 0.05), c.get("target_each", 0.15)) for c in res["configs"]}
+        targets = kinds.pop() if len(kinds) == 1 else TARGETS["catalog"]
+        lines.append("all: " + _verdict([r for c in res["configs"] for r in c["rows"]], *targets))
     lines.append(f"({res['seconds']:.0f} s)")
     return "\n".join(lines)
 
 
-def _measured_line(c: dict) -> str:
+def _label(model: str, index: int) -> str:
+    """The model's name in the table: itself, or ``#k`` when it is too long (named in its header line)."""
+    return model if len(model) <= 10 else f"#{index + 1}"
+
+
+def _measured_line(c: dict, label: str) -> str:
+    name = c["model"] if label == c["model"] else f"{label} = {c['model']}"
+    depth = f" depth {c['model_depth']}" if c.get("model_depth") is not None else ""
     return (
-        f"{c['model']} depth {c['model_depth']}, {c['stages']} stages, micro-batch {c['microbatch_size']}, m={c['microbatches']}, "
-        f"{c['iterations']} iterations, {c['backend']}; link {c['link_latency_s'] * 1e6:.0f} us + "
-        f"{c['link_bandwidth_Bps'] / 1e9:.2f} GB/s, update bandwidth {c['update_bandwidth_Bps'] / 1e9:.1f} GB/s"
+        f"{name}{depth}, {c['stages']} stages, micro-batch {c['microbatch_size']}, m={c['microbatches']}, "
+        f"{c['iterations']} iterations, {c['backend']}{', measured afresh every run' if c.get('fresh') else ''}; "
+        f"link {c['link_latency_s'] * 1e6:.0f} us + {c['link_bandwidth_Bps'] / 1e9:.2f} GB/s, "
+        f"update bandwidth {c['update_bandwidth_Bps'] / 1e9:.1f} GB/s"
     )
 
 
-def _verdict(rows: list[dict]) -> str:
+def _verdict(rows: list[dict], median_target: float = 0.05, each_target: float = 0.15) -> str:
     """Median |error|, the worst strategy and the start-error p90 against the targets."""
     worst = max(rows, key=lambda r: abs(r["error"]))
     median = statistics.median(abs(r["error"]) for r in rows)
     starts = statistics.median(r["start_error_p90"] for r in rows)
-    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    within = sum(abs(r["error"]) <= each_target for r in rows)
     return (
-        f"median |error| {median:.1%} (target 5%), worst {worst['strategy']} {worst['error']:+.1%}, "
-        f"{within} of {len(rows)} within 15%; start error p90 median {starts:.1%} of the steady makespan "
-        f"(target 5%)"
+        f"median |error| {median:.1%} (target {median_target:.0%}), worst {worst['strategy']} {worst['error']:+.1%}, "
+        f"{within} of {len(rows)} within {each_target:.0%}; start error p90 median {starts:.1%} of the steady "
+        f"makespan (target 5%)"
+    )
+
+
+def _spread_verdict(c: dict) -> str:
+    """The widest spread of one strategy's errors over its repeats, and what moved."""
+    rows = c["rows"]
+    widest = max(rows, key=lambda r: r["spread"])
+    within = sum(r["spread"] <= SPREAD_TARGET for r in rows)
+    return (
+        f"widest spread {widest['spread'] * 100:.1f} points ({widest['strategy']}: prediction moved "
+        f"{widest['predicted_spread']:.1%}, measurement {widest['measured_spread']:.1%}), {within} of {len(rows)} "
+        f"within {SPREAD_TARGET * 100:.0f} points"
+        + ("" if c.get("fresh") else " (one profile for all runs: --fresh measures each run's own)")
     )
 
 

@@ -14,11 +14,15 @@ from pipesim.experiments.cli.common import (
 )
 from pipesim.experiments.cliargs import nonnegative, seconds
 
+#: Iterations a validation runs by default (ValidateConfig's default too): seven steady-state
+#: intervals, so one slow interval moves the mean a seventh as much (docs/how-to/validate.md#run-to-run).
+ITERATIONS = 8
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("validate", help="run a schedule for real and reconcile it with the simulation")
-    add_schedule_args(p, strategy_required=True, iterations=4, stages=2, executable=True)
-    p.set_defaults(stages=2, iterations=4)
+    add_schedule_args(p, strategy_required=True, iterations=ITERATIONS, stages=2, executable=True)
+    p.set_defaults(stages=2, iterations=ITERATIONS)
     model_args(p)
     p.add_argument(
         "--backend",
