@@ -442,6 +442,13 @@ def kernel_bandwidths(
     One figure per kernel, not one for all: on a CPU they reach very
     different fractions of the memory system (SpecTrain's update ran three
     times as long as one bandwidth for all predicted).
+
+    Weights far larger than the last-level cache (:data:`CACHE_MULTIPLE`
+    times :func:`last_level_cache_bytes`) leave nothing of themselves in it
+    after a forward and backward, so passes between the kernels would change
+    nothing they read: the replicas then run one forward and backward (for
+    their gradients) and the kernels are timed back to back. A 4-block GPT-2
+    (425 MB of weights) needed 62 forwards and backwards, minutes on a CPU.
     """
     from pipesim.sim.engine.core import CostModel
     from pipesim.sim.ir.core import AVERAGE, PREDICT
@@ -456,13 +463,16 @@ def kernel_bandwidths(
     centre = torch.cat([w.detach().reshape(-1) for w in stage.weights()]).clone()
     times: dict[str, list[int]] = {"update": [], "predict": [], "average": []}
     repeats = max(3 * settings.repeats, 30)  # each kernel is short, and noisy
+    weight_bytes = sum(w.numel() * w.element_size() for w in stage.weights())
+    passes_between = weight_bytes <= CACHE_MULTIPLE * last_level_cache_bytes(device)
     for step in range(settings.warmup + repeats):
         timed = step >= settings.warmup
         for st in replicas:
-            x, y = data.batch(step)
-            v = st.pool.expect(st.pool.version, 2)  # the forward and backward read it, then let it go
-            st.forward(Action(F, 0, 0, v), to_device(x, device), y.to(device))
-            st.backward(Action(B, 0, 0, v), None)
+            if passes_between or step == 0:
+                x, y = data.batch(step)
+                v = st.pool.expect(st.pool.version, 2)  # the forward and backward read it, then let it go
+                st.forward(Action(F, 0, 0, v), to_device(x, device), y.to(device))
+                st.backward(Action(B, 0, 0, v), None)
             st.accumulated = 4  # as after a mini-batch of micro-batches: scaled once
         t0 = _now(device)
         stage.update(Action(UPDATE, 0, None, stage.pool.version + 1))
@@ -487,6 +497,35 @@ def kernel_bandwidths(
         "average": (2 * AVERAGE_REPLICAS + 2) * params,
     }
     return {k: moved[k] / (expected(v) / 1e9) for k, v in times.items()}
+
+
+#: Weights this many times the last-level cache keep no passes between the kernels timed on them.
+CACHE_MULTIPLE = 8
+#: The last-level cache assumed where the system does not say (a server CPU's L3).
+DEFAULT_LAST_LEVEL_CACHE_BYTES = 32 << 20
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The size of ``device``'s last-level cache: a GPU's L2, a CPU's largest
+    cache as Linux lists it (``/sys/devices/system/cpu/cpu0/cache``), else
+    :data:`DEFAULT_LAST_LEVEL_CACHE_BYTES`."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return int(size) or DEFAULT_LAST_LEVEL_CACHE_BYTES
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=DEFAULT_LAST_LEVEL_CACHE_BYTES)
 
 
 def _whole(model: RealModel, device: torch.device, optimizer: OptimizerConfig) -> PipelineStage:
