@@ -171,3 +171,17 @@ def test_the_guides_factory_runs_under_backend_single(tmp_path):
     assert main(["validate", *args]) == 0
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert len(report["losses"]) == 2 and all(v == v for v in report["losses"])
+
+
+@needs_transformers
+@pytest.mark.multiprocess
+def test_batchnorm_stays_bit_identical_and_dropout_does_not():
+    """What the guide says of bit-identity: BatchNorm's statistics are each
+    micro-batch's own, so the runtime matches the emulator bit for bit;
+    dropout draws its masks from each process's generator, so it does not."""
+    resnet = "hf:resnet?depths=1,1&hidden_sizes=8,16&embedding_size=8&layer_type=basic&image_size=32"
+    dropout = GPT2.replace("&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0", "")
+    jobs = [job_for(spec, iterations=2) for spec in (resnet, dropout)]
+    batchnorm_run, dropout_run = run_many(jobs, timeout_s=240)
+    assert_same(batchnorm_run, emulated(jobs[0])[0])
+    assert dropout_run.losses != emulated(jobs[1])[0].losses
