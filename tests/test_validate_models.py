@@ -441,8 +441,11 @@ def test_layer_stats_stash_counts_saved_inputs_once():
     stats = layer_stats(m, b)
     # fc0 saves its data input (b x 64); fc1, fc2 and the head save their
     # input (b x w), which is also the ReLU result saved by the layer before
-    # and is counted once, with the consumer.
-    assert [s.stash_bytes for s in stats] == [b * 64 * 4, b * w * 4, b * w * 4, b * w * 4]
+    # and is counted once, with the consumer. The head's stash also holds
+    # what the loss saves: cross-entropy's log-softmax (b x 10), the targets
+    # (int64) and nll_loss's total weight (one float).
+    loss_saves = b * 10 * 4 + b * 8 + 4
+    assert [s.stash_bytes for s in stats] == [b * 64 * 4, b * w * 4, b * w * 4, b * w * 4 + loss_saves]
     assert [s.activation_bytes for s in stats] == [b * w * 4] * 3 + [b * 10 * 4]
 
     gpt = build_model("gpt-small", width=32, depth=1, heads=2, seq_len=16)

@@ -41,6 +41,7 @@ from pipesim.sim.ir.core import (
     FSDP_OPS,
     OVERLAP_F_B,
     P2P_OPS,
+    PASS_OPS,
     PREDICT,
     PRODUCERS_OF,
     RECV_B,
@@ -65,7 +66,7 @@ from pipesim.sim.strategies import schedule_option
 from pipesim.sim.strategies._common import check_executable
 from pipesim.validate.models import boundary_tensors, to_device
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
-from pipesim.validate.stage import OptimizerConfig, PipelineStage, RuntimeSemanticsError
+from pipesim.validate.stage import HeldActivations, OptimizerConfig, PipelineStage, RuntimeSemanticsError
 
 # ---------------------------------------------------------------- collectives
 
@@ -339,6 +340,9 @@ class RunOutput:
     records: list[Record] = field(default_factory=list)
     unscheduled_predictions: int = 0
     peak_memory: dict[int, int] = field(default_factory=dict)  # device -> bytes (CUDA only)
+    #: device -> peak bytes held for pending backwards (:class:`~pipesim.validate.stage.HeldActivations`),
+    #: when the run measured them
+    held_activations: dict[int, int] = field(default_factory=dict)
 
 
 def _boundary_bytes(value) -> int:
@@ -361,6 +365,7 @@ class DeviceExecutor:
         clock: Clock | None = None,
         peers: dict[tuple, int] | None = None,
         annotate: bool = False,
+        held: bool = False,
     ):
         self.device = device
         self.entries = entries
@@ -378,6 +383,18 @@ class DeviceExecutor:
             s.parked.clear()
         self.peers = peers or {}
         self.position = 0
+        # with ``held``, the device's held activations are measured (HeldActivations):
+        # counted in every forward and sampled after every compute action, outside its
+        # timed span, in the first iteration only: the pipeline's fill reaches the most
+        # micro-batches in flight there, and the steady state, which the iteration time
+        # and the action errors are measured on, runs without the hooks' cost
+        self.held: HeldActivations | None = None
+        self._held_until = schedule.num_microbatches  # the first pass of a later micro-batch stops it
+        if held:
+            self.held = HeldActivations()
+            for s in stages.values():
+                s.held = self.held
+        self._measuring_held = held
 
     def _batch(self, replica: int, mb: int) -> tuple[Tensor, Tensor]:
         x, y = self.data.batch(mb)  # micro-batch ids name the data, whichever replica runs them
@@ -432,7 +449,16 @@ class DeviceExecutor:
             return self.comm.take(tok)
         return self.local.pop(tok)
 
+    def _stop_measuring_held(self) -> None:
+        """The steady state starts (the device's first pass of the second
+        iteration's micro-batches): no more hooks and samples."""
+        self._measuring_held = False
+        for s in self.stages.values():
+            s.held = None
+
     def compute(self, a: Action, waits: tuple, token) -> None:
+        if self._measuring_held and a.op in PASS_OPS and a.microbatch >= self._held_until:
+            self._stop_measuring_held()
         stage = self.stages[(a.replica, a.stage)]
         data = None
         for w in waits:
@@ -453,6 +479,8 @@ class DeviceExecutor:
             self.local[token] = out  # for a consumer on this device, or the send
         if clock:
             self.records.append(Record(self.device, "compute", a, t0, t1))
+        if self._measuring_held:
+            self.held.sample(self.stages.values())
         self.comm.poll()
 
     def _forward_inputs(self, a: Action, stage: PipelineStage, received: Tensor | None):
@@ -509,6 +537,8 @@ class DeviceExecutor:
             out.unscheduled_predictions += s.unscheduled_predictions
             for mb, loss in s.losses.items():
                 out.losses[(s.replica, mb)] = float(loss)
+        if self.held is not None:
+            out.held_activations = {self.device: self.held.peak}
         return out
 
 
@@ -592,6 +622,7 @@ def merge(outputs: list[RunOutput]) -> RunOutput:
         out.versions_used.update(o.versions_used)
         out.records.extend(o.records)
         out.peak_memory.update(o.peak_memory)
+        out.held_activations.update(o.held_activations)
         out.unscheduled_predictions += o.unscheduled_predictions
     out.losses = dict(sorted(out.losses.items()))
     out.weights = dict(sorted(out.weights.items()))
@@ -641,6 +672,7 @@ def emulate(
     centres: dict[int, Tensor] | None = None,
     threads: int | None = EXECUTOR_THREADS,
     annotate: bool = False,
+    held: bool = False,
 ) -> RunOutput:
     """Run every device's program in one process, in ``timeline``'s order.
 
@@ -653,6 +685,9 @@ def emulate(
     theirs (:mod:`pipesim.validate.numerics`); ``None`` keeps torch's setting.
     With ``annotate`` every action runs inside a ``record_function`` of its
     :func:`profiler_label`, for a torch.profiler session around the call.
+    With ``held`` each device's held activations are measured
+    (:class:`~pipesim.validate.stage.HeldActivations`;
+    ``RunOutput.held_activations``).
     """
     with intra_op_threads(threads):
         return _emulate(
@@ -666,11 +701,12 @@ def emulate(
             progress=progress,
             centres=centres,
             annotate=annotate,
+            held=held,
         )
 
 
 def _emulate(
-    schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres, annotate=False
+    schedule, stages, data, optim, timeline, *, recv_lookahead, timed, progress, centres, annotate=False, held=False
 ) -> RunOutput:
     missing = sorted(set(schedule.placement()) - set(stages))
     if missing:
@@ -692,6 +728,7 @@ def _emulate(
             comm,
             clock=clock,
             annotate=annotate,
+            held=held,
         )
         for d in range(schedule.num_devices)
     ]

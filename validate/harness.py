@@ -397,6 +397,8 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
             losses=iteration_losses(out.losses, schedule.num_microbatches),
             versions_used=out.versions_used,
             peak_memory=out.peak_memory or None,
+            held_activations=out.held_activations or None,
+            held_reference=predicted,
         )
     )
     if hw.cpu is not None and cfg.backend != "single":
@@ -537,6 +539,7 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
                 timed=True,
                 threads=None,
                 annotate=job.profiler_trace is not None,
+                held=job.held_activations,
             )  # synchronises a GPU before it returns
     if device.type == "cuda":
         out.peak_memory = {0: torch.cuda.max_memory_allocated(device)}

@@ -41,7 +41,9 @@ what autograd actually keeps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import math
@@ -441,7 +443,9 @@ class LayerStats:
     counts each saved storage once. The price is at stage boundaries: a
     stage whose last layer saves its own output (mlp, vgg-small: the final
     ReLU) really holds that tensor too, and the sum leaves it out; the
-    receiving stage's copy is counted.
+    receiving stage's copy is counted. What the loss saves for its backward
+    (cross-entropy's log-softmax, the size of the logits) is held by the
+    last stage, and counted in the last layer's ``stash_bytes``.
     """
 
     index: int
@@ -556,7 +560,16 @@ def layer_stats(
             )
         )
         x = out
-    loss = _user_code(model, "its loss_fn", x, model.loss_fn, x, targets)
+    # the loss runs in the last stage's forward, and what it saves for the
+    # backward (cross-entropy keeps its log-softmax, as large as the logits)
+    # is held there with the last layer's stash
+    last = dict(saved) if stats else {}  # the last layer's, its outputs left out
+    counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if stats else contextlib.nullcontext()
+    with counting:  # into the last layer's ``saved``
+        loss = _user_code(model, "its loss_fn", x, model.loss_fn, x, targets)
+    if stats and saved.keys() - last.keys():
+        extra = sum(n for key, n in saved.items() if key not in last)
+        stats[-1] = dataclasses.replace(stats[-1], stash_bytes=stats[-1].stash_bytes + extra)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
         raise ModelError(f"{model.name}: its loss_fn returned {got}, not a scalar tensor")

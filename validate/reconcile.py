@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from pipesim.sim.engine.metrics import bubble_fractions, round_sig
 from pipesim.sim.engine.results import SimResult, Span
+from pipesim.sim.engine.trackers import _activations, _Events, _tracks
 from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, Schedule
 
 #: relative duration error (|pred − meas| / meas) above which an action is flagged
@@ -258,6 +259,37 @@ def compare_versions(predicted: SimResult, versions_used: dict) -> dict:
     }
 
 
+def activation_peaks(result: SimResult) -> list[int]:
+    """Per device, the most bytes of activations it holds at once: the peak
+    of the ``activations`` memory category alone (the tracker's own events,
+    :func:`pipesim.sim.engine.trackers._activations`), which is not the
+    activations at the device's total peak (summary.json's breakdown)."""
+    events = _Events()
+    _activations(events, result, result.stage_costs)
+    # only activations were added, so each device's total is its activations
+    return [int(t.peak_bytes) for t in _tracks(events, result.schedule.num_devices, float("inf"))]
+
+
+def compare_held_activations(predicted: SimResult, measured: dict[int, int]) -> list[dict]:
+    """Per device, the peak bytes held for pending backwards that the run
+    measured (:class:`~pipesim.validate.stage.HeldActivations`) against the
+    simulation's peak of its activations (:func:`activation_peaks`)."""
+    peaks = activation_peaks(predicted)
+    out = []
+    for d in sorted(measured):
+        pred = peaks[d] if d < len(peaks) else None
+        meas = int(measured[d])
+        out.append(
+            {
+                "device": d,
+                "measured_bytes": meas,
+                "predicted_bytes": pred,
+                "error": round_sig((pred - meas) / meas) if pred is not None and meas else None,
+            }
+        )
+    return out
+
+
 def compare(
     predicted: SimResult,
     measured: SimResult,
@@ -265,8 +297,16 @@ def compare(
     losses: list[float],
     versions_used: dict,
     peak_memory: dict[int, int] | None = None,
+    held_activations: dict[int, int] | None = None,
+    held_reference: SimResult | None = None,
 ) -> dict:
-    """The reconciliation part of ``report.json``."""
+    """The reconciliation part of ``report.json``.
+
+    ``held_activations`` (device -> measured peak bytes) is compared with
+    the activations of ``held_reference`` (default ``predicted``): the
+    simulated parallel run, whose devices hold what the run's devices
+    hold, also where ``predicted`` is single-device mode's serialized
+    timeline."""
     t_meas = iteration_time(measured)
     t_pred = iteration_time(predicted)
     b_meas = bubble_fractions(measured)
@@ -302,4 +342,6 @@ def compare(
             }
             for d in sorted(peak_memory)
         ]
+    if held_activations:
+        report["held_activations"] = compare_held_activations(held_reference or predicted, held_activations)
     return report

@@ -560,6 +560,9 @@ class Job:
     recv_lookahead: int = 1
     timed: bool = True
     profiler_trace: str | None = None  # a folder: each rank writes rank<R>.json.gz there (module doc)
+    #: measure each device's held activations (RunOutput.held_activations; see
+    #: pipesim.validate.stage.HeldActivations)
+    held_activations: bool = True
 
 
 #: Whether profiler traces record memory (``profile_memory``; module doc).
@@ -737,6 +740,7 @@ def run_job(ctx, job: Job) -> RunOutput | None:
         recv_lookahead=job.recv_lookahead,
         timed=job.timed,
         profiler_trace=job.profiler_trace,
+        held=job.held_activations,
     )
 
 
@@ -752,12 +756,14 @@ def execute(
     timed: bool = True,
     centres: dict | None = None,
     profiler_trace: str | None = None,
+    held: bool = False,
 ) -> RunOutput | None:
     """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
 
     ``stages`` are this rank's; ``specs`` what every stage's output carries (:func:`boundary_specs`).
     With ``profiler_trace`` (a folder) the walk runs under torch.profiler and
-    writes this rank's trace there (see the module doc).
+    writes this rank's trace there (see the module doc). With ``held`` the
+    rank measures its held activations (``RunOutput.held_activations``).
     """
     dev = ctx.rank
     device = ctx.device
@@ -800,6 +806,7 @@ def execute(
         clock=clock,
         peers=peers[dev],
         annotate=profiler_trace is not None,
+        held=held,
     )
     with profiled(profiler_trace, ctx.rank, device, {"devices": [dev], "clock_offset_ns": offset}):
         dist.barrier()

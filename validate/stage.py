@@ -29,10 +29,24 @@ updated in place, for vanilla PipeDream (the backward reads the current
 weights, as the IR says); the prediction buffer refilled with the
 backward's (version, distance) for SpecTrain. Activations saved by the
 forward are not recomputed, exactly as in those systems' implementations.
+
+Held activations (:class:`HeldActivations`): with a counter attached
+(:attr:`PipelineStage.held`), every forward runs under
+``torch.autograd.graph.saved_tensors_hooks`` that count the storages autograd
+saves for the backward, once per storage (views of one storage are one),
+the stage's weights left out (they are the weights' memory, not the
+activations'). Each saved tensor is packed into a small object whose
+finalizer gives its storage back to the count when autograd frees it (the
+end of the backward, or the graph dropped), so the count is what the graphs
+really keep, not what the schedule says they should. The counter adds the
+boundary tensors a stage keeps for a pending backward (a micro-batch's
+input and output, the output gradient and the gradients of its modules'
+outputs held from I to W) where autograd does not save them already.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -46,6 +60,9 @@ from pipesim.sim.errors import InputError
 from pipesim.sim.ir.core import PASS_OPS, PREDICT, UPDATE, Action, B, F, I, W
 
 OPTIMIZERS = ("sgd", "adam")
+
+#: What a forward runs under when held activations are not measured.
+_NO_HOOKS = contextlib.nullcontext()
 
 
 class OptimizerError(InputError):
@@ -117,6 +134,110 @@ def _reads_stored(a: Action) -> bool:
     return (a.op in PASS_OPS and not a.distance) or a.op is PREDICT
 
 
+class _Saved:
+    """A tensor autograd saved, packed by :class:`HeldActivations`: while it
+    lives, its storage counts; freeing it (autograd drops what it saved)
+    gives the storage back."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: Tensor, key: int, owner: HeldActivations):
+        self.tensor = tensor
+        self.key = key
+        self.owner = owner
+
+    def __del__(self):
+        self.owner._drop(self.key)
+
+
+def _storage(t: Tensor) -> tuple[int, int]:
+    """(key, bytes) of ``t``'s storage: views of one storage share the key."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class HeldActivations:
+    """Bytes one device holds for its pending backwards, measured from the
+    tensors themselves (module doc), and their peak.
+
+    :meth:`hooks` wraps a forward; :meth:`sample` (after each compute action,
+    where the level can have risen: after a forward, and after an input
+    gradient that keeps gradients for its W) adds the boundary tensors the
+    device's stages keep in flight and records the peak. ``live`` is what
+    autograd's saved tensors hold now, each storage once."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage key -> [saved tensors alive, bytes]
+        self._skip: frozenset = frozenset()  # ids of the forward's weight leaves
+
+    def hooks(self, leaves: list[Tensor]):
+        """The ``saved_tensors_hooks`` of a forward whose weights are ``leaves``."""
+        self._skip = frozenset(map(id, leaves))
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: Tensor):
+        base = t._base if t._base is not None else t
+        if id(base) in self._skip:
+            return t  # a weight, or a view of one: weights are counted as weights
+        key, nbytes = _storage(t)
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, nbytes]
+            self.live += nbytes
+        else:
+            ref[0] += 1
+        # detached: a node that saves its own output (ReLU, softmax) would
+        # otherwise keep itself alive through its output's grad_fn, a cycle
+        # with a C++ node that Python's collector cannot break (a graph kept
+        # by retain_graph, zero bubble's I and W, would never be freed);
+        # autograd rebuilds the unpacked tensor's history from its own record
+        return _Saved(t.detach(), key, self)
+
+    def _drop(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if not ref[0]:
+            del self._refs[key]
+            self.live -= ref[1]
+
+    def level(self, stages) -> int:
+        """What the device holds now: the saved storages, and every in-flight
+        boundary tensor of ``stages`` whose storage autograd did not save."""
+        seen: set[int] = set()
+        extra = 0
+        refs = self._refs
+        for st in stages:
+            for rec in st.inflight.values():
+                for t in rec.kept():
+                    key, nbytes = _storage(t)
+                    if key not in refs and key not in seen:
+                        seen.add(key)
+                        extra += nbytes
+        return self.live + extra
+
+    def sample(self, stages) -> int:
+        """Record the level now (see :meth:`level`); returns it."""
+        now = self.level(stages)
+        if now > self.peak:
+            self.peak = now
+        return now
+
+
+def _unpack(packed):
+    return packed.tensor if type(packed) is _Saved else packed
+
+
+def _tensors(value) -> list[Tensor]:
+    """The tensors of a boundary value (a tensor, a tuple with Nones, or None)."""
+    if value is None:
+        return []
+    if isinstance(value, Tensor):
+        return [value]
+    return [t for t in value if isinstance(t, Tensor)]
+
+
 @dataclass
 class _InFlight:
     """A micro-batch between its forward and its last backward pass."""
@@ -133,6 +254,15 @@ class _InFlight:
     captured: list | None = None
     #: their gradients, from I, for W
     captured_grads: tuple | None = None
+
+    def kept(self) -> list[Tensor]:
+        """Every tensor this record keeps for the backward still to come."""
+        out = _tensors(self.x) + _tensors(self.out) + _tensors(self.grad_out)
+        if self.captured is not None:
+            out += [t for _, t in self.captured]
+        if self.captured_grads is not None:
+            out += [g for g in self.captured_grads if g is not None]
+        return out
 
 
 def _bind_targets(module: nn.Module) -> tuple[list[str], list[tuple[nn.Module, str]], list[Tensor]]:
@@ -214,6 +344,9 @@ class PipelineStage:
         self.losses: dict[int, Tensor] = {}  # micro-batch -> loss (last stage)
         self.versions_used: list[tuple[str, int, int, int]] = []  # (op, mb, version, distance)
         self.unscheduled_predictions = 0
+        #: the device's held-activation counter, when the run measures them
+        #: (:class:`HeldActivations`; the executor attaches it)
+        self.held: HeldActivations | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -325,9 +458,10 @@ class PipelineStage:
         try:
             with torch.enable_grad():
                 leaves = self._bind(buffer)
-                out = self._call(x)
-                if self.is_last:
-                    out = self.loss_fn(out, target)
+                with self.held.hooks(leaves) if self.held is not None else _NO_HOOKS:
+                    out = self._call(x)
+                    if self.is_last:
+                        out = self.loss_fn(out, target)
         finally:
             self._capture = None
         self._done_reading(a)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pipesim.experiments.cli.common import (
     add_schedule_args,
+    fmt_bytes,
     given_strategy_options,
     model_args,
     output_dir,
@@ -17,6 +18,18 @@ from pipesim.experiments.cliargs import nonnegative, seconds
 #: Iterations a validation runs by default (ValidateConfig's default too): seven steady-state
 #: intervals, so one slow interval moves the mean a seventh as much (docs/how-to/validate.md#run-to-run).
 ITERATIONS = 8
+
+
+def held_activations_line(rows: list[dict]) -> str:
+    """report.json's ``held_activations`` as one line: per device, measured,
+    predicted and the error."""
+
+    def one(h: dict) -> str:
+        pred = "no prediction" if h["predicted_bytes"] is None else f"{fmt_bytes(h['predicted_bytes'])} predicted"
+        err = f" ({h['error']:+.1%})" if h["error"] is not None else ""
+        return f"device {h['device']} {fmt_bytes(h['measured_bytes'])} measured, {pred}{err}"
+
+    return "held activations: " + ", ".join(one(h) for h in rows)
 
 
 def add_parser(subparsers) -> None:
@@ -149,6 +162,8 @@ def run(args) -> int:
         f"weight versions: {'as predicted' if wv['match'] else str(wv['mismatches']) + ' passes differ'} "
         f"({wv['passes_compared']} passes); losses " + ", ".join(f"{x:.4f}" for x in r["losses"])
     )
+    if r.get("held_activations"):
+        print(held_activations_line(r["held_activations"]))
     print(f"wrote {out}/report.json, overlay.html, trace.json, profile.json, hardware.json")
     if cfg.profiler_trace is not None:
         traces = sorted(Path(cfg.profiler_trace).glob("rank*.json.gz"), key=lambda f: int(f.name[4:-8]))
