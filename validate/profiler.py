@@ -54,7 +54,7 @@ from pipesim.sim.ir.core import UPDATE, Action, B, F, I
 from pipesim.sim.workloads.profile import LayerCost, Profile
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.models import LayerChain, RealModel, layer_stats, to_device
-from pipesim.validate.stage import OptimizerConfig, PipelineStage
+from pipesim.validate.stage import HeldActivations, OptimizerConfig, PipelineStage
 
 
 @dataclass(frozen=True)
@@ -163,14 +163,16 @@ def _now(device: torch.device) -> int:
 @dataclass(frozen=True)
 class LayerTimes:
     """Per layer, mean seconds of each pass inside whole training steps
-    (:func:`time_layers`), and the optimizer state each stage held after
-    its updates, in bytes."""
+    (:func:`time_layers`), the optimizer state each stage held after
+    its updates, and what its input-gradient pass left held for W beyond
+    what its forward held (``w_held_bytes``), in bytes."""
 
     forward: list[float]
     backward: list[float]
     backward_input: list[float]
     update: list[float]
     optimizer_state_bytes: list[int]
+    w_held_bytes: list[int]
 
 
 def time_in_model_order(
@@ -214,6 +216,7 @@ def time_layers(
     ]
     data = model.data(settings.microbatch_size)
     fwd, bwd, inp, upd = ([[] for _ in range(n)] for _ in range(4))
+    after_forward, w_held = [0] * n, [0] * n
     steps = settings.warmup + settings.repeats
     for step in range(2 * steps):
         if progress is not None and step:
@@ -222,14 +225,19 @@ def time_layers(
         x, y = data.batch(step)
         h, target = to_device(x, device), y.to(device)
         timed = step // 2 >= settings.warmup
+        # the bytes I leaves for W, counted in the first split step (untimed unless there is no warm-up)
+        counting = step == 1
         # read by F, then by B (or I); else version 0, held for good
         version = [st.pool.expect(st.pool.version, 2) if in_place else 0 for st in stages]
         for i, st in enumerate(stages):
             st.split_backward = split  # I as the runtime splits it (its forward keeps what W needs)
+            st.held = HeldActivations() if counting else None
             t0 = _now(device)
             h = st.forward(Action(F, st.stage_index, 0, version[i]), h, target if st.is_last else None)
             if timed and not split:
                 fwd[i].append(_now(device) - t0)
+            if counting:
+                after_forward[i] = st.held.level([st])
         g = None
         for i in reversed(range(n)):
             st = stages[i]
@@ -238,9 +246,12 @@ def time_layers(
             g = st.backward(Action(op, st.stage_index, 0, version[i]), g)
             if timed:
                 (inp if split else bwd)[i].append(_now(device) - t0)
+            if counting:
+                w_held[i] = max(st.held.level([st]) - after_forward[i], 0)
         if split:
             for st in stages:
                 st.inflight.clear()
+                st.held = None
             continue
         for i, st in enumerate(stages):
             st.accumulated = 1
@@ -254,7 +265,7 @@ def time_layers(
         progress(2 * steps, 2 * steps)
     means = [[expected(v) / 1e9 for v in lst] for lst in (fwd, bwd, inp, upd)]
     state = [sum(t.nbytes for ts in st.state.values() for t in ts) for st in stages]
-    return LayerTimes(*means, optimizer_state_bytes=state)
+    return LayerTimes(*means, optimizer_state_bytes=state, w_held_bytes=w_held)
 
 
 def profile_model(
@@ -288,6 +299,7 @@ def profile_model(
                 param_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,
                 stash_bytes=s.stash_bytes,
+                w_held_bytes=t.w_held_bytes[i],
             )
         )
     if progress is not None:
@@ -303,7 +315,8 @@ def profile_model(
             f"measured by pipesim profile on {device} ({torch.get_num_threads()} thread(s)), "
             f"{model.description}; per layer, means of {settings.repeats} training steps with every "
             "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
-            f"freed memory {allocator}"
+            "w_held_bytes what a split backward's I leaves held for W beyond what the forward held, counted "
+            f"once; freed memory {allocator}"
         ),
     )
 
@@ -375,6 +388,7 @@ def profile_layers(
                 param_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,
                 stash_bytes=s.stash_bytes,
+                w_held_bytes=t.w_held_bytes[i],
             )
         )
         extra.append(LayerMeasure(s.name, t_b - t_i, t.optimizer_state_bytes[i], s.outputs))
@@ -390,7 +404,8 @@ def profile_layers(
         "its own, W = backward_s - backward_input_s; pass overheads measured on an empty stage and charged "
         "once per stage. Bytes from one forward and backward: param_bytes the weights, activation_bytes every "
         "tensor a cut after the layer carries, stash_bytes what autograd saves (a tensor the next layer "
-        f"saves too counted there). Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
+        "saves too counted there), w_held_bytes what a split backward's I leaves held for W beyond what the "
+        f"forward held (counted in a warm-up step). Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
         f"updates, {state / params if params else 0:.2f}x the {params:,} bytes of weights"
         + (f"; cuts after {', '.join(several)} carry several tensors (counted in activation_bytes)" if several else "")
         + f"; freed memory {allocator}"

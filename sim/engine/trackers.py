@@ -23,7 +23,9 @@ Memory of a device, per category (see :data:`~pipesim.sim.engine.results.MEMORY_
   ``gradient_bytes`` while passes accumulate after a REDUCE_GRAD closed the
   first for an UPDATE still to come (PipeDream-2BW's deferred update);
 * activations: a micro-batch's stash from the start of its forward to the
-  end of its backward (of W when that micro-batch's backward is split); with
+  end of its backward (of W when that micro-batch's backward is split), and
+  when it is split, what I leaves for W beyond the stash
+  (``StageCost.w_held_bytes``) from the end of I to the end of W; with
   activation recomputation only its layers' inputs until its backward
   starts, and from then on the most its backward holds while it
   rematerialises layer after layer (``StageCost.full_stash_bytes``);
@@ -357,6 +359,11 @@ def _activations(events: _Events, result: SimResult, stage_costs) -> None:
     freed_bytes = np.asarray([-c.full_stash_bytes for c in stage_costs], dtype=np.int64)
     freed = np.isin(op, [_OP_CODE[o] for o in WEIGHT_GRADIENT_OPS])
     events.add(dev[freed], end[freed], freed_bytes[stage[freed]], "activations")
+    w_held = np.asarray([c.w_held_bytes for c in stage_costs], dtype=np.int64)
+    if w_held.any():  # a split backward: what I leaves for W, from I's end to W's
+        after_i, after_w = (op == _OP_CODE[I]) & (w_held[stage] > 0), (op == _OP_CODE[W]) & (w_held[stage] > 0)
+        events.add(dev[after_i], end[after_i], w_held[stage[after_i]], "activations")
+        events.add(dev[after_w], end[after_w], -w_held[stage[after_w]], "activations")
 
 
 def _comm_buffers(events: _Events, result: SimResult) -> None:

@@ -185,6 +185,13 @@ class LayerCost:
     layer cost the same FLOPs) and all-input for a layer without parameters
     (it has no weight gradient).
 
+    ``w_held_bytes``: what a split backward's input-gradient pass (I) leaves
+    held for the weight-gradient pass (W) beyond the stash, which W still
+    reads: the gradients of the layer's outputs that W multiplies with its
+    inputs (a linear layer of n outputs: n values a sample). Held from the
+    end of I to the end of W; 0 where it is not measured (the catalog's
+    analytic layers), as an unsplit backward holds nothing extra.
+
     ``fixed_forward_s`` / ``fixed_backward_s`` say how much of ``forward_s`` /
     ``backward_s`` is fixed per pass whatever the layer's work (kernel
     launches: :attr:`DeviceSpec.kernel_overhead_s` times the kernels the
@@ -202,6 +209,7 @@ class LayerCost:
     backward_input_s: float | None = None
     fixed_forward_s: float = 0.0
     fixed_backward_s: float = 0.0
+    w_held_bytes: int = 0
 
     def __post_init__(self) -> None:
         problem = _layer_problem(self)
@@ -235,6 +243,8 @@ class LayerCost:
             activation_bytes=self.activation_bytes,
             stash_bytes=self.stash_bytes,
         )
+        if self.w_held_bytes:
+            d["w_held_bytes"] = self.w_held_bytes
         return d
 
 
@@ -252,7 +262,7 @@ def _layer_problem(layer: LayerCost) -> str | None:
         problem = seconds_problem(attr, getattr(layer, attr))
         if problem:
             return problem
-    for attr in ("param_bytes", "activation_bytes", "stash_bytes"):
+    for attr in ("param_bytes", "activation_bytes", "stash_bytes", "w_held_bytes"):
         problem = bytes_problem(attr, getattr(layer, attr))
         if problem:
             return problem
@@ -409,8 +419,8 @@ class Profile:
                 raise WorkloadError(f"{where}: missing field {missing[0]!r}")
             values = dict(ld)
             # Sizes written as 1.6e7 are fine as long as they are whole numbers.
-            for k in ("param_bytes", "activation_bytes", "stash_bytes"):
-                v = values[k]
+            for k in ("param_bytes", "activation_bytes", "stash_bytes", "w_held_bytes"):
+                v = values.get(k)
                 if isinstance(v, float) and v.is_integer():
                     values[k] = int(v)
             try:
@@ -443,7 +453,7 @@ class Profile:
 
 _PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead", "precision", "tensor_parallel"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
-_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s"}
+_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s", "w_held_bytes"}
 
 
 def rescaled(profile: Profile, microbatch_size: int) -> Profile:
@@ -464,6 +474,7 @@ def rescaled(profile: Profile, microbatch_size: int) -> Profile:
             backward_input_s=None if la.backward_input_s is None else la.backward_input_s * r,
             activation_bytes=round(la.activation_bytes * r),
             stash_bytes=round(la.stash_bytes * r),
+            w_held_bytes=round(la.w_held_bytes * r),
         )
         for la in profile.layers
     )

@@ -79,6 +79,10 @@ class StageCost:
     #: its gradients are one bucket, ready when its backward ends.
     layer_gradient_bytes: tuple[int, ...] = ()
     layer_backward_share: tuple[float, ...] = ()
+    #: What a micro-batch's input-gradient pass (I) leaves held for its
+    #: weight-gradient pass (W) beyond the stash, from the end of I to the
+    #: end of W: the layers' ``w_held_bytes`` summed.
+    w_held_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("weight_bytes", "gradient_bytes"):
@@ -162,6 +166,7 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         master_copy_bytes=sum(pr.master_copy(la.param_bytes) for la in layers),
         layer_gradient_bytes=tuple(pr.gradients(la.param_bytes) for la in layers),
         layer_backward_share=backward_shares([la.backward_s for la in layers]),
+        w_held_bytes=sum(la.w_held_bytes for la in layers),
     )
 
 
