@@ -11,7 +11,12 @@ processes) or :func:`~pipesim.validate.convergence.train_distributed`
   "published": {...}}``; each run ``{"model", "strategy", "stages", "lr",
   "optimizer", "warmup_steps", "seed", "updates", "final_heldout_accuracy", "final_heldout_loss",
   "diverged", "curve": [{"samples", "heldout_accuracy", "heldout_loss",
-  "train_loss"}]}`` (a non-finite loss is ``null``); ``summary`` holds, per
+  "train_loss"}]}`` (a non-finite loss is ``null``; the accuracy is ``null``
+  where it means nothing: random samples, or an output that is no class
+  logits); ``settings`` say what the model trained on (``data``,
+  ``synthetic``) and what the runs are compared on (``compared_on``:
+  ``accuracy``, or ``heldout_loss`` where no run has an accuracy, when the
+  summary's cells hold the final held-out loss); ``summary`` holds, per
   depth, the *reference learning rate* (the largest at which data
   parallelism, or the first strategy run without it, converges in every
   seed) and every strategy's final accuracy at each learning rate, mean,
@@ -35,6 +40,11 @@ Every stage runs ``optimizer`` (SGD with momentum, or Adam) with one
 learning rate for every strategy, warmed up linearly over ``warmup_steps``
 updates (:meth:`pipesim.validate.stage.OptimizerConfig.lr_at`); both are in
 ``settings``, in every run's record and in the figures' titles.
+
+``model`` is any ``--model`` ``pipesim validate`` takes (catalog, ``hf:``,
+``torchvision:``, a factory); what each trains on is
+:func:`pipesim.validate.usermodels.training_source`'s, ``synthetic``
+random samples of its inputs' shapes.
 
 Same inputs, byte-identical files. :data:`PUBLISHED` holds the accuracies
 the papers report, for drawing beside these.
@@ -119,6 +129,7 @@ class ConvergeConfig:
     warmup_steps: int | None = None  # None: DEFAULT_WARMUP_FRACTION of the updates
     adam_betas: tuple[float, float] = (0.9, 0.999)  # pipesim.validate.convergence.ADAM_BETAS
     adam_eps: float = 1e-8
+    synthetic: bool = False  # random samples of the model's input shapes (models from elsewhere)
 
     def __post_init__(self) -> None:
         # the optimizer's defaults; an unknown optimizer is left for runs_of to refuse
@@ -144,6 +155,7 @@ class ConvergeConfig:
             warmup_steps=self.warmup_steps,
             betas=tuple(self.adam_betas),
             eps=self.adam_eps,
+            synthetic=self.synthetic,
         )
 
 
@@ -178,10 +190,13 @@ def runs_of(cfg: ConvergeConfig) -> list:
     setup = cfg.setup()
     for lr in cfg.lrs:  # the optimizer's own checks (momentum in [0, 1), Adam's betas) before anything trains
         setup.optimizer_config(float(lr))
-    layers = build_run_model(setup).num_layers  # ModelError for a bad model
+    # a bad model, or one without data (NoTrainingData): one line, before anything trains
+    model = build_run_model(setup, memory_check=True)
+    layers = model.num_layers
+    remedy = "raise --model-depth" if model.origin == "catalog" else "choose a model with more layers"
     runs = []
     for p in cfg.stages:
-        stage_starts(layers, p)
+        stage_starts(layers, p, remedy=remedy)
         for name in cfg.strategies:
             for lr in cfg.lrs:
                 for seed in cfg.seeds:
@@ -245,15 +260,29 @@ def _one_indexed(task: tuple) -> tuple[int, dict]:
 # ---------------------------------------------------------------- summary
 
 
-def _spread(values: Sequence[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+def _spread(values: Sequence[float | None]) -> dict:
+    finite = [v for v in values if v is not None]
+    if not finite:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": statistics.fmean(finite), "min": min(finite), "max": max(finite)}
+
+
+def metric(records: list[dict]) -> str:
+    """What the runs are compared on: ``"accuracy"`` (held-out), or
+    ``"heldout_loss"`` where no run has an accuracy (random samples, or a
+    model whose output is no class logits)."""
+    return "accuracy" if any(r["final_heldout_accuracy"] is not None for r in records) else "heldout_loss"
 
 
 def summarize(records: list[dict]) -> dict:
     """Per depth: the reference learning rate (the largest at which
     :data:`BASELINE`, or the first strategy run if it was not, converges in
     every seed) and each strategy's final accuracy at every learning rate
-    (mean, min, max over seeds; diverged seeds)."""
+    (mean, min, max over seeds; diverged seeds), under ``"accuracy"``; where
+    no run has an accuracy (:func:`metric`), the final held-out loss, under
+    ``"heldout_loss"``."""
+    key = metric(records)
+    field_ = "final_heldout_accuracy" if key == "accuracy" else "final_heldout_loss"
     cells: dict = defaultdict(list)
     for r in records:
         cells[(r["stages"], r["lr"], r["strategy"])].append(r)
@@ -263,7 +292,7 @@ def summarize(records: list[dict]) -> dict:
         table = {}
         for (stages, lr, name), rs in sorted(cells.items()):
             if stages == p:
-                accs = [r["final_heldout_accuracy"] for r in rs]
+                accs = [r[field_] for r in rs]
                 table.setdefault(name, {})[str(lr)] = {
                     **_spread(accs),
                     "seeds": len(rs),
@@ -275,7 +304,7 @@ def summarize(records: list[dict]) -> dict:
         out[str(p)] = {
             "reference_lr": max(stable) if stable else None,
             "reference_strategy": reference,
-            "accuracy": table,
+            key: table,
         }
     return out
 
@@ -324,10 +353,11 @@ def lr_schedule(cfg: ConvergeConfig) -> str:
 
 def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
     """The content of ``curves.json``."""
-    from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, describe
+    from pipesim.validate.convergence import DIVERGENCE_FACTOR, Run, describe, run_data
 
     setup = cfg.setup()
     width, depth = setup.size()
+    data = run_data(setup)
     layouts = [describe(Run(setup, name, p, cfg.lrs[0], cfg.seeds[0])) for p in cfg.stages for name in cfg.strategies]
     return _rounded(
         {
@@ -337,6 +367,9 @@ def document(cfg: ConvergeConfig, records: list[dict]) -> dict:
                 "model": cfg.model,
                 "model_width": width,
                 "model_depth": depth,
+                "data": data.description,
+                "synthetic": data.synthetic,
+                "compared_on": metric(records),
                 "optimizer": cfg.optimizer,
                 "momentum": cfg.momentum,  # SGD's; unused under Adam
                 "warmup_steps": cfg.warmup_steps,
@@ -478,11 +511,20 @@ def learning_curves_figure(doc: dict):
     return fig
 
 
+def compared_on(doc: dict) -> str:
+    """The summary's key: ``"accuracy"``, or ``"heldout_loss"`` for runs
+    without an accuracy (:func:`metric`)."""
+    return "heldout_loss" if any("heldout_loss" in info for info in doc["summary"].values()) else "accuracy"
+
+
 def final_accuracy_figure(doc: dict):
-    """Final accuracy per strategy and depth at each depth's reference learning rate."""
+    """Final accuracy (or held-out loss, :func:`compared_on`) per strategy
+    and depth at each depth's reference learning rate."""
     import plotly.graph_objects as go
 
     summary = doc["summary"]
+    key = compared_on(doc)
+    what = "accuracy" if key == "accuracy" else "held-out loss"
     names = list(dict.fromkeys(r["strategy"] for r in doc["runs"]))
     fig = go.Figure()
     for p, info in summary.items():
@@ -491,8 +533,8 @@ def final_accuracy_figure(doc: dict):
             continue
         xs, ys, lo, hi = [], [], [], []
         for name in names:
-            cell = info["accuracy"].get(name, {}).get(str(lr))
-            if cell:
+            cell = info[key].get(name, {}).get(str(lr))
+            if cell and cell["mean"] is not None:
                 xs.append(name)
                 ys.append(cell["mean"])
                 lo.append(cell["mean"] - cell["min"])
@@ -503,7 +545,7 @@ def final_accuracy_figure(doc: dict):
                 y=ys,
                 name=f"{p} stages (lr {lr})",
                 error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
-                hovertemplate="%{x}<br>accuracy %{y:.4f}<extra></extra>",
+                hovertemplate=f"%{{x}}<br>{what} %{{y:.4f}}<extra></extra>",
             )
         )
     fig.update_layout(
@@ -511,9 +553,9 @@ def final_accuracy_figure(doc: dict):
         template="plotly_white",
         width=1100,
         height=520,
-        yaxis={"title": "final held-out accuracy", "range": [0, 1]},
+        yaxis={"title": f"final {what}", **({"range": [0, 1]} if key == "accuracy" else {})},
         title={
-            "text": f"{optimizer_label(doc)}: final held-out accuracy at the largest learning rate where data "
+            "text": f"{optimizer_label(doc)}: final {what} at the largest learning rate where data "
             "parallelism converges in every seed (whiskers: worst and best seed)"
         },
     )
@@ -526,6 +568,8 @@ def stability_figure(doc: dict):
     from plotly.subplots import make_subplots
 
     summary = doc["summary"]
+    key = compared_on(doc)
+    what = "accuracy" if key == "accuracy" else "held-out loss"
     names = list(dict.fromkeys(r["strategy"] for r in doc["runs"]))
     depths = sorted(int(p) for p in summary)
     lrs = sorted({r["lr"] for r in doc["runs"]})
@@ -537,7 +581,7 @@ def stability_figure(doc: dict):
     for i, name in enumerate(names):
         z, text = [], []
         for p in depths:
-            cells = summary[str(p)]["accuracy"].get(name, {})
+            cells = summary[str(p)][key].get(name, {})
             z.append([cells[str(lr)]["mean"] if str(lr) in cells else None for lr in lrs])
             text.append(
                 [
@@ -545,7 +589,7 @@ def stability_figure(doc: dict):
                         f"× {cells[str(lr)]['diverged']}/{cells[str(lr)]['seeds']}"
                         if cells.get(str(lr), {}).get("diverged")
                         else f"{cells[str(lr)]['mean']:.3f}"
-                        if str(lr) in cells
+                        if str(lr) in cells and cells[str(lr)]["mean"] is not None
                         else ""
                     )
                     for lr in lrs
@@ -558,11 +602,13 @@ def stability_figure(doc: dict):
                 y=[f"{p} stages" for p in depths],
                 text=text,
                 texttemplate="%{text}",
-                zmin=0,
-                zmax=1,
-                colorscale="Viridis",
+                **(
+                    {"zmin": 0, "zmax": 1, "colorscale": "Viridis"}
+                    if key == "accuracy"
+                    else {"colorscale": "Viridis_r"}
+                ),
                 showscale=i == 0,
-                colorbar={"title": "accuracy"},
+                colorbar={"title": what},
                 hovertemplate=f"{name}<br>%{{y}}, lr %{{x}}<br>%{{text}}<extra></extra>",
             ),
             row=i // cols + 1,
@@ -573,9 +619,7 @@ def stability_figure(doc: dict):
         template="plotly_white",
         width=1300,
         height=280 * nrows + 120,
-        title={
-            "text": f"Stability, {optimizer_label(doc)}: mean final held-out accuracy; × k/n: k of n seeds diverged"
-        },
+        title={"text": f"Stability, {optimizer_label(doc)}: mean final {what}; × k/n: k of n seeds diverged"},
     )
     return fig
 
@@ -620,29 +664,35 @@ def converge(
 
 def table(doc: dict) -> list[list[str]]:
     """Rows for the console: per depth, the reference lr and each strategy's
-    final accuracy there (mean, worst..best seed, diverged seeds). Where the
+    final accuracy there in % (the held-out loss where the runs have no
+    accuracy, :func:`compared_on`; mean, worst..best seed, diverged seeds). Where the
     reference diverged at every lr, a row says so and the others follow at
     the smallest lr run, where they were least likely to diverge too."""
     rows = []
+    key = compared_on(doc)
     # in the order --strategies named them (the document's keys are sorted)
     order = list(dict.fromkeys(lay["strategy"] for lay in doc["settings"]["layouts"]))
+
+    def shown(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}" if key == "accuracy" else f"{x:.4f}"
+
     for p, info in doc["summary"].items():
         lr = None if info["reference_lr"] is None else str(info["reference_lr"])
         if lr is None:
             rows.append([p, "-", f"{info['reference_strategy']} diverged at every learning rate", "", ""])
-            lr = min((x for cells in info["accuracy"].values() for x in cells), key=float, default=None)
+            lr = min((x for cells in info[key].values() for x in cells), key=float, default=None)
             if lr is None:
                 continue
-        for name in sorted(info["accuracy"], key=lambda n: (order.index(n) if n in order else len(order), n)):
-            cell = info["accuracy"][name].get(lr)
+        for name in sorted(info[key], key=lambda n: (order.index(n) if n in order else len(order), n)):
+            cell = info[key][name].get(lr)
             if cell:
                 rows.append(
                     [
                         p,
                         lr,
                         name,
-                        f"{100 * cell['mean']:.1f}",
-                        f"{100 * cell['min']:.1f}..{100 * cell['max']:.1f}"
+                        shown(cell["mean"]),
+                        f"{shown(cell['min'])}..{shown(cell['max'])}"
                         + (f" ({cell['diverged']}/{cell['seeds']} diverged)" if cell["diverged"] else ""),
                     ]
                 )

@@ -39,6 +39,25 @@ Training goes through :class:`~pipesim.validate.schedule.PipelineSchedule`,
 one ``step()`` per evaluation interval: emulated in one process
 (:func:`train`) or on the distributed runtime (:func:`train_distributed`),
 which gives the same bits.
+
+**Models from elsewhere** (``hf:``, ``torchvision:``, a factory;
+:mod:`pipesim.validate.usermodels`) train on what
+:func:`~pipesim.validate.usermodels.training_source` gives them: the
+character corpus (causal language models), the digits as images (image
+classifiers), the factory's own data, or, with ``Setup.synthetic``, random
+samples of their inputs' shapes, addressed by sample like the real streams
+(then the held-out loss is only a loss curve: accuracy is ``None`` and only
+a non-finite or blown-up loss counts as divergence). The same rules hold
+for them. Their stages are
+:class:`~pipesim.validate.boundary.TupleStage` (a cut may carry several
+tensors), and each forward draws its random numbers (dropout) from a
+generator seeded by (seed, stage, micro-batch), so the emulator and the
+distributed runtime give the same bits for these models too, whatever order
+the passes run in; the distributed runtime's untimed warm-up leaves
+buffers (BatchNorm's running statistics) as they were. The held-out set is
+evaluated in eval mode (dropout off, BatchNorm on its running statistics,
+which every training forward updated), in chunks of :data:`EVAL_CHUNK`
+samples when the loss is pipesim's cross-entropy.
 """
 
 from __future__ import annotations
@@ -55,7 +74,8 @@ from pipesim.sim.errors import InputError
 from pipesim.sim.ir.core import REDUCE_GRAD, UPDATE, WEIGHT_GRADIENT_OPS, F
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
 from pipesim.sim.strategies._common import check_executable
-from pipesim.validate.models import build_model, split
+from pipesim.validate.boundary import TupleStage
+from pipesim.validate.models import build_model, cross_entropy, split
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.schedule import PipelineSchedule
 from pipesim.validate.stage import OptimizerConfig, PipelineStage
@@ -72,6 +92,9 @@ MODEL_SIZES = {"mlp": (128, 8), "vgg-small": (16, 6), "gpt-small": (64, 6), "lst
 #: defaults, which are also Megatron-LM's ``--adam-beta1/--adam-beta2/--adam-eps``.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
+#: Held-out samples evaluated at once for a model from elsewhere (a large
+#: vocabulary's logits over the whole held-out set would not fit).
+EVAL_CHUNK = 64
 
 
 class ConvergeError(InputError):
@@ -106,6 +129,7 @@ class Setup:
     warmup_steps: int = 0  # linear warm-up of the lr over this many updates
     betas: tuple[float, float] = ADAM_BETAS  # Adam's
     eps: float = ADAM_EPS  # Adam's
+    synthetic: bool = False  # random samples of the model's input shapes (models from elsewhere only)
 
     def size(self) -> tuple[int | None, int | None]:
         width, depth = MODEL_SIZES.get(self.model, (None, None))
@@ -190,46 +214,164 @@ def plan(run: Run) -> Plan:
     return Plan(spec, b, setup.eval_every, setup.updates // setup.eval_every)
 
 
-def build_run_model(setup: Setup, seed: int = 0):
-    """The model every run of ``setup`` trains, from ``seed``'s weights: the
-    one place a convergence run builds its model. Catalog models today;
-    ``hf:`` models (a 4-layer ``hf:gpt2``, say) plug in here once the
-    catalog builds them with a training stream and a held-out split of real
-    data (``data(b, seed=, split="train")`` and ``heldout()``, as the
-    character models have), which is all a run asks of a model."""
-    width, depth = setup.size()
-    return build_model(setup.model, width=width, depth=depth, seed=seed)
+def build_run_model(setup: Setup, seed: int = 0, *, memory_check: bool = False):
+    """The model every run of ``setup`` trains, from ``seed``'s weights, its
+    ``source_fn`` the data it trains on (:func:`run_data`): the one place a
+    convergence run builds its model. Any ``--model`` that ``pipesim
+    validate`` takes; a factory is called with the update batch (the same
+    call for every strategy, so every strategy trains the same layers).
+    ``memory_check`` refuses a model from elsewhere too big to train here."""
+    model = _built(setup, seed, memory_check)
+    model.source_fn = _training_data(model, setup.synthetic).source_fn
+    return model
 
 
-def stage_starts(layers: int, stages: int) -> list[int]:
+def run_data(setup: Setup):
+    """What the runs of ``setup`` train on
+    (:class:`~pipesim.validate.usermodels.TrainingData`: the source, its
+    description, whether it is random samples); a one-line
+    :class:`~pipesim.validate.usermodels.NoTrainingData` where there is none."""
+    return _training_data(_built(setup, 0, False), setup.synthetic)
+
+
+def _built(setup: Setup, seed: int, memory_check: bool):
+    from pipesim.validate.models import model_names
+
+    if setup.model in model_names():
+        width, depth = setup.size()
+        return build_model(setup.model, width=width, depth=depth, seed=seed)
+    from pipesim.validate.usermodels import resolve_model
+
+    named = ":" in setup.model  # else an unknown name, refused as such before its sizes
+    return resolve_model(
+        setup.model,
+        width=setup.model_width if named else None,
+        depth=setup.model_depth if named else None,
+        seed=seed,
+        microbatch_size=setup.update_batch,
+        optimizer=setup.optimizer,
+        memory_check=memory_check,
+    )
+
+
+def _training_data(model, synthetic: bool):
+    from pipesim.validate.usermodels import training_source
+
+    return training_source(model, synthetic=synthetic)
+
+
+def stage_starts(layers: int, stages: int, *, remedy: str = "raise --model-depth") -> list[int]:
     """First layer of each of ``stages`` contiguous stages, layers dealt
     evenly in order, the remainder to the last stages."""
     if stages > layers:
-        raise ConvergeError(
-            f"{stages} stages need at least as many layers; the model has {layers} (raise --model-depth)"
-        )
+        raise ConvergeError(f"{stages} stages need at least as many layers; the model has {layers} ({remedy})")
     return [k * (layers // stages) + max(0, k - (stages - layers % stages)) for k in range(stages)]
 
 
 def evaluate(
-    parts: list[tuple[nn.Module, dict[str, torch.Tensor]]], inputs: torch.Tensor, targets: torch.Tensor, loss_fn
-) -> tuple[float, float]:
+    parts: list[tuple[nn.Module, dict[str, torch.Tensor]]],
+    inputs,
+    targets: torch.Tensor,
+    loss_fn,
+    *,
+    chunk: int | None = None,
+) -> tuple[float, float | None]:
     """Held-out (loss, accuracy) of a model given as its stages' modules,
-    each with the weights to compute with (by parameter name). A prediction
-    from non-finite logits counts as wrong."""
-    x = inputs
-    with torch.no_grad():
-        for module, weights in parts:
-            x = torch.func.functional_call(module, weights, (x,))
-        loss = float(loss_fn(x, targets))
-        logits = x.reshape(-1, x.shape[-1])
-        right = (logits.argmax(-1) == targets.reshape(-1)) & torch.isfinite(logits).all(-1)
-    return loss, float(right.float().mean())
+    each with the weights (and buffers) to compute with, by name. The
+    modules run in eval mode (dropout off, BatchNorm on its running
+    statistics) and are put back as they were. A prediction from non-finite
+    logits counts as wrong; accuracy is ``None`` where the output is no
+    logits over the targets' classes (a regression, say). ``inputs`` is a
+    tensor or a tuple of tensors. With ``chunk``, ``chunk`` samples at a
+    time, the loss (a mean over every prediction, as
+    :func:`~pipesim.validate.models.cross_entropy` takes it) weighted by
+    their predictions."""
+    n = int(targets.shape[0])
+    step = n if chunk is None else chunk
+    modes = [m.training for m, _ in parts]
+    total, right, counted, scored = 0.0, 0, 0, True
+    try:
+        for m, _ in parts:
+            m.eval()
+        with torch.no_grad():
+            for lo in range(0, n, step):
+                x = _rows(inputs, lo, lo + step) if chunk is not None else inputs
+                y = targets[lo : lo + step] if chunk is not None else targets
+                for module, weights in parts:
+                    x = torch.func.functional_call(module, weights, (x,))
+                loss = float(loss_fn(x, y))
+                if chunk is None:
+                    total, counted = loss, 1
+                else:
+                    total += loss * y.numel()
+                    counted += y.numel()
+                if scored and _scores(x, y):
+                    logits = x.reshape(-1, x.shape[-1])
+                    right += int(((logits.argmax(-1) == y.reshape(-1)) & torch.isfinite(logits).all(-1)).sum())
+                else:
+                    scored = False
+    finally:
+        for (m, _), mode in zip(parts, modes):
+            m.train(mode)
+    accuracy = right / targets.numel() if scored and targets.numel() else None
+    return total / counted, accuracy
+
+
+def _rows(x, lo: int, hi: int):
+    return tuple(t[lo:hi] for t in x) if isinstance(x, tuple) else x[lo:hi]
+
+
+def _scores(out, targets: torch.Tensor) -> bool:
+    """Whether ``out`` holds one row of logits per target class index."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.dim() >= 1
+        and not targets.is_floating_point()
+        and out.shape[-1] > 0
+        and out.numel() // out.shape[-1] == targets.numel()
+    )
 
 
 def latest(stage: PipelineStage) -> dict[str, torch.Tensor]:
-    """A stage's latest weights by parameter name (no copy)."""
-    return dict(zip(stage.names, stage.weights()))
+    """A stage's latest weights by parameter name (no copy), and its module's
+    buffers (BatchNorm's running statistics; none in the catalog's models)."""
+    return {**dict(stage.module.named_buffers()), **dict(zip(stage.names, stage.weights()))}
+
+
+#: Tags the generator of a forward's random numbers apart from other streams.
+_PASS_TAG = 31
+
+
+class SeededStage(TupleStage):
+    """A :class:`~pipesim.validate.boundary.TupleStage` whose forwards draw
+    their random numbers (dropout) from a generator seeded by (``seed``,
+    stage, micro-batch), not from the process's: a forward's masks are the
+    same whichever process runs it and whatever ran before, so emulated and
+    distributed runs give the same bits. Its untimed warm-up leaves the
+    module's buffers (BatchNorm's running statistics) as they were."""
+
+    def __init__(self, *args, seed: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def _pass_seed(self, microbatch: int) -> int:
+        import numpy as np
+
+        words = [_PASS_TAG, self.seed, self.stage_index, microbatch]
+        return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
+
+    def forward(self, a, x, target=None):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._pass_seed(a.microbatch))
+            return super().forward(a, x, target)
+
+    def warm_up(self, x, target=None) -> None:
+        kept = [b.detach().clone() for b in self.module.buffers()]
+        with torch.random.fork_rng(devices=[]):
+            super().warm_up(x, target)
+        with torch.no_grad():
+            for b, k in zip(self.module.buffers(), kept):
+                b.copy_(k)
 
 
 def _finite(x: float | None) -> float | None:
@@ -244,11 +386,15 @@ class _Trainer:
         model = build_run_model(run.setup, run.seed)
         self.model = model
         sched = build_schedule(self.plan.spec)
-        modules = split(model, stage_starts(model.num_layers, sched.num_stages))
+        self.modules = modules = split(model, stage_starts(model.num_layers, sched.num_stages))
         keys = sorted(sched.placement()) if keys is None else sorted(keys)
+        # catalog models keep PipelineStage (one tensor a cut, no randomness): their bits are as they were
+        catalog = model.origin == "catalog"
+        extra = {} if catalog else {"seed": run.seed}
+        stage_class = PipelineStage if catalog else SeededStage
         self.stages = {
-            (r, k): PipelineStage(
-                copy.deepcopy(modules[k]), k, sched.num_stages, device, replica=r, loss_fn=model.loss_fn
+            (r, k): stage_class(
+                copy.deepcopy(modules[k]), k, sched.num_stages, device, replica=r, loss_fn=model.loss_fn, **extra
             )
             for r, k in keys
         }
@@ -268,13 +414,20 @@ class _Curve:
         self.run, self.plan = run, plan_
         self.inputs, self.targets = trainer.model.heldout()
         self.loss_fn = trainer.model.loss_fn
+        model = trainer.model
+        # chunked where the loss is pipesim's mean cross-entropy, for models from elsewhere (the
+        # catalog's held-out sets are small, and their figures keep the bits of one pass)
+        self.chunk = {"chunk": EVAL_CHUNK} if model.origin != "catalog" and model.loss_fn is cross_entropy else {}
+        self.synthetic = run.setup.synthetic
         self.points: list[dict] = []
         self.diverged = False
         self.initial: float | None = None
 
     def add(self, parts: list[tuple[nn.Module, dict]], steps_done: int, train_loss: float | None) -> bool:
         """Evaluate the model ``parts`` make up; whether training should go on."""
-        loss, acc = evaluate(parts, self.inputs, self.targets, self.loss_fn)
+        loss, acc = evaluate(parts, self.inputs, self.targets, self.loss_fn, **self.chunk)
+        if self.synthetic:
+            acc = None  # random targets: the accuracy means nothing
         if self.initial is None:
             self.initial = loss
         self.points.append(
@@ -291,8 +444,13 @@ class _Curve:
 
     def record(self) -> dict:
         last = self.points[-1]
-        # a run that blew up and settled at chance (dead units) made nothing of the data either
-        self.diverged = self.diverged or not (last["heldout_loss"] is not None and last["heldout_loss"] < self.initial)
+        # a run that blew up and settled at chance (dead units) made nothing of the data either;
+        # on random samples nothing is there to learn, so only a blow-up counts
+        self.diverged = self.diverged or (
+            not (last["heldout_loss"] is not None and last["heldout_loss"] < self.initial)
+            if not self.synthetic
+            else last["heldout_loss"] is None
+        )
         return {
             "model": self.run.setup.model,
             "strategy": self.run.strategy,
@@ -343,7 +501,13 @@ def _distributed_worker(ctx, run: Run) -> dict | None:
     keys = [k for k, d in sched.placement().items() if d == ctx.rank]
     trainer = _Trainer(run, keys, ctx.device)
     curve = _Curve(run, trainer, trainer.plan) if ctx.rank == 0 else None
-    modules = split(trainer.model, stage_starts(trainer.model.num_layers, trainer.num_stages))
+    modules = trainer.modules
+    if trainer.model.origin != "catalog":
+        # what every cut carries, a tuple's every tensor (the schedule's own inference knows one
+        # tensor a cut, and runs the stages' modules, which would move BatchNorm's statistics)
+        from pipesim.validate.runtime import boundary_specs
+
+        trainer.runner._specs = boundary_specs(copy.deepcopy(modules), trainer.data)
 
     def evaluated(steps_done: int, train_loss: float | None) -> bool:
         mine = {k: {n: w.cpu() for n, w in latest(s).items()} for k, s in trainer.stages.items() if k[0] == 0}

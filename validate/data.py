@@ -41,6 +41,17 @@ Sources (nothing is downloaded; both data sets ship with installed packages):
     blocks of :data:`CORPUS_BLOCK` samples per generator, for speed);
     training windows lie wholly before the held-out tail, held-out windows
     wholly inside it. Targets are the inputs shifted by one.
+``digit_images``
+    The digits made into an image model's input: each 8x8 image resized
+    (bilinear) to ``image_size`` x ``image_size`` and repeated over
+    ``channels`` channels, the same samples, splits and order as ``digits``
+    (:class:`DigitImages`; what ``pipesim converge`` trains Hugging Face and
+    torchvision image classifiers on).
+``tensors``
+    Your own samples, held in memory: a training set and a held-out set of
+    tensors (:func:`tensors`, :class:`TensorSamples`), walked in epochs as
+    ``digits`` is, a fresh permutation per epoch and seed. What a model
+    factory returns as its data for ``pipesim converge``.
 ``synthetic``
     Random tensors of given per-sample shapes and dtypes, for timing runs
     where the values do not matter but the shapes must. Any source's
@@ -53,7 +64,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -64,15 +75,20 @@ __all__ = [
     "SPLITS",
     "CharCorpus",
     "DataError",
+    "DigitImages",
     "Digits",
     "MicroBatchSource",
     "Synthetic",
+    "TensorData",
+    "TensorSamples",
     "TensorSpec",
     "char_corpus",
     "corpus_text",
+    "digit_images",
     "digits",
     "synthetic",
     "synthetic_like",
+    "tensors",
 ]
 
 
@@ -85,6 +101,7 @@ _DIGITS_TAG = 1
 _CORPUS_TAG = 2
 _SYNTHETIC_TAG = 3
 _SPLIT_TAG = 4
+_TENSORS_TAG = 5
 
 #: What a source can read: everything, or one of two fixed, disjoint parts.
 SPLITS = ("all", "train", "heldout")
@@ -267,6 +284,60 @@ def digits(microbatch_size: int, *, seed: int = 0, image: bool = False, split: s
     return Digits(microbatch_size, seed=seed, image=image, split=split)
 
 
+@dataclass(frozen=True)
+class DigitImages:
+    """:class:`Digits` as an image model's input: every 8x8 image resized
+    (bilinear, ``align_corners=False``) to ``image_size`` pixels a side and
+    repeated over ``channels`` channels. Sample ``p`` is the digits' sample
+    ``p`` (same split, same epochs, same order), so a run on these images
+    reads the samples a run on the digits reads."""
+
+    microbatch_size: int
+    image_size: int
+    channels: int = 3
+    seed: int = 0
+    split: str = "all"
+    num_classes: int = field(default=10, init=False)
+
+    def __post_init__(self) -> None:
+        _check_int("image_size", self.image_size, 1)
+        _check_int("channels", self.channels, 1)
+        self._digits()  # the rest of the checks
+
+    def _digits(self) -> Digits:
+        return Digits(self.microbatch_size, seed=self.seed, image=True, split=self.split)
+
+    def _resized(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.image_size
+        if side != 8:
+            x = torch.nn.functional.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
+        return x.expand(-1, self.channels, -1, -1).contiguous()
+
+    @property
+    def input_spec(self) -> TensorSpec:
+        return TensorSpec((self.channels, self.image_size, self.image_size), torch.float32)
+
+    @property
+    def target_spec(self) -> TensorSpec:
+        return TensorSpec((), torch.int64, high=self.num_classes)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._digits().batch(index)
+        return self._resized(x), y
+
+    def heldout_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held-out digit once, resized, in data-set order (the same for every seed)."""
+        x, y = self._digits().heldout_set()
+        return self._resized(x), y
+
+
+def digit_images(
+    microbatch_size: int, image_size: int, *, channels: int = 3, seed: int = 0, split: str = "all"
+) -> DigitImages:
+    """The digits as (b, channels, image_size, image_size) images."""
+    return DigitImages(microbatch_size, image_size, channels, seed=seed, split=split)
+
+
 # ------------------------------------------------------------ char corpus
 
 
@@ -390,6 +461,108 @@ def _corpus_block(seed: int, block: int, lo: int, hi: int, seq_len: int) -> np.n
 def char_corpus(microbatch_size: int, seq_len: int, *, seed: int = 0, split: str = "all") -> CharCorpus:
     """Character windows of Python's bundled help texts: (b, seq_len) ids and next-char targets."""
     return CharCorpus(microbatch_size, seq_len, seed=seed, split=split)
+
+
+# ----------------------------------------------------------------- tensors
+
+
+def _rows(value: Any, idx: torch.Tensor) -> Any:
+    return tuple(t[idx] for t in value) if isinstance(value, tuple) else value[idx]
+
+
+def _count(name: str, value: Any) -> int:
+    ts = value if isinstance(value, tuple) else (value,)
+    if not ts or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in ts):
+        raise DataError(f"{name} must be a tensor or a tuple of tensors, each with a sample dimension first")
+    n = ts[0].shape[0]
+    if any(t.shape[0] != n for t in ts):
+        raise DataError(f"{name}: every tensor needs the same number of samples, got {[t.shape[0] for t in ts]}")
+    return n
+
+
+@dataclass(frozen=True)
+class TensorSamples:
+    """One split of :class:`TensorData` as a stream: sample position ``p``
+    is example ``perm_e[p % n]`` of epoch ``e = p // n``, with a fresh
+    permutation per (seed, epoch), as :class:`Digits` walks its split; the
+    held-out split's :meth:`heldout_set` is every held-out sample once."""
+
+    microbatch_size: int
+    inputs: Any
+    targets: torch.Tensor
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("microbatch_size", self.microbatch_size, 1)
+        _check_int("seed", self.seed, 0)
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.targets.shape[0])
+
+    @property
+    def input_spec(self) -> TensorSpec:
+        if isinstance(self.inputs, tuple):
+            raise DataError("inputs of several tensors have no single input_spec")
+        return _spec(self.inputs)
+
+    @property
+    def target_spec(self) -> TensorSpec:
+        return _spec(self.targets)
+
+    def batch(self, index: int) -> tuple[Any, torch.Tensor]:
+        index = _check_int("index", index, 0)
+        n, b = self.num_examples, self.microbatch_size
+        positions = index * b + np.arange(b, dtype=np.int64)
+        epochs, within = positions // n, positions % n
+        rows = np.empty(b, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            rows[sel] = _rng(_TENSORS_TAG, self.seed, int(e)).permutation(n)[within[sel]]
+        idx = torch.from_numpy(rows)
+        return _rows(self.inputs, idx), self.targets[idx]
+
+    def heldout_set(self) -> tuple[Any, torch.Tensor]:
+        return self.inputs, self.targets
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    high = None if t.is_floating_point() else int(t.max()) + 1 if t.numel() else 1
+    return TensorSpec(tuple(t.shape[1:]), t.dtype, high)
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A data set held in memory, as a model's data: called as
+    ``data(microbatch_size, seed, split)`` (what
+    :attr:`pipesim.validate.models.RealModel.source_fn` is), it gives the
+    stream of ``split``: ``"train"`` (or ``"all"``) walks the training
+    tensors, ``"heldout"`` the held-out ones (:class:`TensorSamples`)."""
+
+    train: tuple[Any, torch.Tensor]
+    heldout: tuple[Any, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        for name in ("train", "heldout"):
+            pair = getattr(self, name)
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise DataError(f"{name} must be a pair (inputs, targets)")
+            n = _count(f"{name} inputs", pair[0])
+            if _count(f"{name} targets", pair[1]) != n or isinstance(pair[1], tuple):
+                raise DataError(f"{name} targets must be one tensor with as many samples as the inputs ({n})")
+            if n < 1:
+                raise DataError(f"{name} has no samples")
+
+    def __call__(self, microbatch_size: int, seed: int = 0, split: str = "train") -> TensorSamples:
+        inputs, targets = self.heldout if _check_split(split) == "heldout" else self.train
+        return TensorSamples(microbatch_size, inputs, targets, seed)
+
+
+def tensors(train: tuple[Any, torch.Tensor], heldout: tuple[Any, torch.Tensor]) -> TensorData:
+    """Your samples as a model's data: ``train`` and ``heldout`` are each
+    ``(inputs, targets)``, inputs a tensor or a tuple of tensors, the sample
+    dimension first. A factory returns this as its fifth item."""
+    return TensorData(train, heldout)
 
 
 # --------------------------------------------------------------- synthetic

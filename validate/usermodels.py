@@ -92,10 +92,13 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "DTYPES",
     "HF_SPLITS",
+    "NoTrainingData",
+    "TrainingData",
     "check_memory",
     "from_factory",
     "is_catalog",
     "resolve_model",
+    "training_source",
 ]
 
 #: Tokens per sample of a text model unless ``seq_len`` says otherwise.
@@ -377,6 +380,225 @@ def _example_source(inputs: Any, targets: torch.Tensor, microbatch_size: int, se
     return ExampleBatch(microbatch_size, inputs, targets)
 
 
+@dataclass(frozen=True)
+class FactorySources:
+    """A factory model's ``source_fn``: its example batch as every
+    micro-batch (what profiling and ``pipesim validate`` stream), and beside
+    it the factory's own ``data`` (its fifth item, None when it gave none),
+    which :func:`training_source` hands to ``pipesim converge``."""
+
+    inputs: Any
+    targets: torch.Tensor
+    data: Callable | None = None
+
+    def __call__(self, microbatch_size: int, seed: int, split: str = "all") -> ExampleBatch:
+        return ExampleBatch(microbatch_size, self.inputs, self.targets)
+
+
+@dataclass(frozen=True)
+class ExampleSamples:
+    """Random samples shaped like a factory's example batch, addressed by
+    sample as :class:`RandomSamples` are: every tensor of sample ``p``
+    (inputs and targets) is drawn from
+    ``numpy.random.default_rng([tag, split, seed, p])``. Floating-point
+    tensors are standard normal; integer ones uniform between the example's
+    smallest and largest value of that tensor (token ids, labels); boolean
+    ones (masks) are copied from the example's sample ``p mod b``, since a
+    random mask can hide a whole sequence. The held-out set is
+    :attr:`HELDOUT` samples of its own split."""
+
+    microbatch_size: int
+    inputs: Any
+    targets: torch.Tensor
+    seed: int = 0
+    split: str = "all"
+
+    HELDOUT = 64
+    _TAG = 27
+
+    def _one(self, rng: np.random.Generator, t: torch.Tensor, p: int) -> torch.Tensor:
+        if t.dtype == torch.bool:
+            return t[p % t.shape[0]].clone()
+        if t.is_floating_point():
+            return torch.from_numpy(rng.standard_normal(tuple(t.shape[1:]), dtype=np.float32)).to(t.dtype)
+        lo, hi = (int(t.min()), int(t.max()) + 1) if t.numel() else (0, 1)
+        return torch.from_numpy(np.asarray(rng.integers(lo, hi, size=tuple(t.shape[1:]), dtype=np.int64))).to(t.dtype)
+
+    def _samples(self, first: int, n: int) -> tuple[Any, torch.Tensor]:
+        several = isinstance(self.inputs, tuple)
+        ins = self.inputs if several else (self.inputs,)
+        rows = []
+        for p in range(first, first + n):
+            rng = np.random.default_rng([self._TAG, _data.SPLITS.index(self.split), self.seed, p])
+            rows.append([self._one(rng, t, p) for t in (*ins, self.targets)])
+        cols = [torch.stack(c) for c in zip(*rows)]
+        inputs = tuple(cols[:-1]) if several else cols[0]
+        return inputs, cols[-1]
+
+    @property
+    def input_spec(self) -> _data.TensorSpec:
+        if isinstance(self.inputs, tuple):
+            raise _data.DataError("a factory's inputs of several tensors have no single input_spec")
+        return _spec_of(self.inputs)
+
+    @property
+    def target_spec(self) -> _data.TensorSpec:
+        return _spec_of(self.targets)
+
+    def batch(self, index: int) -> tuple[Any, torch.Tensor]:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise _data.DataError(f"index must be a non-negative integer, got {index!r}")
+        return self._samples(index * self.microbatch_size, self.microbatch_size)
+
+    def heldout_set(self) -> tuple[Any, torch.Tensor]:
+        return ExampleSamples(1, self.inputs, self.targets, 0, "heldout")._samples(0, self.HELDOUT)
+
+
+def _example_samples(inputs: Any, targets: torch.Tensor, microbatch_size: int, seed: int, split: str = "all"):
+    return ExampleSamples(microbatch_size, inputs, targets, seed, _data._check_split(split))
+
+
+# ---------------------------------------------------------------- training data
+
+
+class NoTrainingData(ModelError):
+    """A model ``pipesim converge`` has no data to train on, or whose data
+    do not fit it (one line, naming the remedies)."""
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What a convergence run trains a model on: ``source_fn`` as
+    :attr:`RealModel.source_fn` takes it (``(microbatch_size, seed, split)``
+    to a source, the ``"heldout"`` split's with ``heldout_set()``), what it
+    is in words, and whether it is random samples (a loss curve only)."""
+
+    source_fn: Callable
+    description: str
+    synthetic: bool = False
+
+
+#: The corpus causal language models train on, and the digits image classifiers do.
+_TEXT_DATA = "char_corpus (next character over Python's bundled help texts)"
+_DIGIT_CLASSES = 10
+
+
+def _corpus_source(seq_len: int, microbatch_size: int, seed: int, split: str = "all") -> _data.CharCorpus:
+    return _data.char_corpus(microbatch_size, seq_len, seed=seed, split=split)
+
+
+def _digit_images_source(
+    side: int, channels: int, microbatch_size: int, seed: int, split: str = "all"
+) -> _data.DigitImages:
+    return _data.digit_images(microbatch_size, side, channels=channels, seed=seed, split=split)
+
+
+def _image_classifier_data(spec: str, inputs: _data.TensorSpec, targets: _data.TensorSpec, field: str):
+    labels = targets.high
+    if len(inputs.shape) != 3 or inputs.shape[1] != inputs.shape[2]:
+        raise NoTrainingData(f"{spec}: its input {inputs.shape} is no square image; converge trains on the digits")
+    if labels != _DIGIT_CLASSES:
+        raise NoTrainingData(
+            f"{spec}: converge trains image classifiers on the digits (10 classes) and this one has {labels} "
+            f"labels: set {field}=10"
+        )
+    channels, side, _ = inputs.shape
+    return TrainingData(
+        functools.partial(_digit_images_source, side, channels),
+        f"digits as {channels}x{side}x{side} images (scikit-learn's 8x8 digits, resized, 10 classes)",
+    )
+
+
+def training_source(model: RealModel, *, synthetic: bool = False) -> TrainingData:
+    """What ``pipesim converge`` trains ``model`` on (a :class:`NoTrainingData`
+    error, one line, where there is nothing):
+
+    * a catalog model: its own data (digits or characters; no ``synthetic``);
+    * ``hf:`` causal language models (gpt2, llama, mistral, qwen2): the
+      character corpus (:func:`pipesim.validate.data.char_corpus`) at the
+      model's ``seq_len``; the vocabulary must cover its characters;
+    * image classifiers (``hf:resnet``, ``hf:vit``, ``torchvision:``): the
+      digits as the model's images (:func:`pipesim.validate.data.digit_images`),
+      which needs 10 labels;
+    * a factory: its data (the fifth item it returns), checked on one batch;
+    * with ``synthetic``, any model that is not the catalog's: random samples
+      of its input's shapes (``hf:``/``torchvision:``, :class:`RandomSamples`;
+      a factory's example, :class:`ExampleSamples`), addressed by sample,
+      with a held-out split of their own: the curve is a loss curve only.
+    """
+    spec = model.name
+    if model.origin == "catalog":
+        if synthetic:
+            raise NoTrainingData(f"{spec} comes with its data; --synthetic is for models that come with none")
+        kind = type(model.data(1, split="heldout")).__name__
+        words = {"Digits": "digits (scikit-learn's 8x8 handwritten digits, 10 classes)", "CharCorpus": _TEXT_DATA}
+        return TrainingData(model.source_fn, words.get(kind, kind))
+    sources = model.source_fn
+    if synthetic:
+        if model.origin == "factory":
+            fn = functools.partial(_example_samples, sources.inputs, sources.targets)
+            what = "the factory's example"
+        else:
+            fn, what = sources, "the model's inputs and labels"
+        return TrainingData(fn, f"synthetic: random samples of {what}' shapes (a loss curve only)", True)
+    if model.origin == "factory":
+        return _factory_data(spec, sources.data)
+    probe = sources(1, 0, "all")
+    inputs, targets = probe.input_spec, probe.target_spec
+    if model.origin == "torchvision":
+        return _image_classifier_data(spec, inputs, targets, "num_classes")
+    model_type = model.config.get("model_type")
+    split = HF_SPLITS[model_type]
+    if split.task == "causal-lm":
+        corpus = _data.char_corpus(1, 1)
+        if inputs.high < corpus.vocab_size:
+            raise NoTrainingData(
+                f"{spec}: converge trains causal language models on a character corpus of "
+                f"{corpus.vocab_size} characters and this vocabulary has {inputs.high} tokens: set vocab_size to "
+                f"{corpus.vocab_size} or more"
+            )
+        seq_len = inputs.shape[0]
+        try:
+            _data.char_corpus(1, seq_len, split="heldout").heldout_set(1)
+        except _data.DataError as e:
+            raise NoTrainingData(f"{spec}: {e}") from None
+        return TrainingData(functools.partial(_corpus_source, seq_len), f"{_TEXT_DATA}, {seq_len} characters a sample")
+    if split.family == "image":
+        return _image_classifier_data(spec, inputs, targets, "num_labels")
+    converged = ", ".join(k for k, v in HF_SPLITS.items() if v.task == "causal-lm")
+    raise NoTrainingData(
+        f"{spec}: converge has no data for {model_type} ({split.auto}); it trains causal language models "
+        f"({converged}) on characters and image classifiers (resnet, vit, torchvision:) on digits: add "
+        "--synthetic for a loss curve on random samples, or give a factory that returns its data"
+    )
+
+
+def _factory_data(spec: str, data: Callable | None) -> TrainingData:
+    """A factory's own data, checked: a training batch and the held-out set come out."""
+    if data is None:
+        raise NoTrainingData(
+            f"{spec}: the factory gives no data (no fifth item): return its data as a fifth item "
+            "(pipesim.validate.data.tensors(train, heldout)), or add --synthetic to train on random samples "
+            "of its example's shapes (a loss curve only)"
+        )
+    for split, call in (("train", lambda s: s.batch(0)), ("heldout", lambda s: s.heldout_set())):
+        try:
+            got = call(data(1, 0, split))
+        except AttributeError as e:
+            raise NoTrainingData(
+                f"{spec}: the factory's data for split {split!r} lacks {e.name or 'a method'} (a source "
+                "has batch(index), and for 'heldout' heldout_set())"
+            ) from None
+        except Exception as e:
+            raise NoTrainingData(f"{spec}: the factory's data for split {split!r} raised {_first_line(e)}") from None
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], torch.Tensor)):
+            raise NoTrainingData(
+                f"{spec}: the factory's data for split {split!r} gave a {type(got).__name__}, not (inputs, targets)"
+            )
+    kind = "tensors" if isinstance(data, _data.TensorData) else getattr(data, "__name__", type(data).__name__)
+    return TrainingData(data, f"the factory's data ({kind})")
+
+
 # ---------------------------------------------------------------- factories
 
 
@@ -408,6 +630,16 @@ def from_factory(
     * ``example_targets``: a tensor, what ``loss_fn`` compares the output with.
     * ``loss_fn(output, targets)``: a scalar tensor; ``output`` is what the
       last layer returns.
+    * optionally a fifth item, ``data``: the model's data, for ``pipesim
+      converge`` (:func:`training_source`), called as ``data(microbatch_size,
+      seed, split)`` with ``split`` ``"train"`` or ``"heldout"``; it returns a
+      source whose ``batch(index)`` gives ``(inputs, targets)`` of
+      micro-batch ``index`` (samples ``index*b .. index*b+b-1`` of the seed's
+      stream, a pure function of (seed, index)) and, for ``"heldout"``,
+      ``heldout_set()``, the whole held-out set. ``data.tensors(train,
+      heldout)`` (:func:`pipesim.validate.data.tensors`) makes one from
+      tensors. Profiling and ``pipesim validate`` stream the example batch
+      whatever it is.
 
     The factory runs under ``torch.manual_seed(seed)``; it is first run on
     the ``meta`` device to count the parameters without allocating them
@@ -431,7 +663,7 @@ def from_factory(
             made = call()
         except Exception as e:
             raise ModelError(f"{spec}: the factory raised {_first_line(e)}") from None
-    layers, names, inputs, targets, loss_fn = _check_factory_result(spec, made, microbatch_size)
+    layers, names, inputs, targets, loss_fn, data = _check_factory_result(spec, made, microbatch_size)
     if memory_check and counted is None:  # counted now that it exists
         check_memory(
             spec,
@@ -443,12 +675,10 @@ def from_factory(
     if dtype != "fp32":
         inputs = tuple(_cast(t, dtype) for t in inputs) if isinstance(inputs, tuple) else _cast(inputs, dtype)
     config = {"source": "factory", "factory": spec, "seed": seed, "dtype": dtype, "microbatch_size": microbatch_size}
-    model = _real_model(
-        spec, layers, loss_fn, config, names, functools.partial(_example_source, inputs, targets), "factory", dtype
-    )
+    model = _real_model(spec, layers, loss_fn, config, names, FactorySources(inputs, targets, data), "factory", dtype)
     model.description = (
         f"{spec}: a factory's {len(layers)} layers; {model.num_params():,} parameters; data: its example "
-        f"batch of {microbatch_size}"
+        f"batch of {microbatch_size}{' (and its own data, for converge)' if data is not None else ''}"
     )
     return model
 
@@ -490,14 +720,20 @@ def _load_factory(spec: str) -> Callable:
     return factory
 
 
-_FACTORY_SHAPE = "return (layers, example_inputs, example_targets, loss_fn)"
+_FACTORY_SHAPE = "return (layers, example_inputs, example_targets, loss_fn), and optionally its data fifth"
 
 
 def _check_factory_result(spec: str, made: Any, microbatch_size: int):
-    if not isinstance(made, (tuple, list)) or len(made) != 4:
+    if not isinstance(made, (tuple, list)) or len(made) not in (4, 5):
         got = f"a {len(made)}-tuple" if isinstance(made, (tuple, list)) else f"a {type(made).__name__}"
         raise ModelError(f"{spec}: the factory returned {got}; it must {_FACTORY_SHAPE}")
-    model, inputs, targets, loss_fn = made
+    model, inputs, targets, loss_fn = made[:4]
+    data = made[4] if len(made) == 5 else None
+    if data is not None and not callable(data):
+        raise ModelError(
+            f"{spec}: the factory's fifth item (its data) must be None or callable as "
+            f"data(microbatch_size, seed, split), got a {type(data).__name__}"
+        )
     if isinstance(model, nn.Sequential):
         layers = list(model)
         keys = list(model._modules)
@@ -528,7 +764,7 @@ def _check_factory_result(spec: str, made: Any, microbatch_size: int):
         raise ModelError(f"{spec}: example_targets must be a tensor, got a {type(targets).__name__}")
     if not callable(loss_fn):
         raise ModelError(f"{spec}: loss_fn must be callable, got a {type(loss_fn).__name__}")
-    return layers, names, inputs, targets, loss_fn
+    return layers, names, inputs, targets, loss_fn, data
 
 
 # ---------------------------------------------------------------- query strings

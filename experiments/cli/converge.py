@@ -44,9 +44,19 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("converge", help="train every strategy on the same samples and compare held-out accuracy")
     list_choices(
         p.add_argument(
-            "--model", default=d.model, help="real model (digits: mlp, vgg-small; characters: lstm, gpt-small)"
+            "--model",
+            default=d.model,
+            help="real model: the catalog's (digits: mlp, vgg-small; characters: lstm, gpt-small); "
+            "hf:MODEL_TYPE[?field=value&...] or hf:config.json (causal LMs on characters, image classifiers "
+            "on digits); torchvision:NAME; module.path:factory or file.py:factory (its own data)",
         ),
         _real_models,
+    )
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="train a model without data (a factory that gives none, hf:bert) on random samples of its "
+        "inputs' shapes: a loss curve only",
     )
     p.add_argument("--stages", type=positive, nargs="+", default=list(d.stages), help="pipeline depths")
     list_choices(
@@ -129,7 +139,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from pipesim.experiments.converge import ConvergeConfig, converge, runs_of
+    from pipesim.experiments.converge import ConvergeConfig, compared_on, converge, runs_of
     from pipesim.experiments.converge import table as accuracy_rows
 
     out = output_dir(args.out)
@@ -152,6 +162,7 @@ def run(args) -> int:
         warmup_steps=args.warmup_steps,
         adam_betas=tuple(args.adam_betas),
         adam_eps=args.adam_eps,
+        synthetic=args.synthetic,
     )
     total = len(runs_of(cfg))  # every run checked before any trains
     from tqdm import tqdm
@@ -166,6 +177,11 @@ def run(args) -> int:
             bar.update(1)
 
         doc, written = converge(cfg, out, progress=progress)
-    print(table(accuracy_rows(doc), ["stages", "lr", "strategy", "accuracy %", "seeds (worst..best)"], limit=64))
+    settings = doc["settings"]
+    print(f"{cfg.model} on {settings['data']}")
+    shown = "accuracy %" if compared_on(doc) == "accuracy" else "held-out loss"
+    print(table(accuracy_rows(doc), ["stages", "lr", "strategy", shown, "seeds (worst..best)"], limit=64))
+    if settings["synthetic"]:
+        print("random samples: the held-out figures are a loss curve only (no accuracy; nothing there to learn)")
     print(f"wrote {', '.join(p.name for p in written)} to {out}")
     return 0
