@@ -98,6 +98,16 @@ Architectures and defaults (``model_names()`` lists them):
 * ``gpt-1.3b``: 24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary
   50257 (GPT-3 XL size, Megatron's 1.3B configuration); 1.32B parameters.
   Micro-batch 4, Adam.
+* ``gpt2-124m``: GPT-2 small (Radford et al. 2019; OpenAI's released
+  configuration, github.com/openai/gpt-2 ``hparams.json``, which Hugging
+  Face's ``GPT2Config`` defaults repeat): 12 layers, hidden 768, 12 heads,
+  vocabulary 50257, 1024 positions (the table keeps its 1024 rows at a
+  shorter ``seq_len``; a longer one is refused); 124,439,808 parameters
+  with the output layer tied to the token embedding (the head's copy,
+  768 x 50257 = 38,597,376 more, is in the profile, not in
+  :func:`model_parameters`). GELU, LayerNorm and biases as in the other GPT
+  models, so its blocks are theirs at this size. Sequence 1024, micro-batch
+  8, Adam.
 * ``gpt-8.3b``: Megatron-LM's 8.3B model: 72 layers, hidden 3072, 32 heads,
   sequence 1024, vocabulary 51200. Micro-batch 1, Adam.
 * ``gpt-13b``: GPT-3 13B: 40 layers, hidden 5120, 40 heads, sequence 2048,
@@ -629,13 +639,16 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
     return layers
 
 
-def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[ArchLayer]:
+def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int, positions: int | None = None) -> list[ArchLayer]:
+    """GPT: token and position embeddings, ``blocks`` blocks, the LM head.
+    ``positions``: rows of the position table (default ``seq_len``, one per
+    position trained, as Megatron sizes it to the sequence)."""
     s = seq_len
     layers = [
         ArchLayer(
             "embed",
             0.0,
-            vocab * d + s * d,
+            vocab * d + (s if positions is None else positions) * d,
             s,
             s * d,
             0.5 * s * d,  # dropout mask
@@ -659,6 +672,24 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int) -> list[Arch
         )
     )
     return layers
+
+
+#: GPT-2 small as OpenAI published it (Radford et al. 2019, "Language Models
+#: are Unsupervised Multitask Learners"; the released checkpoint's config.json,
+#: github.com/openai/gpt-2 ``hparams.json``: n_vocab 50257, n_ctx 1024,
+#: n_embd 768, n_head 12, n_layer 12), as Hugging Face's ``GPT2Config``
+#: defaults repeat it: (vocabulary, positions, hidden, heads, blocks).
+GPT2_SMALL = (50257, 1024, 768, 12, 12)
+
+
+def _gpt2(seq_len: int, blocks: int) -> list[ArchLayer]:
+    """GPT-2 small (:data:`GPT2_SMALL`) at ``seq_len`` tokens: its position
+    table keeps all 1024 rows whatever the sequence (``wpe`` is part of the
+    checkpoint), and no sequence may be longer."""
+    vocab, positions, d, heads, _ = GPT2_SMALL
+    if seq_len > positions:
+        raise WorkloadError(f"gpt2-124m: seq_len {seq_len} is longer than GPT-2's {positions} positions")
+    return _gpt(seq_len, blocks, d, heads, vocab, positions=positions)
 
 
 #: PipeDream-2BW's transformer sizes, (name, blocks, hidden, heads), from the
@@ -735,6 +766,15 @@ _MODELS: dict[str, _Model] = {
             lambda seq_len, blocks: _gpt(seq_len, blocks, 2048, 16, 50257),
             seq_len=2048,
             blocks=24,
+        ),
+        _Model(
+            "gpt2-124m",
+            "GPT-2 small, OpenAI (12 x 768, 12 heads)",
+            8,
+            "adam",
+            _gpt2,
+            seq_len=GPT2_SMALL[1],
+            blocks=GPT2_SMALL[4],
         ),
         *_two_bw_models(),
         _Model(
