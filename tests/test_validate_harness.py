@@ -549,7 +549,7 @@ def test_bench_validate_reports_the_run_to_run_spread_and_what_moved():
     """--fresh repeats are separate measurements: the row says how far its
     error moved and whether the prediction or the measurement moved it, and
     a model from elsewhere is held to its own targets (10%, 20%)."""
-    from pipesim.experiments.bench.validate import TARGETS, _row, render
+    from pipesim.experiments.bench.validate import TARGETS, _failed_row, _row, render
 
     def report(measured, predicted):
         return {
@@ -581,9 +581,11 @@ def test_bench_validate_reports_the_run_to_run_spread_and_what_moved():
         "link_latency_s": 1e-4,
         "link_bandwidth_Bps": 4e9,
         "update_bandwidth_Bps": 1e10,
-        "rows": [steady, jumpy],
+        "rows": [steady, jumpy, _failed_row("avgpipe", "rank 1 failed: worker died without raising (SIGKILL)")],
     }
     text = render({"configs": [config], "median_abs_error": 0.0, "seconds": 1})
+    assert "avgpipe            failed: rank 1 failed: worker died" in text
+    assert "2 of 3 within 20% (avgpipe failed)" in text
     assert f"#1 = {model}, 2 stages" in text and "measured afresh every run" in text
     assert "(target 10%)" in text and "within 20%" in text
     assert "widest spread 16.7 points (gpipe: prediction moved 0.0%, measurement 20.0%), 1 of 2 within 5 points" in text

@@ -208,6 +208,10 @@ BENCHES: dict[str, Bench] = {
     "profile": Bench(
         "pipesim.experiments.bench.profile", "seconds `pipesim profile --model` takes, and its determinism"
     ),
+    "catalog": Bench(
+        "pipesim.experiments.bench.catalog",
+        "a measured profile against the catalog's model of the same shape: winners, throughput, per-layer ratios",
+    ),
     "torch": Bench("pipesim.experiments.bench.torchbench", "runtime throughput against torch.distributed.pipelining"),
     "torch-dry-run": Bench(
         "pipesim.experiments.torchdry", "simulating a torch schedule: pipesim against torch's own dry run"

@@ -46,6 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipesim.experiments.cliargs import bench_main, positive, run_command
+from pipesim.sim.errors import RunError
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.strategies._common import check_executable
 from pipesim.sim.workloads.readers import save_profile
@@ -112,13 +113,21 @@ def run(
         else:
             measured, hw = _measure_once(base, schedules, device, real, Path(tmp), hardware_for, profile)
         for i, name in enumerate(chosen, 1):
-            reports = []
+            reports, failure = [], None
             for r in range(repeats):
                 _say(f"[{i}/{len(chosen)}] {name}, run {r + 1}/{repeats}{' (measuring afresh)' if fresh else ''} ...")
-                reports.append(run_validation(replace(measured, strategy=name)).report)
-            rows.append(_row(name, reports))
-    # the links measured (fresh: by the last run; each run's own are in its report)
-    link = reports[-1]["hardware"]
+                try:
+                    reports.append(run_validation(replace(measured, strategy=name)).report)
+                except RunError as e:  # a worker died or timed out: the other strategies still run
+                    failure = str(e).splitlines()[0]
+                    _say(f"[{i}/{len(chosen)}] {name} failed: {failure}")
+                    break
+            rows.append(_row(name, reports) if failure is None else _failed_row(name, failure))
+    # the links measured (fresh: by the last run that ran; each run's own are in its report)
+    link = next((r["last_report"]["hardware"] for r in reversed(rows) if "last_report" in r), None)
+    if link is None:
+        raise RunError(f"{model}: every strategy's run failed ({rows[0]['failed']})")
+    ran = [r for r in rows if "failed" not in r]
     median_target, each_target = TARGETS["catalog" if real.origin == "catalog" else "elsewhere"]
     return {
         "model": model,
@@ -134,7 +143,7 @@ def run(
         "rows": rows,
         "cores": list(hw.cpu.cores) if hw is not None and hw.cpu else None,
         "transfer_cpu": hw.to_json().get("cpu") if hw is not None else None,
-        "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+        "median_abs_error": statistics.median(abs(r["error"]) for r in ran),
         "link_latency_s": link["link_latency_s"],
         "link_bandwidth_Bps": link["link_bandwidth_Bps"] or float("inf"),
         "update_bandwidth_Bps": link["mem_bandwidth_Bps"],
@@ -196,7 +205,14 @@ def _row(strategy: str, reports: list[dict]) -> dict:
         "predicted_s": statistics.median(predicted),
         "bubble_measured": reports[-1]["bubble_fraction_measured"],
         "bubble_predicted": reports[-1]["bubble_fraction_predicted"],
+        "held_activations": reports[-1].get("held_activations"),
+        "last_report": {"hardware": reports[-1].get("hardware")},
     }
+
+
+def _failed_row(strategy: str, failure: str) -> dict:
+    """A strategy whose run failed (a worker killed, a timeout): the first line of why."""
+    return {"strategy": strategy, "failed": failure}
 
 
 def _relative_range(values: list[float]) -> float:
@@ -313,7 +329,7 @@ def run_bench(args) -> dict:
                     fresh=args.fresh,
                 )
             )
-    rows = [r for c in configs for r in c["rows"]]
+    rows = [r for c in configs for r in c["rows"] if "failed" not in r]
     return {
         "configs": configs,
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
@@ -331,6 +347,9 @@ def render(res: dict) -> str:
     )
     for c, label in zip(res["configs"], labels, strict=True):
         for r in c["rows"]:
+            if "failed" in r:
+                lines.append(f"{label:10} {c['stages']:>2} {r['strategy']:18} failed: {r['failed']}")
+                continue
             runs = " ".join(f"{e:+.1%}" for e in r["errors"])
             plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
             spread = f"{r['spread'] * 100:.1f}" if len(r["errors"]) > 1 else ""
@@ -342,7 +361,7 @@ def render(res: dict) -> str:
     for c, label in zip(res["configs"], labels, strict=True):
         targets = (c.get("target_median", TARGETS["catalog"][0]), c.get("target_each", TARGETS["catalog"][1]))
         lines.append(f"{label}, {c['stages']} stages: " + _verdict(c["rows"], *targets))
-        if any(len(r["errors"]) > 1 for r in c["rows"]):
+        if any(len(r.get("errors", ())) > 1 for r in c["rows"]):
             lines.append(f"{label}, {c['stages']} stages, run to run: " + _spread_verdict(c))
     if len(res["configs"]) > 1:
         kinds = {(c.get("target_median", 0.05), c.get("target_each", 0.15)) for c in res["configs"]}
@@ -369,21 +388,25 @@ def _measured_line(c: dict, label: str) -> str:
 
 
 def _verdict(rows: list[dict], median_target: float = 0.05, each_target: float = 0.15) -> str:
-    """Median |error|, the worst strategy and the start-error p90 against the targets."""
+    """Median |error|, the worst strategy and the start-error p90 against the
+    targets (a strategy whose run failed counts as outside them)."""
+    failed = [r["strategy"] for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
     worst = max(rows, key=lambda r: abs(r["error"]))
     median = statistics.median(abs(r["error"]) for r in rows)
     starts = statistics.median(r["start_error_p90"] for r in rows)
     within = sum(abs(r["error"]) <= each_target for r in rows)
     return (
         f"median |error| {median:.1%} (target {median_target:.0%}), worst {worst['strategy']} {worst['error']:+.1%}, "
-        f"{within} of {len(rows)} within {each_target:.0%}; start error p90 median {starts:.1%} of the steady "
-        f"makespan (target 5%)"
+        f"{within} of {len(rows) + len(failed)} within {each_target:.0%}"
+        + (f" ({', '.join(failed)} failed)" if failed else "")
+        + f"; start error p90 median {starts:.1%} of the steady makespan (target 5%)"
     )
 
 
 def _spread_verdict(c: dict) -> str:
     """The widest spread of one strategy's errors over its repeats, and what moved."""
-    rows = c["rows"]
+    rows = [r for r in c["rows"] if "failed" not in r]
     widest = max(rows, key=lambda r: r["spread"])
     within = sum(r["spread"] <= SPREAD_TARGET for r in rows)
     return (
