@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipesim.sim.ir.core import B, I, W
+from pipesim.sim.ir.core import I, W
 from pipesim.validate.models import boundary_tensors, call_layer
 from pipesim.validate.stage import PipelineStage, _InFlight
 
@@ -120,29 +120,17 @@ class TupleStage(PipelineStage):
             return grads[0]
         return tuple(grads)
 
-    def backward(self, a, grad_out: Any) -> Any:
-        rec = self.inflight[a.microbatch]
-        self._graph_reads(a, rec)
-        if rec.captured is not None and a.op is not B:
-            return self._split_pass(a, rec, grad_out)
-        if a.op is W:
-            grad_out = rec.grad_out
+    def _gradients(self, a, rec: _InFlight, grad_out: Any) -> tuple:
         outs, seeds = self._seeds(rec, grad_out)
         xs = self._carried_inputs(rec) if a.op is not W else []
-        want_w = a.op is not I
-        inputs = xs + (rec.leaves if want_w else [])
+        inputs = xs + (rec.leaves if a.op is not I else [])
         with torch.enable_grad():
             if inputs and outs:
                 got = torch.autograd.grad(outs, inputs, grad_outputs=seeds, retain_graph=a.op is I, allow_unused=True)
             else:
                 got = (None,) * len(inputs)
         dx = self._input_grads(rec, got[: len(xs)]) if a.op is not W else None
-        if want_w:
-            self._accumulate(got[len(xs) :])
-            del self.inflight[a.microbatch]
-        else:
-            rec.grad_out = grad_out
-        return self._backward_done(a, dx)
+        return dx, got[len(xs) :]
 
     def _split_pass(self, a, rec: _InFlight, grad_out: Any) -> Any:
         if a.op is not I:

@@ -501,6 +501,17 @@ class PipelineStage:
             return self._split_pass(a, rec, grad_out)
         if a.op is W:
             grad_out = rec.grad_out
+        dx, weight_grads = self._gradients(a, rec, grad_out)
+        if a.op is not I:
+            self._accumulate(weight_grads)
+            del self.inflight[a.microbatch]
+        else:
+            rec.grad_out = grad_out
+        return self._backward_done(a, dx)
+
+    def _gradients(self, a: Action, rec: _InFlight, grad_out: Tensor | None) -> tuple:
+        """(input gradient or None, weight gradients) of ``a``'s pass over
+        ``rec``'s graph: B both, I the input's only, W the weights' only."""
         with torch.enable_grad():
             want_x = a.op is not W and rec.x.requires_grad
             want_w = a.op is not I
@@ -511,13 +522,7 @@ class PipelineStage:
                 )
             else:
                 got = ()
-        dx = got[0] if want_x else None
-        if want_w:
-            self._accumulate(got[1:] if want_x else got)
-            del self.inflight[a.microbatch]
-        else:
-            rec.grad_out = grad_out
-        return self._backward_done(a, dx)
+        return (got[0] if want_x else None), (got[1:] if want_x else got)
 
     def _backward_done(self, a: Action, dx: Tensor | None) -> Tensor | None:
         self._done_reading(a)
