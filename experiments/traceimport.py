@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipesim.sim.engine.metrics import dumps, summarize, write_summary
+from pipesim.sim.engine.metrics import summarize, write_summary
 from pipesim.sim.engine.results import SimResult
 from pipesim.sim.ir.core import PASS_OPS, RECV_B, RECV_F, UPDATE, B, F, I, W
 
@@ -589,7 +589,3 @@ def main(argv: list[str] | None = None, prog: str = "pipesim bench trace") -> in
         run=run,
         render=render,
     )
-
-
-# summary.json's text, for callers that print it (``pipesim trace import --json``)
-summary_text = dumps

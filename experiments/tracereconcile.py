@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pipesim.experiments.overlay import write_overlay_html
 from pipesim.experiments.whatif import format_whatif, write_whatif
-from pipesim.sim.engine.metrics import bubble_fractions, dumps, round_sig
-from pipesim.sim.planning.whatif import MeasuredCosts, WhatIf, measured_costs, reconcile, what_if
+from pipesim.sim.engine.metrics import bubble_fractions, dumps
+from pipesim.sim.planning.whatif import WhatIf, measured_costs, reconcile, what_if
 from pipesim.validate.reconcile import compare, iteration_time
 from pipesim.validate.traceimport import ImportedRun, TraceImportError, load_imported
 
@@ -47,12 +47,6 @@ def imported_run(folder: str | Path) -> ImportedRun:
     return run
 
 
-def _stash_bytes(run: ImportedRun) -> list[int] | None:
-    """Bytes a micro-batch stashes per stage: not in a trace's events (its
-    memory counters are per device, not per micro-batch), so None."""
-    return None
-
-
 def reconcile_dir(folder: str | Path, out: str | Path | None = None) -> dict:
     """Simulate the imported run on its own measured costs; write
     ``report.json``, ``overlay.html`` and ``costs.json`` to ``out``
@@ -61,7 +55,7 @@ def reconcile_dir(folder: str | Path, out: str | Path | None = None) -> dict:
     out = Path(out or folder)
     out.mkdir(parents=True, exist_ok=True)
     measured = run.result
-    costs = measured_costs(measured, _stash_bytes(run))
+    costs = measured_costs(measured)
     predicted = reconcile(measured, costs)
     report = {
         "source": run.source,
@@ -100,7 +94,7 @@ def format_reconcile(report: dict) -> str:
     return "\n".join(lines)
 
 
-def measured_point(run: ImportedRun, costs: MeasuredCosts) -> dict:
+def measured_point(run: ImportedRun) -> dict:
     """The run itself, in the terms of a what-if row."""
     result = run.result
     t = iteration_time(result)
@@ -131,19 +125,15 @@ def whatif_dir(
     if microbatches is None:
         microbatches = [run.microbatches * k for k in (1, 2, 4)]
     out = Path(out or folder)
-    costs = measured_costs(run.result, _stash_bytes(run))
+    costs = measured_costs(run.result)
     rows = what_if(costs, strategies, microbatches, devices or run.result.schedule.num_devices)
-    point = measured_point(run, costs)
+    point = measured_point(run)
     title = (
         f"What if: {run.source} measured on {run.result.schedule.num_devices} devices "
         f"({run.microbatches} micro-batches), other schedules on its own costs"
     )
     write_whatif(rows, point, title, out)
     return rows, point
-
-
-def format_measured(point: dict) -> dict:
-    return {k: round_sig(v) if isinstance(v, float) else v for k, v in point.items()}
 
 
 __all__ = ["format_reconcile", "format_whatif", "imported_run", "reconcile_dir", "whatif_dir"]

@@ -176,6 +176,7 @@ from pipesim.sim.ir.core import (
     parse_action,
 )
 from pipesim.validate.kineto import COMM_PREFIXES, RankTrace, TraceError, plan_workers, read_run
+from pipesim.validate.reconcile import _quantile
 
 __all__ = [
     "IMPORTED_VERSION",
@@ -453,14 +454,10 @@ def _labelled(trace: RankTrace, reader: _LabelReader) -> list[_Found]:
 # ----------------------------------------------------------------------------- steps
 
 
-def _windows(trace: RankTrace, prefix: str) -> list[tuple[float, float]]:
-    return trace.table.ranges(prefix)
-
-
 def _segment_steps(trace: RankTrace, found: list[_Found], warnings: list[str]) -> list[list[_Found]]:
     """The rank's complete steps, each its actions in time order (see the module doc)."""
     steps: list[list[_Found]] = []
-    windows = sorted(_windows(trace, _STEP_LABEL))
+    windows = sorted(trace.table.ranges(_STEP_LABEL))
     if windows:
         starts = [w[0] for w in windows]
         per: dict[int, list[_Found]] = defaultdict(list)
@@ -774,8 +771,8 @@ def _match_rank(trace: RankTrace, order: list[Action], name: str, m: int) -> lis
     """One rank's passes: backwards are runs of autograd operators, and the
     forwards between two backwards are the longest runs of other operators
     there, as many as the schedule says."""
-    skip = _windows(trace, _OPTIMIZER_LABEL) + _windows(trace, "Optimizer.zero_grad")
-    steps = sorted(_windows(trace, _STEP_LABEL))
+    skip = trace.table.ranges(_OPTIMIZER_LABEL) + trace.table.ranges("Optimizer.zero_grad")
+    steps = sorted(trace.table.ranges(_STEP_LABEL))
     items = []  # (start, end, kind): "B", "F" or "|" (a cut)
     for nm, ts, dur, _tid in trace.ops.rows():
         if nm in _BOOKKEEPING or _inside(ts, skip) or (steps and not _inside(ts, steps)):
@@ -978,7 +975,6 @@ def _pipeline(traces, steps, microbatches, warnings, files, device, source) -> I
         # right after or right before that pass
         acts.sort(key=lambda a: (a.start, a.tie))
         actions.append(acts)
-    stage_count = _stage_count(steps)
     steps.clear()  # ``actions`` holds them now: let each rank's go once its spans are made (_result)
     if untimed:
         warnings.append(f"{untimed} action(s) launched no GPU kernel: timed by their CPU range")
@@ -1078,7 +1074,7 @@ def _optimizer_updates(traces, times, actions, k: int) -> dict[int, list[tuple[i
     for r, (trace, acts) in enumerate(zip(traces, actions, strict=True)):
         if any(a.op is UPDATE for a in acts):
             continue  # pipesim labels its own updates
-        opt = sorted(_windows(trace, _OPTIMIZER_LABEL))
+        opt = sorted(trace.table.ranges(_OPTIMIZER_LABEL))
         if not opt:
             continue
         opt_starts = [s for s, _ in opt]
@@ -1430,19 +1426,11 @@ def _dist(values: list[float]) -> dict:
     """count, mean, p50, p90 (linear interpolation between order statistics)."""
     if not values:
         return {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0}
-    vals = sorted(values)
-
-    def q(p: float) -> float:
-        pos = p * (len(vals) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(vals) - 1)
-        return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
-
     return {
-        "count": len(vals),
-        "mean": round_sig(sum(vals) / len(vals)),
-        "p50": round_sig(q(0.5)),
-        "p90": round_sig(q(0.9)),
+        "count": len(values),
+        "mean": round_sig(sum(values) / len(values)),
+        "p50": round_sig(_quantile(values, 0.5)),
+        "p90": round_sig(_quantile(values, 0.9)),
     }
 
 
@@ -1529,24 +1517,21 @@ def _no_pipeline(traces: list[RankTrace], warnings: list[str], files, device) ->
     per_rank = []
     steps = 0
     for t in traces:
-        windows = sorted(_windows(t, _STEP_LABEL))
+        windows = sorted(t.table.ranges(_STEP_LABEL))
         steps = max(steps, len(windows))
         if not windows:
             windows = [(t.start_us, t.end_us)]
-
-        def inside(s: float, windows=windows) -> bool:
-            return any(a <= s <= b for a, b in windows)
 
         if t.has_gpu:
             k = t.kernels
             compute, comm = [], []
             for i in range(len(k)):
                 s, e = k.ts[i], k.ts[i] + k.dur[i]
-                if inside(s):
+                if _inside(s, windows):
                     (comm if "nccl" in k.names[k.name[i]].lower() else compute).append((s, e))
         else:
-            compute = [(ts, ts + d) for nm, ts, d, _ in t.ops.rows() if inside(ts)]
-            comm = [(ev.ts, ev.end) for ev in t.table.select(COMM_PREFIXES) if inside(ev.ts)]
+            compute = [(ts, ts + d) for nm, ts, d, _ in t.ops.rows() if _inside(ts, windows)]
+            comm = [(ev.ts, ev.end) for ev in t.table.select(COMM_PREFIXES) if _inside(ev.ts, windows)]
         span = sum(b - a for a, b in windows)
         busy = _union(compute)
         per_rank.append(
