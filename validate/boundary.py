@@ -28,7 +28,7 @@ versions, gradient accumulation, optimizer and split backward (I, W):
 On one-tensor boundaries it computes exactly what ``PipelineStage`` does,
 bit for bit (a float input always carries a gradient there, as
 ``PipelineStage`` assumes). The profiler runs every model that is not a
-catalog model in it (:func:`pipesim.validate.profiler.stage_class_for`).
+catalog model in it (:func:`stage_class_for`).
 So do the emulator and the distributed runtime
 (:func:`pipesim.validate.runtime.build_stages`), which sends a tuple as one
 packed transfer (:class:`~pipesim.validate.runtime.DistComm`).
@@ -45,7 +45,7 @@ from pipesim.sim.ir.core import I, W
 from pipesim.validate.models import boundary_tensors, call_layer
 from pipesim.validate.stage import PipelineStage, _InFlight
 
-__all__ = ["TupleStage", "carries_gradient", "detach_boundary"]
+__all__ = ["TupleStage", "carries_gradient", "detach_boundary", "stage_class_for"]
 
 
 def carries_gradient(t: Tensor, alone: bool) -> bool:
@@ -165,3 +165,11 @@ class TupleStage(PipelineStage):
             inputs = [t for t in boundary_tensors(x) if isinstance(t, Tensor) and t.requires_grad] + leaves
             if outs:
                 torch.autograd.grad(outs, inputs, grad_outputs=seeds, allow_unused=True)
+
+
+def stage_class_for(model) -> type[PipelineStage]:
+    """The stage ``model``'s layers run in, in the profiler and the runtime
+    alike: ``PipelineStage`` for the catalog's one-tensor boundaries,
+    :class:`TupleStage` (the same passes on tuples) for models from
+    elsewhere (a :class:`~pipesim.validate.models.RealModel`)."""
+    return PipelineStage if model.origin == "catalog" else TupleStage

@@ -53,6 +53,7 @@ from torch import nn
 from pipesim.sim.ir.core import UPDATE, Action, B, F, I
 from pipesim.sim.workloads.profile import LayerCost, Profile
 from pipesim.validate.allocator import keep_freed_memory
+from pipesim.validate.boundary import stage_class_for
 from pipesim.validate.models import LayerChain, RealModel, layer_stats, to_device
 from pipesim.validate.stage import HeldActivations, OptimizerConfig, PipelineStage
 
@@ -144,17 +145,6 @@ def _stage(module, first, last, loss_fn, device, optimizer=OptimizerConfig(), st
     return stage
 
 
-def stage_class_for(model: RealModel) -> type[PipelineStage]:
-    """The stage the runtime runs ``model``'s layers in: ``PipelineStage``
-    for the catalog's one-tensor boundaries, :class:`~pipesim.validate.boundary.TupleStage`
-    (the same passes on tuples) for models from elsewhere."""
-    if model.origin == "catalog":
-        return PipelineStage
-    from pipesim.validate.boundary import TupleStage
-
-    return TupleStage
-
-
 def _now(device: torch.device) -> int:
     _sync(device)
     return time.perf_counter_ns()
@@ -175,15 +165,6 @@ class LayerTimes:
     w_held_bytes: list[int]
 
 
-def time_in_model_order(
-    model: RealModel, device: torch.device, settings: ProfileSettings, optimizer: OptimizerConfig = OptimizerConfig()
-):
-    """Per layer: mean forward, backward, backward-input and update seconds,
-    each timed inside whole training steps of single-layer stages."""
-    t = time_layers(model, device, settings, optimizer)
-    return [t.forward, t.backward, t.backward_input, t.update]
-
-
 def time_layers(
     model: RealModel,
     device: torch.device,
@@ -194,8 +175,9 @@ def time_layers(
     progress=None,
     in_place: bool | None = None,
 ) -> LayerTimes:
-    """:func:`time_in_model_order`, with each stage's optimizer state;
-    ``stage_class`` :class:`~pipesim.validate.boundary.TupleStage` for
+    """Per layer: mean forward, backward, backward-input and update seconds,
+    each timed inside whole training steps of single-layer stages, with each
+    stage's optimizer state and what its I leaves for W; ``stage_class`` :class:`~pipesim.validate.boundary.TupleStage` for
     boundaries of several tensors. ``progress(done, total)`` after each step.
 
     ``in_place`` (default: for every model but the catalog's): each step

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 from pipesim.sim.engine.metrics import bubble_fractions, round_sig
 from pipesim.sim.engine.results import SimResult, Span
-from pipesim.sim.engine.trackers import _activations, _Events, _tracks
+from pipesim.sim.engine.trackers import activation_peaks
 from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, Schedule
 
 #: relative duration error (|pred − meas| / meas) above which an action is flagged
@@ -257,17 +257,6 @@ def compare_versions(predicted: SimResult, versions_used: dict) -> dict:
             for s, v in sorted(per_stage.items())
         ],
     }
-
-
-def activation_peaks(result: SimResult) -> list[int]:
-    """Per device, the most bytes of activations it holds at once: the peak
-    of the ``activations`` memory category alone (the tracker's own events,
-    :func:`pipesim.sim.engine.trackers._activations`), which is not the
-    activations at the device's total peak (summary.json's breakdown)."""
-    events = _Events()
-    _activations(events, result, result.stage_costs)
-    # only activations were added, so each device's total is its activations
-    return [int(t.peak_bytes) for t in _tracks(events, result.schedule.num_devices, float("inf"))]
 
 
 def compare_held_activations(predicted: SimResult, measured: dict[int, int]) -> list[dict]:

@@ -247,7 +247,7 @@ def boundary_specs(stage_modules, data) -> list[tuple[tuple[torch.Size, torch.dt
     gradient back when it is floating point and the graph reaches it
     (:class:`~pipesim.validate.boundary.TupleStage`'s rule); a one-tensor
     boundary's float output always does, as ``PipelineStage`` assumes."""
-    from pipesim.validate.boundary import detach_boundary
+    from pipesim.validate.boundary import carries_gradient, detach_boundary
     from pipesim.validate.models import boundary_tensors, call_layer
 
     x = data.batch(0)[0]
@@ -257,7 +257,7 @@ def boundary_specs(stage_modules, data) -> list[tuple[tuple[torch.Size, torch.dt
             x = call_layer(mod, x)
             ts = boundary_tensors(x)
             alone = len(ts) == 1
-            specs.append(tuple((t.shape, t.dtype, t.is_floating_point() and (alone or t.requires_grad)) for t in ts))
+            specs.append(tuple((t.shape, t.dtype, carries_gradient(t, alone)) for t in ts))
             x = detach_boundary(x)
     return specs
 
@@ -639,7 +639,7 @@ def profiled(folder: str | None, rank: int, device: torch.device, info: dict):
 
 def build_stages(job: Job, keys, device: torch.device):
     """The model's stage modules and a PipelineStage for every (replica, stage) in ``keys``."""
-    from pipesim.validate.boundary import TupleStage
+    from pipesim.validate.boundary import stage_class_for
     from pipesim.validate.models import split
     from pipesim.validate.usermodels import resolve_model
 
@@ -652,9 +652,7 @@ def build_stages(job: Job, keys, device: torch.device):
         memory_check=False,
     )
     modules = split(model, list(job.starts))
-    # profiler.stage_class_for's choice (imported from there it would be an import circle):
-    # TupleStage where a cut may carry several tensors
-    stage_class = PipelineStage if model.origin == "catalog" else TupleStage
+    stage_class = stage_class_for(model)  # TupleStage where a cut may carry several tensors
     if len(modules) != job.schedule.num_stages:
         raise ValueError(f"{len(job.starts)} stage starts for a {job.schedule.num_stages}-stage schedule")
     import copy

@@ -358,26 +358,17 @@ class ExampleBatch:
     def input_spec(self) -> _data.TensorSpec:
         if isinstance(self.inputs, tuple):
             raise _data.DataError("a factory's inputs of several tensors have no single input_spec (--synthetic)")
-        return _spec_of(self.inputs)
+        return _data._spec(self.inputs)
 
     @property
     def target_spec(self) -> _data.TensorSpec:
-        return _spec_of(self.targets)
+        return _data._spec(self.targets)
 
     def batch(self, index: int) -> tuple[Any, torch.Tensor]:
         return self.inputs, self.targets
 
     def heldout_set(self) -> tuple[Any, torch.Tensor]:
         return self.inputs, self.targets
-
-
-def _spec_of(t: torch.Tensor) -> _data.TensorSpec:
-    high = None if t.is_floating_point() else int(t.max()) + 1 if t.numel() else 1
-    return _data.TensorSpec(tuple(t.shape[1:]), t.dtype, high)
-
-
-def _example_source(inputs: Any, targets: torch.Tensor, microbatch_size: int, seed: int, split: str = "all"):
-    return ExampleBatch(microbatch_size, inputs, targets)
 
 
 @dataclass(frozen=True)
@@ -439,11 +430,11 @@ class ExampleSamples:
     def input_spec(self) -> _data.TensorSpec:
         if isinstance(self.inputs, tuple):
             raise _data.DataError("a factory's inputs of several tensors have no single input_spec")
-        return _spec_of(self.inputs)
+        return _data._spec(self.inputs)
 
     @property
     def target_spec(self) -> _data.TensorSpec:
-        return _spec_of(self.targets)
+        return _data._spec(self.targets)
 
     def batch(self, index: int) -> tuple[Any, torch.Tensor]:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:

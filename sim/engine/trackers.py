@@ -366,6 +366,17 @@ def _activations(events: _Events, result: SimResult, stage_costs) -> None:
         events.add(dev[after_w], end[after_w], -w_held[stage[after_w]], "activations")
 
 
+def activation_peaks(result: SimResult) -> list[int]:
+    """Per device, the most bytes of activations it holds at once: the peak
+    of the ``activations`` memory category alone (the events of
+    :func:`_activations`), which is not the activations at the device's
+    total peak (summary.json's breakdown)."""
+    events = _Events()
+    _activations(events, result, result.stage_costs)
+    # only activations were added, so each device's total is its activations
+    return [int(t.peak_bytes) for t in _tracks(events, result.schedule.num_devices, float("inf"))]
+
+
 def _comm_buffers(events: _Events, result: SimResult) -> None:
     """A send buffer for the transfer's duration; a receive buffer from the
     start of the transfer until the pass that consumes it starts."""
