@@ -250,6 +250,28 @@ def time_layers(
     return LayerTimes(*means, optimizer_state_bytes=state, w_held_bytes=w_held)
 
 
+def _layer_costs(stats, t: LayerTimes, o_f: float, o_b: float, o_i: float) -> list[LayerCost]:
+    """Each layer's LayerCost: its times from :func:`time_layers` less the
+    empty stage's pass overheads (charged once per stage instead), its
+    bytes from :func:`~pipesim.validate.models.layer_stats`."""
+    layers = []
+    for i, s in enumerate(stats):
+        t_b = max(t.backward[i] - o_b, 1e-7)
+        layers.append(
+            LayerCost(
+                name=s.name,
+                forward_s=max(t.forward[i] - o_f, 1e-7),
+                backward_s=t_b,
+                backward_input_s=min(max(t.backward_input[i] - o_i, 0.0), t_b),
+                param_bytes=s.param_bytes,
+                activation_bytes=s.activation_bytes,
+                stash_bytes=s.stash_bytes,
+                w_held_bytes=t.w_held_bytes[i],
+            )
+        )
+    return layers
+
+
 def profile_model(
     model: RealModel,
     *,
@@ -268,22 +290,7 @@ def profile_model(
         nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=settings
     )
     t = time_layers(_fresh(model), device, settings, stage_class=stage_class_for(model))
-    fwd, bwd, inp = t.forward, t.backward, t.backward_input
-    layers = []
-    for i, s in enumerate(stats):
-        t_b = max(bwd[i] - o_b, 1e-7)
-        layers.append(
-            LayerCost(
-                name=s.name,
-                forward_s=max(fwd[i] - o_f, 1e-7),
-                backward_s=t_b,
-                backward_input_s=min(max(inp[i] - o_i, 0.0), t_b),
-                param_bytes=s.param_bytes,
-                activation_bytes=s.activation_bytes,
-                stash_bytes=s.stash_bytes,
-                w_held_bytes=t.w_held_bytes[i],
-            )
-        )
+    layers = _layer_costs(stats, t, o_f, o_b, o_i)
     if progress is not None:
         progress(len(layers), len(layers))
     return Profile(
@@ -357,23 +364,11 @@ def profile_layers(
         nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=empty
     )
     t = time_layers(model, device, settings, optimizer, stage_class=stage_class_for(model), progress=progress)
-    layers, extra = [], []
-    for i, s in enumerate(stats):
-        t_b = max(t.backward[i] - o_b, 1e-7)
-        t_i = min(max(t.backward_input[i] - o_i, 0.0), t_b)
-        layers.append(
-            LayerCost(
-                name=s.name,
-                forward_s=max(t.forward[i] - o_f, 1e-7),
-                backward_s=t_b,
-                backward_input_s=t_i,
-                param_bytes=s.param_bytes,
-                activation_bytes=s.activation_bytes,
-                stash_bytes=s.stash_bytes,
-                w_held_bytes=t.w_held_bytes[i],
-            )
-        )
-        extra.append(LayerMeasure(s.name, t_b - t_i, t.optimizer_state_bytes[i], s.outputs))
+    layers = _layer_costs(stats, t, o_f, o_b, o_i)
+    extra = [
+        LayerMeasure(s.name, c.backward_s - c.backward_input_s, t.optimizer_state_bytes[i], s.outputs)
+        for i, (s, c) in enumerate(zip(stats, layers, strict=True))
+    ]
     params = sum(s.param_bytes for s in stats)
     state = sum(t.optimizer_state_bytes)
     several = [s.name for s in stats if len(s.outputs) > 1]
