@@ -1,4 +1,4 @@
-"""``pipesim bench {sim,plan,kernels,validate,profile,torch,torch-dry-run,comm,trace,sweep}``: every benchmark behind one command.
+"""``pipesim bench {sim,plan,kernels,validate,profile,catalog,torch,torch-dry-run,comm,trace,sweep}``: every benchmark behind one command.
 
 Each benchmark is a module with a ``main(argv, prog)`` (most of them in this
 package; the sweep's and torch's dry run's beside the code they measure,
@@ -44,11 +44,17 @@ def run(name: str, argv: list[str]) -> int:
     return importlib.import_module(bench.module).main(argv, prog=f"pipesim bench {name}")
 
 
+def console_command() -> list[str]:
+    """This installation's ``pipesim`` console script, or the module when it has none."""
+    exe = shutil.which("pipesim")
+    if exe is not None and os.path.dirname(exe) == os.path.dirname(sys.executable):
+        return [exe]
+    return [sys.executable, "-m", "pipesim.experiments.cli"]
+
+
 def console_script_seconds(args: list[str], repeat: int = 3) -> list[float]:
     """Sorted wall times of ``pipesim <args>`` in fresh interpreters."""
-    exe = shutil.which("pipesim")
-    same_install = exe is not None and os.path.dirname(exe) == os.path.dirname(sys.executable)
-    cmd = [exe] if same_install else [sys.executable, "-m", "pipesim.experiments.cli"]
+    cmd = console_command()
     times = []
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeat):

@@ -219,7 +219,7 @@ def run(args) -> dict:
             layers=layers,
             seq_len=args.seq_len,
             optimizer=measured.optimizer,
-            tensor_parallel=shards if hw.device.shape_model else 1,
+            tensor_parallel=shards,  # model_profile shards only where the device has the GEMM shape model
         )
 
     analytic = catalog()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipesim.experiments.bench import console_command
 from pipesim.experiments.cliargs import bench_main, positive, run_command
 from pipesim.sim.errors import InputError
 
@@ -39,14 +39,6 @@ TIMED_FIELDS = frozenset({"forward_s", "backward_s", "backward_input_s", "overhe
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _command() -> list[str]:
-    """The console script of this installation (or the module when it has none)."""
-    exe = shutil.which("pipesim")
-    if exe is not None and os.path.dirname(exe) == os.path.dirname(sys.executable):
-        return [exe]
-    return [sys.executable, "-m", "pipesim.experiments.cli"]
 
 
 def untimed(profile: dict) -> dict:
@@ -76,7 +68,16 @@ def differences(first: dict, other: dict, path: str = "") -> list[str]:
 
 def profile_once(model: str, microbatch_size: int, out: Path) -> float:
     """Seconds ``pipesim profile`` takes for ``model``, writing to ``out``."""
-    cmd = [*_command(), "profile", "--model", model, "--microbatch-size", str(microbatch_size), "--out", str(out)]
+    cmd = [
+        *console_command(),
+        "profile",
+        "--model",
+        model,
+        "--microbatch-size",
+        str(microbatch_size),
+        "--out",
+        str(out),
+    ]
     start = time.perf_counter()
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start

@@ -24,7 +24,7 @@ per ``--model``, since their queries hold commas).
 
 Targets: a catalog model's median |error| <= 5% and every strategy <= 15%; a
 model from elsewhere (``hf:``, a factory), whose layers pipesim did not
-write, <= 10% and <= 20% (``--target-median``, ``--target-each`` set both).
+write, <= 10% and <= 20% (:data:`TARGETS`).
 
 Run to run: ``--fresh`` makes every run measure its own profile and
 hardware, as separate ``pipesim validate`` invocations do, so the spread of a
@@ -364,7 +364,10 @@ def render(res: dict) -> str:
         if any(len(r.get("errors", ())) > 1 for r in c["rows"]):
             lines.append(f"{label}, {c['stages']} stages, run to run: " + _spread_verdict(c))
     if len(res["configs"]) > 1:
-        kinds = {(c.get("target_median", 0.05), c.get("target_each", 0.15)) for c in res["configs"]}
+        kinds = {
+            (c.get("target_median", TARGETS["catalog"][0]), c.get("target_each", TARGETS["catalog"][1]))
+            for c in res["configs"]
+        }
         targets = kinds.pop() if len(kinds) == 1 else TARGETS["catalog"]
         lines.append("all: " + _verdict([r for c in res["configs"] for r in c["rows"]], *targets))
     lines.append(f"({res['seconds']:.0f} s)")
@@ -387,7 +390,7 @@ def _measured_line(c: dict, label: str) -> str:
     )
 
 
-def _verdict(rows: list[dict], median_target: float = 0.05, each_target: float = 0.15) -> str:
+def _verdict(rows: list[dict], median_target: float, each_target: float) -> str:
     """Median |error|, the worst strategy and the start-error p90 against the
     targets (a strategy whose run failed counts as outside them)."""
     failed = [r["strategy"] for r in rows if "failed" in r]
