@@ -18,6 +18,8 @@ kernels happen to expose it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,7 +108,10 @@ def test_all_strategies_are_covered():
 @pytest.mark.multiprocess
 def test_two_device_strategies_match_the_emulator_bit_for_bit():
     jobs = [job_for(s, 2 if s != "interleaved-1f1b" else 2, kw) for s, kw in TWO_DEVICES]
-    outs = run_many(jobs, timeout_s=240)
+    timing_only = dataclasses.replace(jobs[0], return_weights=False)  # what `pipesim validate` runs
+    *outs, timed = run_many([*jobs, timing_only], timeout_s=240)
+    assert timed.weights == {}
+    assert timed.losses == outs[0].losses and timed.versions_used == outs[0].versions_used
     for (strategy, kw), job, out in zip(TWO_DEVICES, jobs, outs):
         assert_same(out, reference(job))
         compute = [r for r in out.records if r.stream == "compute"]

@@ -529,10 +529,12 @@ class DeviceExecutor:
             self.stages[(token.replica, token.stage)].parked[token] = tensor
         self.local.clear()
 
-    def output(self) -> RunOutput:
+    def output(self, weights: bool = True) -> RunOutput:
+        """What the walk produced; the stages' final weights (copies) only with ``weights``."""
         out = RunOutput(records=self.records)
         for key, s in sorted(self.stages.items()):
-            out.weights[key] = s.state_dict()
+            if weights:
+                out.weights[key] = s.state_dict()
             out.versions_used[key] = list(s.versions_used)
             out.unscheduled_predictions += s.unscheduled_predictions
             for mb, loss in s.losses.items():

@@ -55,7 +55,7 @@ from pipesim.validate.models import ModelError, RealModel, layer_param_bytes, la
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.profiler import ProfileSettings, kernel_bandwidths, profile_model
 from pipesim.validate.reconcile import compare, iteration_time, measured_result
-from pipesim.validate.runtime import Job, build_stages, run_distributed
+from pipesim.validate.runtime import Job, run_distributed
 from pipesim.validate.stage import OptimizerConfig
 
 BACKENDS = ("gloo", "nccl", "single")
@@ -379,6 +379,7 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         synthetic=cfg.synthetic,
         recv_lookahead=cfg.recv_lookahead,
         profiler_trace=_profiler_folder(cfg.profiler_trace),
+        return_weights=False,  # nothing here compares weights
     )
     out = _execute(cfg, job, device, predicted, say)
     measured = measured_result(
@@ -521,12 +522,12 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    from pipesim.validate.runtime import boundary_specs, profiled, warm_up
+    from pipesim.validate.runtime import local_stages, profiled, warm_up
 
     say(f"running every stage in this process on {device} ...")
     with intra_op_threads(_executor_threads(device)):
-        _, modules, stages, data = build_stages(job, schedule.placement(), device)
-        warm_up(stages, data, boundary_specs(modules, data), device)
+        stages, data, specs = local_stages(job, schedule.placement(), device)
+        warm_up(stages, data, specs, device)
         info = {"devices": list(range(schedule.num_devices)), "clock_offset_ns": 0}
         with profiled(job.profiler_trace, 0, device, info):
             out = emulate(

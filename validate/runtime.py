@@ -563,6 +563,11 @@ class Job:
     #: measure each device's held activations (RunOutput.held_activations; see
     #: pipesim.validate.stage.HeldActivations)
     held_activations: bool = True
+    #: return every stage's final weights (RunOutput.weights), for checks of
+    #: bit-identity. Rank 0 gathers them pickled, padded to the largest rank's:
+    #: a 425 MB GPT-2 under AvgPipe took 3.6 GB more at the end for it, so a
+    #: run that only times leaves them out.
+    return_weights: bool = True
 
 
 #: Whether profiler traces record memory (``profile_memory``; module doc).
@@ -666,6 +671,18 @@ def build_stages(job: Job, keys, device: torch.device):
     return model, modules, stages, data
 
 
+def local_stages(job: Job, keys, device: torch.device):
+    """This rank's stages, its data and every stage's boundary specs
+    (:func:`boundary_specs`), with nothing else of the model kept.
+
+    :func:`build_stages` builds the whole model to cut it; once the local
+    stages are copied out and the boundaries measured, the rest (the whole
+    model, 425 MB for a 4-block GPT-2) is freed, and the run reuses its memory.
+    """
+    _, modules, stages, data = build_stages(job, keys, device)
+    return stages, data, boundary_specs(modules, data)
+
+
 def _yield_to_communication() -> None:
     """Lower this (compute) thread's priority below the threads that move data.
 
@@ -727,18 +744,19 @@ def run_job(ctx, job: Job) -> RunOutput | None:
     """One job on this rank: build its stages, then :func:`execute`."""
     where = job.schedule.placement()
     keys = [k for k, d in where.items() if d == ctx.rank]
-    _, modules, stages, data = build_stages(job, keys, ctx.device)
+    stages, data, specs = local_stages(job, keys, ctx.device)
     return execute(
         ctx,
         job.schedule,
         stages,
         data,
-        boundary_specs(modules, data),
+        specs,
         job.optimizer,
         recv_lookahead=job.recv_lookahead,
         timed=job.timed,
         profiler_trace=job.profiler_trace,
         held=job.held_activations,
+        return_weights=job.return_weights,
     )
 
 
@@ -755,6 +773,7 @@ def execute(
     centres: dict | None = None,
     profiler_trace: str | None = None,
     held: bool = False,
+    return_weights: bool = True,
 ) -> RunOutput | None:
     """This rank's part of ``schedule``: align clocks, walk, gather to rank 0.
 
@@ -762,6 +781,7 @@ def execute(
     With ``profiler_trace`` (a folder) the walk runs under torch.profiler and
     writes this rank's trace there (see the module doc). With ``held`` the
     rank measures its held activations (``RunOutput.held_activations``).
+    Without ``return_weights`` the output carries no weights.
     """
     dev = ctx.rank
     device = ctx.device
@@ -812,7 +832,7 @@ def execute(
         comm.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    out = ex.output()
+    out = ex.output(weights=return_weights)
     if clock is not None:
         clock.resolve_records(out.records, offset)
     if device.type == "cuda":
