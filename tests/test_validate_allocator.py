@@ -77,3 +77,43 @@ def _worker_state(ctx):
     from pipesim.validate.allocator import keep_freed_memory
 
     return keep_freed_memory()
+
+
+#: RSS growth, in MiB, left by a block of ``argv[2]`` MiB allocated, touched
+#: and freed: kept blocks stay resident, blocks mapped apart go back.
+_BLOCK_CHILD = """
+import sys, torch
+if sys.argv[1] == "keep":
+    from pipesim.validate.allocator import keep_freed_memory
+    keep_freed_memory()
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) >> 10
+torch.ones(1).add_(1)
+before = rss()
+block = torch.ones((int(sys.argv[2]) << 20) // 4)
+del block
+print(rss() - before)
+"""
+
+
+def _left_resident_mib(mode: str, mib: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _BLOCK_CHILD, mode, str(mib)], check=True, capture_output=True, text=True
+    )
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
+def test_blocks_under_the_threshold_stay_and_larger_ones_go_back():
+    from pipesim.validate.allocator import MMAP_THRESHOLD_BYTES, is_kept
+
+    if not is_kept():
+        pytest.skip("malloc left alone here")
+    below, above = MMAP_THRESHOLD_BYTES // 2 >> 20, 2 * MMAP_THRESHOLD_BYTES >> 20
+    # glibc on its own maps a first large block apart and returns it
+    assert _left_resident_mib("plain", below) < below // 4
+    # kept: the heap holds it for the next allocation
+    assert _left_resident_mib("keep", below) > below * 3 // 4
+    # a block of the threshold's size or more is mapped apart even so: kept in
+    # the heap, such blocks fragmented it (allocator.py's AvgPipe)
+    assert _left_resident_mib("keep", above) < above // 4

@@ -582,10 +582,15 @@ def _reserve_heap(nbytes: int) -> None:
     With malloc keeping freed memory (:mod:`pipesim.validate.allocator`),
     they stay resident and serve the allocations that would have grown the
     heap: the profiler's records, and the tensors whose freed blocks those
-    records were carved from, no longer fault fresh pages in mid-pass.
+    records were carved from, no longer fault fresh pages in mid-pass. The
+    reserve is taken in pieces under the allocator's threshold, so they come
+    from the heap (one block that large would be mapped apart and returned).
     """
-    block = torch.ones(nbytes, dtype=torch.uint8)  # allocated and every page touched
-    del block
+    from pipesim.validate.allocator import MMAP_THRESHOLD_BYTES
+
+    piece = MMAP_THRESHOLD_BYTES // 2
+    blocks = [torch.ones(piece, dtype=torch.uint8) for _ in range(-(-nbytes // piece))]  # every page touched
+    del blocks
 
 
 def _thread_minor_faults() -> int | None:
@@ -614,12 +619,12 @@ def profiled(folder: str | None, rank: int, device: torch.device, info: dict):
         return
     from torch.profiler import ProfilerActivity, profile
 
-    from pipesim.validate.allocator import keep_freed_memory
+    from pipesim.validate.allocator import is_kept
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    elif keep_freed_memory().startswith("kept"):
+    elif is_kept():
         _reserve_heap(PROFILER_HEAP_RESERVE_BYTES)
     prof = profile(activities=activities, profile_memory=PROFILE_MEMORY)
     prof.start()
