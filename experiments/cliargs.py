@@ -95,6 +95,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
 positive, nonnegative = int_at_least(1), int_at_least(0)
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers, each >= 1."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def replica_counts(text: str) -> tuple[int, ...]:
     """An argparse type: replicas per stage in PipeDream's notation, ``15,1``
     (or ``15-1``), each a whole number >= 1."""

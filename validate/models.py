@@ -496,6 +496,53 @@ def to_device(x: Any, device: torch.device) -> Any:
     return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
 
 
+#: Attributes that name a layer's place in the model rather than what it
+#: computes (Hugging Face's ``layer_idx`` indexes the KV cache): two layers
+#: that differ only in them compute alike.
+_PLACE_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """What a layer computes, as far as its cost goes: its modules' types
+    and printed configuration, its parameters' and buffers' shapes, types
+    and whether they train, and its modules' plain attributes (a sliding
+    window, a dropout rate) but for :data:`_PLACE_ATTRIBUTES`."""
+    plain = []
+    for name, sub in layer.named_modules():
+        for key, value in sorted(vars(sub).items()):
+            if key.startswith("_") or key in _PLACE_ATTRIBUTES:
+                continue
+            if value is None or isinstance(value, (bool, int, float, str, tuple)):
+                plain.append((name, key, repr(value)))
+    tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in layer.named_parameters()]
+    tensors += [(n, tuple(t.shape), t.dtype) for n, t in layer.named_buffers()]
+    return type(layer), repr(layer), tuple(tensors), tuple(plain)
+
+
+def repeated_layers(model: RealModel, stats: Sequence[LayerStats]) -> list[int]:
+    """Per layer, the layer whose costs it has: itself, or the first of the
+    run of identical layers it repeats (a transformer's blocks, a ResNet
+    stage's blocks after the first).
+
+    A layer repeats the one before it when the two compute alike
+    (:func:`_signature`) on inputs of the same shapes and give outputs of
+    the same shapes, so the layers of a run are interchangeable: a chain
+    that keeps only the first of each run is a valid model with the same
+    boundaries. Costs that depend on the values (a mixture of experts'
+    routing) are not told apart. The first and the last layer are never
+    repeats."""
+    n = len(model.layers)
+    first = list(range(n))
+    signatures = [_signature(layer) for layer in model.layers]
+    # the first layer's input is the batch, whose shapes stats do not hold,
+    # and the last computes the loss too: both stand for themselves
+    for i in range(2, n - 1):
+        same_inputs = stats[i - 1].outputs == stats[i - 2].outputs
+        if signatures[i] == signatures[i - 1] and same_inputs and stats[i].outputs == stats[i - 1].outputs:
+            first[i] = first[i - 1]
+    return first
+
+
 def layer_stats(
     model: RealModel,
     microbatch_size: int,

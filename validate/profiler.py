@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ from pipesim.sim.ir.core import UPDATE, Action, B, F, I
 from pipesim.sim.workloads.profile import LayerCost, Profile
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.boundary import stage_class_for
-from pipesim.validate.models import LayerChain, RealModel, layer_stats, to_device
+from pipesim.validate.models import LayerChain, RealModel, layer_stats, repeated_layers, to_device
 from pipesim.validate.stage import HeldActivations, OptimizerConfig, PipelineStage
 
 
@@ -174,6 +175,7 @@ def time_layers(
     stage_class=PipelineStage,
     progress=None,
     in_place: bool | None = None,
+    same_as: Sequence[int] | None = None,
 ) -> LayerTimes:
     """Per layer: mean forward, backward, backward-input and update seconds,
     each timed inside whole training steps of single-layer stages, with each
@@ -188,14 +190,31 @@ def time_layers(
     validated accuracy was measured so), every pass reads version 0, held
     for good, and every update writes a fresh buffer that is never freed:
     a copy of the weights per step, which a model of billions of
-    parameters cannot afford."""
+    parameters cannot afford.
+
+    ``same_as`` (:func:`~pipesim.validate.models.repeated_layers`) names,
+    per layer, the layer whose times it takes: only the layers that stand
+    for themselves are built into the steps, chained in model order, and
+    each repeat gets its first's times, optimizer state and held bytes."""
     n = model.num_layers
+    same_as = list(range(n)) if same_as is None else list(same_as)
     if in_place is None:
         in_place = model.origin != "catalog"
+    chain = sorted(set(same_as))  # the layers timed, in model order
     stages = [
-        _stage(layer, i == 0, i == n - 1, model.loss_fn, device, optimizer, stage_class, reads=0 if in_place else 10**9)
-        for i, layer in enumerate(model.layers)
+        _stage(
+            model.layers[i],
+            i == 0,
+            i == n - 1,
+            model.loss_fn,
+            device,
+            optimizer,
+            stage_class,
+            reads=0 if in_place else 10**9,
+        )
+        for i in chain
     ]
+    n = len(chain)
     data = model.data(settings.microbatch_size)
     fwd, bwd, inp, upd = ([[] for _ in range(n)] for _ in range(4))
     after_forward, w_held = [0] * n, [0] * n
@@ -245,9 +264,15 @@ def time_layers(
                 st.pool.expect(st.pool.version, 10**9)
     if progress is not None:
         progress(2 * steps, 2 * steps)
-    means = [[expected(v) / 1e9 for v in lst] for lst in (fwd, bwd, inp, upd)]
-    state = [sum(t.nbytes for ts in st.state.values() for t in ts) for st in stages]
-    return LayerTimes(*means, optimizer_state_bytes=state, w_held_bytes=w_held)
+    at = {layer: j for j, layer in enumerate(chain)}
+    per_layer = [at[first] for first in same_as]  # each layer's place in the chain
+
+    def spread(values: list) -> list:
+        return [values[j] for j in per_layer]
+
+    means = [spread([expected(v) / 1e9 for v in lst]) for lst in (fwd, bwd, inp, upd)]
+    state = spread([sum(t.nbytes for ts in st.state.values() for t in ts) for st in stages])
+    return LayerTimes(*means, optimizer_state_bytes=state, w_held_bytes=spread(w_held))
 
 
 def _layer_costs(stats, t: LayerTimes, o_f: float, o_b: float, o_i: float) -> list[LayerCost]:
@@ -278,8 +303,13 @@ def profile_model(
     device: torch.device | str = "cpu",
     settings: ProfileSettings = ProfileSettings(),
     progress=None,
+    every_layer: bool | None = None,
 ) -> Profile:
-    """Per-layer costs of ``model`` for one micro-batch on ``device``, as a simulator Profile."""
+    """Per-layer costs of ``model`` for one micro-batch on ``device``, as a simulator Profile.
+
+    A layer that repeats the one before it takes that one's times
+    (:func:`~pipesim.validate.models.repeated_layers`) unless ``every_layer``
+    (default: for the catalog's models only)."""
     device = torch.device(device)
     allocator = keep_freed_memory()  # as the runtime's workers run (see allocator.py)
     b = settings.microbatch_size
@@ -289,7 +319,8 @@ def profile_model(
     o_f, o_b, o_i = time_stage(
         nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=settings
     )
-    t = time_layers(_fresh(model), device, settings, stage_class=stage_class_for(model))
+    same_as = _timed_as(model, stats, every_layer)
+    t = time_layers(_fresh(model), device, settings, stage_class=stage_class_for(model), same_as=same_as)
     layers = _layer_costs(stats, t, o_f, o_b, o_i)
     if progress is not None:
         progress(len(layers), len(layers))
@@ -305,7 +336,7 @@ def profile_model(
             f"{model.description}; per layer, means of {settings.repeats} training steps with every "
             "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
             "w_held_bytes what a split backward's I leaves held for W beyond what the forward held, counted "
-            f"once; freed memory {allocator}"
+            f"once; {_repeats_note(model, same_as)}; freed memory {allocator}"
         ),
     )
 
@@ -342,6 +373,7 @@ def profile_layers(
     optimizer: OptimizerConfig = OptimizerConfig(),
     dtype: str = "fp32",
     progress=None,
+    every_layer: bool | None = None,
 ) -> tuple[Profile, list[LayerMeasure]]:
     """The layers of ``model`` on ``device`` as a simulator Profile, and
     what else was measured of each (module doc).
@@ -350,7 +382,10 @@ def profile_layers(
     copied): build it for this. The profile's ``optimizer`` is
     ``optimizer.kind``; its notes say what was measured, on what and how,
     and are the same for the same model, settings and machine (only the
-    times vary from run to run)."""
+    times vary from run to run). A layer that repeats the one before it
+    takes that one's times (:func:`~pipesim.validate.models.repeated_layers`:
+    a transformer's blocks are timed once) unless ``every_layer`` (default:
+    for the catalog's models only)."""
     device = torch.device(device)
     allocator = keep_freed_memory()
     b = settings.microbatch_size
@@ -363,7 +398,10 @@ def profile_layers(
     o_f, o_b, o_i = time_stage(
         nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=empty
     )
-    t = time_layers(model, device, settings, optimizer, stage_class=stage_class_for(model), progress=progress)
+    same_as = _timed_as(model, stats, every_layer)
+    t = time_layers(
+        model, device, settings, optimizer, stage_class=stage_class_for(model), progress=progress, same_as=same_as
+    )
     layers = _layer_costs(stats, t, o_f, o_b, o_i)
     extra = [
         LayerMeasure(s.name, c.backward_s - c.backward_input_s, t.optimizer_state_bytes[i], s.outputs)
@@ -382,7 +420,8 @@ def profile_layers(
         "once per stage. Bytes from one forward and backward: param_bytes the weights, activation_bytes every "
         "tensor a cut after the layer carries, stash_bytes what autograd saves (a tensor the next layer "
         "saves too counted there), w_held_bytes what a split backward's I leaves held for W beyond what the "
-        f"forward held (counted in a warm-up step). Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
+        f"forward held (counted in a warm-up step); {_repeats_note(model, same_as)}. "
+        f"Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
         f"updates, {state / params if params else 0:.2f}x the {params:,} bytes of weights"
         + (f"; cuts after {', '.join(several)} carry several tensors (counted in activation_bytes)" if several else "")
         + f"; freed memory {allocator}"
@@ -397,6 +436,34 @@ def profile_layers(
         notes=notes,
     )
     return prof, extra
+
+
+def _timed_as(model: RealModel, stats, every_layer: bool | None) -> list[int]:
+    """Per layer, the layer whose times it takes: itself with ``every_layer``,
+    which defaults to true for the catalog's models (small, quick to time
+    whole, and validated so) and false for every other."""
+    if every_layer is None:
+        every_layer = model.origin == "catalog"
+    return list(range(model.num_layers)) if every_layer else repeated_layers(model, stats)
+
+
+def _repeats_note(model: RealModel, same_as: Sequence[int]) -> str:
+    """What the profile's notes say of the layers timed."""
+    names = model.layer_names
+    runs: dict[int, list[int]] = {}
+    for i, first in enumerate(same_as):
+        if first != i:
+            runs.setdefault(first, []).append(i)
+    if not runs:
+        return "every layer timed"
+    said = [
+        f"{names[r[0]]}{'-' + names[r[-1]] if len(r) > 1 else ''} take {names[first]}'s times"
+        for first, r in sorted(runs.items())
+    ]
+    return (
+        f"{len(set(same_as))} of {len(same_as)} layers timed, each repeat of the layer before it (same modules, "
+        f"configuration and shapes) given its run's first's times: {'; '.join(said)}"
+    )
 
 
 def _fresh(model: RealModel) -> RealModel:

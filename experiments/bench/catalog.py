@@ -40,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipesim.experiments.cliargs import UsageError, bench_main, positive, run_command
+from pipesim.experiments.cliargs import UsageError, bench_main, int_list, positive, run_command
 
 #: Relative difference above which a figure is flagged (the issue's 25%).
 TOLERANCE = 0.25
@@ -70,6 +70,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--seq-len", type=positive, default=None, help="the catalog model's sequence (default: its own)")
     ap.add_argument(
         "--stages",
+        type=int_list,
         default=None,
         help="comma-separated stage counts (default: 2 up to the machine's devices and the profile's layers)",
     )
@@ -246,15 +247,11 @@ def run(args) -> dict:
     return report
 
 
-def stage_counts(text: str | None, hw, layers: int) -> list[int]:
-    if text is not None:
-        try:
-            counts = [int(v) for v in text.split(",")]
-        except ValueError:
-            raise UsageError(f"--stages: expected comma-separated integers, got {text!r}") from None
-        if not counts or min(counts) < 1:
-            raise UsageError(f"--stages: expected positive integers, got {text!r}")
-        return list(dict.fromkeys(counts))
+def stage_counts(chosen: Sequence[int] | None, hw, layers: int) -> list[int]:
+    """The stage counts to compare at: ``chosen`` (``--stages``) once each,
+    else 2 up to the machine's devices and the profile's layers."""
+    if chosen is not None:
+        return list(dict.fromkeys(chosen))
     top = min(hw.num_devices or layers, layers)
     return list(range(2, top + 1)) or [1]
 

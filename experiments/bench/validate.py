@@ -45,7 +45,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipesim.experiments.cliargs import bench_main, positive, run_command
+from pipesim.experiments.cliargs import bench_main, int_list, positive, run_command
 from pipesim.sim.errors import RunError
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategy_names
 from pipesim.sim.strategies._common import check_executable
@@ -253,10 +253,6 @@ def _models(text: str) -> list[str]:
     return _names_of("model", model_names)(text)
 
 
-def _positive_list(text: str) -> list[int]:
-    return [positive(v) for v in text.split(",")]
-
-
 def add_arguments(p) -> None:
     p.add_argument(
         "--model",
@@ -284,7 +280,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--stages",
-        type=_positive_list,
+        type=int_list,
         default="2",
         help="pipeline stages, comma-separated (more devices than cores share them, as the simulator models)",
     )

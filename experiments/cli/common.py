@@ -195,15 +195,17 @@ def add_machine_args(
     )
 
 
+#: What ``--model`` takes, for ``model_args``'s help.
+MODEL_HELP = (
+    "real model: mlp, gpt-small, vgg-small or lstm; hf:MODEL_TYPE[?field=value&...] or hf:path/to/config.json "
+    "(transformers, random weights: gpt2, bert, llama, mistral, qwen2, resnet, vit; e.g. hf:gpt2?n_layer=4); "
+    "torchvision:NAME; module.path:factory or path/to/file.py:factory (docs/how-to/bring-your-own-model.md)"
+)
+
+
 def model_args(p: argparse.ArgumentParser) -> None:
     """The real model's flags (``profile`` and ``validate``)."""
-    p.add_argument(
-        "--model",
-        default="mlp",
-        help="real model: mlp, gpt-small, vgg-small or lstm; or hf:MODEL_TYPE[?field=value&...] "
-        "(e.g. hf:gpt2?n_layer=4), torchvision:NAME, module:factory or path/to/file.py:factory "
-        "(docs/how-to/bring-your-own-model.md)",
-    )
+    p.add_argument("--model", default="mlp", help=MODEL_HELP)
     p.add_argument("--model-width", type=positive, default=None, help="model width (hidden size / channels)")
     p.add_argument("--model-depth", type=positive, default=None, help="model depth (hidden layers / blocks)")
     p.add_argument("--microbatch-size", type=positive, default=32, help="samples per micro-batch")

@@ -11,17 +11,9 @@ factory: :mod:`pipesim.validate.usermodels`), only the layers are measured
 
 from __future__ import annotations
 
-import argparse
-
 from pipesim.experiments.cli.common import fmt_bytes, model_args, output_dir, progress, table
-from pipesim.experiments.cliargs import UsageError, positive
+from pipesim.experiments.cliargs import UsageError, int_list, positive
 
-#: ``--model``'s help: the catalog, and the resolver's other forms.
-MODEL_HELP = (
-    "real model: mlp, gpt-small, vgg-small or lstm; hf:MODEL_TYPE[?field=value&...] or hf:path/to/config.json "
-    "(transformers, random weights: gpt2, bert, llama, mistral, qwen2, resnet, vit); torchvision:NAME; "
-    "module.path:factory or path/to/file.py:factory (docs/how-to/bring-your-own-model.md)"
-)
 #: Timed steps and warm-up steps: a catalog model's, and a layers-only run's of any other model.
 CATALOG_REPEATS, CATALOG_WARMUP = 15, 3
 MODEL_REPEATS, MODEL_WARMUP = 3, 1
@@ -30,7 +22,6 @@ MODEL_REPEATS, MODEL_WARMUP = 3, 1
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure a real model and this machine's links for the simulator")
     model_args(p)
-    p._option_string_actions["--model"].help = MODEL_HELP
     p.add_argument(
         "--backend",
         choices=("gloo", "nccl", "single"),
@@ -65,6 +56,12 @@ def add_parser(subparsers) -> None:
         help=f"timed repetitions per layer or GEMM shape (their mean is taken) (default: {CATALOG_REPEATS}; "
         f"{MODEL_REPEATS} for models that are not catalog names, whose steps take seconds)",
     )
+    p.add_argument(
+        "--every-layer",
+        action="store_true",
+        help="time every layer of a layers-only profile (default: a layer that repeats the one before it, "
+        "as a transformer's blocks do, takes that one's times)",
+    )
     p.add_argument("--out", default="out/profile", help="output folder")
     gemm = p.add_argument_group("GEMM table (instead of a model)")
     gemm.add_argument(
@@ -93,17 +90,6 @@ def add_parser(subparsers) -> None:
         "and activations (pure low precision, no fp32 master copy)",
     )
     p.set_defaults(func=run)
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated positive integers."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def run(args) -> int:
@@ -251,6 +237,7 @@ def run_layers(args, out) -> int:
                 optimizer=OptimizerConfig(kind=args.optimizer),
                 dtype=args.dtype,
                 progress=step,
+                every_layer=args.every_layer or None,
             )
     elapsed = time.perf_counter() - started
     save_profile(prof, out / "profile.json")
