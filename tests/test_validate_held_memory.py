@@ -13,6 +13,8 @@ from torch import nn
 
 from pipesim.sim.engine.core import simulate
 from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import Action, F, I
+from pipesim.sim.ir.core import B as BACKWARD
 from pipesim.sim.partition.split import partition, stage_costs_uniform
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.workloads.profile import LayerCost, Profile
@@ -155,3 +157,23 @@ def test_prediction_within_ten_percent_on_gpt_small(strategy):
     per_mb = costs[1].stash_bytes
     held_mbs = 4 if strategy == "gpipe" else 1
     assert rows[1]["predicted_bytes"] == held_mbs * per_mb
+
+
+def test_a_split_forward_keeps_what_an_unsplit_one_keeps():
+    """Zero bubble's W needs each module's output for its place in the graph,
+    not for its values: the logits before the loss, which autograd does not
+    save (cross-entropy keeps its log-softmax), are freed after the forward
+    in a split stage too, instead of held until W."""
+    x, y = _Data().batch(0)
+    levels = []
+    for split in (False, True):
+        st = PipelineStage(copy.deepcopy(_stage_module(1)), 1, 2, loss_fn=nn.CrossEntropyLoss())
+        st.pool.expect(0, 10)
+        st.split_backward = split
+        st.held = HeldActivations()
+        st.forward(Action(F, 1, 0, 0), x, y)
+        levels.append(st.held.level([st]))
+        st.backward(Action(I if split else BACKWARD, 1, 0, 0), None)
+    unsplit, split = levels
+    assert split == unsplit  # held until W, the logits (B x 3) would be counted on top
+    assert unsplit >= B * D_IN * F32 + B * 3 * F32  # the input Linear saves, and the log-softmax

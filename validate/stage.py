@@ -54,6 +54,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from pipesim.kernels import VersionPool, adam_coefficients, foreach, predict_adam, predict_sgd
 from pipesim.sim.errors import InputError
@@ -249,8 +250,9 @@ class _InFlight:
     version: int
     distance: int
     grad_out: Tensor | None = None  # kept between I and W when no outputs were captured
-    #: (owner index, output) of every module with parameters, in forward
-    #: order, when the stage splits its backward (see PipelineStage.split_backward)
+    #: (owner index, gradient edge of its output) of every module with
+    #: parameters, in forward order, when the stage splits its backward (see
+    #: PipelineStage.split_backward); an edge holds none of the output's storage
     captured: list | None = None
     #: their gradients, from I, for W
     captured_grads: tuple | None = None
@@ -258,8 +260,6 @@ class _InFlight:
     def kept(self) -> list[Tensor]:
         """Every tensor this record keeps for the backward still to come."""
         out = _tensors(self.x) + _tensors(self.out) + _tensors(self.grad_out)
-        if self.captured is not None:
-            out += [t for _, t in self.captured]
         if self.captured_grads is not None:
             out += [g for g in self.captured_grads if g is not None]
         return out
@@ -465,6 +465,11 @@ class PipelineStage:
         finally:
             self._capture = None
         self._done_reading(a)
+        if captured is not None:
+            # W needs each output's place in the graph, not its values: an
+            # edge keeps no storage, so an output autograd does not save
+            # itself (logits before the loss) is freed now instead of at W
+            captured = [(k, get_gradient_edge(t)) for k, t in captured]
         self.inflight[a.microbatch] = _InFlight(x, out, leaves, buffer, a.version, a.distance, captured=captured)
         self.versions_used.append(("F", a.microbatch, a.version, a.distance))
         if self.is_last:
@@ -567,7 +572,7 @@ class PipelineStage:
         walking the whole backward again from the stage's output."""
         if a.op is I:
             want_x = rec.x.requires_grad
-            inputs = ([rec.x] if want_x else []) + [out for _, out in rec.captured]
+            inputs = ([rec.x] if want_x else []) + [edge for _, edge in rec.captured]
             with torch.enable_grad():
                 got = (
                     torch.autograd.grad(rec.out, inputs, grad_outputs=grad_out, retain_graph=True, allow_unused=True)
@@ -578,12 +583,12 @@ class PipelineStage:
             return self._backward_done(a, got[0] if want_x else None)
         sums: list[Tensor | None] = [None] * len(rec.leaves)
         with torch.enable_grad():
-            for (k, out), g in zip(rec.captured, rec.captured_grads):
+            for (k, edge), g in zip(rec.captured, rec.captured_grads):
                 if g is None:
                     continue
                 owned = self._owned[k]
                 grads = torch.autograd.grad(
-                    out, [rec.leaves[i] for i in owned], grad_outputs=g, retain_graph=True, allow_unused=True
+                    [edge], [rec.leaves[i] for i in owned], grad_outputs=[g], retain_graph=True, allow_unused=True
                 )
                 for i, gi in zip(owned, grads):
                     if gi is not None:
