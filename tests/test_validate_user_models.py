@@ -174,6 +174,21 @@ def test_the_guides_factory_runs_under_backend_single(tmp_path):
 
 
 @needs_transformers
+def test_a_model_with_dropout_reports_the_same_losses_every_invocation(tmp_path):
+    """The passes' generator is seeded (per rank; here one process), so
+    dropout draws the same masks and two invocations agree on the losses."""
+    dropout = GPT2.replace("&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0", "")
+    assert dropout != GPT2
+    losses = []
+    for run in ("a", "b"):
+        args = ["--strategy", "1f1b", "--stages", "2", "--microbatches", "2", "--iterations", "2"]
+        args += ["--microbatch-size", "2", "--model", dropout, "--backend", "single", "--out", str(tmp_path / run)]
+        assert main(["validate", *args]) == 0
+        losses.append(json.loads((tmp_path / run / "report.json").read_text())["losses"])
+    assert losses[0] == losses[1]
+
+
+@needs_transformers
 @pytest.mark.multiprocess
 def test_batchnorm_stays_bit_identical_and_dropout_does_not():
     """What the guide says of bit-identity: BatchNorm's statistics are each

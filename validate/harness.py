@@ -522,9 +522,10 @@ def _execute(cfg: ValidateConfig, job: Job, device: torch.device, predicted: Sim
     if cfg.backend != "single":
         say(f"running {schedule.num_devices} {cfg.backend} workers ...")
         return run_distributed(job, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    from pipesim.validate.runtime import local_stages, profiled, warm_up
+    from pipesim.validate.runtime import local_stages, profiled, seed_passes, warm_up
 
     say(f"running every stage in this process on {device} ...")
+    seed_passes(job.seed, 0)
     with intra_op_threads(_executor_threads(device)):
         stages, data, specs = local_stages(job, schedule.placement(), device)
         warm_up(stages, data, specs, device)

@@ -745,10 +745,20 @@ def _clock_offset(rank: int, world: int) -> int:
     return best[1]  # rank 0's own offset stays 0
 
 
+def seed_passes(seed: int, rank: int) -> None:
+    """Seed the generator the passes draw from (dropout's masks) on this
+    rank. A rank walks its program in one fixed order, so every invocation
+    draws the same masks and reports the same losses. The emulator, which
+    walks every device's passes in one process, draws them in another order
+    than the ranks do (what dropout does to bit-identity: the guide)."""
+    torch.manual_seed(seed * 65_537 + rank)
+
+
 def run_job(ctx, job: Job) -> RunOutput | None:
     """One job on this rank: build its stages, then :func:`execute`."""
     where = job.schedule.placement()
     keys = [k for k, d in where.items() if d == ctx.rank]
+    seed_passes(job.seed, ctx.rank)
     stages, data, specs = local_stages(job, keys, ctx.device)
     return execute(
         ctx,
