@@ -345,12 +345,10 @@ def _random_source(
     return RandomSamples(microbatch_size, inputs, targets, seed, _data._check_split(split))
 
 
-@dataclass(frozen=True)
-class ExampleBatch:
-    """A factory's example micro-batch, as every micro-batch of the stream
-    (timing needs shapes, not values). Its held-out set is the same batch."""
+class _ExampleShapes:
+    """The specs of a factory's example batch (``inputs``, ``targets``),
+    for the sources built on it."""
 
-    microbatch_size: int
     inputs: Any
     targets: torch.Tensor
 
@@ -363,6 +361,16 @@ class ExampleBatch:
     @property
     def target_spec(self) -> _data.TensorSpec:
         return _data._spec(self.targets)
+
+
+@dataclass(frozen=True)
+class ExampleBatch(_ExampleShapes):
+    """A factory's example micro-batch, as every micro-batch of the stream
+    (timing needs shapes, not values). Its held-out set is the same batch."""
+
+    microbatch_size: int
+    inputs: Any
+    targets: torch.Tensor
 
     def batch(self, index: int) -> tuple[Any, torch.Tensor]:
         return self.inputs, self.targets
@@ -387,7 +395,7 @@ class FactorySources:
 
 
 @dataclass(frozen=True)
-class ExampleSamples:
+class ExampleSamples(_ExampleShapes):
     """Random samples shaped like a factory's example batch, addressed by
     sample as :class:`RandomSamples` are: every tensor of sample ``p``
     (inputs and targets) is drawn from
@@ -425,16 +433,6 @@ class ExampleSamples:
         cols = [torch.stack(c) for c in zip(*rows)]
         inputs = tuple(cols[:-1]) if several else cols[0]
         return inputs, cols[-1]
-
-    @property
-    def input_spec(self) -> _data.TensorSpec:
-        if isinstance(self.inputs, tuple):
-            raise _data.DataError("a factory's inputs of several tensors have no single input_spec")
-        return _data._spec(self.inputs)
-
-    @property
-    def target_spec(self) -> _data.TensorSpec:
-        return _data._spec(self.targets)
 
     def batch(self, index: int) -> tuple[Any, torch.Tensor]:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:

@@ -124,19 +124,15 @@ def catalog_depth(name: str, profile_layers: int) -> int:
 def gemm_shapes(arch, microbatch_size: int) -> list[tuple[list[tuple[int, int, int, int]], list]]:
     """Per layer of ``arch``: the (batch, m, n, k) of every product its
     forward runs, then of every product its backward runs (each launched as
-    often as it repeats), as :func:`pipesim.sim.workloads.catalog.shaped_passes` prices them."""
+    often as it repeats), as :func:`pipesim.sim.workloads.catalog.shaped_passes`
+    prices them (:func:`~pipesim.sim.workloads.catalog.gemm_launches`)."""
+    from pipesim.sim.workloads.catalog import gemm_launches
+
     out = []
     for la in arch:
         fwd, bwd = [], []
-        for g in la.gemms:
-            m, n, k, batch = g.shape(microbatch_size)
-            fwd += [(batch, m, n, k)] * g.steps
-            if g.weights:
-                if la.input_grad:
-                    bwd += [(batch, m, k, n)] * g.steps
-                bwd.append((1, k, n, m * batch * g.steps))
-            else:
-                bwd += [(batch, m, k, n), (batch, k, n, m)] * g.steps
+        for part, times, shapes in gemm_launches(la, microbatch_size):
+            (fwd if part == "forward" else bwd).extend((b, m, n, k) for m, n, k, b in shapes * times)
         out.append((fwd, bwd))
     return out
 

@@ -976,20 +976,39 @@ def shaped_passes(
     where the layer has none). ``shards``: one tensor-parallel rank's part,
     each GEMM at its shard's shape and the rest of the traffic divided."""
     mb = microbatch_size
-    forward, grad_in, grad_w = [], [], []
-    for g in (g.shard(shards) for g in la.gemms):
-        m, n, k, batch = g.shape(mb)
-        forward.append(g.steps * gemm_seconds(device, m, n, k, batch))
-        if g.weights:
-            if la.input_grad:
-                grad_in.append(g.steps * gemm_seconds(device, m, k, n, batch))
-            grad_w.append(gemm_seconds(device, k, n, m * batch * g.steps))
-        else:
-            both = g.steps * (gemm_seconds(device, m, k, n, batch) + gemm_seconds(device, k, n, m, batch))
-            (grad_in if la.input_grad else grad_w).append(both)
+    passes: dict[str, list[float]] = {"forward": [], "input": [], "weight": []}
+    for part, times, shapes in gemm_launches(la, mb, shards):
+        passes[part].append(times * sum(gemm_seconds(device, *shape) for shape in shapes))
+    forward, grad_in, grad_w = passes.values()
     moved = device.dtype_bytes * mb * (la.in_elems + la.out_elems + la.stash_elems) / device.mem_bandwidth / shards
     (grad_in if la.input_grad else grad_w).append(2 * moved)
     return math.fsum(forward) + moved, math.fsum(grad_in), math.fsum(grad_w)
+
+
+#: One launch group of a layer's products: the pass it belongs to
+#: ("forward", "input" or "weight" gradient), how often it is launched, and
+#: the (m, n, k, batch) of each product in it.
+GemmLaunch = tuple[str, int, tuple[tuple[int, int, int, int], ...]]
+
+
+def gemm_launches(la: ArchLayer, microbatch_size: int, shards: int = 1) -> list[GemmLaunch]:
+    """The products a layer launches, product by product (its forward, then
+    its gradients), as :class:`Gemm` says: a weight product's input gradient
+    is its transpose (none where the layer's input is data) and its weight
+    gradient one product over every row; a product of two activations takes
+    both gradients, with the input's (with the weights' where the input is
+    data). ``shards``: one tensor-parallel rank's part."""
+    out: list[GemmLaunch] = []
+    for g in (g.shard(shards) for g in la.gemms):
+        m, n, k, batch = g.shape(microbatch_size)
+        out.append(("forward", g.steps, ((m, n, k, batch),)))
+        if g.weights:
+            if la.input_grad:
+                out.append(("input", g.steps, ((m, k, n, batch),)))
+            out.append(("weight", 1, ((k, n, m * batch * g.steps, 1),)))
+        else:
+            out.append(("input" if la.input_grad else "weight", g.steps, ((m, k, n, batch), (k, n, m, batch))))
+    return out
 
 
 def _roofline_passes(la: ArchLayer, device: DeviceSpec, mb: int) -> tuple[float, float, float]:
