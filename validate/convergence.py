@@ -381,7 +381,7 @@ def _finite(x: float | None) -> float | None:
 class _Trainer:
     """The state of one run: its model's stages, data and schedule, on this process."""
 
-    def __init__(self, run: Run, keys=None, device: torch.device | str = "cpu"):
+    def __init__(self, run: Run, keys=None, device: torch.device | str = "cpu", *, distributed: bool = False):
         self.run, self.plan = run, plan(run)
         model = build_run_model(run.setup, run.seed)
         self.model = model
@@ -400,7 +400,14 @@ class _Trainer:
         }
         self.data = model.data(self.plan.microbatch_size, seed=run.seed, split="train")
         self.optimizer = run.setup.optimizer_config(run.lr)
-        self.runner = PipelineSchedule(sched, self.stages.values(), self.optimizer, steps=self.plan.steps)
+        specs = None
+        if distributed and not catalog:
+            # what every cut carries, a tuple's every tensor (the schedule's own inference knows one
+            # tensor a cut, and runs the stages' modules, which would move BatchNorm's statistics)
+            from pipesim.validate.runtime import boundary_specs
+
+            specs = boundary_specs(copy.deepcopy(modules), self.data)
+        self.runner = PipelineSchedule(sched, self.stages.values(), self.optimizer, steps=self.plan.steps, specs=specs)
         self.num_stages = sched.num_stages
 
     def step(self) -> list[float] | None:
@@ -499,15 +506,9 @@ def _distributed_worker(ctx, run: Run) -> dict | None:
 
     sched = build_schedule(plan(run).spec)
     keys = [k for k, d in sched.placement().items() if d == ctx.rank]
-    trainer = _Trainer(run, keys, ctx.device)
+    trainer = _Trainer(run, keys, ctx.device, distributed=True)
     curve = _Curve(run, trainer, trainer.plan) if ctx.rank == 0 else None
     modules = trainer.modules
-    if trainer.model.origin != "catalog":
-        # what every cut carries, a tuple's every tensor (the schedule's own inference knows one
-        # tensor a cut, and runs the stages' modules, which would move BatchNorm's statistics)
-        from pipesim.validate.runtime import boundary_specs
-
-        trainer.runner._specs = boundary_specs(copy.deepcopy(modules), trainer.data)
 
     def evaluated(steps_done: int, train_loss: float | None) -> bool:
         mine = {k: {n: w.cpu() for n, w in latest(s).items()} for k, s in trainer.stages.items() if k[0] == 0}

@@ -73,7 +73,9 @@ class PipelineSchedule:
 
     ``steps``: how many steps the pipeline runs before it drains on its own
     (then its stream is built once, exactly that long); ``None``: until
-    :meth:`flush`.
+    :meth:`flush`. ``specs``: what every stage's output carries, as
+    :func:`~pipesim.validate.runtime.boundary_specs` gives it, for a
+    distributed run; ``None``: inferred on the first step (one tensor a cut).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class PipelineSchedule:
         recv_lookahead: int = 1,
         timed: bool = False,
         threads: int | None = EXECUTOR_THREADS,
+        specs: list | None = None,
     ):
         self.schedule = schedule
         self.stages = {s.key: s for s in stages}
@@ -106,7 +109,7 @@ class PipelineSchedule:
         self._first_id = 0  # micro-batch ids and versions the finished streams used
         self._versions: dict = {}
         self._centres = None
-        self._specs = None
+        self._specs = specs
         self._data = None
 
     def _distributed(self) -> bool:
