@@ -20,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.experiments.cli import main
 from pipesim.sim.errors import InputError
@@ -504,3 +506,34 @@ def test_fresh_traces_of_a_live_run_import(tmp_path) -> None:
     passes = Counter((s.action.op, s.action.stage, s.action.microbatch) for s in compute if s.action.op in PASS_OPS)
     assert set(passes) == {(o, k, mb) for o in (F, B) for k in (0, 1) for mb in range(8)}
     assert set(passes.values()) == {1} and run.steps == 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 2), st.floats(0, 100), st.sampled_from(["aten::mm", "MmBackward0"])), max_size=40
+    ),
+    window=st.tuples(st.floats(0, 100), st.floats(0, 50)),
+)
+def test_operators_starting_in_a_window_earliest_first_over_threads(ops, window):
+    """``OpTable.starting_between`` (binary searches in each thread's run)
+    gives what a scan of every operator would, in start order."""
+    from array import array
+
+    from pipesim.validate.kineto import OpTable
+
+    ops = sorted(ops)  # by thread, then start: as a read trace holds them
+    names = ["aten::mm", "MmBackward0"]
+    table = OpTable(
+        names=names,
+        tids=[0, 1, 2],
+        name=array("i", [names.index(n) for _, _, n in ops]),
+        ts=array("d", [t for _, t, _ in ops]),
+        dur=array("d", [1.0] * len(ops)),
+        tid=array("i", [th for th, _, _ in ops]),
+    )
+    t0, t1 = window[0], window[0] + window[1]
+    got = list(table.starting_between(t0, t1))
+    want = sorted(((n, t) for _, t, n in ops if t0 <= t <= t1), key=lambda r: r[1])
+    assert [t for _, t in got] == [t for _, t in want]
+    assert sorted(got) == sorted(want)

@@ -61,14 +61,16 @@ or take the hosts' clock skew. Each check that fails is a one-line
 
 from __future__ import annotations
 
+import bisect
 import gzip
+import heapq
 import io
 import json
 import os
 import re
 import zlib
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,6 +224,7 @@ class OpTable:
     ts: array = field(default_factory=lambda: array("d"))
     dur: array = field(default_factory=lambda: array("d"))
     tid: array = field(default_factory=lambda: array("i"))
+    _runs: list[tuple[int, int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -231,6 +234,33 @@ class OpTable:
         names, tids = self.names, self.tids
         for n, t, d, th in zip(self.name, self.ts, self.dur, self.tid):
             yield names[n], t, d, tids[th]
+
+    def starting_between(self, t0: float, t1: float) -> Iterator[tuple[str, float]]:
+        """(name, start µs) of the operators that start in ``[t0, t1]``,
+        earliest first, every thread's: a binary search in each thread's
+        run of the sorted columns, so asking once per action of a long
+        trace does not scan the trace once per action."""
+        return heapq.merge(*(self._starting(lo, hi, t0, t1) for lo, hi in self._thread_runs()), key=lambda r: r[1])
+
+    def _starting(self, lo: int, hi: int, t0: float, t1: float) -> Iterator[tuple[str, float]]:
+        ts, name, names = self.ts, self.name, self.names
+        for i in range(bisect.bisect_left(ts, t0, lo, hi), hi):
+            if ts[i] > t1:
+                return
+            yield names[name[i]], ts[i]
+
+    def _thread_runs(self) -> list[tuple[int, int]]:
+        """[lo, hi) of each thread's operators in the columns (sorted by
+        thread, then start), found on the first call: the columns are final
+        once the trace is read."""
+        if self._runs is None:
+            runs, lo = [], 0
+            for i in range(1, len(self.tid) + 1):
+                if i == len(self.tid) or self.tid[i] != self.tid[lo]:
+                    runs.append((lo, i))
+                    lo = i
+            self._runs = runs
+        return self._runs
 
 
 @dataclass

@@ -1381,12 +1381,9 @@ def _measured(schedule: Schedule, spans: list, memory: list, meta: dict) -> SimR
 
 def _overlap_parts(trace: RankTrace, a: _Found, walk: _Program) -> list[tuple[Action, float, float]]:
     """An OVERLAP_F_B range as its forward then its backward: cut where its
-    first autograd operator starts, else half way."""
-    cut = (a.t0 + a.t1) / 2
-    for nm, ts, _dur, _tid in trace.ops.rows():
-        if a.t0 <= ts <= a.t1 and _is_backward_op(nm):
-            cut = ts
-            break
+    first autograd operator starts (on any thread), else half way."""
+    ops = trace.ops.starting_between(a.t0, a.t1)
+    cut = next((ts for nm, ts in ops if _is_backward_op(nm)), (a.t0 + a.t1) / 2)
     out = []
     (fo, fs, fm), (bo, bs, bm) = a.subs
     for (op, st, mb), (s, e) in (((fo, fs, fm), (a.t0, cut)), ((bo, bs, bm), (cut, a.t1))):
