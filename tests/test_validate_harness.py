@@ -176,6 +176,18 @@ def test_single_device_validation_end_to_end():
     assert r["iteration_time_error"] == pytest.approx(
         (r["iteration_time_predicted_s"] - r["iteration_time_measured_s"]) / r["iteration_time_measured_s"], rel=1e-6
     )
+    # the prediction again at the run's pass speed: the measured passes' time over their layers' in the profile
+    starts = [*r["partition_starts"], v.profile.num_layers]
+    layers = [v.profile.layers[a:b] for a, b in zip(starts, starts[1:])]
+    passes = [s for s in steady_actions(v.measured) if s.action.op in PASS_OPS]
+    times = {"F": lambda la: la.forward_s, "B": lambda la: la.backward_s}
+    layer_s = sum(times[s.action.op.value](la) for s in passes for la in layers[s.action.stage])
+    assert r["pass_time_ratio"] == pytest.approx(sum(s.duration for s in passes) / layer_s, rel=1e-6)
+    assert r["iteration_time_error_at_run_speed"] == pytest.approx(
+        (r["iteration_time_predicted_at_run_speed_s"] - r["iteration_time_measured_s"])
+        / r["iteration_time_measured_s"],
+        rel=1e-6,
+    )
     # single-device mode predicts the actions laid end to end, in the order they ran
     pred = v.predicted.by_stream()["compute"]
     assert all(a.end == pytest.approx(b.start) for a, b in zip(pred, pred[1:]))
@@ -551,17 +563,21 @@ def test_bench_validate_reports_the_run_to_run_spread_and_what_moved():
     a model from elsewhere is held to its own targets (10%, 20%)."""
     from pipesim.experiments.bench.validate import TARGETS, _failed_row, _row, render
 
-    def report(measured, predicted):
+    def report(measured, predicted, at_speed=None):
+        at_speed = measured if at_speed is None else at_speed
         return {
             "iteration_time_error": (predicted - measured) / measured,
             "iteration_time_measured_s": measured,
             "iteration_time_predicted_s": predicted,
+            "iteration_time_error_at_run_speed": (at_speed - measured) / measured,
+            "pass_time_ratio": at_speed / predicted,
             "action_errors": {"start_error_fraction_of_makespan": {"p90": 0.03}},
             "bubble_fraction_measured": 0.1,
             "bubble_fraction_predicted": 0.1,
         }
 
-    steady = _row("1f1b", [report(1.0, 1.0), report(1.0, 1.03), report(1.0, 0.99)])
+    steady = _row("1f1b", [report(1.0, 1.0), report(1.0, 1.03, 1.01), report(1.0, 0.99)])
+    assert steady["spread_at_run_speed"] == pytest.approx(0.01)
     assert steady["spread"] == pytest.approx(0.04) and steady["measured_spread"] == 0
     assert steady["predicted_spread"] == pytest.approx(0.04)
     jumpy = _row("gpipe", [report(1.0, 1.0), report(1.2, 1.0), report(1.0, 1.0)])
@@ -588,4 +604,10 @@ def test_bench_validate_reports_the_run_to_run_spread_and_what_moved():
     assert "2 of 3 within 20% (avgpipe failed)" in text
     assert f"#1 = {model}, 2 stages" in text and "measured afresh every run" in text
     assert "(target 10%)" in text and "within 20%" in text
-    assert "widest spread 16.7 points (gpipe: prediction moved 0.0%, measurement 20.0%), 1 of 2 within 5 points" in text
+    assert (
+        "widest spread 16.7 points (gpipe: prediction moved 0.0%, measurement 20.0%), 1 of 2 within 5 points; "
+        "at the run's pass speed, widest 1.0 points (1f1b), 2 of 2 within 5" in text
+    )
+    # each strategy's runs, at the run's pass speed too, and how fast its passes ran
+    assert "  1f1b               +0.0% +3.0% -1.0% (4.0)" in text
+    assert "| +0.0% +1.0% +0.0% (1.0)" in text and "| x1.000 x0.981 x1.010" in text

@@ -11,7 +11,11 @@
 4. runs the schedule for real on the same partition: one process per device
    (gloo or NCCL), or every stage in one process on one device
    (``backend="single"``);
-5. reconciles the two timelines (:mod:`pipesim.validate.reconcile`).
+5. reconciles the two timelines (:mod:`pipesim.validate.reconcile`), and
+   simulates once more with every pass priced at the speed the run's passes
+   measured (``pass_time_ratio``, layers only): the error left is the
+   schedule's, the rest is how far the machine's speed moved from its
+   profile's.
 
 With ``profiler_trace`` (a folder), step 4 also runs under torch.profiler
 and writes a Kineto trace per rank there, ``rank<R>.json.gz``, each action
@@ -46,15 +50,16 @@ from pipesim.sim.ir.core import Schedule
 from pipesim.sim.partition.split import partition
 from pipesim.sim.strategies import ScheduleSpec, build_schedule
 from pipesim.sim.strategies._common import check_executable
-from pipesim.sim.workloads.profile import Profile
+from pipesim.sim.workloads.profile import Profile, at_layer_speed
 from pipesim.sim.workloads.readers import load_profile
+from pipesim.sim.workloads.stages import StageCost, split_at
 from pipesim.validate.allocator import keep_freed_memory
 from pipesim.validate.executor import emulate, iteration_losses
 from pipesim.validate.launch import core_assignment, measure_wake_slice
 from pipesim.validate.models import ModelError, RealModel, layer_param_bytes, layer_stats
 from pipesim.validate.numerics import EXECUTOR_THREADS, intra_op_threads
 from pipesim.validate.profiler import ProfileSettings, kernel_bandwidths, profile_model
-from pipesim.validate.reconcile import compare, iteration_time, measured_result
+from pipesim.validate.reconcile import compare, iteration_time, measured_result, pass_time_ratio
 from pipesim.validate.runtime import Job, run_distributed
 from pipesim.validate.stage import OptimizerConfig
 
@@ -357,16 +362,20 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     prof, hw = _measurements(cfg, schedule, device, model, say)
     costs = partition(prof, schedule.num_stages)
     starts = tuple(c.first_layer for c in costs)
+
+    def simulate(costs: list[StageCost], hw: Hardware, meta: dict | None = None) -> SimResult:
+        return run_engine(
+            schedule,
+            costs,
+            hw,
+            microbatch_size=cfg.microbatch_size,
+            optimizer=prof.optimizer,
+            recv_lookahead=cfg.recv_lookahead,
+            meta=meta,
+        )
+
     say(f"simulating {cfg.strategy} (stages start at layers {list(starts)}) ...")
-    predicted = run_engine(
-        schedule,
-        costs,
-        hw,
-        microbatch_size=cfg.microbatch_size,
-        optimizer=prof.optimizer,
-        recv_lookahead=cfg.recv_lookahead,
-        meta={"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer},
-    )
+    predicted = simulate(costs, hw, {"model": prof.name, "hardware": hw.name, "optimizer": prof.optimizer})
     job = Job(
         schedule=schedule,
         model=cfg.model,
@@ -402,21 +411,20 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
             held_reference=predicted,
         )
     )
+    t_meas = report["iteration_time_measured_s"]
+    ratio = pass_time_ratio(measured, costs, prof)
+    if ratio is not None:
+        # the prediction at the speed the run's passes ran: what is left of the error is the schedule's
+        at_speed = simulate(split_at(at_layer_speed(prof, ratio), starts), hw)
+        t = iteration_time(serialized(at_speed, measured) if cfg.backend == "single" else at_speed)
+        report["pass_time_ratio"] = round_sig(ratio)
+        report["iteration_time_predicted_at_run_speed_s"] = round_sig(t)
+        report["iteration_time_error_at_run_speed"] = round_sig((t - t_meas) / t_meas)
     if hw.cpu is not None and cfg.backend != "single":
         # what the prediction would be without the cores' model: its share of the result
-        plain = run_engine(
-            schedule,
-            costs,
-            replace(hw, cpu=None),
-            microbatch_size=cfg.microbatch_size,
-            optimizer=prof.optimizer,
-            recv_lookahead=cfg.recv_lookahead,
-        )
-        t = iteration_time(plain)
+        t = iteration_time(simulate(costs, replace(hw, cpu=None)))
         report["iteration_time_predicted_without_cpu_model_s"] = round_sig(t)
-        report["iteration_time_error_without_cpu_model"] = round_sig(
-            (t - report["iteration_time_measured_s"]) / report["iteration_time_measured_s"]
-        )
+        report["iteration_time_error_without_cpu_model"] = round_sig((t - t_meas) / t_meas)
     if cfg.backend == "single" and out.peak_memory:
         report["peak_memory_note"] = (
             "single-device mode holds every stage on one device: measured is its peak, "

@@ -31,7 +31,10 @@ hardware, as separate ``pipesim validate`` invocations do, so the spread of a
 strategy's errors over ``--repeats`` is the spread a user sees between
 invocations (target: 5 points). Each row also gives how far the predicted
 and the measured iteration times moved over the repeats, which says whether
-the spread came from the profile, the run or both.
+the spread came from the profile, the run or both, and the error at the
+run's own pass speed (``pipesim validate``'s ``pass_time_ratio``), whose
+spread is the schedule's alone: what is left when the machine's speed
+drifting between the profile and the run is taken out.
 """
 
 from __future__ import annotations
@@ -192,6 +195,9 @@ def _row(strategy: str, reports: list[dict]) -> dict:
     starts = [r["action_errors"]["start_error_fraction_of_makespan"]["p90"] for r in reports]
     predicted = [r["iteration_time_predicted_s"] for r in reports]
     measured = [r["iteration_time_measured_s"] for r in reports]
+    # the prediction at each run's own pass speed: its spread is the schedule's, the rest the profile's speed
+    at_speed = [r["iteration_time_error_at_run_speed"] for r in reports if "iteration_time_error_at_run_speed" in r]
+    ratios = [r["pass_time_ratio"] for r in reports if "pass_time_ratio" in r]
     return {
         "strategy": strategy,
         "errors": errors,
@@ -199,6 +205,10 @@ def _row(strategy: str, reports: list[dict]) -> dict:
         "spread": max(errors) - min(errors),
         "predicted_spread": _relative_range(predicted),
         "measured_spread": _relative_range(measured),
+        "errors_at_run_speed": at_speed,
+        "error_at_run_speed": statistics.median(at_speed) if at_speed else None,
+        "spread_at_run_speed": max(at_speed) - min(at_speed) if at_speed else None,
+        "pass_time_ratios": ratios,
         "error_without_cpu_model": statistics.median(plain) if plain else None,
         "start_error_p90": statistics.median(starts),
         "measured_s": statistics.median(measured),
@@ -339,7 +349,7 @@ def render(res: dict) -> str:
     lines = [_measured_line(c, label) for c, label in zip(res["configs"], labels, strict=True)]
     lines.append(
         f"{'model':10} {'p':>2} {'strategy':18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  "
-        f"{'runs':24} {'spread':>7} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"
+        f"{'runs':24} {'spread':>7} {'at run speed':>12} {'no cpu model':>12} {'start p90':>9} {'bubble m/p':>10}"
     )
     for c, label in zip(res["configs"], labels, strict=True):
         for r in c["rows"]:
@@ -349,15 +359,17 @@ def render(res: dict) -> str:
             runs = " ".join(f"{e:+.1%}" for e in r["errors"])
             plain = "" if r.get("error_without_cpu_model") is None else f"{r['error_without_cpu_model']:+.1%}"
             spread = f"{r['spread'] * 100:.1f}" if len(r["errors"]) > 1 else ""
+            at_speed = "" if r.get("error_at_run_speed") is None else f"{r['error_at_run_speed']:+.1%}"
             lines.append(
                 f"{label:10} {c['stages']:>2} {r['strategy']:18} {r['measured_s'] * 1e3:12.2f} "
-                f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {spread:>7} {plain:>12} "
+                f"{r['predicted_s'] * 1e3:13.2f} {r['error']:+8.1%}  {runs:24} {spread:>7} {at_speed:>12} {plain:>12} "
                 f"{r['start_error_p90']:9.1%} {r['bubble_measured']:.2f}/{r['bubble_predicted']:.2f}"
             )
     for c, label in zip(res["configs"], labels, strict=True):
         targets = (c.get("target_median", TARGETS["catalog"][0]), c.get("target_each", TARGETS["catalog"][1]))
         lines.append(f"{label}, {c['stages']} stages: " + _verdict(c["rows"], *targets))
         if any(len(r.get("errors", ())) > 1 for r in c["rows"]):
+            lines += _spread_lines(c, label)
             lines.append(f"{label}, {c['stages']} stages, run to run: " + _spread_verdict(c))
     if len(res["configs"]) > 1:
         kinds = {
@@ -403,17 +415,46 @@ def _verdict(rows: list[dict], median_target: float, each_target: float) -> str:
     )
 
 
+def _spread_lines(c: dict, label: str) -> list[str]:
+    """Per strategy, every run's error, the same at the run's pass speed,
+    and the pass-time ratios: the spread and what it is made of."""
+
+    def errors(values: list[float]) -> str:
+        spread = f" ({(max(values) - min(values)) * 100:.1f})" if values else ""
+        return " ".join(f"{e:+.1%}" for e in values) + spread
+
+    lines = [
+        f"{label}, {c['stages']} stages, run to run: errors (spread, points) | at the run's pass speed | pass-time ratios"
+    ]
+    for r in c["rows"]:
+        if "failed" not in r and len(r["errors"]) > 1:
+            ratios = " ".join(f"x{x:.3f}" for x in r.get("pass_time_ratios", ()))
+            lines.append(
+                f"  {r['strategy']:18} {errors(r['errors']):32} | {errors(r.get('errors_at_run_speed', [])):32} | {ratios}"
+            )
+    return lines
+
+
 def _spread_verdict(c: dict) -> str:
     """The widest spread of one strategy's errors over its repeats, and what moved."""
     rows = [r for r in c["rows"] if "failed" not in r]
     widest = max(rows, key=lambda r: r["spread"])
     within = sum(r["spread"] <= SPREAD_TARGET for r in rows)
-    return (
+    line = (
         f"widest spread {widest['spread'] * 100:.1f} points ({widest['strategy']}: prediction moved "
         f"{widest['predicted_spread']:.1%}, measurement {widest['measured_spread']:.1%}), {within} of {len(rows)} "
         f"within {SPREAD_TARGET * 100:.0f} points"
         + ("" if c.get("fresh") else " (one profile for all runs: --fresh measures each run's own)")
     )
+    at_speed = [r for r in rows if r.get("spread_at_run_speed") is not None]
+    if at_speed:
+        widest = max(at_speed, key=lambda r: r["spread_at_run_speed"])
+        within = sum(r["spread_at_run_speed"] <= SPREAD_TARGET for r in at_speed)
+        line += (
+            f"; at the run's pass speed, widest {widest['spread_at_run_speed'] * 100:.1f} points "
+            f"({widest['strategy']}), {within} of {len(at_speed)} within {SPREAD_TARGET * 100:.0f}"
+        )
+    return line
 
 
 def main(argv=None, prog: str = "python -m pipesim.experiments.bench.validate") -> int:

@@ -485,6 +485,31 @@ def rescaled(profile: Profile, microbatch_size: int) -> Profile:
     return replace(profile, layers=layers, microbatch_size=microbatch_size, notes=f"{profile.notes}; {note}")
 
 
+def at_layer_speed(profile: Profile, ratio: float) -> Profile:
+    """``profile`` with every layer's passes ``ratio`` times as long (bytes
+    and the per-pass overheads as they are): the same layers on a machine
+    running ``1 / ratio`` as fast. ``pipesim validate`` re-prices its
+    prediction so, at the speed its run's passes measured, to tell how much
+    of an error is the profile's speed and how much the schedule's. The
+    per-pass overheads stay: a run's pass spans hold little of them (most
+    is the runtime's bookkeeping between passes), so the run cannot say
+    how fast they went."""
+    if not ratio > 0:
+        raise WorkloadError(f"a layer-time ratio must be positive, not {ratio}")
+    layers = tuple(
+        replace(
+            la,
+            forward_s=la.forward_s * ratio,
+            backward_s=la.backward_s * ratio,
+            backward_input_s=None if la.backward_input_s is None else la.backward_input_s * ratio,
+            fixed_forward_s=la.fixed_forward_s * ratio,
+            fixed_backward_s=la.fixed_backward_s * ratio,
+        )
+        for la in profile.layers
+    )
+    return replace(profile, layers=layers)
+
+
 def at_microbatch_size(profile: Profile, microbatch_size: int | None) -> Profile:
     """``profile`` run at ``microbatch_size`` samples per micro-batch (None:
     as it is). A profile that knows its batch (any but 1: a JSON profile's
