@@ -1402,18 +1402,22 @@ def _memory(traces, t0: float, offsets, n: int) -> list[MemoryTrack]:
         pool = cuda or mem
         peak, at = max(pool.values(), default=(0, t0 + offsets[dev] if dev < len(offsets) else t0))
         off = offsets[dev] if dev < len(offsets) else 0.0
-        tracks.append(
-            MemoryTrack(
-                device=dev,
-                capacity_bytes=float("inf"),
-                times=[(at - off - t0) * _US] if pool else [],
-                totals=[peak] if pool else [],
-                peak_bytes=peak,
-                peak_time=(at - off - t0) * _US if pool else 0.0,
-                peak_breakdown={"measured": peak} if pool else {},
-            )
-        )
+        tracks.append(_peak_track(dev, peak, (at - off - t0) * _US if pool else 0.0))
     return tracks
+
+
+def _peak_track(device: int, peak_bytes: int, peak_time_s: float) -> MemoryTrack:
+    """A device's memory as a trace tells it: one measured peak, at its
+    time (an empty track where nothing was sampled: ``peak_bytes`` 0)."""
+    return MemoryTrack(
+        device=device,
+        capacity_bytes=float("inf"),
+        times=[peak_time_s] if peak_bytes else [],
+        totals=[peak_bytes] if peak_bytes else [],
+        peak_bytes=peak_bytes,
+        peak_time=peak_time_s,
+        peak_breakdown={"measured": peak_bytes} if peak_bytes else {},
+    )
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -1629,18 +1633,7 @@ def load_imported(path) -> ImportedRun:
             Span(dev, stream, parse_action(act), start, end, peer, flow)
             for dev, stream, act, start, end, peer, flow in doc.get("spans", [])
         ]
-        memory = [
-            MemoryTrack(
-                device=m["device"],
-                capacity_bytes=float("inf"),
-                times=[m["peak_time_s"]] if m["peak_bytes"] else [],
-                totals=[m["peak_bytes"]] if m["peak_bytes"] else [],
-                peak_bytes=m["peak_bytes"],
-                peak_time=m["peak_time_s"],
-                peak_breakdown={"measured": m["peak_bytes"]} if m["peak_bytes"] else {},
-            )
-            for m in doc.get("memory", [])
-        ]
+        memory = [_peak_track(m["device"], m["peak_bytes"], m["peak_time_s"]) for m in doc.get("memory", [])]
         result = _measured(schedule, spans, memory, dict(doc.get("meta", {})))
     return ImportedRun(
         result=result,
