@@ -512,8 +512,13 @@ def learning_curves_figure(doc: dict):
 
 
 def compared_on(doc: dict) -> str:
-    """The summary's key: ``"accuracy"``, or ``"heldout_loss"`` for runs
-    without an accuracy (:func:`metric`)."""
+    """The summary's key, as the document's settings say it:
+    ``"accuracy"``, or ``"heldout_loss"`` for runs without an accuracy
+    (:func:`metric`); a document without the setting is read by the keys
+    its summary has."""
+    said = doc.get("settings", {}).get("compared_on")
+    if said:
+        return said
     return "heldout_loss" if any("heldout_loss" in info for info in doc["summary"].values()) else "accuracy"
 
 
