@@ -183,6 +183,12 @@ def test_single_device_validation_end_to_end():
     times = {"F": lambda la: la.forward_s, "B": lambda la: la.backward_s}
     layer_s = sum(times[s.action.op.value](la) for s in passes for la in layers[s.action.stage])
     assert r["pass_time_ratio"] == pytest.approx(sum(s.duration for s in passes) / layer_s, rel=1e-6)
+    # laid end to end, an iteration at the run's speed is longer by about its layers' time times
+    # (ratio - 1): about, as the iteration ends fall between devices' actions, not at the steady passes'
+    longer = r["iteration_time_predicted_at_run_speed_s"] - r["iteration_time_predicted_s"]
+    expected = (r["pass_time_ratio"] - 1) * layer_s / (cfg.iterations - 1)
+    assert 0.5 * abs(expected) - 2e-6 <= abs(longer) <= 1.5 * abs(expected) + 2e-6
+    assert longer * expected >= 0 or abs(expected) < 2e-6
     assert r["iteration_time_error_at_run_speed"] == pytest.approx(
         (r["iteration_time_predicted_at_run_speed_s"] - r["iteration_time_measured_s"])
         / r["iteration_time_measured_s"],

@@ -363,11 +363,11 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
     costs = partition(prof, schedule.num_stages)
     starts = tuple(c.first_layer for c in costs)
 
-    def simulate(costs: list[StageCost], hw: Hardware, meta: dict | None = None) -> SimResult:
+    def simulate(stage_costs: list[StageCost], hardware: Hardware, meta: dict | None = None) -> SimResult:
         return run_engine(
             schedule,
-            costs,
-            hw,
+            stage_costs,
+            hardware,
             microbatch_size=cfg.microbatch_size,
             optimizer=prof.optimizer,
             recv_lookahead=cfg.recv_lookahead,
@@ -412,8 +412,8 @@ def run_validation(cfg: ValidateConfig, progress=None) -> Validation:
         )
     )
     t_meas = report["iteration_time_measured_s"]
-    ratio = pass_time_ratio(measured, costs, prof)
-    if ratio is not None:
+    ratio = pass_time_ratio(predicted, measured, prof)
+    if ratio is not None and t_meas > 0:
         # the prediction at the speed the run's passes ran: what is left of the error is the schedule's
         at_speed = simulate(split_at(at_layer_speed(prof, ratio), starts), hw)
         t = iteration_time(serialized(at_speed, measured) if cfg.backend == "single" else at_speed)

@@ -20,14 +20,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
 
 from pipesim.sim.engine.metrics import bubble_fractions, round_sig
 from pipesim.sim.engine.results import SimResult, Span
 from pipesim.sim.engine.trackers import activation_peaks
 from pipesim.sim.ir.core import COMPUTE_OPS, PASS_OPS, B, F, I, Schedule, W
 from pipesim.sim.workloads.profile import Profile
-from pipesim.sim.workloads.stages import StageCost
 
 #: relative duration error (|pred − meas| / meas) above which an action is flagged
 DURATION_THRESHOLD = 0.25
@@ -220,12 +218,15 @@ def compare_stage_times(predicted: SimResult, measured: SimResult) -> list[dict]
     return out
 
 
-def pass_time_ratio(measured: SimResult, costs: Sequence[StageCost], profile: Profile) -> float | None:
-    """How long the run's passes (F, B, I, W) took, summed, over the
-    profile's time for the same passes' layers: above 1, the machine ran
-    them slower than its profile said. Steady state only, as for the
-    iteration time (:func:`steady_actions`), when the run has several
-    iterations; None when nothing was compared.
+def pass_time_ratio(predicted: SimResult, measured: SimResult, profile: Profile) -> float | None:
+    """How long the run's passes (F, B, I, W) took, summed, over how long
+    the prediction had the same passes take less the profile's per-pass
+    overhead: above 1, the machine ran them slower than its profile said.
+    Steady state only, as for the iteration time (:func:`steady_actions`),
+    when the run has several iterations; None when nothing was compared.
+    ``predicted`` is the simulated run itself (not single-device mode's
+    serialized timeline), whose passes hold what the cores' model charges
+    them, as the measured ones do.
 
     A machine's speed drifts while it is shared (a CPU's by a few percent
     over seconds, a GPU's with its clocks), so a profile measured a minute
@@ -234,26 +235,26 @@ def pass_time_ratio(measured: SimResult, costs: Sequence[StageCost], profile: Pr
     (:func:`~pipesim.sim.workloads.profile.at_layer_speed`) leaves the error
     that is the schedule's: bubbles, transfers, overheads, updates.
 
-    The profile's per-pass overheads are left out of its side: they are the
-    runtime's cost per pass, start to start, most of it bookkeeping between
-    passes, which a measured pass's span does not hold (the simulator puts
-    it inside)."""
-    o_f, o_b = profile.overhead_forward_s, profile.overhead_backward_s
-    layer_time = {
-        F: lambda c: c.forward_s - o_f,
-        B: lambda c: c.backward_s - o_b,
-        I: lambda c: c.backward_input_s - o_b,
-        W: lambda c: c.backward_weight_s - o_b,
-    }
-    steady = steady_actions(measured.schedule) if measured.schedule.num_iterations > 1 else None
-    passes = [
-        s
-        for s in measured.by_stream()["compute"]
-        if s.action.op in PASS_OPS and (steady is None or (s.device, s.action) in steady)
-    ]
-    meas = math.fsum(s.duration for s in passes)
-    pred = math.fsum(layer_time[s.action.op](costs[s.action.stage]) for s in passes)
-    return meas / pred if pred > 0 and meas > 0 else None
+    The overheads are left out of the prediction's side: they are the
+    runtime's cost per pass, start to start, mostly bookkeeping between
+    passes, of which a measured pass's span holds little (the simulator
+    puts it all inside)."""
+    overhead = {F: profile.overhead_forward_s, B: profile.overhead_backward_s}
+    overhead[I] = overhead[W] = profile.overhead_backward_s
+    steady = steady_actions(predicted.schedule) if predicted.schedule.num_iterations > 1 else None
+
+    def passes(result: SimResult) -> dict:
+        return {
+            (s.device, s.action): s.duration
+            for s in result.by_stream()["compute"]
+            if s.action.op in PASS_OPS and (steady is None or (s.device, s.action) in steady)
+        }
+
+    pred, meas = passes(predicted), passes(measured)
+    both = pred.keys() & meas.keys()  # fsum is exact: their order does not matter
+    run = math.fsum(meas[k] for k in both)
+    layers = math.fsum(pred[k] - overhead[k[1].op] for k in both)
+    return run / layers if run > 0 and layers > 0 else None
 
 
 def compare_versions(predicted: SimResult, versions_used: dict) -> dict:

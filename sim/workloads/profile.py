@@ -467,11 +467,9 @@ def rescaled(profile: Profile, microbatch_size: int) -> Profile:
     check_microbatch_size(microbatch_size)
     r = microbatch_size / profile.microbatch_size
     layers = tuple(
-        replace(
+        _times_scaled(
             la,
-            forward_s=la.forward_s * r,
-            backward_s=la.backward_s * r,
-            backward_input_s=None if la.backward_input_s is None else la.backward_input_s * r,
+            r,
             activation_bytes=round(la.activation_bytes * r),
             stash_bytes=round(la.stash_bytes * r),
             w_held_bytes=round(la.w_held_bytes * r),
@@ -494,20 +492,27 @@ def at_layer_speed(profile: Profile, ratio: float) -> Profile:
     per-pass overheads stay: a run's pass spans hold little of them (most
     is the runtime's bookkeeping between passes), so the run cannot say
     how fast they went."""
-    if not ratio > 0:
-        raise WorkloadError(f"a layer-time ratio must be positive, not {ratio}")
+    if not (math.isfinite(ratio) and ratio > 0):
+        raise WorkloadError(f"a layer-time ratio must be positive and finite, not {ratio}")
     layers = tuple(
-        replace(
-            la,
-            forward_s=la.forward_s * ratio,
-            backward_s=la.backward_s * ratio,
-            backward_input_s=None if la.backward_input_s is None else la.backward_input_s * ratio,
-            fixed_forward_s=la.fixed_forward_s * ratio,
-            fixed_backward_s=la.fixed_backward_s * ratio,
+        _times_scaled(
+            la, ratio, fixed_forward_s=la.fixed_forward_s * ratio, fixed_backward_s=la.fixed_backward_s * ratio
         )
         for la in profile.layers
     )
     return replace(profile, layers=layers)
+
+
+def _times_scaled(layer: LayerCost, r: float, **changes) -> LayerCost:
+    """``layer`` with its forward and backward (and the backward's split)
+    ``r`` times as long, and ``changes``."""
+    return replace(
+        layer,
+        forward_s=layer.forward_s * r,
+        backward_s=layer.backward_s * r,
+        backward_input_s=None if layer.backward_input_s is None else layer.backward_input_s * r,
+        **changes,
+    )
 
 
 def at_microbatch_size(profile: Profile, microbatch_size: int | None) -> Profile:
