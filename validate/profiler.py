@@ -214,10 +214,9 @@ def time_layers(
         )
         for i in chain
     ]
-    n = len(chain)
     data = model.data(settings.microbatch_size)
-    fwd, bwd, inp, upd = ([[] for _ in range(n)] for _ in range(4))
-    after_forward, w_held = [0] * n, [0] * n
+    fwd, bwd, inp, upd = ([[] for _ in stages] for _ in range(4))
+    after_forward, w_held = [0] * len(stages), [0] * len(stages)
     steps = settings.warmup + settings.repeats
     for step in range(2 * steps):
         if progress is not None and step:
@@ -240,7 +239,7 @@ def time_layers(
             if counting:
                 after_forward[i] = st.held.level([st])
         g = None
-        for i in reversed(range(n)):
+        for i in reversed(range(len(stages))):
             st = stages[i]
             op = I if split else B
             t0 = _now(device)
