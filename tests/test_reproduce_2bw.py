@@ -161,3 +161,39 @@ def test_figures_one_per_published_figure(tmp_path):
         "figure9.html",
         "figure12.html",
     }
+
+
+def test_notes_price_every_bar_at_the_authors_microbatch(small, monkeypatch):
+    """The report's second table: each published bar again at the authors'
+    b = 8 (never inside predict), with the counts within tolerance."""
+    monkeypatch.setattr(twobw, "FIG9_DEPTHS", ())
+    monkeypatch.setattr(twobw, "FIG12_SIZES", ())
+    real = twobw.at_authors_microbatch
+
+    def refuse(row):
+        raise AssertionError("predict must not price the authors' configuration")
+
+    monkeypatch.setattr(twobw, "at_authors_microbatch", refuse)
+    rows, claims = _predict()
+    monkeypatch.setattr(twobw, "at_authors_microbatch", real)
+    rows, claims = with_published(rows, claims, twobw.PAPER.published_rows, twobw.PAPER.published_claims)
+    bars = [r for r in rows if r.figure == "6a"]
+    assert all(r.config["b"] in (1, 2) for r in bars)
+    text = twobw.PAPER.notes(rows, claims)
+    within = 0
+    for r in bars:
+        got = twobw.at_authors_microbatch(r)
+        assert got["config"]["b"] == twobw.AUTHORS_MICROBATCH
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {r.figure} | {r.model} | 64 | {r.technique} |")]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[4] == str(r.config["b"]) and cells[9] == f"{r.published:.3g}"
+        theirs = got["throughput"]
+        assert cells[7] == f"{theirs:.3g}" + (" rc" if got["config"]["recompute"] else "")
+        assert cells[8] == f"{theirs / r.published - 1:+.0%}"
+        within += got["throughput"] is not None and abs(got["throughput"] / r.published - 1) <= r.tolerance
+    planned = sum(abs(r.predicted / r.published - 1) <= r.tolerance for r in bars if r.predicted is not None)
+    assert f"{planned} of {len(bars)} bars at the planner's micro-batch, {within} of {len(bars)} at b = 8" in text
+    # a larger micro-batch than the planner's: GPipe's flush at b = 8 is another configuration
+    gpipe = next(r for r in bars if r.technique == "gpipe")
+    assert twobw.at_authors_microbatch(gpipe)["throughput"] != pytest.approx(gpipe.predicted, rel=1e-3)
+    assert twobw.PAPER.notes([r for r in rows if r.figure != "6a"], claims) == ""

@@ -185,7 +185,7 @@ def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
         where = f"{r.hardware} | {r.gpus} | " if hardware else ""
         out.append(
             f"| {r.figure} | {r.model} | {where}{r.technique} | {r.global_batch or ''} | {r.metric} | "
-            f"{_num(r.predicted)} | {_num(r.published)} | {_error(r)} | {_note(r)} |"
+            f"{three_figures(r.predicted)} | {three_figures(r.published)} | {_error(r)} | {_note(r)} |"
         )
     return "\n".join(out)
 
@@ -193,7 +193,9 @@ def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
 def claims_table(claims: Sequence[Claim]) -> str:
     out = ["| claim | predicted | published | error | note |", "|---|---|---|---|---|"]
     for c in claims:
-        out.append(f"| {c.text} | {_num(c.predicted)} | {_num(c.published)} | {_error(c)} | {_note(c)} |")
+        out.append(
+            f"| {c.text} | {three_figures(c.predicted)} | {three_figures(c.published)} | {_error(c)} | {_note(c)} |"
+        )
     return "\n".join(out)
 
 
@@ -214,7 +216,8 @@ def _note(r: Row | Claim) -> str:
     return r.note if err is not None and abs(err) > 0.2 else ""
 
 
-def _num(v: float | None) -> str:
+def three_figures(v: float | None) -> str:
+    """A value as the reports print it: three significant figures, "—" for none."""
     if v is None:
         return "—"
     if math.isinf(v):
