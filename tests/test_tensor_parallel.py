@@ -169,3 +169,29 @@ def test_a_shard_is_refused_by_every_other_strategy():
     shard = model_profile("2bw-gpt-355m", load_hardware("p3.16xlarge").device, 1, tensor_parallel=4)
     with pytest.raises(WorkloadError, match="only the tensor-parallel strategy"):
         simulate(ScheduleSpec("1f1b", 4, 4), hardware="p3.16xlarge", profile=shard)
+
+
+def test_a_shard_keeps_megatrons_unsplit_parts_whole():
+    """Korthikanti et al. 2022 (4.2.1): of a transformer layer's 34 bytes per
+    element of s b h, the layer norms' inputs, the dropout masks after
+    attention and MLP and the inputs of QKV and the first MLP product (10)
+    stay whole on every tensor-parallel rank, the other 24 are split; the
+    layer's input and output are whole too, so the traffic besides the GEMMs
+    shrinks less than d-fold."""
+    from pipesim.sim.workloads.catalog import architecture, model_profile
+
+    hw = load_hardware("p3.16xlarge")
+    block = next(la for la in architecture("2bw-gpt-2.2b") if la.name == "block0")
+    s, h = 512, 2304
+    assert block.stash_elems == 17 * s * h and block.replicated_stash_elems == 5 * s * h
+    moved, stash = block.rank_elems(8)
+    assert stash == pytest.approx((10 + 24 / 8) * s * h / 2)
+    assert moved == pytest.approx(2 * s * h + stash)
+    assert block.rank_elems(1) == (block.in_elems + block.out_elems + block.stash_elems, block.stash_elems)
+    for b in (1, 4):
+        whole = model_profile("2bw-gpt-2.2b", hw.device, b)
+        shard = model_profile("2bw-gpt-2.2b", hw.device, b, tensor_parallel=8)
+        (w,) = [la for la in whole.layers if la.name == "block0"]
+        (r,) = [la for la in shard.layers if la.name == "block0"]
+        assert w.stash_bytes == round(2 * b * 17 * s * h)
+        assert r.stash_bytes == round(2 * b * (5 + 12 / 8) * s * h)  # 13/34 of the whole, not 1/8

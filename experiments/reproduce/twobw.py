@@ -369,9 +369,10 @@ def memory_rows(family: str, figure: str, step=lambda what: None) -> list[Row]:
     limit = hw.device.memory_bytes
     rows = []
     single = {}
-    for technique, strategy in (("inter-layer", "gpipe"), ("tensor", "tensor-parallel")):
+    for technique, strategy, shards in (("inter-layer", "gpipe", 1), ("tensor", "tensor-parallel", depth)):
         spec = ScheduleSpec(strategy, depth, 1)
-        res = simulate_schedule(build_schedule(spec), _profile(model, hardware, 1), hw)
+        # tensor MP: one rank's shard, as its throughput bars run it
+        res = simulate_schedule(build_schedule(spec), _profile(model, hardware, 1, tensor_parallel=shards), hw)
         single[technique] = _peak(res)
     for batch in MEMORY_BATCHES:
         step(f"{figure} {model} B={batch} memory")
@@ -631,27 +632,28 @@ _PER_SAMPLE_64 = (
     "211.5 / 64 = 3.3 against 52.6 / 8 = 6.6, 50%; the published 48%). " + _LAYOUT_64
 )
 _TENSOR_1_SERVER = (
-    "Each of the 8 ranks runs its shard of every GEMM at the shard's own shape (48.6 TFLOP/s at b = 32, "
-    "against 55.3 for the whole layer) and the 4 activation all-reduces per layer (75.5 MB each at b = 32, "
-    "1.2 ms by NCCL's model over the cube mesh's NVLink lanes) take 22% of a 32-sequence micro-batch's "
-    "0.72 s: 44.0 seq/s. pipesim takes the largest micro-batch that fits (32); at b = 1 the same model "
-    "gives 25.8 and 25.9 seq/s (1-sequence micro-batches at 38.6 ms, 27% of it all-reduce), the published "
-    "25 and 26. The authors' sweep script runs tensor MP at b = 8, where pipesim gives 39.5 and 39.6 seq/s "
-    "(+58%, +52%): the authors' micro-batch closes a quarter of the gap, the rest is unexplained (a per-sample "
-    "cost pipesim does not price)."
+    "Each of the 8 ranks runs its shard of every GEMM at the shard's own shape and keeps whole what Megatron-LM "
+    "does not split (the layer's input and output, the layer norms' inputs, the dropout masks after attention "
+    "and MLP: 10 of Korthikanti et al.'s 34 bytes per element of s b h), so a block runs 41.8 TFLOP/s at b = 16 "
+    "against 55.3 for the whole layer, and b = 32 does not fit. The 128 activation all-reduces (37.7 MB each "
+    "at b = 16, 0.64 ms by NCCL's model over the cube mesh's NVLink lanes) take 20% of a 16-sequence "
+    "micro-batch's 0.41 s: 39.2 seq/s. At b = 1 the same model gives 24.7 and 24.8 seq/s, the published 25 and "
+    "26. The authors' sweep script runs tensor MP at b = 8, where pipesim gives 36.9 and 37.0 seq/s (+48%, "
+    "+42%): the authors' micro-batch closes a sixth of the gap, the rest is unexplained (a per-sample cost "
+    "pipesim does not price)."
 )
 _TENSOR_64 = (
     "8 groups of 8-way tensor MP, each server's 8 ranks all-reducing their gradient shards across the groups "
     "through its one 25 Gbps NIC after each update: 4.7 s by the planner's link model (" + _NIC + "), "
     "against the fixed cost per update the two published bars imply (3.4 s: their extra 1536 samples take "
-    "7.4 s). A group runs 44.0 seq/s at b = 32 (the 6a rows), 83.0 and 195.1 seq/s on 64 GPUs (published 88, "
-    "155: -6% and +26%); at b = 1 pipesim gives 71.2 and 140.3."
+    "7.4 s). A group runs 39.2 seq/s at b = 16 (the 6a rows), 80.7 and 182.5 seq/s on 64 GPUs (published 88, "
+    "155: -8% and +18%); at b = 1 pipesim gives 70.1 and 136.1."
 )
 _TENSOR_6C = (
-    "16-way tensor parallelism spans two servers: 97% of a 32-sequence micro-batch (15.25 of 15.71 s) is its "
-    "136 activation all-reduces, 100.7 MB each, 112 ms by NCCL's model through each server's 25 Gbps NIC, "
-    "where " + _NIC + ", so the micro-batch size barely matters (7.1 and 7.4 seq/s at b = 1); pipesim gives "
-    "7.7 and 8.0 seq/s (published 8, 8)."
+    "16-way tensor parallelism spans two servers: 96% of a 16-sequence micro-batch (7.64 of 7.92 s) is its "
+    "136 activation all-reduces, 50.3 MB each, 56 ms by NCCL's model through each server's 25 Gbps NIC, "
+    "where " + _NIC + ", so the micro-batch size barely matters (7.07 and 7.33 seq/s at b = 1); pipesim gives "
+    "7.66 and 7.97 seq/s (published 8, 8)."
 )
 _GPIPE = (
     "The published GPipe bars do not grow with the batch (18/18, 80/80, 38/38 seq/s). " + _SMALL_MB + " Its "

@@ -321,6 +321,8 @@ class ArchLayer:
     FLOPs are the layer's ``gemm_flops + other_flops`` but for work that is
     no GEMM (the additive attention scores of GNMT), which the memory term
     prices. Empty: the layer is priced by the roofline at ``device.flops``.
+    ``replicated_stash_elems``: the part of ``stash_elems`` every
+    tensor-parallel rank keeps whole (:meth:`rank_elems`).
     """
 
     name: str
@@ -335,6 +337,20 @@ class ArchLayer:
     tied_params: int = 0
     kernels: tuple[int, int, int] = (0, 0, 0)
     gemms: tuple[Gemm, ...] = ()
+    replicated_stash_elems: float = 0.0
+
+    def rank_elems(self, shards: int = 1) -> tuple[float, float]:
+        """(elements moved by the layer's work other than its GEMMs, elements
+        stashed) per sample on one of ``shards`` tensor-parallel ranks.
+        Megatron-LM's tensor parallelism splits the GEMMs and what lies
+        between a split pair (attention heads, the MLP's inner width), while
+        every rank holds the layer's input and output whole, and the parts
+        Korthikanti et al. 2022 (section 4.2.1) count as not parallelised:
+        the layer norms' inputs, the dropout masks after attention and MLP,
+        the inputs of the QKV and first MLP products
+        (``replicated_stash_elems``)."""
+        stash = self.replicated_stash_elems + (self.stash_elems - self.replicated_stash_elems) / shards
+        return self.in_elems + self.out_elems + stash, stash
 
 
 @dataclass(frozen=True)
@@ -580,6 +596,7 @@ def _gnmt(seq_len: int, depth: int) -> list[ArchLayer]:
 
 def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLayer:
     # Korthikanti et al.: bytes per sample at 2 bytes/element; halve for elements.
+    # 10 s d of the 34 every tensor-parallel rank keeps whole (their section 4.2.1).
     stash_bytes16 = s * d * 34 + (5 * heads * s * s if keep_scores else 0)
     assert d % heads == 0, (d, heads)
     dh = d // heads
@@ -602,6 +619,7 @@ def _block(name: str, s: int, d: int, heads: int, keep_scores: bool) -> ArchLaye
         stash_elems=stash_bytes16 / 2,
         kernels=TRANSFORMER_KERNELS,
         gemms=gemms,
+        replicated_stash_elems=s * d * 10 / 2,
     )
 
 
@@ -875,8 +893,10 @@ def model_profile(
     ``tensor_parallel`` d > 1: one rank's shard of d-way tensor parallelism
     (:attr:`Profile.tensor_parallel`), for an architecture model on a device
     with the GEMM shape model: every GEMM at its shard's shape
-    (:meth:`Gemm.shard`), the rest of each layer's traffic, its weights and
-    its stash divided by d, its kernel launches whole. Elsewhere (measured
+    (:meth:`Gemm.shard`), its weights divided by d, its other traffic and
+    its stash as Megatron-LM shards them (:meth:`ArchLayer.rank_elems`: the
+    layer's input and output and a transformer block's layer-norm and
+    dropout parts whole on every rank), its kernel launches whole. Elsewhere (measured
     and ``uniform`` models, roofline devices) the whole model comes back and
     tensor parallelism divides its times by d.
     """
@@ -953,7 +973,7 @@ def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int, shards: 
         backward_s=fixed_bi + fixed_bw + backward_s,
         param_bytes=PARAM_BYTES * -(-la.params // shards),
         activation_bytes=round(dt * mb * la.out_elems),
-        stash_bytes=round(dt * mb * la.stash_elems / shards),
+        stash_bytes=round(dt * mb * la.rank_elems(shards)[1]),
         backward_input_s=fixed_bi + backward_input_s,
         fixed_forward_s=fixed_f,
         fixed_backward_s=fixed_bi + fixed_bw,
@@ -974,13 +994,14 @@ def shaped_passes(
     stashed intermediates at ``device.mem_bandwidth``, twice that in the
     backward, which is part of the input gradient (of the weight gradient
     where the layer has none). ``shards``: one tensor-parallel rank's part,
-    each GEMM at its shard's shape and the rest of the traffic divided."""
+    each GEMM at its shard's shape and the rest of the traffic as
+    :meth:`ArchLayer.rank_elems` counts it."""
     mb = microbatch_size
     passes: dict[str, list[float]] = {"forward": [], "input": [], "weight": []}
     for part, times, shapes in gemm_launches(la, mb, shards):
         passes[part].append(times * sum(gemm_seconds(device, *shape) for shape in shapes))
     forward, grad_in, grad_w = passes.values()
-    moved = device.dtype_bytes * mb * (la.in_elems + la.out_elems + la.stash_elems) / device.mem_bandwidth / shards
+    moved = device.dtype_bytes * mb * la.rank_elems(shards)[0] / device.mem_bandwidth
     (grad_in if la.input_grad else grad_w).append(2 * moved)
     return math.fsum(forward) + moved, math.fsum(grad_in), math.fsum(grad_w)
 
