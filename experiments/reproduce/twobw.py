@@ -660,9 +660,11 @@ _GPIPE = (
     "recomputation is checkpointed per layer, as Megatron's was, and still fits them all. With the paper's 2BW "
     "micro-batch (b = 8) and 8 micro-batches per flush pipesim's GPipe gives 23.1 seq/s on one server (its "
     "bubble 47%; published 18, the rest the compute rate), and a fixed number per flush with several flushes "
-    "per batch would be flat as the published bars are; pipesim's GPipe runs one flush per update. At b = 8 on "
-    "64 GPUs, grouped by stage as the authors' runtime runs, it gives 155.8 and 226.0 (6b) and 90.9 and 130.7 "
-    "seq/s (6c), each batch in one flush. " + _RATE
+    "per batch would be flat as the published bars are. But pipesim's GPipe runs one flush per update as the "
+    "authors' runtime does (megatron/megatron/schedules.py with --gpipe: every micro-batch's forward, then "
+    "every backward, then the update), so at b = 8 it grows with the batch: 33.8 seq/s at B = 256 on one "
+    "server (bubble 18%), and on 64 GPUs, grouped by stage as the runtime runs, 155.8 and 226.0 (6b) and 90.9 "
+    "and 130.7 seq/s (6c). The flat published bars are unexplained. " + _RATE
 )
 _FLUSH_6A = (
     _SMALL_MB + " pipesim's flush takes b = 1 (m = 64) at B = 64 and b = 2 (m = 128) at 256. At the paper's 2BW "
