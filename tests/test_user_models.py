@@ -465,3 +465,25 @@ def test_a_model_with_fewer_layers_than_stages_is_refused(tmp_path):
     model = resolve_model(f"{path}:make", microbatch_size=2)
     with pytest.raises(ModelError, match=rf"stage start 2 is past the last layer \(1\) of {re.escape(str(path))}"):
         split(model, [0, 1, 2])
+
+
+def test_both_profilers_measure_the_same_bytes_and_validates_leaves_the_model_as_it_was(tmp_path):
+    """``pipesim validate`` profiles the model it runs next, so its profiler
+    times copies and leaves the weights and their gradients as they were;
+    ``pipesim profile`` builds its steps from the model's own layers. Both
+    measure the same bytes and the same way of pricing a pass's overhead."""
+    import torch
+
+    from pipesim.validate.profiler import profile_model
+
+    settings = ProfileSettings(4, warmup=1, repeats=1)
+    model = resolve_model(f"{write_factory(tmp_path, LINEAR_MODEL)}:make", microbatch_size=4)
+    before = [p.detach().clone() for layer in model.layers for p in layer.parameters()]
+    copied = profile_model(model, settings=settings)
+    after = [p for layer in model.layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(p.grad is None for p in after)
+    trained, _ = profile_layers(model, settings=settings)
+    assert [la.param_bytes for la in copied.layers] == [la.param_bytes for la in trained.layers]
+    assert [la.activation_bytes for la in copied.layers] == [la.activation_bytes for la in trained.layers]
+    assert copied.overhead_forward_s > 0 and trained.overhead_forward_s > 0

@@ -296,6 +296,72 @@ def _layer_costs(stats, t: LayerTimes, o_f: float, o_b: float, o_i: float) -> li
     return layers
 
 
+#: Timed passes of the empty stage whose cost is the per-pass overhead, at least.
+OVERHEAD_REPEATS = 50
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What both profilers measure of a model's layers."""
+
+    stats: list  # LayerStats per layer (bytes)
+    times: LayerTimes
+    costs: list[LayerCost]
+    overhead_forward_s: float
+    overhead_backward_s: float
+    same_as: list[int]  # per layer, the layer whose times it takes
+    allocator: str  # how freed memory is kept (allocator.py)
+
+
+def _pass_overheads(microbatch_size: int, device: torch.device, settings: ProfileSettings):
+    """The runtime's fixed cost per pass: an empty stage in the middle of a
+    pipeline, timed (forward, backward, input-gradient). Tens of
+    microseconds a pass, so cheap to time well whatever the layers' repeats."""
+    empty = ProfileSettings(
+        microbatch_size, warmup=max(settings.warmup, 3), repeats=max(settings.repeats, OVERHEAD_REPEATS)
+    )
+    probe = torch.randn(microbatch_size, 8)
+    return time_stage(
+        nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=empty
+    )
+
+
+def _measure(
+    model: RealModel,
+    device: torch.device,
+    settings: ProfileSettings,
+    optimizer: OptimizerConfig,
+    *,
+    in_place: bool,
+    every_layer: bool | None,
+    progress=None,
+) -> _Measured:
+    """Each layer's bytes (one forward, :func:`layer_stats`), the pass
+    overheads (:func:`_pass_overheads`) and its times (:func:`time_layers`,
+    repeated layers timed once), as LayerCosts. ``in_place`` trains the
+    model's own layers, moved to ``device``; otherwise copies, leaving the
+    model as it was."""
+    allocator = keep_freed_memory()  # as the runtime's workers run (see allocator.py)
+    b = settings.microbatch_size
+    if in_place:
+        for layer in model.layers:
+            layer.to(device)
+    # in place, the timed steps run the backward that proves the graph
+    stats = layer_stats(model, b, device=device, copy_layers=not in_place, backward=not in_place)
+    o_f, o_b, o_i = _pass_overheads(b, device, settings)
+    same_as = _timed_as(model, stats, every_layer)
+    t = time_layers(
+        model if in_place else _fresh(model),
+        device,
+        settings,
+        optimizer,
+        stage_class=stage_class_for(model),
+        progress=progress,
+        same_as=same_as,
+    )
+    return _Measured(stats, t, _layer_costs(stats, t, o_f, o_b, o_i), o_f, o_b, same_as, str(allocator))
+
+
 def profile_model(
     model: RealModel,
     *,
@@ -306,42 +372,29 @@ def profile_model(
 ) -> Profile:
     """Per-layer costs of ``model`` for one micro-batch on ``device``, as a simulator Profile.
 
-    A layer that repeats the one before it takes that one's times
-    (:func:`~pipesim.validate.models.repeated_layers`) unless ``every_layer``
-    (default: for the catalog's models only)."""
+    Times copies of the layers, so the model is left as it was (``pipesim
+    validate`` runs it next). A layer that repeats the one before it takes
+    that one's times (:func:`~pipesim.validate.models.repeated_layers`)
+    unless ``every_layer`` (default: for the catalog's models only)."""
     device = torch.device(device)
-    allocator = keep_freed_memory()  # as the runtime's workers run (see allocator.py)
-    b = settings.microbatch_size
-    stats = layer_stats(model, b, device=device)
-    # the runtime's fixed cost per pass: an empty stage in the middle of a pipeline
-    probe = torch.randn(b, 8)
-    o_f, o_b, o_i = time_stage(
-        nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=settings
-    )
-    same_as = _timed_as(model, stats, every_layer)
-    t = time_layers(_fresh(model), device, settings, stage_class=stage_class_for(model), same_as=same_as)
-    layers = _layer_costs(stats, t, o_f, o_b, o_i)
+    got = _measure(model, device, settings, OptimizerConfig(), in_place=False, every_layer=every_layer)
     if progress is not None:
-        progress(len(layers), len(layers))
+        progress(len(got.costs), len(got.costs))
     return Profile(
         name=f"{model.name}-measured",
-        layers=tuple(layers),
-        microbatch_size=b,
+        layers=tuple(got.costs),
+        microbatch_size=settings.microbatch_size,
         optimizer="sgd",
-        overhead_forward_s=o_f,
-        overhead_backward_s=o_b,
+        overhead_forward_s=got.overhead_forward_s,
+        overhead_backward_s=got.overhead_backward_s,
         notes=(
             f"measured by pipesim profile on {device} ({torch.get_num_threads()} thread(s)), "
             f"{model.description}; per layer, means of {settings.repeats} training steps with every "
             "layer in turn; pass overheads measured on an empty stage and charged once per stage; "
             "w_held_bytes what a split backward's I leaves held for W beyond what the forward held, counted "
-            f"once; {_repeats_note(model, same_as)}; freed memory {allocator}"
+            f"once; {_repeats_note(model, got.same_as)}; freed memory {got.allocator}"
         ),
     )
-
-
-#: Timed passes of the empty stage whose cost is the per-pass overhead, at least.
-OVERHEAD_REPEATS = 50
 
 
 @dataclass(frozen=True)
@@ -386,22 +439,9 @@ def profile_layers(
     a transformer's blocks are timed once) unless ``every_layer`` (default:
     for the catalog's models only)."""
     device = torch.device(device)
-    allocator = keep_freed_memory()
     b = settings.microbatch_size
-    for layer in model.layers:
-        layer.to(device)
-    stats = layer_stats(model, b, device=device, copy_layers=False, backward=False)  # the steps run backwards
-    probe = torch.randn(b, 8)
-    # tens of microseconds a pass: cheap to time well, whatever the layers' repeats
-    empty = ProfileSettings(b, warmup=max(settings.warmup, 3), repeats=max(settings.repeats, OVERHEAD_REPEATS))
-    o_f, o_b, o_i = time_stage(
-        nn.Sequential(), probe, first=False, last=False, loss_fn=None, target=None, device=device, settings=empty
-    )
-    same_as = _timed_as(model, stats, every_layer)
-    t = time_layers(
-        model, device, settings, optimizer, stage_class=stage_class_for(model), progress=progress, same_as=same_as
-    )
-    layers = _layer_costs(stats, t, o_f, o_b, o_i)
+    got = _measure(model, device, settings, optimizer, in_place=True, every_layer=every_layer, progress=progress)
+    stats, t, layers, same_as = got.stats, got.times, got.costs, got.same_as
     extra = [
         LayerMeasure(s.name, c.backward_s - c.backward_input_s, t.optimizer_state_bytes[i], s.outputs)
         for i, (s, c) in enumerate(zip(stats, layers, strict=True))
@@ -423,15 +463,15 @@ def profile_layers(
         f"Optimizer {optimizer.kind}: {state:,} bytes of state measured after the "
         f"updates, {state / params if params else 0:.2f}x the {params:,} bytes of weights"
         + (f"; cuts after {', '.join(several)} carry several tensors (counted in activation_bytes)" if several else "")
-        + f"; freed memory {allocator}"
+        + f"; freed memory {got.allocator}"
     )
     prof = Profile(
         name=f"{model.name}-measured",
         layers=tuple(layers),
         microbatch_size=b,
         optimizer=optimizer.kind,
-        overhead_forward_s=o_f,
-        overhead_backward_s=o_b,
+        overhead_forward_s=got.overhead_forward_s,
+        overhead_backward_s=got.overhead_backward_s,
         notes=notes,
     )
     return prof, extra
