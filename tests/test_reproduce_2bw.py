@@ -197,3 +197,11 @@ def test_notes_price_every_bar_at_the_authors_microbatch(small, monkeypatch):
     gpipe = next(r for r in bars if r.technique == "gpipe")
     assert twobw.at_authors_microbatch(gpipe)["throughput"] != pytest.approx(gpipe.predicted, rel=1e-3)
     assert twobw.PAPER.notes([r for r in rows if r.figure != "6a"], claims) == ""
+
+
+def test_the_authors_microbatch_prices_a_bar_at_its_own_panels_depth():
+    """A 6c bar runs 16-deep on 64 GPUs (4 copies), a 6b bar 8-deep (8 copies)."""
+    for fig, model, depth in (("6c", "gpt-3.8b", 16), ("6b", "gpt-2.2b", 8)):
+        bar = twobw._row(fig, model, "p3.16xlarge-x8", 64, 512, "tensor", "throughput_seq_s", 1.0, None)
+        got = twobw.at_authors_microbatch(bar)
+        assert (got["config"]["d"], got["config"]["w"], got["config"]["b"]) == (depth, 64 // depth, 8)

@@ -188,6 +188,19 @@ def test_a_shard_keeps_megatrons_unsplit_parts_whole():
     assert stash == pytest.approx((10 + 24 / 8) * s * h / 2)
     assert moved == pytest.approx(2 * s * h + stash)
     assert block.rank_elems(1) == (block.in_elems + block.out_elems + block.stash_elems, block.stash_elems)
+    # the forward's work besides its GEMMs moves those elements at the memory bandwidth
+    from pipesim.sim.hardware.gemm import gemm_seconds
+    from pipesim.sim.workloads.catalog import gemm_launches, shaped_passes
+
+    for shards in (1, 8):
+        gemms = sum(
+            times * sum(gemm_seconds(hw.device, *shape) for shape in shapes)
+            for part, times, shapes in gemm_launches(block, 4, shards)
+            if part == "forward"
+        )
+        rest = shaped_passes(block, hw.device, 4, shards)[0] - gemms
+        expected = hw.device.dtype_bytes * 4 * block.rank_elems(shards)[0] / hw.device.mem_bandwidth
+        assert rest == pytest.approx(expected, rel=1e-9)
     for b in (1, 4):
         whole = model_profile("2bw-gpt-2.2b", hw.device, b)
         shard = model_profile("2bw-gpt-2.2b", hw.device, b, tensor_parallel=8)

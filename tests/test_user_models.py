@@ -467,17 +467,27 @@ def test_a_model_with_fewer_layers_than_stages_is_refused(tmp_path):
         split(model, [0, 1, 2])
 
 
-def test_both_profilers_measure_the_same_bytes_and_validates_leaves_the_model_as_it_was(tmp_path):
+def test_both_profilers_measure_the_same_bytes_and_validates_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     """``pipesim validate`` profiles the model it runs next, so its profiler
     times copies and leaves the weights and their gradients as they were;
     ``pipesim profile`` builds its steps from the model's own layers. Both
     measure the same bytes and the same way of pricing a pass's overhead."""
     import torch
 
+    from pipesim.validate import profiler
     from pipesim.validate.profiler import profile_model
 
     settings = ProfileSettings(4, warmup=1, repeats=1)
     model = resolve_model(f"{write_factory(tmp_path, LINEAR_MODEL)}:make", microbatch_size=4)
+    empty_stage_repeats = []
+    real_time_stage = profiler.time_stage
+
+    def counting(stage, *args, settings, **kw):
+        if len(stage) == 0:
+            empty_stage_repeats.append((settings.warmup, settings.repeats))
+        return real_time_stage(stage, *args, settings=settings, **kw)
+
+    monkeypatch.setattr(profiler, "time_stage", counting)
     before = [p.detach().clone() for layer in model.layers for p in layer.parameters()]
     copied = profile_model(model, settings=settings)
     after = [p for layer in model.layers for p in layer.parameters()]
@@ -486,4 +496,6 @@ def test_both_profilers_measure_the_same_bytes_and_validates_leaves_the_model_as
     trained, _ = profile_layers(model, settings=settings)
     assert [la.param_bytes for la in copied.layers] == [la.param_bytes for la in trained.layers]
     assert [la.activation_bytes for la in copied.layers] == [la.activation_bytes for la in trained.layers]
-    assert copied.overhead_forward_s > 0 and trained.overhead_forward_s > 0
+    assert [la.stash_bytes for la in copied.layers] == [la.stash_bytes for la in trained.layers]
+    # the pass overhead: an empty stage timed at least OVERHEAD_REPEATS times by both, whatever the layers' repeats
+    assert empty_stage_repeats == [(3, profiler.OVERHEAD_REPEATS)] * 2

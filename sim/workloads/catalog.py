@@ -344,10 +344,10 @@ class ArchLayer:
         stashed) per sample on one of ``shards`` tensor-parallel ranks.
         Megatron-LM's tensor parallelism splits the GEMMs and what lies
         between a split pair (attention heads, the MLP's inner width), while
-        every rank holds the layer's input and output whole, and the parts
-        Korthikanti et al. 2022 (section 4.2.1) count as not parallelised:
-        the layer norms' inputs, the dropout masks after attention and MLP,
-        the inputs of the QKV and first MLP products
+        every rank moves the layer's input and output whole, and keeps whole
+        the stashed parts Korthikanti et al. 2022 (section 4.2.1) count as
+        not parallelised: the layer norms' inputs, the inputs of the QKV and
+        first MLP products and the dropout masks after attention and MLP
         (``replicated_stash_elems``)."""
         stash = self.replicated_stash_elems + (self.stash_elems - self.replicated_stash_elems) / shards
         return self.in_elems + self.out_elems + stash, stash
@@ -895,8 +895,9 @@ def model_profile(
     with the GEMM shape model: every GEMM at its shard's shape
     (:meth:`Gemm.shard`), its weights divided by d, its other traffic and
     its stash as Megatron-LM shards them (:meth:`ArchLayer.rank_elems`: the
-    layer's input and output and a transformer block's layer-norm and
-    dropout parts whole on every rank), its kernel launches whole. Elsewhere (measured
+    layer's input and output, and a transformer block's layer-norm, dropout
+    and first-product inputs, whole on every rank), its kernel launches
+    whole. Elsewhere (measured
     and ``uniform`` models, roofline devices) the whole model comes back and
     tensor parallelism divides its times by d.
     """
