@@ -112,7 +112,7 @@ def test_the_runner_writes_results_report_and_figures(tmp_path) -> None:
     assert "A fake paper" in report and "Some notes." in report and "Runtime:" in report
     assert "a gap's cause" in report  # -67%: over 20%, so its note is printed
     assert "Runtime" not in (folder / "results.json").read_text()
-    assert seen[0] == (0, 2, "first")
+    assert seen[0] == (0, 2 + runner.WRITING_STEPS, "first")
 
 
 def test_results_json_is_byte_identical_run_to_run(tmp_path) -> None:
@@ -157,3 +157,31 @@ def test_bad_paper_name_and_bad_out_dir_are_one_line_exit_2(tmp_path, capsys) ->
     assert main(["reproduce", "spectrain", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot write to output folder" in err
+
+
+def test_progress_ends_only_after_the_figures_and_the_report(tmp_path) -> None:
+    """The bar counts the predictions, then the figures, then the report
+    (whose notes may simulate more), and reaches its total only at the end."""
+    seen: list[tuple[int, int, str]] = []
+
+    def figures(rows, claims, out):
+        seen.append((-1, -1, "figures ran"))
+        return fake_figures(rows, claims, out)
+
+    def notes(rows, claims):
+        seen.append((-1, -1, "notes ran"))
+        return "Some notes."
+
+    paper = Paper(**{**FAKE.__dict__, "figures": figures, "notes": notes})
+    runner.run_paper(paper, tmp_path, lambda done, total, what: seen.append((done, total, what)))
+    total = FAKE.steps + runner.WRITING_STEPS
+    assert [s for s in seen if s[0] >= 0] == [
+        (0, total, "first"),
+        (1, total, "second"),
+        (2, total, "figures"),
+        (3, total, "report"),
+        (total, total, "done"),
+    ]
+    order = [what for *_, what in seen]
+    assert order.index("figures") < order.index("figures ran") < order.index("report")
+    assert order.index("report") < order.index("notes ran") < order.index("done")

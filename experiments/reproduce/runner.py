@@ -144,21 +144,32 @@ def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float
     return "\n".join(out)
 
 
+#: Progress steps after a paper's predictions: its figures, then its report
+#: (whose notes may simulate more, e.g. 2BW's bars at the authors' micro-batch).
+WRITING_STEPS = 2
+
+
 def run_paper(paper: Paper, out: Path, progress: Progress | None = None) -> Outcome:
-    """Predict ``paper``, compare, and write ``out/<paper.name>/`` (see the module doc)."""
+    """Predict ``paper``, compare, and write ``out/<paper.name>/`` (see the
+    module doc). ``progress`` counts the predictions' steps and then
+    :data:`WRITING_STEPS` more, so it ends only once the report is written."""
     say = progress or (lambda done, total, what: None)
     started = time.perf_counter()
-    rows, claims = paper.predict(say)
+    rows, claims = paper.predict(lambda done, total, what: say(done, total + WRITING_STEPS, what))
     rows, claims = with_published(rows, claims, paper.published_rows, paper.published_claims, key=paper.key)
     folder = out / paper.name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(results_json(rows, claims))
     written = [folder / "results.json"]
+    total = paper.steps + WRITING_STEPS
+    say(paper.steps, total, "figures")
     written += paper.figures(rows, claims, folder)
     seconds = time.perf_counter() - started
+    say(paper.steps + 1, total, "report")
     report = report_md(paper, rows, claims, seconds)
     (folder / "report.md").write_text(report)
     written.insert(1, folder / "report.md")
+    say(total, total, "done")
     return Outcome(paper, rows, claims, report, written, seconds)
 
 
@@ -183,7 +194,7 @@ def _run_with_bar(paper: Paper, out: Path) -> Outcome:
 
     tty = sys.stderr.isatty()
     with tqdm(
-        total=paper.steps,
+        total=paper.steps + WRITING_STEPS,
         desc=f"reproduce {paper.name}",
         unit="step",
         file=sys.stderr,
