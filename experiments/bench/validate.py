@@ -419,9 +419,8 @@ def _spread_lines(c: dict, label: str) -> list[str]:
     """Per strategy, every run's error, the same at the run's pass speed,
     and the pass-time ratios: the spread and what it is made of."""
 
-    def errors(values: list[float]) -> str:
-        spread = f" ({(max(values) - min(values)) * 100:.1f})" if values else ""
-        return " ".join(f"{e:+.1%}" for e in values) + spread
+    def errors(values: list[float], spread: float | None) -> str:
+        return " ".join(f"{e:+.1%}" for e in values) + ("" if spread is None else f" ({spread * 100:.1f})")
 
     lines = [
         f"{label}, {c['stages']} stages, run to run: errors (spread, points) | at the run's pass speed | pass-time ratios"
@@ -430,7 +429,8 @@ def _spread_lines(c: dict, label: str) -> list[str]:
         if "failed" not in r and len(r["errors"]) > 1:
             ratios = " ".join(f"x{x:.3f}" for x in r.get("pass_time_ratios", ()))
             lines.append(
-                f"  {r['strategy']:18} {errors(r['errors']):32} | {errors(r.get('errors_at_run_speed', [])):32} | {ratios}"
+                f"  {r['strategy']:18} {errors(r['errors'], r['spread']):32} | "
+                f"{errors(r.get('errors_at_run_speed', []), r.get('spread_at_run_speed')):32} | {ratios}"
             )
     return lines
 

@@ -49,10 +49,17 @@ class _Compared:
 
     predicted: float | None
     published: float | None
+    tolerance: float
 
     @property
     def ratio_error(self) -> float | None:
         return _ratio_error(self.predicted, self.published)
+
+    @property
+    def within_tolerance(self) -> bool:
+        """A ratio error is known and no larger than ``tolerance``."""
+        err = self.ratio_error
+        return err is not None and abs(err) <= self.tolerance + 1e-12
 
     def to_json(self) -> dict:
         return {**asdict(self), "ratio_error": self.ratio_error}
@@ -206,7 +213,7 @@ def _error(r: Row | Claim) -> str:
     err = r.ratio_error
     if err is None:
         return ""
-    return f"{err:+.0%}" + ("" if abs(err) <= r.tolerance + 1e-12 else " **outside**")
+    return f"{err:+.0%}" + ("" if r.within_tolerance else " **outside**")
 
 
 def _note(r: Row | Claim) -> str:

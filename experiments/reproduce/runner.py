@@ -121,7 +121,7 @@ def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float
     out = [f"# {paper.title}", ""]
     if paper.sources:
         out += ["Sources: " + "; ".join(paper.sources), ""]
-    outside = [r for r in [*rows, *claims] if r.ratio_error is not None and abs(r.ratio_error) > r.tolerance + 1e-12]
+    outside = [r for r in [*rows, *claims] if r.ratio_error is not None and not r.within_tolerance]
     compared = [r for r in [*rows, *claims] if r.ratio_error is not None]
     in_points = [r for r in rows if r.difference is not None]
     points = f"; {len(in_points)} differences in points compared by their sign and size" if in_points else ""

@@ -840,12 +840,8 @@ def at_authors_microbatch(row: Row) -> dict:
     )
 
 
-def _within(predicted: float | None, published: float, tolerance: float) -> bool:
-    return predicted is not None and abs(predicted / published - 1.0) <= tolerance + 1e-12
-
-
-def _signed(predicted: float | None, published: float) -> str:
-    return "—" if predicted is None else f"{predicted / published - 1.0:+.0%}"
+def _signed(bar: Row) -> str:
+    return "—" if bar.ratio_error is None else f"{bar.ratio_error:+.0%}"
 
 
 def notes(rows: list[Row], claims: list[Claim]) -> str:
@@ -871,15 +867,15 @@ def notes(rows: list[Row], claims: list[Claim]) -> str:
     within_planned = within_authors = 0
     for r in bars:
         got = at_authors_microbatch(r)
-        theirs = got["throughput"]
+        theirs = replace(r, predicted=got["throughput"])  # the same bar at b, compared the same way
         rc = " rc" if got["config"] and got["config"]["recompute"] else ""
         planned_b = r.config["b"] if r.config else "—"
-        within_planned += _within(r.predicted, r.published, r.tolerance)
-        within_authors += _within(theirs, r.published, r.tolerance)
+        within_planned += r.within_tolerance
+        within_authors += theirs.within_tolerance
         out.append(
             f"| {r.figure} | {r.model} | {r.global_batch} | {r.technique} | {planned_b} | "
-            f"{three_figures(r.predicted)} | {_signed(r.predicted, r.published)} | "
-            f"{'OOM' if theirs is None else three_figures(theirs) + rc} | {_signed(theirs, r.published)} | "
+            f"{three_figures(r.predicted)} | {_signed(r)} | "
+            f"{'OOM' if theirs.predicted is None else three_figures(theirs.predicted) + rc} | {_signed(theirs)} | "
             f"{three_figures(r.published)} |"
         )
     tolerance = max(r.tolerance for r in bars)
