@@ -19,7 +19,7 @@ from pipesim.sim.engine.metrics import summarize
 from pipesim.sim.hardware.machines import load_hardware
 from pipesim.sim.partition.cost import envelope
 from pipesim.sim.partition.layout import layout_for, layout_of, traits_of
-from pipesim.sim.partition.search import CostSetting, Planner, Tables, line_of
+from pipesim.sim.partition.search import Config, CostSetting, Planner, Tables, line_of
 from pipesim.sim.planning.plan import (
     PlanError,
     PlanRequest,
@@ -156,11 +156,11 @@ def test_held_replicas_search_only_the_cuts_and_the_free_plan_is_no_slower(vgg_p
 
 
 def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
-    """VGG-16 at 128 images per GPU on Cluster-B (2 x 8): the model's split of
-    14-2 is not the engine's best; confirming other splits of the chosen
-    configuration finds a faster one, as fast as the search held to 14-2."""
+    """VGG-16 at 64 images per GPU on Cluster-B (2 x 8): the model's split of
+    15-1 is not the engine's best; confirming other splits of the chosen
+    configuration finds a faster one, as fast as the search held to 15-1."""
     hw = load_hardware("pipedream-cluster-b-x2")
-    prof = model_profile("pipedream-vgg16", hw.device, 128)
+    prof = model_profile("pipedream-vgg16", hw.device, 64)
     plain = plan(PlanRequest("pipedream", prof, hw, 16, refine=0))
     refined = plan(PlanRequest("pipedream", prof, hw, 16))
     held = plan(PlanRequest("pipedream", prof, hw, 16, replicas=plain.candidates[plain.chosen].replicas))
@@ -170,7 +170,7 @@ def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
     assert {(c.starts, c.replicas) for c in added}.isdisjoint((c.starts, c.replicas) for c in plain.candidates)
     assert all(c.replicas == plain.candidates[plain.chosen].replicas for c in added)
     assert refined.candidates[refined.chosen].source == "refinement"
-    assert refined.predicted_samples_per_s > plain.predicted_samples_per_s * 1.02
+    assert refined.predicted_samples_per_s > plain.predicted_samples_per_s * 1.015
     assert refined.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
     assert "refinement" not in {c.source for c in held.candidates}  # a held search confirms its own splits
     chosen = refined.candidates[refined.chosen]
@@ -178,6 +178,37 @@ def test_refinement_confirms_other_splits_of_the_chosen_pipeline() -> None:
     one = plan(PlanRequest("pipedream", prof, hw, 16, refine=1))
     assert [c.source for c in one.candidates].count("refinement") == 1
     assert chosen.simulated_samples_per_s >= one.predicted_samples_per_s
+
+
+def test_local_search_moves_a_cut_past_the_first_dip() -> None:
+    """VGG-16's cost over one cut has several dips (a cut after a pooling
+    layer sends a quarter of the bytes of one before it): local search held
+    to a two-stage configuration reaches the best cut the full model knows,
+    from every start, where moves of a layer or two stop at the first dip
+    (12-4 on Cluster-B at its 17th layer, 21% slower than at its 25th)."""
+    hw = load_hardware("pipedream-cluster-b-x2")
+    planner = _planner(model_profile("pipedream-vgg16", hw.device, 64), hw, 16, microbatches=16)
+    n = planner.tables.n
+    for replicas in ((12, 4), (15, 1), (9, 7)):
+        costs = {cut: planner.estimate(Config((0, cut), replicas)) for cut in range(1, n)}
+        best = min(e.iteration_s for e in costs.values() if planner.setting.fits(e))
+        for start in (1, 17, n // 2, n - 1):
+            _, reached = planner.improve(Config((0, start), replicas), fixed_replicas=True)
+            assert reached.iteration_s == pytest.approx(best, rel=1e-9), (replicas, start)
+
+
+def test_plan_finds_the_papers_vgg16_configuration_on_cluster_b() -> None:
+    """PipeDream ran VGG-16 as 15-1 on Cluster-B (its Table 1). The dynamic
+    program's per-stage bound ranks 12-4 first; moving a replica with the
+    cut between the two stages anywhere takes local search to 15-1, which
+    the engine confirms as fast as the search held to it."""
+    hw = load_hardware("pipedream-cluster-b-x2")
+    prof = model_profile("pipedream-vgg16", hw.device, 64)
+    free = plan(PlanRequest("pipedream", prof, hw, 16))
+    held = plan(PlanRequest("pipedream", prof, hw, 16, replicas=(15, 1)))
+    assert free.best.config == "15-1"
+    assert free.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
+    assert free.predicted_samples_per_s > 1.4 * max(c.samples_per_s for c in free.candidates if c.config == "12-4")
 
 
 def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:
