@@ -185,7 +185,8 @@ def test_local_search_moves_a_cut_past_the_first_dip() -> None:
     layer sends a quarter of the bytes of one before it): local search held
     to a two-stage configuration reaches the best cut the full model knows,
     from every start, where moves of a layer or two stop at the first dip
-    (12-4 on Cluster-B at its 17th layer, 21% slower than at its 25th)."""
+    (12-4 on Cluster-B cut after layer 16, rated 21% below the cut after
+    layer 24)."""
     hw = load_hardware("pipedream-cluster-b-x2")
     planner = _planner(model_profile("pipedream-vgg16", hw.device, 64), hw, 16, microbatches=16)
     n = planner.tables.n
@@ -193,7 +194,7 @@ def test_local_search_moves_a_cut_past_the_first_dip() -> None:
         costs = {cut: planner.estimate(Config((0, cut), replicas)) for cut in range(1, n)}
         best = min(e.iteration_s for e in costs.values() if planner.setting.fits(e))
         for start in (1, 17, n // 2, n - 1):
-            _, reached = planner.improve(Config((0, start), replicas), fixed_replicas=True)
+            _, reached = planner.improve(Config((0, start), replicas), fixed_replicas=True, sweep=True)
             assert reached.iteration_s == pytest.approx(best, rel=1e-9), (replicas, start)
 
 
@@ -209,6 +210,23 @@ def test_plan_finds_the_papers_vgg16_configuration_on_cluster_b() -> None:
     assert free.best.config == "15-1"
     assert free.predicted_samples_per_s >= held.predicted_samples_per_s * 0.999
     assert free.predicted_samples_per_s > 1.4 * max(c.samples_per_s for c in free.candidates if c.config == "12-4")
+
+
+def test_the_sweep_proposes_new_replica_counts_confirmed_besides_the_budget() -> None:
+    """The sweep's proposals are the replica counts nothing else proposed,
+    one split each, and each is simulated even when the budget (--confirm 1)
+    is spent: VGG-16's 15-1 on Cluster-B is one of them."""
+    hw = load_hardware("pipedream-cluster-b-x2")
+    prof = model_profile("pipedream-vgg16", hw.device, 64)
+    p = plan(PlanRequest("pipedream", prof, hw, 16, confirm=1, refine=0))
+    swept = [c for c in p.candidates if c.source == "sweep"]
+    counts = [c.replicas for c in swept]
+    assert swept and len(set(counts)) == len(counts)
+    assert not set(counts) & {c.replicas for c in p.candidates if c.source != "sweep"}
+    assert all(c.simulated for c in swept if not c.out_of_memory)
+    budget = [c for c in p.candidates if c.simulated and c.source in ("search", "local search")]
+    assert len(budget) == 1
+    assert p.best.source == "sweep" and p.best.config == "15-1"
 
 
 def _planner(profile: Profile, hw, devices: int, microbatches: int = 8, strategy: str = "pipedream") -> Planner:

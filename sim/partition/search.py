@@ -31,9 +31,9 @@ weights and stash for every contiguous layer range, as (layers + 1)² arrays):
   machine hierarchy at a time; this program sees the whole topology through
   the link model instead, in O(layers² x devices²) array operations.
   :meth:`Planner.improve` is local search on the full model from a
-  configuration: move a cut to any layer between its neighbours, move a
-  replica to a neighbouring stage (the cut between the two anywhere), merge
-  two stages, split one.
+  configuration: move a cut, move a replica to a neighbouring stage, merge
+  two stages, split one; near moves shift a cut by a layer or two, a sweep
+  moves it to any layer between its neighbours, and a replica with it.
 
 Times are compared with a relative tolerance of 1e-9, so rounding never
 decides a tie.
@@ -573,11 +573,21 @@ class Planner:
         memory: bool = True,
         cache: dict[Config, Estimate] | None = None,
         fixed_replicas: bool = False,
+        sweep: bool = False,
     ) -> tuple[Config, Estimate]:
         """Local search on the full model from ``config`` (see the module doc):
         the configuration with the most samples per second it reaches.
         ``cache`` keeps every configuration it costed, with its estimate;
-        ``fixed_replicas`` moves cuts only (a straight pipeline stays one)."""
+        ``fixed_replicas`` moves cuts only (a straight pipeline stays one).
+
+        Near moves (the default) move a cut by a layer or two and a replica
+        without its cut. ``sweep`` moves a cut to any layer between its
+        neighbours, and a replica with the cut between its two stages
+        anywhere: the full model's cost over one cut is far from convex (a
+        cut after a pooling layer sends a quarter of the bytes of one before
+        it), and near moves stop at the first dip (VGG-16's 12-4 on
+        Cluster-B stopped cut after layer 16, rated 21% below the cut after
+        layer 24, and never reached the 15-1 PipeDream ran)."""
         cache = {} if cache is None else cache
 
         def est(c: Config) -> Estimate:
@@ -590,27 +600,29 @@ class Planner:
             e = est(c)
             return e.iteration_s if (not memory or self.setting.fits(e)) else None
 
-        moves = self._moved_cuts if fixed_replicas else self._moves
+        def moves(c: Config):
+            return self._moved_cuts(c, sweep) if fixed_replicas else self._moves(c, sweep)
+
         here, _ = _descend(config, cost, moves)
         return here, est(here)
 
-    def _moved_cuts(self, c: Config):
-        """Each cut moved to any other layer between its neighbours: the
-        full model's cost over one cut is far from convex (a cut after a
-        pooling layer sends a quarter of the bytes of one before it), so
-        moves of a layer or two stop at the first dip (VGG-16's 12-4 on
-        Cluster-B stopped at its 17th layer, 21% slower than at its 25th)."""
+    def _moved_cuts(self, c: Config, sweep: bool):
+        n = self.tables.n
+        if not sweep:
+            for s in _cut_moves(c.starts, n):
+                yield Config(s, c.replicas)
+            return
         for k in range(1, len(c.starts)):
-            for s in _cut_sweep(c.starts, self.tables.n, k):
+            for s in _cut_sweep(c.starts, n, k):
                 yield Config(s, c.replicas)
 
-    def _moves(self, c: Config):
+    def _moves(self, c: Config, sweep: bool):
         n = self.tables.n
         starts, reps = c.starts, c.replicas
         p = len(starts)
-        yield from self._moved_cuts(c)
+        yield from self._moved_cuts(c, sweep)
         bounds = [*starts, n]
-        for k in range(p - 1):  # a replica to the neighbour, either way, the cut between them anywhere
+        for k in range(p - 1):  # a replica to the neighbour, either way (sweep: the cut between them anywhere)
             moved = []
             if reps[k] > 1:
                 moved.append(reps[:k] + (reps[k] - 1, reps[k + 1] + 1) + reps[k + 2 :])
@@ -618,8 +630,9 @@ class Planner:
                 moved.append(reps[:k] + (reps[k] + 1, reps[k + 1] - 1) + reps[k + 2 :])
             for r in moved:
                 yield Config(starts, r)
-                for s in _cut_sweep(starts, n, k + 1):
-                    yield Config(s, r)
+                if sweep:
+                    for s in _cut_sweep(starts, n, k + 1):
+                        yield Config(s, r)
             yield Config(starts[: k + 1] + starts[k + 2 :], reps[:k] + (reps[k] + reps[k + 1],) + reps[k + 2 :])
         for k in range(p):  # split a stage at its compute midpoint
             a, b = bounds[k], bounds[k + 1]

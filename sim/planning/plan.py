@@ -89,6 +89,11 @@ REFINE_WITHIN = 0.25
 #: reference points, pure data parallelism and the straight pipeline, and the
 #: best split of a configuration the request holds the search to.
 LANDMARKS = ("data parallelism", "straight", "held")
+#: Sources of candidates confirmed besides the budget: the sweep's, at most
+#: :data:`NEIGHBOURS` replica counts nothing else proposed (the model rates
+#: them among its near neighbours' errors, and they would otherwise take
+#: the runs of the candidates the budget has always confirmed).
+BESIDES_BUDGET = ("sweep",)
 #: The landmarks every plan is measured against, simulated whatever run
 #: their replicas need (data parallelism's is one multiple of the devices,
 #: the straight pipeline's the run asked for): a held configuration's
@@ -1009,14 +1014,15 @@ def _refinements(planner: Planner, out: list[Candidate], chosen: int, req: PlanR
 
 
 def _splits_met(
-    planner: Planner, starts: list[Config], *, skip, limit: int, floor: float = 0.0
+    planner: Planner, starts: list[Config], *, skip, limit: int, floor: float = 0.0, sweep: bool = False
 ) -> list[tuple[Config, Estimate]]:
     """The ``limit`` best splits that local search moving only the cuts of
-    ``starts`` meets, best first with their estimates: those that fit, are
-    not in ``skip`` and are rated at ``floor`` samples/s or more."""
+    ``starts`` (near moves, or a ``sweep``) meets, best first with their
+    estimates: those that fit, are not in ``skip`` and are rated at
+    ``floor`` samples/s or more."""
     visited: dict[Config, Estimate] = {}
     for start in starts:
-        planner.improve(start, cache=visited, fixed_replicas=True)
+        planner.improve(start, cache=visited, fixed_replicas=True, sweep=sweep)
     met = sorted(
         (
             x
@@ -1042,41 +1048,68 @@ def _candidates(planner: Planner) -> list[Candidate]:
     proposals.setdefault(Config((0,), (n,)), "data parallelism")
     costed = {cfg: planner.estimate(cfg) for cfg in proposals}
     fitting = [c for c in costed if planner.setting.fits(costed[c])]
-    visited: dict[Config, Estimate] = {}
-    # every configuration's cuts moved on the full model first: the program
-    # costs a split by its stages alone, and misses what the full model
-    # sees (a stage's fan-in through one NIC, the slowest replica's wait)
-    for cfg in fitting:
-        if len(cfg.replicas) > 1:
-            planner.improve(cfg, cache=visited, fixed_replicas=True)
-    for seed in sorted(fitting, key=lambda c: costed[c].iteration_s)[:SEEDS]:
-        planner.improve(seed, cache=visited)
+    seeds = sorted(fitting, key=lambda c: costed[c].iteration_s)[:SEEDS]
+    near = _local_search(planner, fitting, seeds, sweep=False)
     # the best configurations local search met, not only where it stopped:
     # the model's ranking of near neighbours is within its error
-    met = sorted(
-        (c for c in visited if c not in costed and planner.setting.fits(visited[c])),
-        key=lambda c: visited[c].iteration_s,
-    )[:NEIGHBOURS]
+    met = sorted((c for c in near if c not in costed), key=lambda c: near[c].iteration_s)[:NEIGHBOURS]
     for cfg in met:
         proposals[cfg] = "local search"
-        costed[cfg] = visited[cfg]
+        costed[cfg] = near[cfg]
+    # then the sweep's best configuration of each replica count not yet
+    # proposed: many of its splits tie in the model (one stage sets the
+    # time), so six splits of one would crowd out the rest
+    far = _local_search(planner, fitting, seeds, sweep=True)
+    known = {c.replicas for c in proposals}
+    swept = _best_of_each(
+        (c for c in far if c.replicas not in known), key=lambda c: far[c].iteration_s, group=lambda c: c.replicas
+    )
+    for cfg in swept[:NEIGHBOURS]:
+        proposals[cfg] = "sweep"
+        costed[cfg] = far[cfg]
     return [_candidate(planner, cfg, source, costed[cfg]) for cfg, source in proposals.items()]
+
+
+def _local_search(planner: Planner, fitting: list[Config], seeds: list[Config], *, sweep: bool) -> dict:
+    """Every fitting configuration local search costs on its way: each
+    configuration's cuts moved on the full model first (the program costs a
+    split by its stages alone, and misses what the full model sees: a
+    stage's fan-in through one NIC, the slowest replica's wait), then every
+    move from the ``seeds`` (:meth:`Planner.improve`, near moves or a
+    ``sweep``)."""
+    visited: dict[Config, Estimate] = {}
+    for cfg in fitting:
+        if len(cfg.replicas) > 1:
+            planner.improve(cfg, cache=visited, fixed_replicas=True, sweep=sweep)
+    for seed in seeds:
+        planner.improve(seed, cache=visited, sweep=sweep)
+    return {c: e for c, e in visited.items() if planner.setting.fits(e)}
+
+
+def _best_of_each(items, key, group) -> list:
+    """The best of ``items`` by ``key`` in each ``group``, best first (the
+    first met wins a tie)."""
+    best: dict = {}
+    for x in sorted(items, key=key):
+        best.setdefault(group(x), x)
+    return list(best.values())
 
 
 def _held_candidates(planner: Planner, replicas: tuple[int, ...]) -> list[Candidate]:
     """The best split of ``replicas`` by the dynamic program over its stages
     (shown out of memory when none fits), and the best ones local search
-    meets moving its cuts."""
+    meets sweeping its cuts."""
     start = planner.best_split(replicas) or planner.best_split(replicas, memory=False)
-    met = _splits_met(planner, [start], skip={start}, limit=NEIGHBOURS)
+    met = _splits_met(planner, [start], skip={start}, limit=NEIGHBOURS, sweep=True)
     return [_candidate(planner, start, "held", planner.estimate(start))] + [
         _candidate(planner, cfg, "local search", est) for cfg, est in met
     ]
 
 
 def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
-    """The order to simulate candidates in: the landmarks (always), then the
-    others, one per configuration first. The model ranks near neighbours
+    """The order to simulate candidates in: the landmarks and the sweep's
+    (always, :data:`BESIDES_BUDGET`), then the others, one per
+    configuration first. The model ranks near neighbours
     (the same replicas, a cut moved a layer or two) within its error and
     misses the queueing that big transfers bring, so each configuration is
     represented by the split with the fewest bytes crossing its cuts among
@@ -1085,7 +1118,7 @@ def _confirmation_order(ranked: list[Candidate]) -> tuple[list[int], list[int]]:
     that the strategy refuses (too few micro-batches for some replicas) do
     not use up the budget."""
     fits = [i for i, c in enumerate(ranked) if not c.out_of_memory]
-    landmarks = [i for i in fits if ranked[i].source in LANDMARKS]
+    landmarks = [i for i in fits if ranked[i].source in LANDMARKS + BESIDES_BUDGET]
     groups: dict[str, list[int]] = {}
     for i in fits:
         if i not in landmarks:
