@@ -1057,12 +1057,17 @@ def _candidates(planner: Planner) -> list[Candidate]:
         proposals[cfg] = "local search"
         costed[cfg] = near[cfg]
     # then the sweep's best configuration of each replica count not yet
-    # proposed: many of its splits tie in the model (one stage sets the
-    # time), so six splits of one would crowd out the rest
+    # proposed (many of its splits tie in the model: one stage sets the
+    # time, so six splits of one would crowd out the rest), among those the
+    # model rates within REFINE_WITHIN of the best proposal: each costs a run
     far = _local_search(planner, fitting, seeds, sweep=True)
     known = {c.replicas for c in proposals}
+    rated = [e.samples_per_s for e in costed.values() if planner.setting.fits(e)]
+    floor = (1 - REFINE_WITHIN) * max(rated, default=0.0)
     swept = _best_of_each(
-        (c for c in far if c.replicas not in known), key=lambda c: far[c].iteration_s, group=lambda c: c.replicas
+        (c for c in far if c.replicas not in known and far[c].samples_per_s >= floor),
+        key=lambda c: far[c].iteration_s,
+        group=lambda c: c.replicas,
     )
     for cfg in swept[:NEIGHBOURS]:
         proposals[cfg] = "sweep"
