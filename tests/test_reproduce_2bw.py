@@ -195,11 +195,10 @@ def test_notes_price_every_bar_at_the_authors_settings(small, monkeypatch):
             within[choices] += abs(theirs / r.published - 1) <= r.tolerance
         assert twobw.at_authors_settings(r, twobw.AUTHORS_SCRIPT)["config"]["recompute"] is True
     planned = sum(abs(r.predicted / r.published - 1) <= r.tolerance for r in bars if r.predicted is not None)
-    n = len(bars)
     counts = (planned, within[twobw.AUTHORS_MICROBATCH_ONLY], within[twobw.AUTHORS_SCRIPT])
     assert (
-        "{} of {n} bars at the planner's micro-batch, {} of {n} at b = 8, {} of {n} at b = 8 recomputed".format(
-            *counts, n=n
+        "Within ±30%, of {} bars: {} at the planner's choices, {} at b = 8, {} at b = 8 recomputed.".format(
+            len(bars), *counts
         )
         in text
     )
@@ -218,7 +217,7 @@ def test_notes_price_every_bar_at_the_authors_settings(small, monkeypatch):
     assert not any(
         ln.startswith("| Activation recomputation costs") for ln in text.split("The stated ratios")[1].splitlines()
     )
-    assert "ratios at the planner's choices" in text
+    assert "ratios: " in text and text.count("at the planner's choices") == 2
     # a larger micro-batch than the planner's: GPipe's flush at b = 8 is another configuration
     gpipe = next(r for r in bars if r.technique == "gpipe")
     assert twobw.at_authors_settings(gpipe)["throughput"] != pytest.approx(gpipe.predicted, rel=1e-3)
