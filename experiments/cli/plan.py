@@ -125,8 +125,8 @@ def add_parser(subparsers) -> None:
         "--confirm",
         type=nonnegative,
         default=None,
-        help="candidates confirmed with the engine, besides data parallelism and the straight pipeline "
-        "(0: the cost model alone) (default: 8; width-depth: 6, no landmarks)",
+        help="candidates confirmed with the engine, besides data parallelism, the straight pipeline and the "
+        "sweep's new replica counts (0: the cost model alone) (default: 8; width-depth: 6, no landmarks)",
     )
     p.add_argument(
         "--refine",

@@ -889,11 +889,11 @@ def _cell(got: dict) -> str:
 
 
 def _claims_at(rows: Sequence[Row], claims: Sequence[Claim], priced: dict[int, dict]) -> list[Claim]:
-    """The claims again from ``rows`` with their bars' predictions replaced
-    by ``priced``, each with its published value."""
+    """``claims`` (in their order, with their published values) predicted
+    again from ``rows`` with their bars' predictions replaced by ``priced``."""
     again = [replace(r, predicted=priced[i]["throughput"]) if i in priced else r for i, r in enumerate(rows)]
-    published = {c.id: c.published for c in claims}
-    return [replace(c, published=published.get(c.id)) for c in claims_of(again)]
+    by_id = {c.id: c for c in claims_of(again)}
+    return [replace(c, predicted=by_id[c.id].predicted) for c in claims]
 
 
 #: The settings the report compares, in its columns' order.

@@ -586,8 +586,8 @@ class Planner:
         anywhere: the full model's cost over one cut is far from convex (a
         cut after a pooling layer sends a quarter of the bytes of one before
         it), and near moves stop at the first dip (VGG-16's 12-4 on
-        Cluster-B stopped cut after layer 16, rated 21% below the cut after
-        layer 24, and never reached the 15-1 PipeDream ran)."""
+        Cluster-B: cut after layer 16, rated 21% below the cut after layer
+        24; the 15-1 PipeDream ran is out of their reach)."""
         cache = {} if cache is None else cache
 
         def est(c: Config) -> Estimate:

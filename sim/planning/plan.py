@@ -10,15 +10,17 @@ devices of a machine:
    straight pipeline; local search on the full cost model moves each
    configuration's cuts (the program costs a split by its stages alone),
    then starts from the :data:`SEEDS` best and proposes the
-   :data:`NEIGHBOURS` best configurations it met. Every candidate is
+   :data:`NEIGHBOURS` best configurations it met; a second pass sweeps
+   (:meth:`.search.Planner.improve` with ``sweep``) and proposes the best
+   split of each replica count nothing else proposed. Every candidate is
    costed by the full model (:mod:`.cost`). A request held to one configuration
    (:attr:`PlanRequest.replicas`, e.g. PipeDream's "15-1", or
    :attr:`PlanRequest.straight`) searches only its cuts: a dynamic program
    over its stages (:meth:`.search.Planner.best_split`), then local search
-   moving them.
+   sweeping them.
 2. **Confirmation**: the :data:`CONFIRM` candidates the model ranks first
-   (among those that fit in memory), and pure data parallelism and the best
-   straight pipeline, are simulated with the engine, in short
+   (among those that fit in memory), and pure data parallelism, the best
+   straight pipeline and the sweep's proposals, are simulated with the engine, in short
    runs (``iterations`` x ``microbatches``; a strategy that needs the run to
    give every replica the same number of micro-batches, as PipeDream's
    per-step all-reduce does, gets the next run length that does), and the
@@ -72,7 +74,7 @@ from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, 
 from pipesim.sim.workloads.profile import Profile
 
 PLAN_VERSION = 1
-#: Candidates confirmed with the engine, besides the landmarks.
+#: Candidates confirmed with the engine, besides the landmarks and the sweep's.
 CONFIRM = 8
 #: Local search starts from this many of the search's best configurations ...
 SEEDS = 2
@@ -92,7 +94,7 @@ LANDMARKS = ("data parallelism", "straight", "held")
 #: Sources of candidates confirmed besides the budget: the sweep's, at most
 #: :data:`NEIGHBOURS` replica counts nothing else proposed (the model rates
 #: them among its near neighbours' errors, and they would otherwise take
-#: the runs of the candidates the budget has always confirmed).
+#: the runs of the near search's candidates).
 BESIDES_BUDGET = ("sweep",)
 #: The landmarks every plan is measured against, simulated whatever run
 #: their replicas need (data parallelism's is one multiple of the devices,
