@@ -362,20 +362,25 @@ def _improve_cuts(
     return _descend(starts, cost, lambda s: _cut_moves(s, tables.n))
 
 
-def _cut_moves(starts: tuple[int, ...], n: int):
-    bounds = [*starts, n]
+#: How far a near move shifts a cut, in layers.
+NEAR = 2
+
+
+def _cut_moves(starts: tuple[int, ...], n: int, reach: int | None = NEAR):
+    """Every split that moves one cut, by at most ``reach`` layers (None:
+    anywhere between its neighbours), cut by cut, nearest layers first."""
     for c in range(1, len(starts)):
-        for delta in (-2, -1, 1, 2):
-            x = starts[c] + delta
-            if bounds[c - 1] < x < bounds[c + 1]:
-                yield starts[:c] + (x,) + starts[c + 1 :]
+        yield from _cut_sweep(starts, n, c, reach)
 
 
-def _cut_sweep(starts: tuple[int, ...], n: int, c: int):
+def _cut_sweep(starts: tuple[int, ...], n: int, c: int, reach: int | None = None):
     """Every split that moves cut ``c`` (stage c's first layer) to another
-    layer between its neighbours."""
+    layer between its neighbours, at most ``reach`` layers away (None: any)."""
     bounds = [*starts, n]
-    for x in range(bounds[c - 1] + 1, bounds[c + 1]):
+    lo, hi = bounds[c - 1] + 1, bounds[c + 1]
+    if reach is not None:
+        lo, hi = max(lo, starts[c] - reach), min(hi, starts[c] + reach + 1)
+    for x in range(lo, hi):
         if x != starts[c]:
             yield starts[:c] + (x,) + starts[c + 1 :]
 
@@ -607,14 +612,8 @@ class Planner:
         return here, est(here)
 
     def _moved_cuts(self, c: Config, sweep: bool):
-        n = self.tables.n
-        if not sweep:
-            for s in _cut_moves(c.starts, n):
-                yield Config(s, c.replicas)
-            return
-        for k in range(1, len(c.starts)):
-            for s in _cut_sweep(c.starts, n, k):
-                yield Config(s, c.replicas)
+        for s in _cut_moves(c.starts, self.tables.n, None if sweep else NEAR):
+            yield Config(s, c.replicas)
 
     def _moves(self, c: Config, sweep: bool):
         n = self.tables.n
