@@ -115,6 +115,7 @@ OPTION_VALUES = {
     "tau": st.integers(1, 3),
     "advance": st.integers(0, 3),
     "placement": st.sampled_from(["shared", "disjoint"]),
+    "flushes": st.integers(1, 3),  # more than m is rejected
     "replicas": st.lists(st.integers(1, 3), min_size=1, max_size=4).map(tuple),  # a wrong length is rejected
 }
 #: Hardware with room for every plausible spec, and some without.

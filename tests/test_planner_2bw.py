@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipesim.experiments.cli import main
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.hardware.machines import load_hardware
-from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid, shapes
+from pipesim.sim.planning.grid import GridRequest, Shape, _Grid, plan_grid, shape_spec, shapes
 from pipesim.sim.planning.plan import PLAN_KEYS, PlanError, plan_file, steady_throughput
 from pipesim.sim.planning.tuner import TuneRequest, tune
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, get_strategy, strategies
@@ -148,19 +148,28 @@ def test_recomputation_lets_a_larger_microbatch_fit() -> None:
     assert 0 < plain < rc
 
 
+def _largest_m(strategy: str, limit: float, options: dict) -> int:
+    req = GridRequest(
+        strategy,
+        model(),
+        with_memory(PCIE, limit),
+        4,
+        64,
+        microbatch_sizes=(1,),
+        recompute=(False,),
+        confirm=0,
+        options=options,
+    )
+    grid = _Grid(req, limit)
+    return max((m for m in range(1, 65) if not grid.candidate(Shape(1, 4, 1, m, False)).out_of_memory), default=0)
+
+
 def test_gpipe_fits_fewer_microbatches_than_1f1b() -> None:
-    """GPipe stashes all m micro-batches, 1F1B at most d - k: with a fixed
-    micro-batch, the largest batch that fits is smaller for GPipe."""
+    """GPipe stashes all m micro-batches of a flush, 1F1B at most d - k:
+    with a fixed micro-batch and one flush per update, the largest batch
+    that fits is smaller for GPipe."""
     limit = 250 * MIB
-
-    def largest_m(strategy: str) -> int:
-        req = GridRequest(
-            strategy, model(), with_memory(PCIE, limit), 4, 64, microbatch_sizes=(1,), recompute=(False,), confirm=0
-        )
-        grid = _Grid(req, limit)
-        return max((m for m in range(1, 65) if not grid.candidate(Shape(1, 4, 1, m, False)).out_of_memory), default=0)
-
-    gpipe, one_f_one_b = largest_m("gpipe"), largest_m("1f1b")
+    gpipe, one_f_one_b = _largest_m("gpipe", limit, {"flushes": 1}), _largest_m("1f1b", limit, {})
     assert 0 < gpipe < one_f_one_b
     # and the engine holds GPipe's m stashes: one more micro-batch, one more stash per stage
     peaks = [
@@ -171,6 +180,37 @@ def test_gpipe_fits_fewer_microbatches_than_1f1b() -> None:
         for m in (4, 5)
     ]
     assert peaks[1] - peaks[0] == 16 * MIB  # a stage (one layer here) holds one more stash
+
+
+def test_the_grid_splits_a_gpipe_batch_that_does_not_fit_into_the_fewest_flushes() -> None:
+    """Left to choose, the planner runs a GPipe batch too big for one flush
+    as the fewest flushes that fit (gradient accumulation), each flush
+    holding what one flush of the largest fitting m held; the closed form
+    charges each flush its fill and drain, and the engine's run of the
+    chosen schedule holds the same stashes."""
+    limit = 250 * MIB
+    one = _largest_m("gpipe", limit, {"flushes": 1})
+    req = GridRequest(
+        "gpipe", model(), with_memory(PCIE, limit), 4, 64, microbatch_sizes=(1,), recompute=(False,), confirm=0
+    )
+    grid = _Grid(req, limit)
+    m = 4 * one + 1  # needs five flushes: four hold one + 1 each would not fit
+    cand = grid.candidate(Shape(1, 4, 1, m, False))
+    assert not cand.out_of_memory
+    assert cand.params["flushes"] == 5
+    fitted = grid.candidate(Shape(1, 4, 1, one, False))
+    assert "flushes" not in fitted.params
+    # the same micro-batch period: (one + 3) periods an update with one fill
+    # and drain, m + 5 x 3 with five (the rate is of the request's batch)
+    period = req.batch_size / fitted.analytic_samples_per_s / (one + 3)
+    assert req.batch_size / cand.analytic_samples_per_s == pytest.approx(period * (m + 5 * 3), rel=0.02)
+    spec = shape_spec("gpipe", cand.params, 1, {})
+    assert spec.flushes == 5
+    hw = with_memory(PCIE, limit)
+    run = simulate(spec, profile=model()(1), hardware=hw, recv_lookahead=1)
+    largest_flush = simulate(ScheduleSpec("gpipe", 4, -(-m // 5)), profile=model()(1), hardware=hw, recv_lookahead=1)
+    assert [t.peak_bytes for t in run.memory] == [t.peak_bytes for t in largest_flush.memory]
+    assert not any(t.out_of_memory for t in run.memory)
 
 
 def test_tuner_picks_the_best_of_a_brute_force_grid() -> None:
@@ -259,7 +299,7 @@ def test_library_errors() -> None:
     with pytest.raises(PlanError, match="option 'width' is not a plan option of avgpipe .the tuner chooses"):
         tune(TuneRequest("avgpipe", model(), PCIE, 4, 8, options={"width": 2}))
     # an option the strategy lacks is named with those it takes, by every planner alike
-    with pytest.raises(PlanError, match="gpipe has no option 'alpha' to plan with .it takes: none."):
+    with pytest.raises(PlanError, match="gpipe has no option 'alpha' to plan with .it takes: flushes."):
         plan_grid(GridRequest("gpipe", model(), PCIE, 4, 8, options={"alpha": 0.5}))
     with pytest.raises(PlanError, match="avgpipe has no option 'stashing' to plan with .it takes: .*placement"):
         tune(TuneRequest("avgpipe", model(), PCIE, 4, 8, options={"stashing": False}))

@@ -196,6 +196,40 @@ def test_gpipe_equals_torch(p, m):
     assert [torch_spelling(prog) for prog in s.programs] == [want[r] for r in range(p)]
 
 
+@pytest.mark.parametrize("p,m,flushes", [(2, 4, 2), (3, 9, 3), (4, 8, 4), (4, 8, 8)])
+def test_gpipe_flushes_are_consecutive_torch_steps(p, m, flushes):
+    """An iteration of ``flushes`` GPipe flushes runs on every rank what
+    ``flushes`` calls of torch's ScheduleGPipe ``step()`` over m / flushes
+    micro-batches each run (gradient accumulation), the ids of step c
+    shifted by c m / flushes; one update after the last."""
+    q = m // flushes
+    one = torch_order(torch_schedule("ScheduleGPipe"), p, q)
+
+    def shifted(action: str, by: int) -> str:
+        head = action.rstrip("0123456789")
+        return f"{head}{int(action[len(head) :]) + by}"
+
+    s = build("gpipe", p, m, flushes=flushes)
+    for r in range(p):
+        want = [shifted(a, c * q) for c in range(flushes) for a in one[r]]
+        assert torch_spelling(s.programs[r]) == want, r
+        assert sum(a.op is UPDATE for a in s.programs[r]) == 1
+    assert s.options["flushes"] == flushes
+
+
+def test_gpipe_flushes_hold_a_flush_and_uneven_ones_differ_by_one():
+    from pipesim.sim.partition.layout import layout_of
+
+    s = build("gpipe", 3, 7, flushes=3)  # flushes of 3, 2 and 2
+    assert layout_of(s).inflight == (3, 3, 3)
+    order = [(a.op, a.microbatch) for a in s.programs[0] if a.op in (F, B)]
+    assert order[:6] == [(F, 0), (F, 1), (F, 2), (B, 0), (B, 1), (B, 2)] and order[6:8] == [(F, 3), (F, 4)]
+    with pytest.raises(StrategyError, match="flushes=8 is more than the 7 micro-batches"):
+        build("gpipe", 3, 7, flushes=8)
+    with pytest.raises(StrategyError, match="option flushes=2 does not apply to 1f1b"):
+        build("1f1b", 3, 7, flushes=2)
+
+
 def _fix_torch_1f1b_last_rank(order, p):
     # torch numbers the last rank's forwards F1..Fm; the true ids are F0..F(m-1).
     fixed = []

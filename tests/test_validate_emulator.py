@@ -101,7 +101,8 @@ def reference_sgd(m, iters, replicas=1, version_lag=0):
 
 
 @pytest.mark.parametrize(
-    "strategy,kw", [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2})]
+    "strategy,kw",
+    [("gpipe", {}), ("gpipe", {"flushes": 2}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2})],
 )
 def test_flush_schedules_train_like_minibatch_sgd(strategy, kw):
     sched, _, out = run(strategy, **kw)

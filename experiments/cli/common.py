@@ -90,6 +90,10 @@ STRATEGY_FLAGS = {
     "tau": (positive, "AvgPipe: average every tau iterations"),
     "advance": (nonnegative, "AvgPipe: forwards issued ahead of the 1F1B warm-up"),
     "placement": (str, "AvgPipe: where the replicas run"),
+    "flushes": (
+        positive,
+        "GPipe: flushes per iteration, each of m / flushes micro-batches, their gradients accumulated into one update",
+    ),
     "replicas": (
         replica_counts,
         "replicas of each stage, PipeDream's notation: 15,1 runs the first stage on 15 "

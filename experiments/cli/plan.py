@@ -104,7 +104,7 @@ def add_parser(subparsers) -> None:
             type=kind,
             default=None,
             choices=PLACEMENTS if name == "placement" else None,
-            help=f"{text} (default: {OPTION_DEFAULTS[name]})",
+            help=f"{text} (default: {_PLAN_OPTION_DEFAULTS.get(name, OPTION_DEFAULTS[name])})",
         )
     held = p.add_mutually_exclusive_group()
     held.add_argument(
@@ -235,7 +235,10 @@ def _planner(args) -> str:
 
 #: Strategy options ``pipesim plan`` passes to a planner (AvgPipe's; a
 #: strategy that does not take one refuses it in one line).
-_PLAN_OPTION_FLAGS = ("alpha", "tau", "advance", "placement")
+_PLAN_OPTION_FLAGS = ("alpha", "tau", "advance", "placement", "flushes")
+#: What a plan option is when the command line leaves it out, where that is
+#: not the spec's default.
+_PLAN_OPTION_DEFAULTS = {"flushes": "the fewest that fit, chosen by the width-depth planner; 1 elsewhere"}
 
 
 def _plan_options(args) -> dict:

@@ -64,7 +64,7 @@ from pipesim.sim.hardware.machines import Hardware, load_hardware
 from pipesim.sim.partition.cost import LinkModel
 from pipesim.sim.planning.grid import GridRequest, plan_grid, shape_spec
 from pipesim.sim.planning.plan import Candidate, steady_throughput
-from pipesim.sim.strategies import ScheduleSpec, build_schedule
+from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_options
 from pipesim.sim.workloads.catalog import model_profile
 
 NAME = "2bw"
@@ -157,11 +157,13 @@ def _profile(model: str, hardware: str, b: int, layers: int | None = None, tenso
     )
 
 
-def _config(w: int, d: int, b: int, recompute: bool, replicas, grouping: str | None = None) -> dict:
+def _config(w: int, d: int, b: int, recompute: bool, replicas, grouping: str | None = None, flushes: int = 1) -> dict:
     """A row's configuration; ``grouping`` (pipelines side by side or grouped
-    by stage, :data:`~pipesim.sim.planning.grid.GROUPINGS`) where w > 1."""
+    by stage, :data:`~pipesim.sim.planning.grid.GROUPINGS`) where w > 1,
+    ``flushes`` (GPipe's per update) where more than one."""
     found = {"w": w, "d": d, "b": b, "recompute": recompute, "replicas": replicas}
-    return found | ({"grouping": grouping} if grouping and w > 1 else {})
+    found |= {"grouping": grouping} if grouping and w > 1 else {}
+    return found | ({"flushes": flushes} if flushes > 1 else {})
 
 
 # ---------------------------------------------------------------------------
@@ -312,7 +314,13 @@ def _confirm(strategy: str, model: str, hardware: str, cand: Candidate) -> dict:
         "peak": peak,
         "oom": oom,
         "config": _config(
-            p["width"], p["depth"], p["microbatch_size"], p["recompute"], [p["width"]] * p["depth"], p["grouping"]
+            p["width"],
+            p["depth"],
+            p["microbatch_size"],
+            p["recompute"],
+            [p["width"]] * p["depth"],
+            p["grouping"],
+            p.get("flushes", 1),
         ),
     }
 
@@ -395,7 +403,8 @@ def throughput_rows(family: str, figure: str, step=lambda what: None) -> list[Ro
 
 def memory_rows(family: str, figure: str, step=lambda what: None) -> list[Row]:
     """Figure 7 (GPT) or 11 (BERT): worst-case GiB per GPU of each technique
-    on 8 GPUs, 8-deep, b = 1, no recomputation, m = B; None = out of memory."""
+    on 8 GPUs, 8-deep, b = 1, no recomputation, m = B, GPipe's batch in one
+    flush as the figure's runs hold it; None = out of memory."""
     model, hardware, gpus, depth = f"{family}-2.2b", "p3.16xlarge", 8, 8
     hw = _hw(hardware)
     limit = hw.device.memory_bytes
@@ -423,6 +432,7 @@ def memory_rows(family: str, figure: str, step=lambda what: None) -> list[Row]:
                         microbatch_sizes=(1,),
                         recompute=(False,),
                         confirm=0,
+                        options={"flushes": 1} if "flushes" in strategy_options(PLANNED[technique]) else {},
                     )
                 )
                 cand = next(c for c in plan.candidates if c.params["depth"] == depth)

@@ -145,10 +145,12 @@ class Shape:
     microbatches: int
     recompute: bool
     grouping: str = "pipelines"
+    #: flushes per update (GPipe's gradient accumulation, ``ScheduleSpec.flushes``)
+    flushes: int = 1
 
     @property
     def params(self) -> dict:
-        return {
+        found = {
             "width": self.width,
             "depth": self.depth,
             "microbatch_size": self.microbatch_size,
@@ -156,6 +158,12 @@ class Shape:
             "recompute": self.recompute,
             "grouping": self.grouping,
         }
+        return found | ({"flushes": self.flushes} if self.flushes > 1 else {})
+
+    @property
+    def per_flush(self) -> int:
+        """Micro-batches of a pipeline's largest flush."""
+        return -(-self.microbatches // self.flushes)
 
     @property
     def name(self) -> str:
@@ -173,6 +181,7 @@ def shape_spec(strategy: str, params: dict, iterations: int, options: dict) -> S
     side by side, or, grouped by stage, each stage's w replicas on
     consecutive devices with the w pipelines' micro-batches in one count."""
     w, d, m = params["width"], params["depth"], params["microbatches"]
+    options = options | ({"flushes": params["flushes"]} if params.get("flushes", 1) > 1 else {})
     if params.get("grouping", "pipelines") == "stages":
         return ScheduleSpec(strategy, d, m * w, iterations=iterations, replicas=(w,) * d, **options)
     return ScheduleSpec(strategy, d, m, iterations=iterations, width=w, **options)
@@ -264,7 +273,32 @@ class _Grid:
         return self._tables[key]
 
     def inflight(self, shape: Shape, k: int) -> int:
-        return self.traits.inflight(1, shape.depth - k - 1, shape.microbatches, self.req.iterations)
+        return self.traits.inflight(1, shape.depth - k - 1, shape.per_flush, self.req.iterations)
+
+    def chooses_flushes(self) -> bool:
+        """Whether the planner picks the flushes per update: the strategy
+        takes them, stashes a flush's every micro-batch (so more flushes hold
+        fewer) and the request does not fix them."""
+        return "flushes" in self.strategy.options and self.traits.holds_share and "flushes" not in self.req.options
+
+    def fewest_flushes(self, shape: Shape) -> Shape:
+        """``shape`` with the fewest flushes per update whose split fits
+        (each flush pays a fill and a drain, so fewer are faster), found by
+        bisection, since what a stage holds only falls with more flushes;
+        one flush where none fits or one already does."""
+        if not self.chooses_flushes() or self.split(shape)[1]:
+            return shape
+        most = replace(shape, flushes=shape.microbatches)
+        if not self.split(most)[1]:
+            return shape
+        low, high = 1, shape.microbatches  # low does not fit, high does
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.split(replace(shape, flushes=mid))[1]:
+                high = mid
+            else:
+                low = mid
+        return replace(shape, flushes=high)
 
     def versions(self, shape: Shape, k: int) -> int:
         opts = self.strategy.option_defaults() | self.req.options | {"width": shape.width}
@@ -326,10 +360,10 @@ class _Grid:
             slowest = int(np.argmax(periods))
             update_s = m * periods[slowest]
             what = "all-reduce" if reduce_s[slowest] / m > per_mb[slowest][0] + per_mb[slowest][1] / m else "compute"
-        else:
+        else:  # each flush fills and drains the pipeline
             slowest = int(np.argmax([t for t, _ in per_mb]))
             tail = max(ring + step for (_, step), ring in zip(per_mb, exposed))
-            update_s = (m + d - 1) * per_mb[slowest][0] + tail
+            update_s = (m + shape.flushes * (d - 1)) * per_mb[slowest][0] + tail
             what = "compute"
         return Score(
             samples_per_s=self.req.batch_size / update_s if update_s > 0 else math.inf,
@@ -352,6 +386,8 @@ class _Grid:
         return sharing * hw.transfer_time(shape.device(0, src_stage), shape.device(0, dst_stage), nbytes)
 
     def candidate(self, shape: Shape) -> Candidate:
+        given = self.req.options.get("flushes")
+        shape = self.fewest_flushes(shape) if given is None else replace(shape, flushes=given)
         starts, _ = self.split(shape)
         t = self.tables(shape.microbatch_size, shape.recompute)
         costs = t.split(starts)
@@ -454,7 +490,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
         microbatches=best["microbatches"] * (best["width"] if best["grouping"] == "stages" else 1),
         iterations=req.iterations,
         microbatch_size=best["microbatch_size"],
-        options=dict(req.options),
+        options=dict(req.options) | ({"flushes": best["flushes"]} if "flushes" in best else {}),
         candidates=tuple(ranked),
         chosen=chosen,
         data_parallel_samples_per_s=None,

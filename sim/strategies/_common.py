@@ -92,6 +92,7 @@ class ScheduleSpec:
     advance: int = 1  # avgpipe: forwards issued ahead of the 1F1B warm-up
     placement: str = "shared"  # avgpipe: "shared" or "disjoint"
     replicas: tuple[int, ...] | None = None  # per-stage replication (PipeDream's "15-1")
+    flushes: int = 1  # gpipe: flushes per iteration, their gradients accumulated into one update
     optimizer: str = "sgd"  # "sgd" (momentum) or "adam"; recorded in options
 
     def __post_init__(self) -> None:
@@ -303,6 +304,7 @@ _CHECKED_FIELDS = (
     "placement",
     "optimizer",
     "replicas",
+    "flushes",
 )
 
 
@@ -311,7 +313,7 @@ def check_field(name: str, value, *, stages: int | None = None) -> None:
     field could make valid (a size < 1, an unknown placement); a sweep
     checks each value of its axes with it before running any point.
     ``stages``, when known, is named in the replicas' message."""
-    if name in ("stages", "microbatches", "iterations", "width", "chunks", "tau"):
+    if name in ("stages", "microbatches", "iterations", "width", "chunks", "tau", "flushes"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise StrategyError(f"{name} must be an integer, got {value!r}")
         if value < 1:
