@@ -9,6 +9,7 @@ import pytest
 from pipesim.sim.api import simulate, simulate_schedule
 from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import load_hardware
+from pipesim.sim.ir.core import B as OpB
 from pipesim.sim.partition.cost import held_activations
 from pipesim.sim.partition.layout import layout_of
 from pipesim.sim.partition.search import CostSetting, Tables, memory_terms
@@ -156,3 +157,69 @@ def test_multi_layer_memory_checks_match_the_engine():
             boundary = 2 * (A if k else 0) + 2 * (A if k + 1 < p else 0)  # buffers; free links hold none
             engine = weights + result.memory[k].peak_breakdown["activations"] + boundary
             assert terms[starts[k], starts[k] + layers] == est.memory_bytes[k] == engine, (strategy, k)
+
+
+# ---------------------------------------------------------------- layers outside the checkpoints
+
+
+def test_a_layer_outside_the_checkpoints_keeps_its_stash_and_runs_once():
+    """A last layer with ``recomputed=False`` (Megatron's LM head): between
+    the passes the stage keeps the other layers' inputs plus that layer's
+    whole stash, and the backward re-runs only the checkpointed forwards."""
+    head = LayerCost("head", 3 * F, 2 * B, W, A, 5 * S, recomputed=False)
+    prof = Profile("u", (*(LayerCost(f"l{i}", F, B, W, A, S) for i in range(3)), head))
+    c = recomputed([stage_cost(prof, 1, 3)])[0]
+    assert c.rerun_forward_s == pytest.approx(2 * F)  # l1 and l2, not the head
+    assert c.backward_s == pytest.approx(4 * B + 2 * F)  # the head's backward is 2 B
+    assert c.held_bytes == 2 * A + 5 * S
+    # the head's backward runs first, holding all of it: two inputs below, its stash
+    assert c.full_stash_bytes == 2 * A + 5 * S
+    m, p = 4, 2
+    result = simulate_schedule(
+        build_schedule(ScheduleSpec("gpipe", p, m)), prof, "ideal", recompute=True, starts=(0, 1)
+    )
+    assert result.memory[1].peak_breakdown["activations"] == m * (2 * A + 5 * S)
+    # each stage-1 backward runs l1 and l2's forward again, not the head's
+    backwards = [sp.end - sp.start for sp in result.spans if sp.stream == "compute" and sp.action.op is OpB]
+    assert sorted(backwards) == pytest.approx([B + F] * m + [4 * B + 2 * F] * m)  # stage 0: l0 again
+
+
+def test_tables_match_the_stage_costs_with_layers_outside_the_checkpoints():
+    sizes = [(7, 100, True), (0, 30, False), (50, 5, True), (3, 300, False), (20, 20, True), (90, 10, False)]
+    prof = Profile(
+        "mixed",
+        tuple(LayerCost(f"l{i}", F * (i + 1), B, W, a, s, recomputed=r) for i, (a, s, r) in enumerate(sizes)),
+    )
+    t = Tables(prof, recompute=True)
+    for i in range(len(sizes)):
+        for j in range(i + 1, len(sizes) + 1):
+            c = recomputed([stage_cost(prof, i, j - 1)])[0]
+            assert (t.checkpoints[i, j], t.peak[i, j]) == (c.held_bytes, c.full_stash_bytes), (i, j)
+            assert t.time[i, j] == pytest.approx(c.forward_s + c.backward_s), (i, j)
+
+
+def test_profile_files_carry_the_flag():
+    la = LayerCost("head", F, B, W, A, S, recomputed=False)
+    assert la.to_json()["recomputed"] is False and "recomputed" not in LayerCost("x", F, B, W, A, S).to_json()
+    back = Profile.from_json(Profile("p", (la,)).to_json())
+    assert back.layers[0].recomputed is False
+    with pytest.raises(InputError, match="recomputed must be true or false"):
+        Profile.from_json({"name": "p", "layers": [la.to_json() | {"recomputed": "no"}]})
+
+
+def test_the_catalogs_loss_keeps_an_fp32_softmax_outside_the_checkpoints():
+    """A GPT's LM head stashes the final layer norm's input and output at the
+    device's width and the loss's softmax in fp32 (4 s V bytes a sample,
+    Megatron's cross-entropy on logits.float()), whatever the device; the
+    embedding and the head stay out of the checkpoints, the blocks do not."""
+    from pipesim.sim.workloads.catalog import model_profile
+
+    s, d, vocab, b = 512, 2304, 50257, 2
+    for device, width in (("p3.16xlarge", 2), ("pcie-4gpu", 4)):
+        prof = model_profile("2bw-gpt-2.2b", load_hardware(device).device, b)
+        head, embed = prof.layers[-1], prof.layers[0]
+        assert head.stash_bytes == b * (width * 2 * s * d + 4 * s * vocab), device
+        assert not head.recomputed and not embed.recomputed
+        assert all(la.recomputed for la in prof.layers[1:-1])
+    shard = model_profile("2bw-gpt-2.2b", load_hardware("p3.16xlarge").device, b, tensor_parallel=8)
+    assert shard.layers[-1].stash_bytes == b * (2 * 2 * s * d + 4 * s * vocab) / 8  # vocabulary-parallel

@@ -69,10 +69,12 @@ class Tables:
     the stage of layers i .. j-1 (inf / 0 below the diagonal).
 
     ``recompute``: activation recomputation (:func:`~pipesim.sim.workloads.stages.recomputed`):
-    a stage's time counts its forward twice, and :meth:`split` gives
-    recomputing stage costs; memory then counts the inputs of the stage's
-    layers (``checkpoints``) and the backward's peak (``peak``: the inputs
-    below one layer plus its full stash, the largest over the layers), as
+    a stage's time counts its checkpointed layers' forward twice, and
+    :meth:`split` gives recomputing stage costs; memory then counts what the
+    stage's layers keep between the passes (``checkpoints``: a checkpointed
+    layer's input, another layer's whole stash) and the backward's peak
+    (``peak``: what the layers below one layer keep plus its full stash, the
+    largest over the layers), as
     :attr:`~pipesim.sim.workloads.stages.StageCost.full_stash_bytes` does."""
 
     def __init__(self, profile: Profile, recompute: bool = False) -> None:
@@ -90,15 +92,17 @@ class Tables:
 
         idx = np.arange(n + 1)
         self.valid = idx[:, None] < idx[None, :]
-        again = 2 if recompute else 1  # the backward re-runs the forward first
+        # the backward re-runs the checkpointed layers' forward first
+        again = [2 if recompute and la.recomputed else 1 for la in layers]
         self.time = np.where(
-            self.valid, ranges([again * la.forward_s + la.backward_s for la in layers]) + overhead, np.inf
+            self.valid, ranges([a * la.forward_s + la.backward_s for a, la in zip(again, layers)]) + overhead, np.inf
         )
         self.params = np.where(self.valid, ranges([la.param_bytes for la in layers]), 0.0)
         # the backward alone (with its recomputed forward), which DDP's buckets overlap
         self.backward = np.where(
             self.valid,
-            ranges([(again - 1) * la.forward_s + la.backward_s for la in layers]) + profile.overhead_backward_s,
+            ranges([(a - 1) * la.forward_s + la.backward_s for a, la in zip(again, layers)])
+            + profile.overhead_backward_s,
             0.0,
         )
         # The other copies of the weights per byte of ``params`` (the master's
@@ -111,11 +115,13 @@ class Tables:
         self.cut = np.array([0.0] + [float(la.activation_bytes) for la in layers[:-1]] + [0.0])
         self._costs: dict[tuple[int, int], StageCost] = {}
         if recompute:
-            inputs = self.cut[:n]  # what layer l receives
-            self.checkpoints = np.where(self.valid, ranges(inputs), 0.0)
-            # peak[i, j] = max over l in i..j-1 of (P[l] - P[i] + max(stash_l, input_l)), P the inputs' prefix
-            below = np.concatenate(([0.0], np.cumsum(inputs)))
-            top = below[:n] + np.maximum([float(la.stash_bytes) for la in layers], inputs)
+            # what layer l keeps between the passes: its input (what it receives) or its stash
+            stashes = np.array([float(la.stash_bytes) for la in layers])
+            kept = np.where([la.recomputed for la in layers], self.cut[:n], stashes)
+            self.checkpoints = np.where(self.valid, ranges(kept), 0.0)
+            # peak[i, j] = max over l in i..j-1 of (P[l] - P[i] + max(stash_l, kept_l)), P the kept bytes' prefix
+            below = np.concatenate(([0.0], np.cumsum(kept)))
+            top = below[:n] + np.maximum(stashes, kept)
             rows = np.where(idx[:n, None] <= idx[None, :n], top[None, :], -np.inf)
             best = np.maximum.accumulate(rows, axis=1)  # best[i, l]: max over i..l
             peak = np.zeros((n + 1, n + 1))

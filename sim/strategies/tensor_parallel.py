@@ -125,6 +125,7 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
             math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s) for la in layers if la.backward_s) + o_b
         )
         fixed_bw = fixed_b - fixed_bi + o_b
+        fixed_rerun = math.fsum(la.fixed_forward_s for la in layers if la.recomputed) + profile.overhead_forward_s
 
         if given == d:  # already one rank's shard (its GEMMs priced at their shapes): only the all-reduces
             out.append(replace(c, allreduce_bytes=tuple(buffers) if d > 1 else ()))
@@ -137,6 +138,7 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
             replace(
                 c,
                 forward_s=share(c.forward_s, fixed_f),
+                rerun_forward_s=share(c.rerun_forward_s, fixed_rerun),
                 backward_s=share(c.backward_s, fixed_b),
                 backward_input_s=share(c.backward_input_s, fixed_bi),
                 backward_weight_s=share(c.backward_weight_s, fixed_bw),

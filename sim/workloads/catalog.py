@@ -67,7 +67,20 @@ Sizes
     per layer at 2 bytes per element. BERT-large keeps the attention scores
     (the ``5as/h`` term, as its 2019-2021 implementations did); the GPT
     models do not (FlashAttention / Megatron's selective recomputation, as
-    current GPT training does).
+    current GPT training does). A transformer's loss keeps the softmax of
+    its logits in fp32 whatever the device precision, ``4 s V`` bytes a
+    sample (V the vocabulary): Megatron-LM's vocabulary-parallel
+    cross-entropy runs on ``logits.float()`` and saves its softmax for the
+    backward (``mpu/cross_entropy.py``, ``ctx.save_for_backward(exp_logits,
+    ...)``), and ``torch.autocast`` runs ``cross_entropy`` in fp32 too; the
+    16-bit logits are freed once converted. On a GPT's last stage it is the
+    largest stash (2BW's GPT-2.2B: 103 MB a sequence, against 40 MB a block).
+Recomputation
+    Activation recomputation checkpoints the transformer blocks only, as
+    Megatron-LM's ``--checkpoint-activations`` wraps them
+    (``ParallelTransformer._checkpointed_forward``): the embedding and the
+    heads (``ArchLayer.recomputed`` False) keep their stashes, the loss's
+    softmax among them, and run their forward once.
 Tied embeddings
     A pipeline keeps a copy of tied input/output embeddings on the first and
     the last stage (Megatron does exactly this), so the output layer's
@@ -154,6 +167,8 @@ from pipesim.sim.workloads.profile import (
 
 #: Bytes per parameter of every catalog profile's ``param_bytes`` (fp32 master weights).
 PARAM_BYTES = 4
+#: Bytes of an fp32 element (:attr:`ArchLayer.fp32_stash_elems`).
+FP32_BYTES = 4
 
 
 def catalog_precision(device: DeviceSpec) -> Precision:
@@ -323,6 +338,11 @@ class ArchLayer:
     prices. Empty: the layer is priced by the roofline at ``device.flops``.
     ``replicated_stash_elems``: the part of ``stash_elems`` every
     tensor-parallel rank keeps whole (:meth:`rank_elems`).
+    ``fp32_stash_elems``: elements stashed in fp32 whatever the device's
+    precision (a loss's softmax), beside ``stash_elems``; tensor
+    parallelism splits them (the vocabulary-parallel loss).
+    ``recomputed``: whether activation recomputation checkpoints the layer
+    (:attr:`LayerCost.recomputed <pipesim.sim.workloads.profile.LayerCost.recomputed>`).
     """
 
     name: str
@@ -338,6 +358,12 @@ class ArchLayer:
     kernels: tuple[int, int, int] = (0, 0, 0)
     gemms: tuple[Gemm, ...] = ()
     replicated_stash_elems: float = 0.0
+    fp32_stash_elems: float = 0.0
+    recomputed: bool = True
+
+    def fp32_rank_bytes(self, shards: int = 1) -> float:
+        """Bytes per sample of the fp32 stash on one of ``shards`` ranks."""
+        return FP32_BYTES * self.fp32_stash_elems / shards
 
     def rank_elems(self, shards: int = 1) -> tuple[float, float]:
         """(elements moved by the layer's work other than its GEMMs, elements
@@ -636,6 +662,7 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
             input_grad=False,
             param_traffic=False,
             kernels=BERT_EMBED_KERNELS,
+            recomputed=False,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=True) for i in range(blocks)]
@@ -647,9 +674,11 @@ def _bert(seq_len: int, blocks: int, d: int = 1024, heads: int = 16, vocab: int 
             params=head_params,
             in_elems=s * d,
             out_elems=0,
-            stash_elems=3 * s * d + s * vocab,
+            stash_elems=3 * s * d,
+            fp32_stash_elems=s * vocab,  # the loss's softmax
             tied_params=d * vocab,
             kernels=BERT_HEADS_KERNELS,
+            recomputed=False,
             # the LM transform, the logits, the pooler (the [CLS] token only)
             gemms=(Gemm(s, d, d), Gemm(s, vocab, d), Gemm(1, d, d)),
         )
@@ -673,6 +702,7 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int, positions: i
             input_grad=False,
             param_traffic=False,
             kernels=GPT_EMBED_KERNELS,
+            recomputed=False,
         )
     ]
     layers += [_block(f"block{i}", s, d, heads, keep_scores=False) for i in range(blocks)]
@@ -683,9 +713,11 @@ def _gpt(seq_len: int, blocks: int, d: int, heads: int, vocab: int, positions: i
             params=2 * d + d * vocab,
             in_elems=s * d,
             out_elems=0,
-            stash_elems=2 * s * d + s * vocab,  # LN input/output and the logits
+            stash_elems=2 * s * d,  # the final LN's input and output
+            fp32_stash_elems=s * vocab,  # the loss's softmax
             tied_params=d * vocab,
             kernels=GPT_HEAD_KERNELS,
+            recomputed=False,
             gemms=(Gemm(s, vocab, d),),  # the logits, against the tied embedding
         )
     )
@@ -974,10 +1006,11 @@ def layer_cost(la: ArchLayer, device: DeviceSpec, microbatch_size: int, shards: 
         backward_s=fixed_bi + fixed_bw + backward_s,
         param_bytes=PARAM_BYTES * -(-la.params // shards),
         activation_bytes=round(dt * mb * la.out_elems),
-        stash_bytes=round(dt * mb * la.rank_elems(shards)[1]),
+        stash_bytes=round(mb * (dt * la.rank_elems(shards)[1] + la.fp32_rank_bytes(shards))),
         backward_input_s=fixed_bi + backward_input_s,
         fixed_forward_s=fixed_f,
         fixed_backward_s=fixed_bi + fixed_bw,
+        recomputed=la.recomputed,
     )
 
 
@@ -1002,7 +1035,7 @@ def shaped_passes(
     for part, times, shapes in gemm_launches(la, mb, shards):
         passes[part].append(times * sum(gemm_seconds(device, *shape) for shape in shapes))
     forward, grad_in, grad_w = passes.values()
-    moved = device.dtype_bytes * mb * la.rank_elems(shards)[0] / device.mem_bandwidth
+    moved = mb * (device.dtype_bytes * la.rank_elems(shards)[0] + la.fp32_rank_bytes(shards)) / device.mem_bandwidth
     (grad_in if la.input_grad else grad_w).append(2 * moved)
     return math.fsum(forward) + moved, math.fsum(grad_in), math.fsum(grad_w)
 
@@ -1044,6 +1077,7 @@ def _roofline_passes(la: ArchLayer, device: DeviceSpec, mb: int) -> tuple[float,
         bwd_input_flops = 0.0
     bwd_flops = bwd_input_flops + mb * la.gemm_flops
     fwd_bytes = dt * ((la.params if la.param_traffic else 0) + mb * (la.in_elems + la.out_elems + la.stash_elems))
+    fwd_bytes += mb * la.fp32_rank_bytes()
     forward_s = max(fwd_flops / device.flops, fwd_bytes / device.mem_bandwidth)
     backward_s = max(bwd_flops / device.flops, 2 * fwd_bytes / device.mem_bandwidth)
     if bwd_flops > 0:

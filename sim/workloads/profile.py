@@ -198,6 +198,14 @@ class LayerCost:
     layer launches, :mod:`pipesim.sim.workloads.catalog`). They are already inside the
     two times; they only tell a strategy that splits a layer's work over
     devices (tensor parallelism) which part every device still pays in full.
+
+    ``recomputed``: what activation recomputation does with the layer. True
+    (the default): it is checkpointed, keeping only its input between the
+    passes and running its forward again before its backward. False: it
+    keeps its whole stash and runs once, as the layers outside Megatron-LM's
+    checkpointed transformer blocks do (the embedding and the LM head with
+    its loss, whose saved softmax is the largest stash of a GPT's last
+    stage).
     """
 
     name: str
@@ -210,6 +218,7 @@ class LayerCost:
     fixed_forward_s: float = 0.0
     fixed_backward_s: float = 0.0
     w_held_bytes: int = 0
+    recomputed: bool = True
 
     def __post_init__(self) -> None:
         problem = _layer_problem(self)
@@ -245,6 +254,8 @@ class LayerCost:
         )
         if self.w_held_bytes:
             d["w_held_bytes"] = self.w_held_bytes
+        if not self.recomputed:
+            d["recomputed"] = False
         return d
 
 
@@ -273,6 +284,8 @@ def _layer_problem(layer: LayerCost) -> str | None:
         v, most = getattr(layer, fixed), getattr(layer, total)
         if not is_number(v) or not (0 <= v <= most):
             return f"{fixed} must be between 0 and {total} ({most}), got {shown(v)}"
+    if not isinstance(layer.recomputed, bool):
+        return f"recomputed must be true or false, got {shown(layer.recomputed)}"
     return None
 
 
@@ -453,7 +466,13 @@ class Profile:
 
 _PROFILE_KEYS = {"name", "layers", "microbatch_size", "optimizer", "notes", "overhead", "precision", "tensor_parallel"}
 _LAYER_REQUIRED = ("name", "forward_s", "backward_s", "param_bytes", "activation_bytes", "stash_bytes")
-_LAYER_KEYS = set(_LAYER_REQUIRED) | {"backward_input_s", "fixed_forward_s", "fixed_backward_s", "w_held_bytes"}
+_LAYER_KEYS = set(_LAYER_REQUIRED) | {
+    "backward_input_s",
+    "fixed_forward_s",
+    "fixed_backward_s",
+    "w_held_bytes",
+    "recomputed",
+}
 
 
 def rescaled(profile: Profile, microbatch_size: int) -> Profile:

@@ -35,11 +35,13 @@ class StageCost:
 
     ``recompute``: activation recomputation, checkpointed per layer
     (:func:`recomputed`): between its forward and its backward a micro-batch
-    keeps only the input of every layer of the stage (:attr:`held_bytes`),
-    and its backward, which re-runs the forward first (already included in
-    ``backward_s``), rematerialises one layer at a time, from the last: while
-    it runs the micro-batch holds at most the inputs of the layers below one
-    layer plus that layer's full stash (:attr:`full_stash_bytes`).
+    keeps only the input of every checkpointed layer of the stage and the
+    whole stash of the others (:attr:`held_bytes`; ``layer_recomputed`` says
+    which are checkpointed, empty: all), and its backward, which re-runs the
+    checkpointed layers' forward first (``rerun_forward_s``, already included
+    in ``backward_s``), rematerialises one layer at a time, from the last:
+    while it runs the micro-batch holds at most what the layers below one
+    layer keep plus that layer's full stash (:attr:`full_stash_bytes`).
     """
 
     first_layer: int
@@ -83,11 +85,29 @@ class StageCost:
     #: weight-gradient pass (W) beyond the stash, from the end of I to the
     #: end of W: the layers' ``w_held_bytes`` summed.
     w_held_bytes: int = 0
+    #: Per layer of the stage, in order: whether recomputation checkpoints it
+    #: (:attr:`LayerCost.recomputed <pipesim.sim.workloads.profile.LayerCost.recomputed>`);
+    #: empty: every layer.
+    layer_recomputed: tuple[bool, ...] = ()
+    #: The forward seconds recomputation runs again before a backward: the
+    #: checkpointed layers' (and the pass's fixed overhead); None: ``forward_s``.
+    rerun_forward_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("weight_bytes", "gradient_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.param_bytes)
+        if self.rerun_forward_s is None:
+            object.__setattr__(self, "rerun_forward_s", self.forward_s)
+
+    def _kept(self) -> tuple[int, ...]:
+        """Per layer, what a micro-batch keeps of it between its passes under
+        recomputation: its input, or its whole stash if it is not checkpointed."""
+        flags = self.layer_recomputed or (True,) * len(self.layer_input_bytes)
+        return tuple(
+            x if again else st
+            for x, st, again in zip(self.layer_input_bytes, self.layer_stash_bytes, flags, strict=True)
+        )
 
     @property
     def held_bytes(self) -> int:
@@ -96,7 +116,7 @@ class StageCost:
         inputs (the checkpoints)."""
         if not self.recompute:
             return self.stash_bytes
-        return sum(self.layer_input_bytes) if self.layer_input_bytes else self.input_bytes
+        return sum(self._kept()) if self.layer_input_bytes else self.input_bytes
 
     @property
     def full_stash_bytes(self) -> int:
@@ -108,7 +128,7 @@ class StageCost:
             return self.stash_bytes
         if not self.layer_input_bytes:
             return max(self.stash_bytes, self.input_bytes)
-        return recompute_peak(self.layer_input_bytes, self.layer_stash_bytes)
+        return recompute_peak(self._kept(), self.layer_stash_bytes)
 
     @property
     def num_layers(self) -> int:
@@ -147,6 +167,7 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
     layers = profile.layers[first : last + 1]
     o_f, o_b = profile.overhead_forward_s, profile.overhead_backward_s
     pr = profile.precision
+    flags = tuple(la.recomputed for la in layers)
     return StageCost(
         first_layer=first,
         last_layer=last,
@@ -167,6 +188,8 @@ def stage_cost(profile: Profile, first: int, last: int) -> StageCost:
         layer_gradient_bytes=tuple(pr.gradients(la.param_bytes) for la in layers),
         layer_backward_share=backward_shares([la.backward_s for la in layers]),
         w_held_bytes=sum(la.w_held_bytes for la in layers),
+        layer_recomputed=() if all(flags) else flags,
+        rerun_forward_s=math.fsum(la.forward_s for la in layers if la.recomputed) + o_f,
     )
 
 
@@ -179,12 +202,14 @@ def backward_shares(times: Sequence[float]) -> tuple[float, ...]:
     return tuple(t / total for t in times)
 
 
-def recompute_peak(inputs: Sequence[int], stashes: Sequence[int]) -> int:
+def recompute_peak(kept: Sequence[int], stashes: Sequence[int]) -> int:
     """Most bytes a micro-batch's activations take while a backward with
-    per-layer recomputation runs over layers with these inputs and stashes:
-    max over layers j of (inputs of the layers before j) + max(stash_j, input_j)."""
+    per-layer recomputation runs over layers that keep ``kept`` between the
+    passes (a checkpointed layer its input, another its stash) and have
+    these stashes: max over layers j of (what the layers before j keep) +
+    max(stash_j, kept_j)."""
     below, peak = 0, 0
-    for x, st in zip(inputs, stashes, strict=True):
+    for x, st in zip(kept, stashes, strict=True):
         peak = max(peak, below + max(st, x))
         below += x
     return peak
@@ -213,7 +238,10 @@ def recomputed(costs: Sequence[StageCost]) -> list[StageCost]:
         c
         if c.recompute
         else replace(
-            c, backward_s=c.backward_s + c.forward_s, backward_input_s=c.backward_input_s + c.forward_s, recompute=True
+            c,
+            backward_s=c.backward_s + c.rerun_forward_s,
+            backward_input_s=c.backward_input_s + c.rerun_forward_s,
+            recompute=True,
         )
         for c in costs
     ]
