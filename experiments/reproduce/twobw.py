@@ -645,28 +645,24 @@ def claims_of(rows: Sequence[Row]) -> list[Claim]:
 # the row names, after the comparison; none of it feeds a prediction.
 
 _RATE = (
-    "By its GEMMs' shapes pipesim's V100 runs GPT-2.2B's passes at 49.2 TFLOP/s (b = 1) to 56.2 (b = 32) and "
-    "GPT-3.8B's at 45.6 to 58.5: the one efficiency constant is derived from the 45 TFLOP/s the paper states for "
+    "By its GEMMs' shapes pipesim's V100 runs GPT-2.2B's passes at 49.4 TFLOP/s (b = 1) to 56.6 (b = 32) and "
+    "GPT-3.8B's at 45.9 to 58.9: the one efficiency constant is derived from the 45 TFLOP/s the paper states for "
     "GPT-355M at b = 8, and the larger models' wider GEMMs fill their tiles better. The published 2BW on one "
-    "server (43 seq/s at 6.85 TFLOP a sequence) delivers 36.8 TFLOP/s a GPU, pipesim's 2BW 45.0 (52.6 seq/s), "
-    "so the 2.2B bars start about 20% fast. A likely cause, measured on a variant of the model: the authors' "
-    "Megatron materializes every layer's attention scores (megatron/model/transformer.py: baddbmm, softmax, "
-    "dropout, bmm), which the 2bw-gpt models leave out as current GPT training does. With them kept and the "
-    "V100 constant derived again on that model (0.542 for 0.496), GPT-2.2B at b = 8 fits 16 GiB only with "
-    "recomputation, and at the authors' b = 8 the one-server 2BW bars come to 41.2 and 41.4 seq/s (-4%, -6%) "
-    "and the flush's to 24.1 and 35.2 (-7%, -7%); the planner's own choice, b = 4 without recomputation, "
-    "stays fast (53.4, +24%). The model as it is gives the same at the authors' b = 8 recomputed, as their "
-    "sweep script as committed runs every technique: 2BW 39.7 and 39.9 seq/s (-8%, -9%), the flush 23.2 and "
-    "33.8 (-11%, -11%), with the V100 constant unchanged. Without recomputation 2BW at b = 8 needs 15.9 GiB "
-    "of the 16 pipesim gives a V100, counting neither the CUDA context nor the allocator's slack nor the "
-    "attention scores, with which it fits only recomputed (the variant above): the authors' b = 8 runs were "
-    "most likely recomputed, and the rate is then recomputation's extra forward."
+    "server (43 seq/s at 6.85 TFLOP a sequence) delivers 36.8 TFLOP/s a GPU, pipesim's 2BW 45.4 (53.0 seq/s), "
+    "so the 2.2B bars start about 20% fast. The authors' sweep script as committed runs every technique "
+    "recomputed (--checkpoint-activations), and at b = 8 recomputed pipesim gives 2BW 40.0 and 40.2 seq/s "
+    "(-7%, -9%) and the flush 23.6 and 34.2 (-9%, -10%), with the V100 constant unchanged. Without "
+    "recomputation 2BW at b = 8 needs 15.9 GiB of the 16 pipesim gives a V100, counting neither the CUDA "
+    "context nor the allocator's slack nor the attention scores the authors' Megatron materializes "
+    "(megatron/model/transformer.py: baddbmm, softmax, dropout, bmm; the 2bw-gpt models leave them out, as "
+    "current GPT training does): the authors' b = 8 runs were most likely recomputed, and the rate is then "
+    "recomputation's extra forward."
 )
 _SMALL_MB = (
-    "A 1-sequence pass of GPT-2.2B costs 139.4 ms a sequence against 126.8 at b = 8 (+10%, tile and wave "
-    "quantisation priced; GPT-3.8B's 261.1 against 206.9, +26%), so the planner's flush schedules take "
-    "b = 1-4 and put every micro-batch of the "
-    "batch in one flush, their bubble (d-1)/(m+d-1) 5-19% (10% at B = 64 on one server)."
+    "A 1-sequence pass of GPT-2.2B costs 138.6 ms a sequence against 126.1 at b = 8 (+10%, tile and wave "
+    "quantisation priced; GPT-3.8B's 259.4 against 205.6, +26%), so the planner's flush schedules take "
+    "b = 1-4: the flush puts every micro-batch of the batch in one flush, its bubble (d-1)/(m+d-1) 5-19% "
+    "(10% at B = 64 on one server), and GPipe runs the batch in as few flushes as its stash allows."
 )
 _NIC = (
     "each server's one 25 Gbps NIC carries 0.54 of its line rate, NCCL's socket transport as measured at 25 Gbps "
@@ -682,89 +678,97 @@ _LAYOUT_64 = (
 _PER_SAMPLE_64 = (
     "The published pipelines on 64 GPUs run at about half their one-server rate per GPU (2BW 168 / 64 = 2.6 "
     "seq/s a GPU against 44 / 8 = 5.5); so do pipesim's, because the activations queue on the NICs (2BW: "
-    "211.5 / 64 = 3.3 against 52.6 / 8 = 6.6, 50%; the published 48%). " + _LAYOUT_64
+    "213.8 / 64 = 3.3 against 53.0 / 8 = 6.6, 50%; the published 48%). " + _LAYOUT_64
 )
 _TENSOR_1_SERVER = (
     "Each of the 8 ranks runs its shard of every GEMM at the shard's own shape and keeps whole what Megatron-LM "
     "does not split: the layer's input and output, and of its stash the layer norms' inputs, the inputs of the "
     "QKV and first MLP products and the dropout masks after attention and MLP (10 of Korthikanti et al.'s 34 "
-    "bytes per element of s b h). A block runs 41.8 TFLOP/s at b = 16 against 55.3 for the whole layer, and "
+    "bytes per element of s b h). A block runs 42.1 TFLOP/s at b = 16 against 55.7 for the whole layer, and "
     "b = 32 does not fit. The 136 activation all-reduces (2 a pass for each of the 34 layers; 37.7 MB each "
     "at b = 16, 0.61 ms by NCCL's model over the cube mesh's NVLink lanes) take 20% of a 16-sequence "
-    "micro-batch's 0.41 s: 39.2 seq/s. At b = 1 the same model gives 24.7 and 24.8 seq/s, the published 25 and "
-    "26. The authors' sweep script runs tensor MP at b = 8, where pipesim gives 36.9 and 37.0 seq/s (+48%, "
-    "+42%), and as committed recomputes every layer's forward (--checkpoint-activations), which at b = 8 gives "
-    "29.9 and 30.0 seq/s (+20%, +15%): the authors' settings close two thirds of the gap (the table at the "
+    "micro-batch's 0.40 s: 39.3 seq/s. At b = 1 the same model gives 24.8 and 24.8 seq/s, the published 25 and "
+    "26. The authors' sweep script runs tensor MP at b = 8, where pipesim gives 37.0 and 37.2 seq/s (+48%, "
+    "+43%), and as committed recomputes every layer's forward (--checkpoint-activations), which at b = 8 gives "
+    "30.3 and 30.4 seq/s (+21%, +17%): the authors' settings close most of the gap (the table at the "
     "authors' settings below)."
 )
 _TENSOR_64 = (
     "8 groups of 8-way tensor MP, each server's 8 ranks all-reducing their gradient shards across the groups "
     "through its one 25 Gbps NIC after each update: 4.7 s by the planner's link model (" + _NIC + "), "
     "against the fixed cost per update the two published bars imply (3.4 s: their extra 1536 samples take "
-    "7.4 s). A group runs 39.2 seq/s at b = 16 (the 6a rows), 80.7 and 182.5 seq/s on 64 GPUs (published 88, "
-    "155: -8% and +18%); at b = 1 pipesim gives 70.1 and 136.1."
+    "7.4 s). A group runs 39.3 seq/s at b = 16 (the 6a rows), 80.7 and 183.0 seq/s on 64 GPUs (published 88, "
+    "155: -8% and +18%); at b = 1 pipesim gives 70.2 and 136.4."
 )
 _TENSOR_6C = (
     "16-way tensor parallelism spans two servers: 96% of a 16-sequence micro-batch (7.64 of 7.92 s) is its "
     "136 activation all-reduces, 50.3 MB each, 56 ms by NCCL's model through each server's 25 Gbps NIC, "
-    "where " + _NIC + ", so the micro-batch size barely matters (7.07 and 7.33 seq/s at b = 1); pipesim gives "
+    "where " + _NIC + ", so the micro-batch size barely matters (7.07 and 7.34 seq/s at b = 1); pipesim gives "
     "7.66 and 7.97 seq/s (published 8, 8)."
 )
 _GPIPE = (
-    "The published GPipe bars do not grow with the batch (18/18, 80/80, 38/38 seq/s). " + _SMALL_MB + " Its "
-    "recomputation is checkpointed per layer, as Megatron's was, and still fits them all. With the paper's 2BW "
-    "micro-batch (b = 8) and 8 micro-batches per flush pipesim's GPipe gives 23.1 seq/s on one server (its "
-    "bubble 47%; published 18, the rest the compute rate), and a fixed number per flush with several flushes "
-    "per batch would be flat as the published bars are. But pipesim's GPipe runs one flush per update as the "
-    "authors' runtime does (megatron/megatron/schedules.py with --gpipe: every micro-batch's forward, then "
-    "every backward, then the update), so at b = 8 it grows with the batch: 33.8 seq/s at B = 256 on one "
-    "server (bubble 18%), and on 64 GPUs, grouped by stage as the runtime runs, 155.8 and 226.0 (6b) and 90.9 "
-    "and 130.7 seq/s (6c). The flat published bars are unexplained. " + _RATE
+    "The published GPipe bars do not grow with the batch (18/18, 80/80, 38/38 seq/s). As the authors' runtime "
+    "runs GPipe (megatron/megatron/schedules.py with --gpipe: every micro-batch's forward, then every "
+    "backward, one flush an update), the larger batch of each panel does not fit: at b = 8 recomputed, as the "
+    "sweep script runs it, the last stage keeps every micro-batch's loss softmax in fp32 (103 MB a sequence: "
+    "Megatron's cross-entropy on logits.float(), outside the checkpoints), 32.0 GiB a GPU at B = 256 on one "
+    "server and at 2048 on 6b and 60.8 GiB at 2048 on 6c, against 11.4, 11.4 and 15.4 GiB at the smaller "
+    "batches, which fit 16. So the larger batches' bars were not one flush of the committed code: several "
+    "flushes (gradient accumulation) or the smaller batch's run, which the equal bars suggest. pipesim's "
+    "GPipe runs a batch in the fewest flushes that fit: at b = 8 recomputed, 23.4 and 29.6 seq/s on one "
+    "server (one flush of 8 micro-batches, bubble 47%, then two of 16; published 18 and 18), 157.4 and 199.2 "
+    "on 6b, 91.7 and 92.2 on 6c (one flush of 16, then four). On one server the smaller batch is within 30% "
+    "(the rest the compute rate). On 64 GPUs the bars stay 2.0-2.5x the published ones, where pipesim's GPipe "
+    "runs as fast as its flush at the same b and m (6c, B = 512: 91.7 against 94.6 seq/s, the same bubble) "
+    "and the published GPipe is half the published flush (38 against 75): unexplained. The runtime's "
+    "blocking transfers (p2p_communication.py synchronizes the device after each) are ruled out: making "
+    "every pass wait for the transfers posted before it moves these bars by at most 5%. " + _SMALL_MB + " "
+    "Left to choose, pipesim's GPipe takes b = 1 without recomputation in 2 to 8 flushes: 40.7 and 43.5 "
+    "seq/s on one server. " + _RATE
 )
 _FLUSH_6A = (
     _SMALL_MB + " pipesim's flush takes b = 1 (m = 64) at B = 64 and b = 2 (m = 128) at 256. At the paper's 2BW "
-    "micro-batch (b = 8: m = 8 and 32, bubble 47% and 18%) it gives 30.7 and 44.9 seq/s, 18% over the published "
-    "26 and 38 and in their ratio (0.68 both): the published flush bars fit b = 8, and the 18% left is the "
+    "micro-batch (b = 8: m = 8 and 32, bubble 47% and 18%) it gives 30.9 and 45.2 seq/s, 19% over the published "
+    "26 and 38 and in their ratio (0.68 both): the published flush bars fit b = 8, and the 19% left is the "
     "compute rate. " + _RATE
 )
 _FLUSH_6B = (
     "8 pipelines grouped by stage; the flush takes b = 1 at B = 512 (m = 64 a pipeline) and b = 2 at 2048 "
-    "(the small-b preference of the one-server rows), 200.8 and 209.7 seq/s. At the paper's 2BW micro-batch "
-    "(b = 8) it gives 167.0 and 203.7 (+52%, +40%): the compute rate (+20%) and a flush that pays its fill and "
+    "(the small-b preference of the one-server rows), 200.4 and 208.8 seq/s. At the paper's 2BW micro-batch "
+    "(b = 8) it gives 167.1 and 197.4 (+52%, +36%): the compute rate (+20%) and a flush that pays its fill and "
     "drain on a NIC-bound pipeline. " + _PER_SAMPLE_64
 )
 _FLUSH_6C = (
-    "4 pipelines of 16 stages grouped by stage (two stages a server), b = 2 at B = 512 and 4 at 2048: 146.0 "
-    "and 158.7 seq/s; at b = 8, 111.2 and 146.6 (+48%, +28%). The published flush at B = 512 (75) is half "
-    "its value at 2048 (115), more than its bubble explains (pipesim's b = 8 flush moves from 111.2 to "
-    "146.6). " + _PER_SAMPLE_64
+    "4 pipelines of 16 stages grouped by stage (two stages a server), b = 2 at B = 512 and 4 at 2048: 145.9 "
+    "and 157.2 seq/s; at b = 8, 113.2 and 151.2 (+51%, +31%). The published flush at B = 512 (75) is half "
+    "its value at 2048 (115), more than its bubble explains (pipesim's b = 8 flush moves from 113.2 to "
+    "151.2). " + _PER_SAMPLE_64
 )
 _TWO_BW_6B = (
     "8 pipelines grouped by stage, b = 8: the all-reduce stays in a server and hides behind the passes, "
-    "so the bar barely moves with the batch (230.0 and 211.5 seq/s; published 160 and 168); the activations "
-    "crossing the NICs halve the rate per GPU against one server, and the rest is the compute rate (+20% "
-    "on one server). At B = 512 the planner's split gives 230.0 where the balanced default gives 201.9 "
-    "(+26%). " + _PER_SAMPLE_64 + " " + _RATE
+    "so the bar barely moves with the batch (204.5 and 213.8 seq/s; published 160 and 168, +28% and +27%); "
+    "the activations crossing the NICs halve the rate per GPU against one server, and the rest is the "
+    "compute rate (+23% on one server). " + _PER_SAMPLE_64 + " " + _RATE
 )
 _TWO_BW_6C = (
-    "4 pipelines of 16 stages grouped by stage, b = 8: 164.3 and 164.5 seq/s (published 127, 135; +29%, "
-    "+22%), flat in the batch as published. " + _PER_SAMPLE_64
+    "4 pipelines of 16 stages grouped by stage, b = 8: 164.5 and 172.1 seq/s (published 127, 135; +30%, "
+    "+27%), nearly flat in the batch as published. " + _PER_SAMPLE_64
 )
 _INTER_6B = (
     "pipesim's inter-layer MP on 64 GPUs is 8 copies of the 8-deep pipeline grouped by stage, each running "
-    "one 32-sequence micro-batch at a time (3.9 s of compute at 56.2 TFLOP/s); the copies drift apart, so "
-    "their activations take turns on the NICs and their all-reduces stay in a server: 52.8 seq/s, 6.5x its "
-    "one-server rate (8.1). Laid out side by side instead (each pipeline in a server, the all-reduces "
+    "one 32-sequence micro-batch at a time (3.9 s of compute at 56.6 TFLOP/s); the copies drift apart, so "
+    "their activations take turns on the NICs and their all-reduces stay in a server: 53.1 seq/s, 6.5x its "
+    "one-server rate (8.2). Laid out side by side instead (each pipeline in a server, the all-reduces "
     "through the NICs) it gives 41.7. The published bar scales 1.6x (11 and 12 against 7), 23 s an update at "
     "B = 512, which the authors' placement does not make (unexplained). The authors' sweep script "
     "(scripts/driver_sweep.py) runs it ('no_pipelining') with a global batch of w x b, one micro-batch a "
     "pipeline per update, at b = 8 for every technique; side by side at b = 8 pipesim gives 12.5 seq/s here "
-    "and 6.8 on 6c, near the published bars, but Megatron-LM's rank order groups by stage (50.9 at b = 8). "
+    "and 6.8 on 6c, near the published bars, but Megatron-LM's rank order groups by stage (51.1 at b = 8). "
     + _LAYOUT_64
 )
 _INTER_6C = (
-    "4 copies of the 16-deep pipeline grouped by stage, one 32-sequence micro-batch at a time (6.52 s of "
-    "compute): 16.8 seq/s (side by side: 15.7). The published 10 and 12 mean 12.8 and 10.7 s an update "
+    "4 copies of the 16-deep pipeline grouped by stage, one 32-sequence micro-batch at a time (6.48 s of "
+    "compute): 16.9 seq/s (side by side: 15.7). The published 10 and 12 mean 12.8 and 10.7 s an update "
     "(unexplained, as on 6b)."
 )
 #: (figure, or figure without its panel letter; technique) -> why a gap over 20% is there.
@@ -785,39 +789,38 @@ NOTES: dict[tuple[str, str], str] = {
 #: claim id -> why its gap is there.
 CLAIM_NOTES: dict[str, str] = {
     "2bw-vs-gpipe": (
-        "pipesim's GPipe fills one flush with every micro-batch of the batch (bubble 5-19%) and loses "
-        "to 2BW only recomputation's extra forward, so 2BW leads it by at most 1.59x (6a, B = 64; on 64 GPUs "
-        "0.87-1.36x, where both are bound by the NICs); the published GPipe bars stay flat (18, 80, 38 seq/s) "
-        "as if each flush held a fixed few micro-batches (the GPipe rows): " + _GPIPE
+        "pipesim's GPipe runs a batch in the fewest flushes that fit, at b = 1 without recomputation, and "
+        "loses to 2BW only its fills and drains, so 2BW leads it by at most 1.36x (10a, B = 64; 6a 1.30 and "
+        "1.23; on 64 GPUs 0.75-1.29, where both are bound by the NICs); the published GPipe bars stay flat "
+        "(18, 80, 38 seq/s): " + _GPIPE
     ),
     "2bw-vs-flush-low-batch": (
         "At B = 64 pipesim's flush takes b = 1 (m = 64, bubble 10%) at 10% more per sample than b = 8, and "
-        "on 64 GPUs at B = 512 it takes b = 1-2 with 64-128 micro-batches a pipeline, so its bubble is small "
-        "where both are bound by the NICs (230.0 against 200.8 seq/s on 6b, 164.3 against 146.0 on 6c): the "
-        "largest ratio is 1.20, on one server (6a, B = 64). At the paper's b = 8 pipesim's flush gives 30.7 "
-        "seq/s at B = 64 and the ratio 52.6 / 30.7 = 1.71 (published 43 / 26 = 1.65)."
+        "on 64 GPUs at B = 512 it takes b = 1-2 with 64 micro-batches a pipeline, so its bubble is small "
+        "where both are bound by the NICs (204.5 against 200.4 seq/s on 6b, 164.5 against 145.9 on 6c): the "
+        "largest ratio is 1.20, on one server (6a, B = 64). At the paper's b = 8 pipesim's flush gives 30.9 "
+        "seq/s at B = 64 and the ratio 53.0 / 30.9 = 1.71 (published 43 / 26 = 1.65)."
     ),
     "flush-vs-inter-small-batch": (
-        "PipeDream-Flush at B = 64 is predicted 69% fast (b = 1, m = 64; at b = 8 it gives 30.7 seq/s) and "
-        "inter-layer MP 16% fast (one 32-sequence micro-batch at 56.2 TFLOP/s): " + _FLUSH_6A
+        "PipeDream-Flush at B = 64 is predicted 70% fast (b = 1, m = 64; at b = 8 it gives 30.9 seq/s) and "
+        "inter-layer MP 17% fast (one 32-sequence micro-batch at 56.6 TFLOP/s): " + _FLUSH_6A
     ),
     "flush-vs-gpipe-low-batch": (
-        "On 6c at B = 512 pipesim's GPipe (b = 2, m = 64 in one flush, recomputed) runs 0.83 of the "
-        "flush's rate (120.5 against 146.0 seq/s): the same b, m and bubble and the same NIC-bound transfers, "
-        "plus recomputation's extra forward; the published GPipe is half the published flush (38 against 75): " + _GPIPE
+        "On 6c at B = 512 pipesim's GPipe (b = 1 in two flushes of 64, not recomputed) runs 0.99 of the "
+        "flush's rate (144.1 against 145.9 seq/s): a like bubble and the same NIC-bound transfers; the "
+        "published GPipe is half the published flush (38 against 75): " + _GPIPE
     ),
     "flush-vs-gpipe-high-batch": (
-        "On 6c at B = 2048 pipesim's GPipe (b = 4, m = 128 in one flush, recomputed) runs 0.88 of the "
-        "flush's rate (139.2 against 158.7 seq/s); the published GPipe stays at 38 while the flush reaches "
-        "115: " + _GPIPE
+        "On 6c at B = 2048 pipesim's GPipe (b = 1 in eight flushes of 64) runs 0.92 of the flush's rate "
+        "(144.9 against 157.2 seq/s); the published GPipe stays at 38 while the flush reaches 115: " + _GPIPE
     ),
     "recompute-cost": (
-        "pipesim charges recomputation one more forward; by the GEMM shapes a backward is 2.01-2.06 forwards "
-        "at b = 8-32, so (F + B) / (2F + B) = 0.75 at every micro-batch size. Recomputation lets both models "
-        "fit b = 32, whose passes run a little faster per sample (2.2B: 121.8 against 126.8 ms at b = 8), so "
-        "the best with recomputation costs 24.0% (1.3B: 66.7 against 87.8 seq/s at b = 16) and 21.5% (2.2B: "
-        "41.6 against 53.0 at b = 8), mean 22.7%. The paper's 33% means its recomputed forward cost more than "
-        "one forward (unexplained here)."
+        "pipesim charges recomputation one more forward of the checkpointed blocks; by the GEMM shapes a "
+        "backward is 2.01-2.06 forwards at b = 8-32, so (F + B) / (2F + B) = 0.75 at every micro-batch size. "
+        "Recomputation lets both models fit b = 32, whose passes run a little faster per sample (2.2B: 121.1 "
+        "against 126.1 ms at b = 8), so the best with recomputation costs 24.0% (1.3B: 67.3 against 88.5 "
+        "seq/s at b = 16) and 21.5% (2.2B: 41.9 against 53.4 at b = 8), mean 22.7%. The paper's 33% means its "
+        "recomputed forward cost more than one forward (unexplained here)."
     ),
 }
 
