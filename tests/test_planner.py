@@ -723,6 +723,21 @@ def test_layout_for_agrees_with_the_schedule_it_predicts() -> None:
             assert any(built.hidden_reduce) == (strategy == "pipedream-2bw" and reps[0] > 1), (strategy, reps)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=4).map(tuple),
+    st.integers(1, 13),
+    st.integers(1, 5),
+)
+def test_layout_for_holds_a_gpipe_flush(reps, m, flushes) -> None:
+    """With several flushes per update a GPipe stage replica stashes one
+    flush of its share, as the built schedule's IR shows."""
+    flushes = min(flushes, m)
+    spec = ScheduleSpec("gpipe", len(reps), m, replicas=reps, flushes=flushes)
+    built = layout_of(build_schedule(spec))
+    assert layout_for(traits_of("gpipe"), reps, m, 1, {"flushes": flushes}).inflight == built.inflight
+
+
 def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
     """'2-1' on uniform layers whose all-reduce fits behind a window: a
     stage-0 replica is busy 8 passes of 30 ms and one update per iteration

@@ -307,13 +307,15 @@ def layout_for(
     p = len(replicas)
     total = sum(replicas)
     suffix = [total - sum(replicas[: k + 1]) for k in range(p)]
+    # a flush holds at most its own micro-batches (GPipe's flushes per update)
+    per_flush = -(-microbatches // int(opts.get("flushes", 1)))
     return Layout(
         devices=consecutive_devices(replicas),
         microbatches=microbatches,
         iterations=iterations,
         streamed=traits.streamed,
         passes=tuple(traits.share(r, microbatches) for r in replicas),
-        inflight=tuple(traits.inflight(r, s, microbatches, iterations) for r, s in zip(replicas, suffix)),
+        inflight=tuple(traits.inflight(r, s, per_flush, iterations) for r, s in zip(replicas, suffix)),
         updates=tuple(traits.steps(r, microbatches) for r in replicas),
         versions=tuple(strategy.weight_versions(opts, k, p) for k in range(p)),
         buffers=(0,) * p,
