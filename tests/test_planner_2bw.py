@@ -269,6 +269,32 @@ def test_plan_runs_with_simulate_plan(tmp_path, capsys) -> None:
     assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
 
 
+def test_a_gpipe_plan_in_flushes_runs_with_simulate_plan(tmp_path, capsys) -> None:
+    """GPT-1.3B's batch of 64 does not fit GPipe's one flush on 8 V100s at
+    b = 1 without recomputation: the plan runs it in flushes, records them
+    in its options, and ``simulate --plan`` runs that schedule; --flushes
+    fixes them for every candidate."""
+    base = ["plan", "--strategy", "gpipe", "--planner", "width-depth", "--model", "gpt-1.3b"]
+    base += ["--hardware", "dgx1-v100", "--batch-size", "64", "--microbatch-size", "1", "--confirm", "1"]
+    out = tmp_path / "plan"
+    assert main([*base, "--out", str(out)]) == 0
+    capsys.readouterr()
+    rec = json.loads((out / "plan.json").read_text())
+    chosen = rec["candidates"][rec["chosen"]]["params"]
+    assert chosen["flushes"] > 1 and rec["options"] == {"flushes": chosen["flushes"]}
+    assert plan_file(rec).spec().flushes == chosen["flushes"]
+    assert (
+        main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json", "--out", str(tmp_path / "s")])
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["plan"]["steady_samples_per_s"] == pytest.approx(rec["predicted_samples_per_s"], rel=1e-9)
+    fixed = tmp_path / "fixed"
+    assert main([*base, "--flushes", "4", "--confirm", "0", "--out", str(fixed)]) == 0
+    rec = json.loads((fixed / "plan.json").read_text())
+    assert {c["params"].get("flushes") for c in rec["candidates"]} == {4} and rec["options"]["flushes"] == 4
+
+
 def test_same_inputs_same_plan() -> None:
     req = GridRequest("1f1b", model(), PCIE, 4, 8, microbatch_sizes=(1, 2), confirm=2)
     a, b = plan_grid(req).to_json(), plan_grid(req).to_json()
