@@ -239,10 +239,13 @@ class Traits:
         (the remainder evens out), the most any replica gets when flushed."""
         return microbatches / replicas if self.streamed else math.ceil(microbatches / replicas)
 
-    def inflight(self, replicas: int, suffix: int, microbatches: int, iterations: int) -> int:
+    def inflight(self, replicas: int, suffix: int, microbatches: int, iterations: int, flushes: int = 1) -> int:
         """Micro-batches one replica of a stage with ``replicas`` replicas keeps
-        stashed, ``suffix`` devices running the later stages."""
-        held = math.ceil(microbatches * (iterations if self.streamed else 1) / replicas)
+        stashed, ``suffix`` devices running the later stages. An update in
+        ``flushes`` flushes (GPipe's gradient accumulation) holds at most
+        its largest flush, ``ceil(m / flushes)`` micro-batches."""
+        per_flush = -(-microbatches // flushes)
+        held = math.ceil(per_flush * (iterations if self.streamed else 1) / replicas)
         if self.holds_share:
             return held
         return min(held, warmup((replicas, suffix) if suffix else (replicas,), 0) + 1)
@@ -307,15 +310,14 @@ def layout_for(
     p = len(replicas)
     total = sum(replicas)
     suffix = [total - sum(replicas[: k + 1]) for k in range(p)]
-    # a flush holds at most its own micro-batches (GPipe's flushes per update)
-    per_flush = -(-microbatches // int(opts.get("flushes", 1)))
+    flushes = int(opts.get("flushes", 1))
     return Layout(
         devices=consecutive_devices(replicas),
         microbatches=microbatches,
         iterations=iterations,
         streamed=traits.streamed,
         passes=tuple(traits.share(r, microbatches) for r in replicas),
-        inflight=tuple(traits.inflight(r, s, per_flush, iterations) for r, s in zip(replicas, suffix)),
+        inflight=tuple(traits.inflight(r, s, microbatches, iterations, flushes) for r, s in zip(replicas, suffix)),
         updates=tuple(traits.steps(r, microbatches) for r in replicas),
         versions=tuple(strategy.weight_versions(opts, k, p) for k in range(p)),
         buffers=(0,) * p,

@@ -158,12 +158,7 @@ class Shape:
             "recompute": self.recompute,
             "grouping": self.grouping,
         }
-        return found | ({"flushes": self.flushes} if self.flushes > 1 else {})
-
-    @property
-    def per_flush(self) -> int:
-        """Micro-batches of a pipeline's largest flush."""
-        return -(-self.microbatches // self.flushes)
+        return found | flush_options(self.flushes)
 
     @property
     def name(self) -> str:
@@ -176,12 +171,19 @@ class Shape:
         return replica * self.depth + stage
 
 
+def flush_options(flushes: int) -> dict:
+    """The schedule option of ``flushes`` per update: none for the one flush
+    every strategy runs, so plans and parameters of other strategies, and
+    of GPipe in one flush, stay as they were without the option."""
+    return {"flushes": flushes} if flushes > 1 else {}
+
+
 def shape_spec(strategy: str, params: dict, iterations: int, options: dict) -> ScheduleSpec:
     """The schedule of a grid configuration (``Shape.params``): w pipelines
     side by side, or, grouped by stage, each stage's w replicas on
     consecutive devices with the w pipelines' micro-batches in one count."""
     w, d, m = params["width"], params["depth"], params["microbatches"]
-    options = options | ({"flushes": params["flushes"]} if params.get("flushes", 1) > 1 else {})
+    options = options | flush_options(params.get("flushes", 1))
     if params.get("grouping", "pipelines") == "stages":
         return ScheduleSpec(strategy, d, m * w, iterations=iterations, replicas=(w,) * d, **options)
     return ScheduleSpec(strategy, d, m, iterations=iterations, width=w, **options)
@@ -273,7 +275,7 @@ class _Grid:
         return self._tables[key]
 
     def inflight(self, shape: Shape, k: int) -> int:
-        return self.traits.inflight(1, shape.depth - k - 1, shape.per_flush, self.req.iterations)
+        return self.traits.inflight(1, shape.depth - k - 1, shape.microbatches, self.req.iterations, shape.flushes)
 
     def chooses_flushes(self) -> bool:
         """Whether the planner picks the flushes per update: the strategy
@@ -490,7 +492,7 @@ def plan_grid(req: GridRequest, progress: Callable[[str], None] | None = None) -
         microbatches=best["microbatches"] * (best["width"] if best["grouping"] == "stages" else 1),
         iterations=req.iterations,
         microbatch_size=best["microbatch_size"],
-        options=dict(req.options) | ({"flushes": best["flushes"]} if "flushes" in best else {}),
+        options=dict(req.options) | flush_options(best.get("flushes", 1)),
         candidates=tuple(ranked),
         chosen=chosen,
         data_parallel_samples_per_s=None,
