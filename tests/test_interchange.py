@@ -533,6 +533,11 @@ def test_torch_csv_of_an_asynchronous_strategy_says_what_it_loses(capsys) -> Non
     assert "read back from it is a flushed schedule; --format csv keeps them" in err
     assert main(["schedule", "--strategy", "1f1b", "--format", "torch-csv"]) == 0
     assert capsys.readouterr().err == ""
+    # a schedule torch's CSV cannot hold is refused in one line, without the note
+    argv = ["schedule", "--strategy", "pipedream-2bw", "--stages", "1", "--microbatches", "1", "--width", "2"]
+    assert main([*argv, "--format", "torch-csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "holds one pipeline" in err
 
 
 @pytest.mark.parametrize(

@@ -62,13 +62,14 @@ def run(args) -> int:
             lookahead = 0 if args.format == "torch-csv" else 1
         schedule = lower(schedule, recv_lookahead=lookahead)
     if args.format == "torch-csv":
+        text = to_csv(schedule, torch_only=True)  # refused (one line) before any note
         if get_strategy(args.strategy).asynchronous:  # said, not refused: torch's order of passes is still right
             print(
                 f"note: torch's CSV has no updates or weight versions, so {args.strategy} read back from it "
                 "is a flushed schedule; --format csv keeps them",
                 file=sys.stderr,
             )
-        sys.stdout.write(to_csv(schedule, torch_only=True))
+        sys.stdout.write(text)
     elif args.format == "csv":
         sys.stdout.write(to_csv(schedule))
     else:
