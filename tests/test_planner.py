@@ -738,6 +738,48 @@ def test_layout_for_holds_a_gpipe_flush(reps, m, flushes) -> None:
     assert layout_for(traits_of("gpipe"), reps, m, 1, {"flushes": flushes}).inflight == built.inflight
 
 
+@pytest.mark.parametrize("flushes", [1, 2, 4])
+def test_the_cost_model_charges_each_gpipe_flush_its_fill_and_drain(flushes) -> None:
+    """Four stages of two uniform layers (a stage's forward 20 ms, backward
+    40 ms) and eight micro-batches in ``flushes`` flushes: each flush of n
+    runs its forward and its backward phase in (n + 3) passes of the stage,
+    so an iteration is flushes x (8 / flushes + 3) x 60 ms (0.66, 0.84 and
+    1.2 s), in the cost model as in the engine. Charged one fill and drain,
+    or paced by Little's law over the two micro-batches of a flush of 2, the
+    model would give 0.66 or 1.44 s at four flushes."""
+    hw = load_hardware("ideal")
+    prof = Profile("uniform", tuple(LayerCost(f"l{i}", 0.01, 0.02, 0, 1, 1) for i in range(8)))
+    schedule = build_schedule(ScheduleSpec("gpipe", 4, 8, iterations=3, flushes=flushes))
+    ran = simulate_schedule(schedule, prof, hw)
+    est = CostSetting.of(prof, hw).estimate(list(ran.stage_costs), layout_of(schedule))
+    want = flushes * (8 / flushes + 3) * 0.06
+    assert summarize(ran)["iteration_time_s"] == pytest.approx(want, rel=1e-9)
+    assert est.iteration_s == pytest.approx(want, rel=1e-9)
+    assert est.flushes == flushes
+
+
+def test_the_replicas_planner_gives_gpipe_the_fewest_flushes_that_fit() -> None:
+    """GPT-1.3B at 32 micro-batches of 4 on a DGX-1: no configuration holds
+    a whole flush's stash in 16 GiB, so every GPipe candidate runs in the
+    fewest flushes its configuration fits (one fewer does not), the plan's
+    options carry the chosen one's, and its confirmation ran them; fixed at
+    one flush, nothing fits."""
+    hw = load_hardware("dgx1-v100")
+    prof = model_profile("gpt-1.3b", hw.device, 4)
+    record = plan(PlanRequest("gpipe", prof, hw, 8, microbatches=32, confirm=2, refine=0))
+    chosen = record.best
+    flushes = chosen.params["flushes"]
+    assert 1 < flushes < 32 and not chosen.out_of_memory and chosen.simulated
+    assert record.options == {"flushes": flushes}
+    planner = Planner(Tables(prof), traits_of("gpipe"), 32, record.iterations, 8, CostSetting.of(prof, hw), {})
+    config = Config(chosen.starts, chosen.replicas)
+    fewer = replace(planner, options={"flushes": flushes - 1}).estimate(config)
+    assert fewer.out_of_memory and fewer.flushes == flushes - 1
+    assert all(c.params.get("flushes", 1) > 1 for c in record.candidates if not c.out_of_memory)
+    one = plan(PlanRequest("gpipe", prof, hw, 8, microbatches=32, options={"flushes": 1}, confirm=0))
+    assert all(c.out_of_memory and "flushes" not in c.params for c in one.candidates)
+
+
 def test_the_cost_model_hides_2bws_all_reduce_as_the_engine_does() -> None:
     """'2-1' on uniform layers whose all-reduce fits behind a window: a
     stage-0 replica is busy 8 passes of 30 ms and one update per iteration

@@ -230,6 +230,37 @@ def test_gpipe_flushes_hold_a_flush_and_uneven_ones_differ_by_one():
         build("1f1b", 3, 7, flushes=2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=4).map(tuple),
+    st.integers(1, 13),
+    st.integers(1, 5),
+    st.integers(1, 2),
+)
+def test_gpipe_flushes_are_the_same_ids_on_every_stage(reps, m, flushes, iterations):
+    """A flush is a range of consecutive micro-batch ids of the iteration,
+    the same on every stage whatever its replica count: each replica runs,
+    flush after flush, every forward of its ids in the flush, then every
+    backward. Split by each replica's own count instead, stages with
+    different replica counts wait for each other across flushes (a
+    deadlock the engine reports)."""
+    flushes = min(flushes, m)
+    s = build_schedule(ScheduleSpec("gpipe", len(reps), m, iterations=iterations, replicas=reps, flushes=flushes))
+    sizes = [m // flushes + (f < m % flushes) for f in range(flushes)]
+    bounds = [sum(sizes[:f]) for f in range(flushes + 1)]
+    for prog in s.programs:
+        for t in range(iterations):
+            passes = [a for a in prog if a.op in (F, B) and a.version == t]
+            runs = []  # (op, flush) in program order, one entry per run of equal ones
+            for a in passes:
+                flush = max(f for f in range(flushes) if bounds[f] <= a.microbatch - t * m)
+                if not runs or runs[-1] != (a.op, flush):
+                    runs.append((a.op, flush))
+            flushes_seen = [f for op, f in runs if op is F]
+            assert flushes_seen == sorted(set(flushes_seen)), runs  # one forward run per flush, in order
+            assert runs == [(op, f) for f in flushes_seen for op in (F, B)], runs
+
+
 def _fix_torch_1f1b_last_rank(order, p):
     # torch numbers the last rank's forwards F1..Fm; the true ids are F0..F(m-1).
     fixed = []

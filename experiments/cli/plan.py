@@ -238,7 +238,7 @@ def _planner(args) -> str:
 _PLAN_OPTION_FLAGS = ("alpha", "tau", "advance", "placement", "flushes")
 #: What a plan option is when the command line leaves it out, where that is
 #: not the spec's default.
-_PLAN_OPTION_DEFAULTS = {"flushes": "the fewest that fit, chosen by the width-depth planner; 1 elsewhere"}
+_PLAN_OPTION_DEFAULTS = {"flushes": "the fewest that fit, chosen by the planner"}
 
 
 def _plan_options(args) -> dict:

@@ -41,10 +41,12 @@ Latency
 Fill and drain
     A flushed iteration is ``m`` periods plus one micro-batch's path through
     the pipeline (every stage's passes and transfers) less the bottleneck's
-    own pass, plus stage 0's final all-reduce and step; when every forward
-    runs before any backward (GPipe), it is at least a forward phase and a
-    backward phase, each one micro-batch's path plus m - 1 passes of its
-    slowest stage. A stream is ``m`` periods per iteration in steady state.
+    own pass for each of its flushes (one, or GPipe's ``flushes``), plus
+    stage 0's final all-reduce and step; when every forward of a flush runs
+    before any backward (GPipe), it is at least a forward phase and a
+    backward phase a flush, each one micro-batch's path plus the flush's
+    other passes of its slowest stage. A stream is ``m`` periods per
+    iteration in steady state.
 Memory
     Per device, for every stage replica it hosts: the passes' weights times
     the versions the strategy keeps, gradients, the master copy and
@@ -240,6 +242,8 @@ class Estimate:
     samples_per_s: float
     memory_bytes: tuple[int, ...]
     memory_limit_bytes: float
+    #: the layout's flushes per update (GPipe's; 1 for every other strategy)
+    flushes: int = 1
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -384,9 +388,15 @@ def estimate(
     resources += [(v / m, name) for name, v in sorted(load.items())]
     period, bottleneck = max(resources, key=lambda x: x[0])
     path = math.fsum(c.time_s for c in costs) + 2 * math.fsum(transfer)
+    f = layout.flushes
+    # every forward of a flush before any of its backwards (GPipe): the flush's phases
+    # bound the iteration below, and no micro-batch waits for another's round trip
+    phased = not layout.streamed and all(
+        held >= -(-passes // f) for held, passes in zip(layout.inflight, layout.passes)
+    )
     # Little's law at every stage: its round trip (its passes and every later
     # stage's, the transfers there and back) over the micro-batches in flight there
-    for k in range(p):
+    for k in range(p if not phased else 0):
         in_flight = layout.inflight[k] * len(layout.devices[k])
         round_trip = math.fsum(c.time_s for c in costs[k:]) + 2 * math.fsum(transfer[k:])
         if in_flight and round_trip / in_flight > period:
@@ -399,17 +409,10 @@ def estimate(
         makespan = layout.iterations * m * period + path - own
     else:
         tail = step_s[0] if slowest != 0 else 0.0
-        iteration = m * period + path - own + tail
-        if all(held >= passes for held, passes in zip(layout.inflight, layout.passes)):
-            # every forward before any backward (GPipe): two phases, each
-            # paced by its own slowest stage, then stage 0's step
-            phases = (
-                2 * math.fsum(transfer)
-                + step_s[0]
-                + sum(
-                    math.fsum(t(c) for c in costs) + max((n - 1) * t(c) for n, c in zip(layout.passes, costs))
-                    for t in (lambda c: c.forward_s, lambda c: c.backward_s)
-                )
+        iteration = m * period + f * (path - own) + tail
+        if phased:
+            phases = step_s[0] + math.fsum(
+                flush_phases(costs, transfer, [int(n) // f + (j < int(n) % f) for n in layout.passes]) for j in range(f)
             )
             if phases > iteration:
                 iteration, bottleneck = phases, "forward and backward phases"
@@ -423,6 +426,18 @@ def estimate(
         samples_per_s=m * microbatch_size / iteration if iteration > 0 else math.inf,
         memory_bytes=dev_memory,
         memory_limit_bytes=hw.device.memory_bytes,
+        flushes=layout.flushes,
+    )
+
+
+def flush_phases(costs: list[StageCost], transfer: list[float], passes: list[int]) -> float:
+    """One flush that runs every forward before any backward (GPipe), each
+    replica of stage k running ``passes[k]`` of them: a forward phase and a
+    backward phase, each one micro-batch's path through the pipeline (its
+    passes and transfers) plus the rest of the slowest stage's passes."""
+    return 2 * math.fsum(transfer) + sum(
+        math.fsum(t(c) for c in costs) + max(max(n - 1, 0) * t(c) for n, c in zip(passes, costs))
+        for t in (lambda c: c.forward_s, lambda c: c.backward_s)
     )
 
 

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import TypeVar
 
 from pipesim.sim.errors import InputError
 from pipesim.sim.ir.core import (
@@ -48,6 +50,8 @@ from pipesim.sim.ir.core import (
 )
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
 from pipesim.sim.strategies._common import warmup
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Layout:
     master weights (AvgPipe's centre; empty: none). ``waits[k]``: the
     :class:`Wait` of its forward's and its backward's receive. ``streamed``:
     the iterations run as one stream without a flush (``Strategy.asynchronous``).
+    ``flushes``: the fills and drains of one iteration (GPipe's flushes per
+    update; 1 for every other flushed strategy).
     """
 
     devices: tuple[tuple[int, ...], ...]
@@ -102,6 +108,7 @@ class Layout:
     hidden_reduce: tuple[bool, ...] = ()
     #: per stage: buffers at the master weights' width (the averaging centre)
     centres: tuple[int, ...] = ()
+    flushes: int = 1
 
     @property
     def stages(self) -> int:
@@ -190,6 +197,7 @@ def layout_of(schedule: Schedule, recv_lookahead: int = 1) -> Layout:
         waits=_waits(schedule, recv_lookahead),
         hidden_reduce=tuple(k in hidden for k in range(p)),
         centres=tuple(centres),
+        flushes=int(schedule.options.get("flushes", 1)),
     )
 
 
@@ -213,6 +221,35 @@ def _waits(schedule: Schedule, lookahead: int) -> tuple[tuple[Wait, Wait], ...]:
         tuple(seen[(k, kind)].most_common(1)[0][0] if seen[(k, kind)] else none for kind in (FORWARD, BACKWARD))
         for k in range(schedule.num_stages)
     )
+
+
+def fewest_flushes(outcome: Callable[[int], T], fits: Callable[[T], bool], most: int) -> tuple[int, T]:
+    """The fewest flushes per update, 1 .. ``most``, whose ``outcome`` fits,
+    with that outcome: found by bisection, since what a stage holds only
+    falls with more flushes (each flush pays a fill and a drain, so fewer
+    are faster); one flush and its outcome where none fits."""
+    one = outcome(1)
+    if fits(one) or most <= 1:
+        return 1, one
+    high, found = most, outcome(most)
+    if not fits(found):
+        return 1, one
+    low = 1  # low does not fit, high does
+    while high - low > 1:
+        mid = (low + high) // 2
+        tried = outcome(mid)
+        if fits(tried):
+            high, found = mid, tried
+        else:
+            low = mid
+    return high, found
+
+
+def chooses_flushes(traits: Traits, options: Mapping[str, object]) -> bool:
+    """Whether a planner picks the flushes per update: the strategy takes
+    them, a replica stashes every micro-batch of its flush (so more flushes
+    hold fewer) and the request does not fix them."""
+    return "flushes" in get_strategy(traits.strategy).options and traits.holds_share and "flushes" not in options
 
 
 @dataclass(frozen=True)
@@ -323,4 +360,5 @@ def layout_for(
         buffers=(0,) * p,
         waits=(traits.waits,) * p,
         hidden_reduce=tuple(traits.hides_reduce and r > 1 for r in replicas),
+        flushes=flushes,
     )

@@ -44,14 +44,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.partition.balance import REL_TOL, balanced
 from pipesim.sim.partition.cost import Estimate, LinkModel, envelope, estimate, held_activations, update_seconds
-from pipesim.sim.partition.layout import Layout, Traits, layout_for
+from pipesim.sim.partition.layout import Layout, Traits, chooses_flushes, fewest_flushes, layout_for
+from pipesim.sim.strategies._common import flush_options
 from pipesim.sim.workloads.profile import Profile
 from pipesim.sim.workloads.stages import StageCost, recomputed, stage_cost
 
@@ -437,11 +438,36 @@ class Planner:
     setting: CostSetting
     options: dict
 
-    def layout(self, replicas: tuple[int, ...]) -> Layout:
-        return layout_for(self.traits, replicas, self.microbatches, self.iterations, self.options)
+    #: whether the search picks each configuration's flushes per update
+    #: (:func:`~.layout.chooses_flushes`: GPipe, unless the request fixes them)
+    chooses_flushes: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chooses_flushes = chooses_flushes(self.traits, self.options)
+
+    def layout(self, replicas: tuple[int, ...], flushes: int | None = None) -> Layout:
+        options = self.options if flushes is None else self.options | flush_options(flushes)
+        return layout_for(self.traits, replicas, self.microbatches, self.iterations, options)
+
+    def least_stash_layout(self, replicas: tuple[int, ...]) -> Layout:
+        """The layout the memory terms of a search hold a stage to: where the
+        search picks each configuration's flushes, the most of them (one
+        micro-batch a flush), so that no configuration some flush count fits
+        is left out; :meth:`estimate` then takes the fewest that fit."""
+        return self.layout(replicas, self.microbatches if self.chooses_flushes else None)
 
     def estimate(self, config: Config) -> Estimate:
-        return self.setting.estimate(self.tables.split(config.starts), self.layout(config.replicas))
+        """The full model's estimate of ``config``; where the search picks
+        the flushes per update, at the fewest that fit (``Estimate.flushes``)."""
+        costs = self.tables.split(config.starts)
+        if not self.chooses_flushes:
+            return self.setting.estimate(costs, self.layout(config.replicas))
+        _, found = fewest_flushes(
+            lambda f: self.setting.estimate(costs, self.layout(config.replicas, f)),
+            self.setting.fits,
+            self.microbatches,
+        )
+        return found
 
     # -- the dynamic program ------------------------------------------------
     def dynamic_program(self, allowed: tuple[int, ...] | None = None, memory: bool = True) -> dict[int, Config]:
@@ -522,7 +548,7 @@ class Planner:
         if memory and self.setting.memory_limit_bytes is not None:
             if held is None:
                 suffix = self.devices - first_device - r
-                held = (self.layout((r, suffix) if suffix else (r,)), 0)
+                held = (self.least_stash_layout((r, suffix) if suffix else (r,)), 0)
             probe, k = held
             mem = memory_terms(
                 t,
@@ -541,7 +567,7 @@ class Planner:
         stage's memory is its own in that configuration's layout. ``None``
         when no split fits (or there are fewer layers than stages)."""
         t, n = self.tables, self.tables.n
-        layout = self.layout(tuple(replicas))
+        layout = self.least_stash_layout(tuple(replicas))
         best = np.full(n + 1, np.inf)
         best[0] = 0.0  # the first stage starts at layer 0
         picks, first, prev = [], 0, None

@@ -69,7 +69,7 @@ from pipesim.sim.errors import InputError
 from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.partition.balance import balanced
 from pipesim.sim.partition.cost import LinkModel, stage_memory, update_seconds
-from pipesim.sim.partition.layout import traits_of
+from pipesim.sim.partition.layout import chooses_flushes, fewest_flushes, traits_of
 from pipesim.sim.partition.search import Tables, memory_terms
 from pipesim.sim.planning.plan import (
     ITERATIONS,
@@ -86,6 +86,7 @@ from pipesim.sim.planning.plan import (
     steady_state,
 )
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, get_strategy
+from pipesim.sim.strategies._common import flush_options
 from pipesim.sim.workloads.profile import Profile
 from pipesim.sim.workloads.stages import StageCost
 
@@ -169,13 +170,6 @@ class Shape:
         if self.grouping == "stages":
             return stage * self.width + replica
         return replica * self.depth + stage
-
-
-def flush_options(flushes: int) -> dict:
-    """The schedule option of ``flushes`` per update: none for the one flush
-    every strategy runs, so plans and parameters of other strategies, and
-    of GPipe in one flush, stay as they were without the option."""
-    return {"flushes": flushes} if flushes > 1 else {}
 
 
 def shape_spec(strategy: str, params: dict, iterations: int, options: dict) -> ScheduleSpec:
@@ -277,30 +271,16 @@ class _Grid:
     def inflight(self, shape: Shape, k: int) -> int:
         return self.traits.inflight(1, shape.depth - k - 1, shape.microbatches, self.req.iterations, shape.flushes)
 
-    def chooses_flushes(self) -> bool:
-        """Whether the planner picks the flushes per update: the strategy
-        takes them, stashes a flush's every micro-batch (so more flushes hold
-        fewer) and the request does not fix them."""
-        return "flushes" in self.strategy.options and self.traits.holds_share and "flushes" not in self.req.options
-
     def fewest_flushes(self, shape: Shape) -> Shape:
         """``shape`` with the fewest flushes per update whose split fits
-        (each flush pays a fill and a drain, so fewer are faster), found by
-        bisection, since what a stage holds only falls with more flushes;
-        one flush where none fits or one already does."""
-        if not self.chooses_flushes() or self.split(shape)[1]:
+        (:func:`~pipesim.sim.partition.layout.fewest_flushes`), where the
+        planner picks them; else as it is."""
+        if not chooses_flushes(self.traits, self.req.options):
             return shape
-        most = replace(shape, flushes=shape.microbatches)
-        if not self.split(most)[1]:
-            return shape
-        low, high = 1, shape.microbatches  # low does not fit, high does
-        while high - low > 1:
-            mid = (low + high) // 2
-            if self.split(replace(shape, flushes=mid))[1]:
-                high = mid
-            else:
-                low = mid
-        return replace(shape, flushes=high)
+        flushes, _ = fewest_flushes(
+            lambda f: self.split(replace(shape, flushes=f)), lambda found: bool(found[1]), shape.microbatches
+        )
+        return replace(shape, flushes=flushes)
 
     def versions(self, shape: Shape, k: int) -> int:
         opts = self.strategy.option_defaults() | self.req.options | {"width": shape.width}

@@ -71,6 +71,7 @@ from pipesim.sim.partition.cost import Estimate
 from pipesim.sim.partition.layout import traits_of
 from pipesim.sim.partition.search import MIN_GAIN, Config, CostSetting, Planner, Tables
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
+from pipesim.sim.strategies._common import flush_options
 from pipesim.sim.workloads.profile import Profile
 
 PLAN_VERSION = 1
@@ -928,7 +929,7 @@ def plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Pla
         microbatches=m,
         iterations=req.iterations,
         microbatch_size=req.profile.microbatch_size,
-        options=dict(req.options),
+        options=_schedule_options(out[chosen], req),
         candidates=tuple(out),
         chosen=chosen,
         data_parallel_samples_per_s=dp,
@@ -1153,7 +1154,14 @@ def _candidate(planner: Planner, cfg: Config, source: str, est) -> Candidate:
         out_of_memory=not planner.setting.fits(est),
         bottleneck=est.bottleneck,
         boundary_bytes=cuts,
+        params=flush_options(est.flushes),
     )
+
+
+def _schedule_options(cand: Candidate, req: PlanRequest) -> dict:
+    """The schedule options of a candidate's runs: the request's and the
+    flushes per update the search picked for it."""
+    return req.options | flush_options(cand.params.get("flushes", 1))
 
 
 def _runs(microbatches: int, iterations: int, replicas: tuple[int, ...], traits) -> list[tuple[int, int]]:
@@ -1182,7 +1190,9 @@ def _run_for(cand: Candidate, req: PlanRequest, m: int):
     (None, None, why) when the strategy refuses every run."""
     note = ""
     for mb, k in _runs(m, req.iterations, cand.replicas, traits_of(req.strategy, req.recv_lookahead)):
-        spec = ScheduleSpec(req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **req.options)
+        spec = ScheduleSpec(
+            req.strategy, len(cand.stages), mb, iterations=k, replicas=cand.replicas, **_schedule_options(cand, req)
+        )
         if _too_long(mb * k, cand, req, m):
             # too long to confirm; whether the strategy builds it at all shows in the fewest
             # iterations that spread its micro-batches evenly over every stage's replicas (a run
@@ -1277,7 +1287,12 @@ def _at_run(planner: Planner, cand: Candidate, spec: ScheduleSpec) -> Candidate:
     model at that run: its memory is the run's (a 15-1 planned at one
     micro-batch runs 15 per iteration and holds what they stash), and it is
     out of memory if that does not fit."""
-    at = replace(planner, microbatches=spec.microbatches, iterations=spec.iterations)
+    at = replace(
+        planner,
+        microbatches=spec.microbatches,
+        iterations=spec.iterations,
+        options=planner.options | {"flushes": spec.flushes},  # the run's, not picked again
+    )
     est = at.estimate(Config(cand.starts, cand.replicas))
     return replace(
         cand,

@@ -122,6 +122,14 @@ def stage_replicas(spec: ScheduleSpec, num_stages: int | None = None) -> tuple[i
     return (spec.width,) * (spec.stages if num_stages is None else num_stages)
 
 
+def flush_options(flushes: int) -> dict:
+    """The schedule option of ``flushes`` per update (``ScheduleSpec.flushes``)
+    as a schedule, a plan or a candidate records it: none for the one flush
+    every strategy runs, so records of other strategies, and of GPipe in one
+    flush, stay as they are without it."""
+    return {"flushes": flushes} if flushes > 1 else {}
+
+
 def iteration_microbatches(spec: ScheduleSpec) -> int:
     """Micro-batches entering the pipeline per iteration: m for each of the
     ``width`` pipelines, or m in all when stages have their own ``replicas``."""
@@ -501,11 +509,12 @@ def replicated_schedule(
     )
 
 
-def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], reps: Sequence[int]):
+def flushed(stage_order: Callable[[int, range, int], Iterable[tuple[Op, int]]], reps: Sequence[int]):
     """``replica_program`` of :func:`replicated_schedule` for a flush
-    strategy: each iteration, ``stage_order(stage, n, warm)`` over the
-    replica's n micro-batches (``(op, index)`` pairs), then the update
-    (after the REDUCE_GRAD of the stage's replicas when it has several)."""
+    strategy: each iteration, ``stage_order(stage, batch, warm)`` over the
+    replica's micro-batch ids ``batch`` (``(op, index into batch)`` pairs),
+    then the update (after the REDUCE_GRAD of the stage's replicas when it
+    has several)."""
 
     def program(stage: int, replica: int, ids: list[range], warm: int) -> list[Action]:
         reduce = reps[stage] > 1
@@ -515,9 +524,7 @@ def flushed(stage_order: Callable[[int, int, int], Iterable[tuple[Op, int]]], re
                 out.extend(_update(stage, replica, t, reduce))  # so every replica stays at version t+1
                 continue
             # passes built with version t, so flush_iteration need not build them again
-            order = [
-                _new(Action, (op, stage, batch[i], t, 0, replica)) for op, i in stage_order(stage, len(batch), warm)
-            ]
+            order = [_new(Action, (op, stage, batch[i], t, 0, replica)) for op, i in stage_order(stage, batch, warm)]
             out.extend(flush_iteration(order, t, reduce=reduce))
         return out
 

@@ -8,15 +8,20 @@ Flush semantics (versions, UPDATE after the last backward, REDUCE_GRAD for
 width > 1) come from :func:`~pipesim.sim.strategies._common.flush_schedule`.
 
 ``flushes`` > 1 splits an iteration into that many flushes of consecutive
-micro-batches, each all forwards then all backwards, their gradients
-accumulated into the iteration's one update: gradient accumulation over
-GPipe steps, what a batch whose stash does not fit in one flush needs (a
-stage then holds m / flushes micro-batches, and each flush pays its own fill
-and drain). The update's semantics are those of one flush of all m.
+micro-batches (sizes differing by at most one, the first ones larger), each
+all forwards then all backwards, their gradients accumulated into the
+iteration's one update: gradient accumulation over GPipe steps, what a batch
+whose stash does not fit in one flush needs (a stage then holds m / flushes
+micro-batches, and each flush pays its own fill and drain). A flush is a
+range of the iteration's micro-batch ids, the same on every stage, so a
+stage replica runs, in each flush, those of its micro-batches that fall in
+it, whatever its stage's replica count. The update's semantics are those of
+one flush of all m.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from functools import partial
 
 from pipesim.sim.ir.core import B, F, Schedule
@@ -25,7 +30,9 @@ from pipesim.sim.strategies._common import (
     Strategy,
     StrategyError,
     check_spec,
+    flush_options,
     flushed,
+    iteration_microbatches,
     replicated_schedule,
     stage_replicas,
 )
@@ -33,18 +40,28 @@ from pipesim.sim.strategies._common import (
 NAME = "gpipe"
 
 
-def stage_order(stage: int, n: int, warm: int, flushes: int = 1) -> list[tuple]:
-    """One iteration of one stage replica over its n micro-batches (indexes):
-    in each of ``flushes`` runs of consecutive micro-batches (sizes differing
-    by at most one, the first ones larger), every forward, then every
-    backward, whatever the warm-up."""
+def flush_starts(per_iteration: int, flushes: int) -> list[int]:
+    """Where each flush of an iteration's ``per_iteration`` micro-batch ids
+    starts (its sizes differ by at most one, the first ones larger)."""
+    starts, first = [], 0
+    for f in range(min(flushes, per_iteration)):
+        starts.append(first)
+        first += per_iteration // flushes + (f < per_iteration % flushes)
+    return starts
+
+
+def stage_order(stage: int, batch: range, warm: int, *, flushes: int, per_iteration: int) -> list[tuple]:
+    """One iteration of one stage replica over its micro-batch ids ``batch``
+    (indexes into it): in each flush (:func:`flush_starts` of the
+    iteration's ``per_iteration`` ids), every forward of the replica's ids
+    in it, then every backward, whatever the warm-up."""
+    starts = flush_starts(per_iteration, flushes)
+    runs: dict[int, list[int]] = {}
+    for index, mb in enumerate(batch):
+        runs.setdefault(bisect_right(starts, mb % per_iteration) - 1, []).append(index)
     order: list[tuple] = []
-    first = 0
-    for f in range(min(flushes, n)):
-        size = n // flushes + (f < n % flushes)
-        run = range(first, first + size)
+    for run in (runs[f] for f in sorted(runs)):
         order += [(F, i) for i in run] + [(B, i) for i in run]
-        first += size
     return order
 
 
@@ -54,9 +71,8 @@ def build(spec: ScheduleSpec) -> Schedule:
         raise StrategyError(
             f"flushes={spec.flushes} is more than the {spec.microbatches} micro-batches of an iteration"
         )
-    order = partial(stage_order, flushes=spec.flushes)
-    recorded = {"flushes": spec.flushes} if spec.flushes > 1 else {}
-    return replicated_schedule(spec, flushed(order, stage_replicas(spec)), options=recorded)
+    order = partial(stage_order, flushes=spec.flushes, per_iteration=iteration_microbatches(spec))
+    return replicated_schedule(spec, flushed(order, stage_replicas(spec)), options=flush_options(spec.flushes))
 
 
 STRATEGY = Strategy(

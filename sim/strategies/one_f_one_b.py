@@ -28,9 +28,9 @@ from pipesim.sim.strategies._common import (
 NAME = "1f1b"
 
 
-def stage_order(stage: int, n: int, warm: int):
-    """One iteration of one stage replica over its n micro-batches (indexes)."""
-    return one_f_one_b(n, warm)
+def stage_order(stage: int, batch: range, warm: int):
+    """One iteration of one stage replica over its micro-batches ``batch`` (indexes into it)."""
+    return one_f_one_b(len(batch), warm)
 
 
 def build(spec: ScheduleSpec) -> Schedule:

@@ -41,11 +41,11 @@ from pipesim.sim.strategies._common import (
 NAME = "zb-h1"
 
 
-def stage_order(stage: int, n: int, warm: int) -> list[tuple]:
-    """One iteration of one stage replica over its n micro-batches (indexes)."""
+def stage_order(stage: int, batch: range, warm: int) -> list[tuple]:
+    """One iteration of one stage replica over its micro-batches ``batch`` (indexes into it)."""
     out: list[tuple] = []
     pending: deque[int] = deque()
-    for op, i in one_f_one_b(n, warm):
+    for op, i in one_f_one_b(len(batch), warm):
         if op is F:
             out.append((F, i))
             continue
