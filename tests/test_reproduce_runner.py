@@ -111,8 +111,26 @@ def test_the_runner_writes_results_report_and_figures(tmp_path) -> None:
     report = (folder / "report.md").read_text()
     assert "A fake paper" in report and "Some notes." in report and "Runtime:" in report
     assert "a gap's cause" in report  # -67%: over 20%, so its note is printed
+    assert "| [cause 1](#cause-1) |" in report and report.count("a gap's cause") == 1
     assert "Runtime" not in (folder / "results.json").read_text()
     assert seen[0] == (0, 2 + runner.WRITING_STEPS, "first")
+
+
+def test_a_cause_many_rows_share_is_printed_once_and_each_row_links_to_it() -> None:
+    """Two rows outside the tolerance with one note and a claim with
+    another cite causes 1 and 2, a row within it cites none; the section
+    prints each cause once, in the order first cited, with its anchor."""
+    rows = [
+        Row("f", "1", "m", "ideal", 2, 8, t, "speedup_vs_dp", v, config=None, note="shared", published=1.0)
+        for t, v in (("gpipe", 2.0), ("1f1b", 1.05), ("pipedream", 0.5))
+    ]
+    claims = [Claim("c", "a claim", 3.0, note="its own", published=1.0)]
+    causes = runner.Causes()
+    table = runner.comparison_table(rows, causes=causes).splitlines()[2:]
+    assert [line.rsplit("|", 2)[1].strip() for line in table] == ["[cause 1](#cause-1)", "", "[cause 1](#cause-1)"]
+    assert "| [cause 2](#cause-2) |" in runner.claims_table(claims, causes=causes)
+    assert causes.section() == '<a id="cause-1"></a>**Cause 1.** shared\n\n<a id="cause-2"></a>**Cause 2.** its own'
+    assert runner.Causes().section() == ""
 
 
 def test_results_json_is_byte_identical_run_to_run(tmp_path) -> None:

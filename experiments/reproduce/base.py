@@ -179,10 +179,35 @@ class Paper:
     notes: Callable[[list[Row], list[Claim]], str] | None = None
 
 
-def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
+class Causes:
+    """The causes of a report's gaps, each printed once: a row or claim whose
+    gap needs its note gets a numbered reference to it (:meth:`cite`), and
+    :meth:`section` lists every note cited, in the order first cited. Many
+    rows share one cause (every GPipe bar of a figure), and a cause of a
+    few hundred words repeated in each row's table cell buried the table."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[str, int] = {}
+
+    def cite(self, r: Row | Claim) -> str:
+        """The cell of ``r``'s note: a link to its cause, or nothing when
+        its gap is within tolerance (or it has no note)."""
+        text = _note(r)
+        if not text:
+            return ""
+        n = self._numbers.setdefault(text, len(self._numbers) + 1)
+        return f"[cause {n}](#cause-{n})"
+
+    def section(self) -> str:
+        """Every cause cited, numbered, each with its anchor ("" if none)."""
+        return "\n\n".join(f'<a id="cause-{n}"></a>**Cause {n}.** {text}' for text, n in self._numbers.items())
+
+
+def comparison_table(rows: Sequence[Row], hardware: bool = False, causes: Causes | None = None) -> str:
     """A markdown table of rows: predicted against published, the ratio error,
     whether it is within tolerance, and the note (``hardware``: a column for
-    each row's hardware and GPUs too)."""
+    each row's hardware and GPUs too; ``causes``: the note as a reference to
+    its cause, each cause printed once by :meth:`Causes.section`)."""
     hw = "hardware | GPUs | " if hardware else ""
     out = [
         f"| figure | model | {hw}technique | batch | metric | predicted | published | error | note |",
@@ -190,19 +215,19 @@ def comparison_table(rows: Sequence[Row], hardware: bool = False) -> str:
     ]
     for r in rows:
         where = f"{r.hardware} | {r.gpus} | " if hardware else ""
+        note = causes.cite(r) if causes is not None else _note(r)
         out.append(
             f"| {r.figure} | {r.model} | {where}{r.technique} | {r.global_batch or ''} | {r.metric} | "
-            f"{three_figures(r.predicted)} | {three_figures(r.published)} | {_error(r)} | {_note(r)} |"
+            f"{three_figures(r.predicted)} | {three_figures(r.published)} | {_error(r)} | {note} |"
         )
     return "\n".join(out)
 
 
-def claims_table(claims: Sequence[Claim]) -> str:
+def claims_table(claims: Sequence[Claim], causes: Causes | None = None) -> str:
     out = ["| claim | predicted | published | error | note |", "|---|---|---|---|---|"]
     for c in claims:
-        out.append(
-            f"| {c.text} | {three_figures(c.predicted)} | {three_figures(c.published)} | {_error(c)} | {_note(c)} |"
-        )
+        note = causes.cite(c) if causes is not None else _note(c)
+        out.append(f"| {c.text} | {three_figures(c.predicted)} | {three_figures(c.published)} | {_error(c)} | {note} |")
     return "\n".join(out)
 
 

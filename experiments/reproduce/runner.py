@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.experiments.reproduce.base import (
+    Causes,
     Claim,
     Paper,
     Progress,
@@ -116,8 +117,9 @@ def results_json(rows: list[Row], claims: list[Claim]) -> str:
 
 
 def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float | None) -> str:
-    """``report.md``: predicted against published, the claims, the notes and
-    the runtime (left out when ``seconds`` is None)."""
+    """``report.md``: predicted against published, the claims, the cause of
+    every gap beyond the tolerance (each once, the tables linking to it),
+    the notes and the runtime (left out when ``seconds`` is None)."""
     out = [f"# {paper.title}", ""]
     if paper.sources:
         out += ["Sources: " + "; ".join(paper.sources), ""]
@@ -130,11 +132,15 @@ def report_md(paper: Paper, rows: list[Row], claims: list[Claim], seconds: float
         f"{len(rows) + len(claims) - len(compared) - len(in_points)} without a published value.",
         "",
     ]
+    causes = Causes()
     if rows:
         several = len({(r.hardware, r.gpus) for r in rows}) > 1
-        out += ["## Predicted against published", "", comparison_table(rows, hardware=several), ""]
+        out += ["## Predicted against published", "", comparison_table(rows, hardware=several, causes=causes), ""]
     if claims:
-        out += ["## Claims in the text", "", claims_table(claims), ""]
+        out += ["## Claims in the text", "", claims_table(claims, causes=causes), ""]
+    cited = causes.section()
+    if cited:
+        out += ["## Causes of the gaps", "", cited, ""]
     if paper.notes is not None:
         text = paper.notes(rows, claims).strip()
         if text:
