@@ -112,24 +112,12 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
         raise StrategyError(f"the profile is one shard of {given}-way tensor parallelism; this run is {d}-way")
     out = []
     for c in stage_costs:
-        buffers = []
         layers = profile.layers[c.first_layer : c.last_layer + 1]
-        for k in range(c.first_layer, c.last_layer + 1):
-            hidden = max(profile.layers[k].activation_bytes, profile.layers[k - 1].activation_bytes if k else 0)
-            buffers += [hidden] * ALLREDUCES_PER_LAYER
-        o_b = profile.overhead_backward_s
-        fixed_f = math.fsum(la.fixed_forward_s for la in layers) + profile.overhead_forward_s
-        fixed_b = math.fsum(la.fixed_backward_s for la in layers) + o_b
-        # a layer's fixed backward splits between the two halves as its backward does
-        fixed_bi = (
-            math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s) for la in layers if la.backward_s) + o_b
-        )
-        fixed_bw = fixed_b - fixed_bi + o_b
-        fixed_rerun = math.fsum(la.fixed_forward_s for la in layers if la.recomputed) + profile.overhead_forward_s
-
+        buffers = activation_allreduces(profile, c.first_layer, c.last_layer)
         if given == d:  # already one rank's shard (its GEMMs priced at their shapes): only the all-reduces
             out.append(replace(c, allreduce_bytes=tuple(buffers) if d > 1 else ()))
             continue
+        fixed = fixed_costs(profile, layers)
 
         def share(t: float, fixed: float) -> float:
             return (t - fixed) / d + fixed
@@ -137,11 +125,11 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
         out.append(
             replace(
                 c,
-                forward_s=share(c.forward_s, fixed_f),
-                rerun_forward_s=share(c.rerun_forward_s, fixed_rerun),
-                backward_s=share(c.backward_s, fixed_b),
-                backward_input_s=share(c.backward_input_s, fixed_bi),
-                backward_weight_s=share(c.backward_weight_s, fixed_bw),
+                forward_s=share(c.forward_s, fixed["forward"]),
+                rerun_forward_s=share(c.rerun_forward_s, fixed["rerun_forward"]),
+                backward_s=share(c.backward_s, fixed["backward"]),
+                backward_input_s=share(c.backward_input_s, fixed["backward_input"]),
+                backward_weight_s=share(c.backward_weight_s, fixed["backward_weight"]),
                 param_bytes=-(-c.param_bytes // d),
                 weight_bytes=-(-c.weight_bytes // d),
                 gradient_bytes=-(-c.gradient_bytes // d),
@@ -153,6 +141,38 @@ def device_costs(profile, stage_costs: list, options: Mapping[str, object]) -> l
             )
         )
     return out
+
+
+def activation_allreduces(profile, first: int, last: int) -> list[int]:
+    """The bytes of each activation all-reduce of one pass of layers
+    ``first`` .. ``last``: two per layer, each of the layer's hidden state
+    (the larger of its input and its output, so the loss layer, which
+    outputs nothing, still counts)."""
+    out: list[int] = []
+    for k in range(first, last + 1):
+        hidden = max(profile.layers[k].activation_bytes, profile.layers[k - 1].activation_bytes if k else 0)
+        out += [hidden] * ALLREDUCES_PER_LAYER
+    return out
+
+
+def fixed_costs(profile, layers) -> dict[str, float]:
+    """What every rank pays in full of each pass of ``layers`` (kernel
+    launches, the profile's per-pass overhead), by pass: ``forward``,
+    ``backward`` and its halves (a layer's fixed backward splits between
+    them as its backward does), and ``rerun_forward``, the forward that
+    recomputation runs again (its checkpointed layers only)."""
+    o_f, o_b = profile.overhead_forward_s, profile.overhead_backward_s
+    backward = math.fsum(la.fixed_backward_s for la in layers) + o_b
+    backward_input = (
+        math.fsum(la.fixed_backward_s * (la.backward_input / la.backward_s) for la in layers if la.backward_s) + o_b
+    )
+    return {
+        "forward": math.fsum(la.fixed_forward_s for la in layers) + o_f,
+        "rerun_forward": math.fsum(la.fixed_forward_s for la in layers if la.recomputed) + o_f,
+        "backward": backward,
+        "backward_input": backward_input,
+        "backward_weight": backward - backward_input + o_b,
+    }
 
 
 def shards(options: Mapping[str, object]) -> int:
