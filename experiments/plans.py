@@ -196,7 +196,9 @@ def render_plan(plan: dict) -> str:
     else:
         how = f"simulated over the whole run of {plan['iterations']} iteration(s), too short for a steady state"
     held = f" among splits of {plan['held_to']} only" if plan.get("held_to") else ""
-    lines.append(f"chosen{held}: {plan['config']}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")
+    flushes = best.get("params", {}).get("flushes")  # an update in several flushes (GPipe)
+    runs = f" in {flushes} flushes" if flushes else ""
+    lines.append(f"chosen{held}: {plan['config']}{runs}, {plan['predicted_samples_per_s']:.1f} samples/s ({how})")
     dp, speedup = plan.get("data_parallel_samples_per_s"), plan.get("speedup_vs_dp")
     if dp:
         lines.append(f"data parallelism on the same {plan['gpus']} devices: {dp:.1f} samples/s; speedup {speedup:.2f}x")
