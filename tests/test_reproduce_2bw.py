@@ -244,3 +244,31 @@ def test_the_authors_settings_price_a_bar_at_its_own_panels_depth():
         bar = twobw._row(fig, model, "p3.16xlarge-x8", 64, 512, "tensor", "throughput_seq_s", 1.0, None)
         got = twobw.at_authors_settings(bar)
         assert (got["config"]["d"], got["config"]["w"], got["config"]["b"]) == (depth, 64 // depth, 8)
+
+
+def test_the_recomputation_note_reads_its_figures_off_figure_12() -> None:
+    """Made-up Figure 12 rows: GPT-1.3B 1.5 and 1.2 times as fast without
+    recomputation at b = 1 and 2, GPT-2.2B slower without it at b = 2 (an
+    exception) and out of memory without it at b = 4. The note gives the
+    slowdown range of the pairs that fit, the exception with its figures,
+    and each model's best against its best."""
+    values = {
+        ("gpt-1.3b", 1): (30.0, 20.0),
+        ("gpt-1.3b", 2): (36.0, 30.0),
+        ("gpt-2.2b", 1): (12.0, 10.0),
+        ("gpt-2.2b", 2): (9.0, 11.0),
+        ("gpt-2.2b", 4): (None, 12.5),
+    }
+    rows = [
+        twobw._row("12", m, "p3.16xlarge", 8, 256, "pipedream-2bw", "throughput_seq_s", v, {"b": b, "recompute": rc})
+        for (m, b), pair in values.items()
+        for rc, v in zip((False, True), pair)
+    ]
+    note = twobw.recompute_note(rows)
+    assert "runs 1.20-1.50 times as fast without recomputation" in note
+    assert "adds 20%-50% to the time, a loss of 17%-33% of the throughput" in note
+    assert "(gpt-1.3b at b = 1-2, gpt-2.2b at b = 1)" in note
+    assert "Not at gpt-2.2b b = 2 (9.0 seq/s without against 11.0 with)" in note
+    assert "16.7% for gpt-1.3b (30.0 seq/s at b = 2 against 36.0 at b = 2; a slowdown of 20.0%)" in note
+    assert "for gpt-2.2b (12.5 seq/s at b = 4 against 12.0 at b = 1" in note
+    assert twobw.recompute_note([r for r in rows if r.model == "nothing"]) == ""
