@@ -278,10 +278,11 @@ def test_a_gpipe_plan_in_flushes_runs_with_simulate_plan(tmp_path, capsys) -> No
     base += ["--hardware", "dgx1-v100", "--batch-size", "64", "--microbatch-size", "1", "--confirm", "1"]
     out = tmp_path / "plan"
     assert main([*base, "--out", str(out)]) == 0
-    capsys.readouterr()
+    printed = capsys.readouterr().out
     rec = json.loads((out / "plan.json").read_text())
     chosen = rec["candidates"][rec["chosen"]]["params"]
     assert chosen["flushes"] > 1 and rec["options"] == {"flushes": chosen["flushes"]}
+    assert f"chosen: {rec['config']} in {chosen['flushes']} flushes, " in printed
     assert plan_file(rec).spec().flushes == chosen["flushes"]
     assert (
         main(["simulate", "--plan", str(out / "plan.json"), "--summary-only", "--json", "--out", str(tmp_path / "s")])
