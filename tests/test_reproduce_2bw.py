@@ -272,3 +272,31 @@ def test_the_recomputation_note_reads_its_figures_off_figure_12() -> None:
     assert "16.7% for gpt-1.3b (30.0 seq/s at b = 2 against 36.0 at b = 2; a slowdown of 20.0%)" in note
     assert "for gpt-2.2b (12.5 seq/s at b = 4 against 12.0 at b = 1" in note
     assert twobw.recompute_note([r for r in rows if r.model == "nothing"]) == ""
+
+
+def test_the_gpipe_claims_notes_read_their_figures_off_the_bars() -> None:
+    """Made-up bars: GPipe and 2BW on one server (6a) and on 64 GPUs (6c);
+    the notes give GPipe's run (its b, flushes and recomputation), its rate
+    against the flush's, and 2BW's lead over GPipe where it is largest,
+    elsewhere on one server, and on 64 GPUs."""
+
+    def bar(fig, batch, technique, value, gpus=8, w=1, b=1, flushes=1, rc=False):
+        config = {"w": w, "d": 8, "b": b, "recompute": rc} | ({"flushes": flushes} if flushes > 1 else {})
+        return twobw._row(fig, "gpt-2.2b", "p3.16xlarge", gpus, batch, technique, "throughput_seq_s", value, config)
+
+    rows = [
+        bar("6a", 64, "gpipe", 40.0, flushes=2),
+        bar("6a", 64, "pipedream-2bw", 52.0),
+        bar("6a", 256, "gpipe", 45.0, b=2, rc=True),
+        bar("6a", 256, "pipedream-2bw", 54.0),
+        bar("6c", 512, "gpipe", 140.0, gpus=64, w=4, flushes=2),
+        bar("6c", 512, "pipedream-flush", 160.0, gpus=64, w=4),
+        bar("6c", 512, "pipedream-2bw", 168.0, gpus=64, w=4),
+    ]
+    flush = twobw.gpipe_against_flush_note(rows, "6c", 512)
+    assert flush.startswith("On 6c at B = 512 pipesim's GPipe (b = 1 in 2 flushes of 64, not recomputed) runs 0.88 ")
+    assert "(140.0 against 160.0 seq/s)" in flush and flush.endswith(twobw._GPIPE)
+    assert twobw.gpipe_against_flush_note(rows, "6c", 2048) == ""
+    lead = twobw.two_bw_over_gpipe_note(rows)
+    assert "at b = 1-2 (recomputed on 1 of its 3 bars)" in lead
+    assert "by at most 1.30x (6a, B = 64; on one server otherwise 1.20-1.20; on 64 GPUs 1.20-1.20," in lead
