@@ -758,6 +758,21 @@ def test_the_cost_model_charges_each_gpipe_flush_its_fill_and_drain(flushes) -> 
     assert est.flushes == flushes
 
 
+def test_the_cost_model_charges_no_more_flushes_than_a_replica_has_passes() -> None:
+    """GPipe on one stage of four replicas (data parallelism), sixteen
+    micro-batches in eight flushes: each replica runs its four micro-batches
+    one after another, so the iteration is four passes of 30 ms, in the
+    cost model as in the engine; charged eight flushes it would be twice
+    that."""
+    hw = load_hardware("ideal")
+    prof = Profile("uniform", tuple(LayerCost(f"l{i}", 0.01, 0.02, 0, 1, 1) for i in range(4)))
+    schedule = build_schedule(ScheduleSpec("gpipe", 1, 16, iterations=3, replicas=(4,), flushes=8))
+    ran = simulate_schedule(schedule, prof, hw)
+    est = CostSetting.of(prof, hw).estimate(list(ran.stage_costs), layout_of(schedule))
+    assert summarize(ran)["iteration_time_s"] == pytest.approx(4 * 0.12, rel=1e-9)
+    assert est.iteration_s == pytest.approx(4 * 0.12, rel=1e-9)
+
+
 def test_the_replicas_planner_gives_gpipe_the_fewest_flushes_that_fit() -> None:
     """GPT-1.3B at 32 micro-batches of 4 on a DGX-1: no configuration holds
     a whole flush's stash in 16 GiB, so every GPipe candidate runs in the

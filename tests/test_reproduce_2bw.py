@@ -300,3 +300,18 @@ def test_the_gpipe_claims_notes_read_their_figures_off_the_bars() -> None:
     lead = twobw.two_bw_over_gpipe_note(rows)
     assert "at b = 1-2 (recomputed on 1 of its 3 bars)" in lead
     assert "by at most 1.30x (6a, B = 64; on one server otherwise 1.20-1.20; on 64 GPUs 1.20-1.20," in lead
+
+
+def test_the_recomputation_note_holds_when_recomputation_is_never_slower() -> None:
+    """A model faster with recomputation at every size it runs, beside one
+    that is not: the note names only the second's sizes; with the first
+    alone it says so, without failing."""
+    rows = [
+        twobw._row("12", m, "p3.16xlarge", 8, 256, "pipedream-2bw", "throughput_seq_s", v, {"b": b, "recompute": rc})
+        for m, b, pair in (("gpt-1.3b", 2, (9.0, 11.0)), ("gpt-2.2b", 1, (12.0, 10.0)), ("gpt-2.2b", 4, (13.0, 10.0)))
+        for rc, v in zip((False, True), pair)
+    ]
+    note = twobw.recompute_note(rows)
+    assert "(gpt-2.2b at b = 1, 4)" in note and "Not at gpt-1.3b b = 2" in note
+    alone = twobw.recompute_note([r for r in rows if r.model == "gpt-1.3b"])
+    assert alone.startswith("At every micro-batch size where both fit, pipesim's 2BW runs slower")

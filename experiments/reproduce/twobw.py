@@ -721,9 +721,17 @@ def recompute_note(rows: Sequence[Row]) -> str:
         return ""
     models = sorted({m for m, *_ in pairs})
     faster = [(m, b, w / r) for m, b, w, r in pairs if w >= r]
+    if not faster:
+        return (
+            "At every micro-batch size where both fit, pipesim's 2BW runs slower without recomputation (unexplained)."
+        )
     low, high = min(x for *_, x in faster), max(x for *_, x in faster)
     ratios = [_backward_over_forward(m, b) for m, b, _, _ in pairs]
-    where = ", ".join(f"{m} at b = {_listed_sizes([b for mm, b, _ in faster if mm == m])}" for m in models)
+    where = ", ".join(
+        f"{m} at b = {_listed_sizes([b for mm, b, _ in faster if mm == m])}"
+        for m in models
+        if any(mm == m for mm, *_ in faster)
+    )
     text = (
         "pipesim charges recomputation one more forward of the checkpointed blocks; by the GEMM shapes a "
         f"backward is {min(ratios):.2f}-{max(ratios):.2f} forwards, so a recomputed pass takes "
@@ -763,8 +771,12 @@ def _backward_over_forward(model: str, b: int) -> float:
 
 
 def _listed_sizes(sizes: list[int]) -> str:
-    """Micro-batch sizes as a range ("1-16"), or the one."""
-    return f"{min(sizes)}-{max(sizes)}" if len(sizes) > 1 else str(sizes[0])
+    """Micro-batch sizes as a range of powers of two ("1-16") where none
+    between is missing, else listed ("1, 2, 8")."""
+    sizes = sorted(set(sizes))
+    if len(sizes) > 1 and all(b == 2 * a for a, b in zip(sizes, sizes[1:])):
+        return f"{sizes[0]}-{sizes[-1]}"
+    return ", ".join(str(b) for b in sizes)
 
 
 # ---------------------------------------------------------------------------

@@ -388,15 +388,19 @@ def estimate(
     resources += [(v / m, name) for name, v in sorted(load.items())]
     period, bottleneck = max(resources, key=lambda x: x[0])
     path = math.fsum(c.time_s for c in costs) + 2 * math.fsum(transfer)
-    f = layout.flushes
+    # a replica runs no more flushes than it has passes (the flushes of a
+    # data-parallel GPipe outnumber each replica's micro-batches)
+    f = max(1, min(layout.flushes, math.ceil(max(layout.passes)))) if layout.flushes > 1 else 1
     # every forward of a flush before any of its backwards (GPipe): the flush's phases
-    # bound the iteration below, and no micro-batch waits for another's round trip
+    # bound the iteration below
     phased = not layout.streamed and all(
         held >= -(-passes // f) for held, passes in zip(layout.inflight, layout.passes)
     )
     # Little's law at every stage: its round trip (its passes and every later
-    # stage's, the transfers there and back) over the micro-batches in flight there
-    for k in range(p if not phased else 0):
+    # stage's, the transfers there and back) over the micro-batches in flight
+    # there; not between the flushes of a GPipe update, where every micro-batch
+    # of a flush is in flight and the flush's phases bound the time
+    for k in range(0 if phased and f > 1 else p):
         in_flight = layout.inflight[k] * len(layout.devices[k])
         round_trip = math.fsum(c.time_s for c in costs[k:]) + 2 * math.fsum(transfer[k:])
         if in_flight and round_trip / in_flight > period:
@@ -412,7 +416,8 @@ def estimate(
         iteration = m * period + f * (path - own) + tail
         if phased:
             phases = step_s[0] + math.fsum(
-                flush_phases(costs, transfer, [int(n) // f + (j < int(n) % f) for n in layout.passes]) for j in range(f)
+                flush_phases(costs, transfer, [math.ceil(n) // f + (j < math.ceil(n) % f) for n in layout.passes])
+                for j in range(f)
             )
             if phases > iteration:
                 iteration, bottleneck = phases, "forward and backward phases"
