@@ -66,6 +66,7 @@ from pipesim.sim.partition.cost import LinkModel
 from pipesim.sim.planning.grid import GridRequest, plan_grid, shape_spec
 from pipesim.sim.planning.plan import Candidate, steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_options
+from pipesim.sim.strategies._common import flush_options
 from pipesim.sim.workloads.catalog import model_profile
 
 NAME = "2bw"
@@ -164,7 +165,7 @@ def _config(w: int, d: int, b: int, recompute: bool, replicas, grouping: str | N
     ``flushes`` (GPipe's per update) where more than one."""
     found = {"w": w, "d": d, "b": b, "recompute": recompute, "replicas": replicas}
     found |= {"grouping": grouping} if grouping and w > 1 else {}
-    return found | ({"flushes": flushes} if flushes > 1 else {})
+    return found | flush_options(flushes)
 
 
 # ---------------------------------------------------------------------------
