@@ -861,6 +861,10 @@ def test_frontier_keeps_only_undominated_points() -> None:
         (["plan", "--strategy", "spectrain"], "takes no per-stage replicas"),
         (["plan", "--strategy", "nope"], "unknown strategy"),
         (["plan", "--gpus", "8", "--hardware", "pcie-4gpu"], "has 4 devices, not 8"),
+        (
+            ["plan", "--strategy", "gpipe", "--microbatches", "8", "--flushes", "9"],
+            "more than the 8 micro-batches of an iteration: plan with fewer flushes",
+        ),
         (["plan", "--model", "nope"], "unknown model"),
         (["plan", "--gpus", "0"], "must be >= 1"),
         (["plan", "--hardware", "ideal"], "give --gpus"),

@@ -822,6 +822,12 @@ def check_request(req: PlanRequest) -> None:
     _check_held(req)  # after the machine's count: a limit the machine sets is the one to name
     _check_run_size(req)
     check_plan_options(req.strategy, req.options, {"replicas", "width"}, "the planner chooses the replicas")
+    flushes, m = req.options.get("flushes", 1), req.microbatches or req.gpus
+    if isinstance(flushes, int) and flushes > m:
+        raise PlanError(
+            f"flushes={flushes} is more than the {m} micro-batches of an iteration: "
+            "plan with fewer flushes or more micro-batches"
+        )
 
 
 def check_plan_options(strategy: str, options: dict, chosen: set[str], why: str) -> None:
