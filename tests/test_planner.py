@@ -777,7 +777,8 @@ def test_the_replicas_planner_gives_gpipe_the_fewest_flushes_that_fit() -> None:
     """GPT-1.3B at 32 micro-batches of 4 on a DGX-1: no configuration holds
     a whole flush's stash in 16 GiB, so every GPipe candidate runs in the
     fewest flushes its configuration fits (one fewer does not), the plan's
-    options carry the chosen one's, and its confirmation ran them; fixed at
+    options carry the chosen one's, and its confirmation ran them; run at
+    other micro-batches the plan keeps the size of its flushes; fixed at
     one flush, nothing fits."""
     hw = load_hardware("dgx1-v100")
     prof = model_profile("gpt-1.3b", hw.device, 4)
@@ -791,6 +792,11 @@ def test_the_replicas_planner_gives_gpipe_the_fewest_flushes_that_fit() -> None:
     fewer = replace(planner, options={"flushes": flushes - 1}).estimate(config)
     assert fewer.out_of_memory and fewer.flushes == flushes - 1
     assert all(c.params.get("flushes", 1) > 1 for c in record.candidates if not c.out_of_memory)
+    # run at other micro-batches, the plan keeps its flushes' size (what a stage stashes)
+    planned = plan_file(record.to_json())
+    per_flush = -(-32 // flushes)
+    assert planned.spec().flushes == flushes and planned.spec(microbatches=per_flush).flushes == 1
+    assert planned.spec(microbatches=64).flushes == -(-64 // per_flush)
     one = plan(PlanRequest("gpipe", prof, hw, 8, microbatches=32, options={"flushes": 1}, confirm=0))
     assert all(c.out_of_memory and "flushes" not in c.params for c in one.candidates)
 

@@ -468,16 +468,24 @@ class PlanFile:
     def spec(self, microbatches: int | None = None, iterations: int | None = None) -> ScheduleSpec:
         """The spec that runs the plan (the planned run unless told otherwise):
         ``width`` pipelines of the stages when the plan has a width (then
-        ``microbatches`` are per pipeline), else each stage's replicas."""
+        ``microbatches`` are per pipeline), else each stage's replicas. At
+        other ``microbatches`` a plan in several flushes (GPipe) keeps the
+        size of its flushes, so a stage stashes what was planned: as many
+        flushes as that takes."""
         shape = {"replicas": self.replicas} if self.width is None else {"width": self.width}
+        m = microbatches or self.microbatches
+        options = dict(self.options)
+        if "flushes" in options and m != self.microbatches:
+            per_flush = -(-self.microbatches // int(options.pop("flushes")))
+            options |= flush_options(-(-m // per_flush))
         try:
             return ScheduleSpec(
                 self.strategy,
                 len(self.replicas),
-                microbatches or self.microbatches,
+                m,
                 iterations=iterations or self.iterations,
                 **shape,
-                **self.options,
+                **options,
             )
         except TypeError as e:  # an option no spec has
             raise PlanError(f"plan options {sorted(self.options)} are not all schedule options: {e}") from None
