@@ -66,7 +66,7 @@ from pipesim.sim.partition.cost import LinkModel
 from pipesim.sim.planning.grid import GridRequest, plan_grid, shape_spec
 from pipesim.sim.planning.plan import Candidate, steady_throughput
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, strategy_options
-from pipesim.sim.strategies._common import flush_options
+from pipesim.sim.strategies._common import flush_options, flush_sizes
 from pipesim.sim.workloads.catalog import model_profile
 
 NAME = "2bw"
@@ -542,17 +542,21 @@ def microbatch_rows(step=lambda what: None) -> list[Row]:
 # ---------------------------------------------------------------------------
 
 
-def _value(rows: Sequence[Row], figure: str, batch: int, technique: str, model: str | None = None) -> float | None:
-    for r in rows:
-        if (
-            r.figure == figure
-            and r.global_batch == batch
-            and r.technique == technique
-            and r.metric == "throughput_seq_s"
-            and (model is None or r.model == model)
-        ):
-            return r.predicted
-    return None
+def _bar(rows: Sequence[Row], figure: str, batch: int, technique: str) -> Row | None:
+    """The throughput row of ``technique`` in ``figure`` at ``batch``, if any."""
+    return next(
+        (
+            r
+            for r in rows
+            if r.metric == "throughput_seq_s" and (r.figure, r.global_batch, r.technique) == (figure, batch, technique)
+        ),
+        None,
+    )
+
+
+def _value(rows: Sequence[Row], figure: str, batch: int, technique: str) -> float | None:
+    bar = _bar(rows, figure, batch, technique)
+    return None if bar is None else bar.predicted
 
 
 def _ratio(rows, figure, batch, num, den) -> float | None:
@@ -571,13 +575,11 @@ def claims_of(rows: Sequence[Row]) -> list[Claim]:
     panels = {p: bs for p, _, _, _, _, bs in PANELS}
     pairs = [(f"{fig}{p}", b) for _, fig in FAMILIES for p, bs in panels.items() for b in bs]
     recompute_costs = []  # per Figure 12 model: 1 - best with recomputation / best without
-    for model in sorted({r.model for r in rows if r.figure == "12"}):
-        best = {
-            rc: _max(r.predicted for r in rows if r.figure == "12" and r.model == model and r.config["recompute"] is rc)
-            for rc in (False, True)
-        }
-        if best[False] and best[True] is not None:
-            recompute_costs.append(1 - best[True] / best[False])
+    figure12 = _figure12(rows)
+    for model in sorted({m for m, _, _ in figure12}):
+        without, with_ = _fastest(figure12, model, False), _fastest(figure12, model, True)
+        if without is not None and with_ is not None:
+            recompute_costs.append(1 - with_[0] / without[0])
     c = [
         (
             "2bw-vs-tensor-1-server",
@@ -644,21 +646,15 @@ def claims_of(rows: Sequence[Row]) -> list[Claim]:
     return [Claim(id=i, text=t, predicted=v, note=notes.get(i, "")) for i, t, v in c]
 
 
-def _bar(rows: Sequence[Row], figure: str, batch: int, technique: str) -> Row | None:
-    """The throughput bar of ``technique`` in ``figure`` at ``batch``, if any."""
-    return next(
-        (r for r in rows if _is_bar(r) and (r.figure, r.global_batch, r.technique) == (figure, batch, technique)),
-        None,
-    )
-
-
 def _runs_as(bar: Row) -> str:
     """How a GPipe bar runs its batch: "b = 1 in two flushes of 64, not recomputed"."""
     c = bar.config
     per_pipeline = bar.global_batch // (c["w"] * c["b"])
     flushes = c.get("flushes", 1)
     runs = (
-        f"in {flushes} flushes of {-(-per_pipeline // flushes)}" if flushes > 1 else f"in one flush of {per_pipeline}"
+        f"in {flushes} flushes of {flush_sizes(per_pipeline, flushes)[0]}"
+        if flushes > 1
+        else f"in one flush of {per_pipeline}"
     )
     return f"b = {c['b']} {runs}, {'recomputed' if c['recompute'] else 'not recomputed'}"
 
@@ -680,18 +676,19 @@ def gpipe_against_flush_note(rows: Sequence[Row], figure: str, batch: int) -> st
 def two_bw_over_gpipe_note(rows: Sequence[Row]) -> str:
     """Why 2BW leads GPipe by what it does in pipesim, every ratio read off
     Figures 6 and 10's bars ("" without them)."""
-    ratios = {}
-    for r in rows:
-        if _is_bar(r) and r.technique == "pipedream-2bw" and r.predicted:
-            gpipe = _bar(rows, r.figure, r.global_batch, "gpipe")
-            if gpipe is not None and gpipe.predicted:
-                ratios[(r.figure, r.global_batch)] = (r.predicted / gpipe.predicted, r.gpus)
+    panels = sorted({(r.figure, r.global_batch, r.gpus) for r in rows if _is_bar(r)})
+    ratios = {
+        (fig, batch): (ratio, gpus)
+        for fig, batch, gpus in panels
+        if (ratio := _ratio(rows, fig, batch, "pipedream-2bw", "gpipe")) is not None
+    }
     if not ratios:
         return ""
     (fig, batch), (top, _) = max(ratios.items(), key=lambda kv: kv[1][0])
     server = [v for key, (v, g) in ratios.items() if g <= 8 and key != (fig, batch)]
     many = [v for v, g in ratios.values() if g > 8]
-    configs = [r.config for r in rows if _is_bar(r) and r.technique == "gpipe" and r.config]
+    gpipe = (_bar(rows, fig, batch, "gpipe") for fig, batch, _ in panels)
+    configs = [bar.config for bar in gpipe if bar is not None and bar.config]
     recomputed = sum(bool(c["recompute"]) for c in configs)
     how = f"at b = {_listed_sizes(sorted({c['b'] for c in configs}))} " + (
         f"(recomputed on {recomputed} of its {len(configs)} bars)" if recomputed else "without recomputation"
@@ -712,11 +709,7 @@ def recompute_note(rows: Sequence[Row]) -> str:
     12's rows and its models' profiles: the slowdown at each micro-batch
     size where both runs fit, and the best against the best ("" without
     Figure 12's rows)."""
-    got = {
-        (r.model, r.config["b"], r.config["recompute"]): r.predicted
-        for r in rows
-        if r.figure == "12" and r.predicted is not None
-    }
+    got = _figure12(rows)
     pairs = sorted((m, b, got[(m, b, False)], got[(m, b, True)]) for m, b, rc in got if not rc and (m, b, True) in got)
     if not pairs:
         return ""
@@ -751,8 +744,7 @@ def recompute_note(rows: Sequence[Row]) -> str:
         )
     best = []
     for m in models:
-        without = max((v, b) for (mm, b, rc), v in got.items() if mm == m and not rc)
-        with_ = max((v, b) for (mm, b, rc), v in got.items() if mm == m and rc)
+        without, with_ = _fastest(got, m, False), _fastest(got, m, True)
         best.append(
             f"{1 - with_[0] / without[0]:.1%} for {m} ({with_[0]:.1f} seq/s at b = {with_[1]} against "
             f"{without[0]:.1f} at b = {without[1]}; a slowdown of {without[0] / with_[0] - 1:.1%})"
@@ -762,6 +754,23 @@ def recompute_note(rows: Sequence[Row]) -> str:
         "reads it, the paper's recomputed forward cost more than one forward (unexplained). Best against best, "
         "recomputation costs " + " and ".join(best) + "."
     )
+
+
+def _figure12(rows: Sequence[Row]) -> dict[tuple[str, int, bool], float]:
+    """Figure 12's throughputs of the runs that fit, by (model, micro-batch
+    size, recomputed)."""
+    return {
+        (r.model, r.config["b"], r.config["recompute"]): r.predicted
+        for r in rows
+        if r.figure == "12" and r.predicted is not None
+    }
+
+
+def _fastest(figure12: dict, model: str, recompute: bool) -> tuple[float, int] | None:
+    """``model``'s fastest Figure 12 run with or without recomputation, as
+    (throughput, micro-batch size); None if no such run fits."""
+    found = [(v, b) for (m, b, rc), v in figure12.items() if m == model and rc is recompute]
+    return max(found) if found else None
 
 
 def _backward_over_forward(model: str, b: int) -> float:

@@ -83,6 +83,7 @@ from pipesim.sim.hardware import collectives
 from pipesim.sim.hardware.machines import Hardware
 from pipesim.sim.ir.core import INPUT_GRADIENT_OPS, UPDATE, Action, F
 from pipesim.sim.partition.layout import BACKWARD, FORWARD, Layout, Wait
+from pipesim.sim.strategies._common import flush_sizes
 from pipesim.sim.workloads.stages import StageCost
 
 #: ``(a, b)``: a + b * bytes seconds (a counts only when bytes > 0).
@@ -415,9 +416,9 @@ def estimate(
         tail = step_s[0] if slowest != 0 else 0.0
         iteration = m * period + f * (path - own) + tail
         if phased:
+            sizes = [flush_sizes(math.ceil(n), f) for n in layout.passes]  # per stage, its passes in each flush
             phases = step_s[0] + math.fsum(
-                flush_phases(costs, transfer, [math.ceil(n) // f + (j < math.ceil(n) % f) for n in layout.passes])
-                for j in range(f)
+                flush_phases(costs, transfer, [per_stage[j] for per_stage in sizes]) for j in range(f)
             )
             if phases > iteration:
                 iteration, bottleneck = phases, "forward and backward phases"

@@ -49,7 +49,7 @@ from pipesim.sim.ir.core import (
     Schedule,
 )
 from pipesim.sim.strategies import ScheduleSpec, build_schedule, find_strategy, get_strategy
-from pipesim.sim.strategies._common import warmup
+from pipesim.sim.strategies._common import flush_sizes, warmup
 
 T = TypeVar("T")
 
@@ -281,8 +281,7 @@ class Traits:
         stashed, ``suffix`` devices running the later stages. An update in
         ``flushes`` flushes (GPipe's gradient accumulation) holds at most
         its largest flush, ``ceil(m / flushes)`` micro-batches."""
-        per_flush = -(-microbatches // flushes)
-        held = math.ceil(per_flush * (iterations if self.streamed else 1) / replicas)
+        held = math.ceil(flush_sizes(microbatches, flushes)[0] * (iterations if self.streamed else 1) / replicas)
         if self.holds_share:
             return held
         return min(held, warmup((replicas, suffix) if suffix else (replicas,), 0) + 1)

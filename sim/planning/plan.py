@@ -71,7 +71,7 @@ from pipesim.sim.partition.cost import Estimate
 from pipesim.sim.partition.layout import traits_of
 from pipesim.sim.partition.search import MIN_GAIN, Config, CostSetting, Planner, Tables
 from pipesim.sim.strategies import ScheduleSpec, StrategyError, build_schedule, find_strategy, get_strategy, strategies
-from pipesim.sim.strategies._common import flush_options
+from pipesim.sim.strategies._common import flush_options, flush_sizes
 from pipesim.sim.workloads.profile import Profile
 
 PLAN_VERSION = 1
@@ -476,7 +476,7 @@ class PlanFile:
         m = microbatches or self.microbatches
         options = dict(self.options)
         if "flushes" in options and m != self.microbatches:
-            per_flush = -(-self.microbatches // int(options.pop("flushes")))
+            per_flush = flush_sizes(self.microbatches, int(options.pop("flushes")))[0]
             options |= flush_options(-(-m // per_flush))
         try:
             return ScheduleSpec(

@@ -122,6 +122,13 @@ def stage_replicas(spec: ScheduleSpec, num_stages: int | None = None) -> tuple[i
     return (spec.width,) * (spec.stages if num_stages is None else num_stages)
 
 
+def flush_sizes(microbatches: int, flushes: int) -> list[int]:
+    """How ``microbatches`` consecutive micro-batches fall into ``flushes``
+    flushes (GPipe's per update): sizes differing by at most one, the first
+    ones larger (0 where there are fewer micro-batches than flushes)."""
+    return [microbatches // flushes + (f < microbatches % flushes) for f in range(flushes)]
+
+
 def flush_options(flushes: int) -> dict:
     """The schedule option of ``flushes`` per update (``ScheduleSpec.flushes``)
     as a schedule, a plan or a candidate records it: none for the one flush

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from functools import partial
+from itertools import accumulate
 
 from pipesim.sim.ir.core import B, F, Schedule
 from pipesim.sim.strategies._common import (
@@ -31,6 +32,7 @@ from pipesim.sim.strategies._common import (
     StrategyError,
     check_spec,
     flush_options,
+    flush_sizes,
     flushed,
     iteration_microbatches,
     replicated_schedule,
@@ -43,11 +45,7 @@ NAME = "gpipe"
 def flush_starts(per_iteration: int, flushes: int) -> list[int]:
     """Where each flush of an iteration's ``per_iteration`` micro-batch ids
     starts (its sizes differ by at most one, the first ones larger)."""
-    starts, first = [], 0
-    for f in range(min(flushes, per_iteration)):
-        starts.append(first)
-        first += per_iteration // flushes + (f < per_iteration % flushes)
-    return starts
+    return list(accumulate(flush_sizes(per_iteration, flushes)[:-1], initial=0))
 
 
 def stage_order(stage: int, batch: range, warm: int, *, flushes: int, per_iteration: int) -> list[tuple]:
